@@ -1,0 +1,23 @@
+"""celery-outbox: the transactional outbox and the idempotent inbox for Celery.
+
+``Outbox(app)`` installs everything on a Celery app. ``metadata`` holds the
+tables under the default prefix, for Alembic autogenerate.
+"""
+
+from .config import OutboxSettings
+from .errors import ConfigurationError, OutboxError, StoreUnavailable
+from .outbox import Outbox
+from .store import build_tables
+from .tasks import IdempotentTask
+
+metadata = build_tables().metadata
+
+__all__ = [
+    "ConfigurationError",
+    "IdempotentTask",
+    "Outbox",
+    "OutboxError",
+    "OutboxSettings",
+    "StoreUnavailable",
+    "metadata",
+]

@@ -1,0 +1,284 @@
+"""Settings of celery-outbox, read from ``app.conf``, validated once, frozen.
+
+Every setting can be written in the three spellings Celery users know:
+
+* lowercase in ``app.conf``: ``outbox_database_url``;
+* old-style uppercase in ``app.conf``: ``CELERY_OUTBOX_DATABASE_URL``;
+* Django style, ``app.config_from_object("django.conf:settings", namespace="CELERY")``,
+  with ``CELERY_OUTBOX_DATABASE_URL`` in ``settings.py`` (any namespace works).
+
+``read_settings`` is called once by ``Outbox(app)``; a bad value raises
+``ConfigurationError`` naming the setting, the value and what is allowed, and an
+unknown ``outbox_*`` key is an error with a did-you-mean. Nothing is read at
+import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+from .errors import ConfigurationError
+
+__all__ = ["OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
+
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_PREFIX_LENGTH = 32  # leaves room for the longest table and index suffix under PostgreSQL's 63 bytes
+DEFAULT_DATABASE_URL = "sqlite:///celery_outbox.sqlite3"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its name without prefix, default, parser and one line of documentation."""
+
+    name: str
+    default: Any
+    parse: Callable[[str, Any], Any]
+    doc: str
+
+    @property
+    def key(self) -> str:
+        return f"outbox_{self.name}"
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigurationError:
+    return ConfigurationError(f"setting {key} = {value!r} is not valid: {allowed}")
+
+
+def _string(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(key, value, "expected a non-empty string")
+    return value.strip()
+
+
+def _queue_names(key: str, value: Any) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        names = [part.strip() for part in value.split(",")]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        names = list(value)
+    else:
+        raise _fail(key, value, "expected queue names: a list, a tuple, a set or a comma-separated string")
+    result = set()
+    for name in names:
+        name = getattr(name, "name", name)  # kombu.Queue objects are accepted too
+        if not isinstance(name, str) or not name.strip():
+            raise _fail(key, value, f"queue name {name!r} must be a non-empty string")
+        result.add(name.strip())
+    return frozenset(result)
+
+
+def _table_prefix(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not IDENTIFIER.match(value) or len(value) > MAX_PREFIX_LENGTH:
+        raise _fail(
+            key,
+            value,
+            f"expected an SQL identifier of at most {MAX_PREFIX_LENGTH} characters "
+            "(letters, digits and underscores, not starting with a digit)",
+        )
+    return value
+
+
+def _choice(*allowed: str) -> Callable[[str, Any], str]:
+    def parse(key: str, value: Any) -> str:
+        if value not in allowed:
+            raise _fail(key, value, "expected one of " + ", ".join(repr(a) for a in allowed))
+        return value
+
+    return parse
+
+
+def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise _fail(key, value, "expected a positive number of seconds or a datetime.timedelta")
+    return float(value)
+
+
+def _optional_seconds(key: str, value: Any) -> float | None:
+    return None if value is None else _seconds(key, value)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _fail(key, value, "expected a positive whole number")
+    return value
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    raise _fail(key, value, "expected True or False")
+
+
+def _optional_string(key: str, value: Any) -> str | None:
+    return None if value is None else _string(key, value)
+
+
+def _mapping(key: str, value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _fail(key, value, "expected a dict of keyword arguments for sqlalchemy.create_engine")
+    return dict(value)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("database_url", DEFAULT_DATABASE_URL, _string,
+            "SQLAlchemy URL of the message store. PostgreSQL (`postgresql+psycopg://...`) in production; "
+            "the SQLite default needs no server."),
+    Setting("engine_options", None, _mapping,
+            "Extra keyword arguments for `sqlalchemy.create_engine` (pool size, echo, ...)."),
+    Setting("durable_queues", None, _queue_names,
+            "Queues whose messages are stored in the outgoing table in the sender's transaction and relayed, "
+            "and whose consumers keep a full envelope in the inbox. A list or a comma-separated string."),
+    Setting("table_prefix", "celery_outbox_", _table_prefix,
+            "Prefix of the tables the library creates; an SQL identifier."),
+    Setting("message_identity", "id", _choice("id", "id_and_destination"),
+            "What makes an incoming message a duplicate: the task id, or the task id and the queue "
+            "(for one message consumed from several queues)."),
+    Setting("idempotency_style", "optimistic", _choice("optimistic", "eager"),
+            "`optimistic`: the inbox claim commits with the task's own DB writes. `eager`: the claim commits "
+            "before the body runs, for bodies with side effects outside the database."),
+    Setting("keep_after_handling", 7 * 24 * 3600.0, _seconds,
+            "Seconds (or a timedelta) a handled inbox row is kept to reject redelivered duplicates: "
+            "the dedupe window. Must outlive the broker's redelivery horizon."),
+    Setting("node_heartbeat_interval", 5.0, _seconds,
+            "Seconds between two heartbeats of a worker node."),
+    Setting("node_stale_after", 30.0, _seconds,
+            "A node whose last heartbeat is older than this many seconds is suspected dead."),
+    Setting("node_stale_checks", 3, _positive_int,
+            "Consecutive recover passes a node must be found stale before it is declared dead "
+            "and its rows are released."),
+    Setting("inbox_stale_time", None, _optional_seconds,
+            "Opt-in: an incoming row claimed longer ago than this many seconds, and not handled, "
+            "is released for recovery. Off by default."),
+    Setting("outbox_stale_time", None, _optional_seconds,
+            "Opt-in: an outgoing row claimed by a relay longer ago than this many seconds is released. "
+            "Off by default."),
+    Setting("relay_batch_size", 500, _positive_int,
+            "Outgoing rows one relay batch claims, publishes and deletes."),
+    Setting("relay_max_attempts", 10, _positive_int,
+            "Failed publishes of one outgoing row (not counting broker outages) before it is moved to "
+            "dead letters with reason `poison`, so one bad row never blocks the relay."),
+    Setting("recover_batch_size", 1000, _positive_int,
+            "Rows one recover step handles per short transaction."),
+    Setting("cleanup_batch_size", 5000, _positive_int,
+            "Handled rows one cleanup batch deletes, in its own short transaction."),
+    Setting("max_batches_per_run", 100, _positive_int,
+            "Cap on the batches one relay, recover or cleanup pass runs; the next pass continues."),
+    Setting("recover_interval", 5.0, _seconds,
+            "Seconds between two beat runs of `celery_outbox.recover`."),
+    Setting("cleanup_interval", 60.0, _seconds,
+            "Seconds between two beat runs of `celery_outbox.cleanup`."),
+    Setting("maintenance_queue", None, _optional_string,
+            "Queue the beat maintenance tasks are routed to; the default queue when unset."),
+    Setting("dead_letter_retention", None, _optional_seconds,
+            "Seconds a dead letter is kept; forever when unset."),
+    Setting("auto_create_schema", True, _boolean,
+            "Create missing tables when `Outbox(app)` starts. Turn off in production and run "
+            "`celery -A proj outbox migrate` instead."),
+    Setting("archive_path", None, _optional_string,
+            "Where cleanup archives rows (Parquet) for the delivery audit; nothing is archived when unset."),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class OutboxSettings:
+    """The validated settings of one ``Outbox``; see ``SETTINGS`` for each field's meaning."""
+
+    database_url: str = DEFAULT_DATABASE_URL
+    engine_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    durable_queues: frozenset[str] = frozenset()
+    table_prefix: str = "celery_outbox_"
+    message_identity: str = "id"
+    idempotency_style: str = "optimistic"
+    keep_after_handling: float = 7 * 24 * 3600.0
+    node_heartbeat_interval: float = 5.0
+    node_stale_after: float = 30.0
+    node_stale_checks: int = 3
+    inbox_stale_time: float | None = None
+    outbox_stale_time: float | None = None
+    relay_batch_size: int = 500
+    relay_max_attempts: int = 10
+    recover_batch_size: int = 1000
+    cleanup_batch_size: int = 5000
+    max_batches_per_run: int = 100
+    recover_interval: float = 5.0
+    cleanup_interval: float = 60.0
+    maintenance_queue: str | None = None
+    dead_letter_retention: float | None = None
+    auto_create_schema: bool = True
+    archive_path: str | None = None
+
+    def is_durable(self, queue: str | None) -> bool:
+        return queue is not None and queue in self.durable_queues
+
+
+assert {f.name for f in dataclasses.fields(OutboxSettings)} == set(_BY_NAME), "SETTINGS and OutboxSettings differ"
+
+
+def _setting_name(key: str, namespace: str) -> str | None:
+    """The outbox setting a configuration key spells, without prefix, or None when it is not ours."""
+    if key.startswith("outbox_"):
+        return key[len("outbox_"):]
+    upper_prefix = f"{namespace}_OUTBOX_"
+    if key.startswith(upper_prefix) and key == key.upper():
+        return key[len(upper_prefix):].lower()
+    return None
+
+
+def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overrides: Any) -> OutboxSettings:
+    """Read and validate every ``outbox_*`` setting of a Celery ``app.conf``.
+
+    ``overrides`` (lowercase names without the ``outbox_`` prefix) win over ``conf``.
+    Raises ``ConfigurationError`` for an unknown key, a bad value, or one setting
+    given twice with different values.
+    """
+    namespace = (namespace or "CELERY").upper()
+    found: dict[str, tuple[str, Any]] = {}
+    for key in list(conf.keys()):
+        name = _setting_name(key, namespace)
+        if name is None:
+            continue
+        if name not in _BY_NAME:
+            close = difflib.get_close_matches(name, list(_BY_NAME), n=1)
+            hint = f"; did you mean {_spelled_like(key, close[0])}?" if close else ""
+            known = ", ".join(s.key for s in SETTINGS)
+            raise ConfigurationError(f"unknown setting {key}{hint} (known settings: {known})")
+        value = conf[key]
+        if name in found and found[name][1] != value:
+            raise ConfigurationError(
+                f"setting {found[name][0]} = {found[name][1]!r} and {key} = {value!r} disagree: give it once"
+            )
+        found[name] = (key, value)
+    for name, value in overrides.items():
+        if name not in _BY_NAME:
+            raise ConfigurationError(f"unknown setting {name!r} passed to Outbox()")
+        found[name] = (_BY_NAME[name].key, value)
+    values = {}
+    for setting in SETTINGS:
+        key, value = found.get(setting.name, (setting.key, setting.default))
+        values[setting.name] = setting.parse(key, value)
+    return OutboxSettings(**values)
+
+
+def _spelled_like(key: str, name: str) -> str:
+    if key.startswith("outbox_"):
+        return f"outbox_{name}"
+    return key[: len(key) - len(key.split("OUTBOX_", 1)[1])] + name.upper()
+
+
+def setting_docs() -> list[tuple[str, str, Any, str]]:
+    """(lowercase key, uppercase key, default, doc) for every setting: the README table's source."""
+    return [(s.key, f"CELERY_{s.key.upper()}", s.default, s.doc) for s in SETTINGS]

@@ -1,0 +1,62 @@
+"""Crash points: make the process die at a chosen boundary, to drill recovery.
+
+``CELERY_OUTBOX_CRASHPOINT=<name>[:<n>]`` makes the process exit at once
+(``os._exit``, no cleanup, no commit, no ack) the n-th time (default: first) it
+reaches the point ``<name>``. Read once per process; when it is unset a crash
+point costs one comparison.
+
+Points: ``after_claim`` (inbox row written, body not run), ``before_commit`` (body
+done, commit not yet made), ``after_commit`` (committed, nothing published),
+``after_publish`` (published, outgoing rows not deleted), ``during_relay``,
+``during_recover``, ``during_cleanup``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+__all__ = ["CRASHPOINTS", "ENVIRONMENT_VARIABLE", "EXIT_CODE", "crashpoint"]
+
+ENVIRONMENT_VARIABLE = "CELERY_OUTBOX_CRASHPOINT"
+EXIT_CODE = 86
+CRASHPOINTS = frozenset({
+    "after_claim", "before_commit", "after_commit", "after_publish",
+    "during_relay", "during_recover", "during_cleanup",
+})
+
+
+def _parse(value: str | None) -> tuple[str, int] | None:
+    if not value:
+        return None
+    name, _, count = value.partition(":")
+    if name not in CRASHPOINTS:
+        raise ValueError(
+            f"{ENVIRONMENT_VARIABLE}={value!r} names no crash point; known: {', '.join(sorted(CRASHPOINTS))}"
+        )
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={value!r}: the count after ':' must be a whole number") from None
+    if n < 1:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={value!r}: the count after ':' must be at least 1")
+    return name, n
+
+
+_armed = _parse(os.environ.get(ENVIRONMENT_VARIABLE))
+_hits = 0
+_lock = threading.Lock()
+
+
+def crashpoint(name: str) -> None:
+    """Exit the process at once if ``name`` is the armed crash point and its count is reached."""
+    global _hits
+    if _armed is None or _armed[0] != name:
+        return
+    with _lock:
+        _hits += 1
+        if _hits >= _armed[1]:
+            sys.stderr.write(f"celery-outbox: crash point {name} reached, exiting with {EXIT_CODE}\n")
+            sys.stderr.flush()
+            os._exit(EXIT_CODE)

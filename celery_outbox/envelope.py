@@ -1,0 +1,202 @@
+"""The fully built message: captured from Celery's sender, stored as a row, published again.
+
+``capture`` runs Celery's own ``send_task_message`` against a recording producer,
+so routing, headers, properties, signals and serialisation are exactly Celery's;
+only the final ``producer.publish`` is recorded instead of sent. The body is
+serialised (and compressed) at call time: what is published after the commit is
+what the caller passed at the time of the call.
+
+Rows hold the body as bytes and headers and properties as kombu JSON (which keeps
+datetimes, UUIDs and decimals); nothing is pickled into a table.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Callable
+
+from kombu import Exchange, Queue
+from kombu.compression import compress
+from kombu.serialization import dumps
+from kombu.utils import json as kombu_json
+
+try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
+    from celery.app.amqp import _callback_publish_retry
+except ImportError:  # pragma: no cover - older Celery
+    _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
+
+__all__ = ["OutgoingMessage", "capture", "from_row", "queue_name"]
+
+# publish() keywords that are about how to send, not what the message is
+_SENDING_OPTIONS = ("retry", "retry_policy", "timeout", "confirm_timeout", "declare")
+
+
+@dataclass
+class OutgoingMessage:
+    """One message ready for ``producer.publish``: body bytes plus routing and properties."""
+
+    message_id: str
+    task_name: str
+    destination: str
+    body: bytes
+    content_type: str
+    content_encoding: str
+    exchange: str
+    routing_key: str
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    sending: dict[str, Any] = field(default_factory=dict)  # retry, retry_policy, declare (live entities), timeouts
+    durable: bool = False
+    survives_rollback: bool = False  # a retry/replace of the running task: Celery already decided it
+    row_id: int | None = None
+    expires_at: datetime | None = None
+
+    def publish(self, producer, retry: bool | None = None) -> None:
+        """Publish with ``producer``; ``retry=False`` fails fast (the relay will try again)."""
+        options = dict(self.sending)
+        if retry is not None:
+            options["retry"] = retry
+        producer.publish(
+            self.body,
+            content_type=self.content_type,
+            content_encoding=self.content_encoding,
+            exchange=self.exchange,
+            routing_key=self.routing_key,
+            headers=dict(self.headers),
+            **options,
+            **self.properties,
+        )
+
+    def to_row(self, now: datetime) -> dict[str, Any]:
+        return {
+            "message_id": self.message_id,
+            "task_name": self.task_name,
+            "destination": self.destination,
+            "exchange": self.exchange,
+            "routing_key": self.routing_key,
+            "body": self.body,
+            "content_type": self.content_type,
+            "content_encoding": self.content_encoding,
+            "headers": kombu_json.dumps(self.headers),
+            "properties": kombu_json.dumps(self.properties),
+            "created_at": now,
+            "expires_at": self.expires_at,
+        }
+
+
+def queue_name(queue: Any, exchange: Any, default_queue: str) -> str | None:
+    """The queue a publish is routed to, by name, as Celery's sender resolves it."""
+    if queue is None and exchange is None:
+        return default_queue
+    if queue is None:
+        return None
+    return queue if isinstance(queue, str) else getattr(queue, "name", None)
+
+
+class _RecordingProducer:
+    """Stands in for a kombu Producer while Celery's sender runs: records each publish."""
+
+    def __init__(self, real_producer: Any):
+        self.records: list[tuple[Any, dict[str, Any]]] = []
+        self._real = real_producer
+
+    def publish(self, body: Any, **kwargs: Any) -> None:
+        self.records.append((body, kwargs))
+
+    def __getattr__(self, name: str) -> Any:  # connection, channel, ... of the real producer
+        return getattr(self._real, name)
+
+
+def _serialise(body: Any, kwargs: dict[str, Any]) -> tuple[bytes, str, str]:
+    content_type = kwargs.pop("content_type", None)
+    content_encoding = kwargs.pop("content_encoding", None)
+    serializer = kwargs.pop("serializer", None)
+    compression = kwargs.pop("compression", None)
+    if not content_type:
+        content_type, content_encoding, body = dumps(body, serializer=serializer)
+    if isinstance(body, str):
+        content_encoding = content_encoding or "utf-8"
+        body = body.encode(content_encoding)
+    elif not content_encoding:
+        content_encoding = "binary"
+    if compression:
+        body, kwargs.setdefault("headers", {})["compression"] = compress(body, compression)
+    return body, content_type, content_encoding
+
+
+def _exchange_name(exchange: Any) -> str:
+    if isinstance(exchange, Exchange):
+        return exchange.name or ""
+    return exchange or ""
+
+
+def capture(
+    sender: Callable[..., Any],
+    producer: Any,
+    name: str,
+    message: Any,
+    destination: str | None,
+    options: dict[str, Any],
+) -> list[OutgoingMessage]:
+    """Run Celery's sender against a recording producer; return the messages it would publish.
+
+    The task message comes first; a ``task-sent`` event, when enabled, follows it.
+    """
+    recorder = _RecordingProducer(producer)
+    token = _callback_publish_retry.set(False)
+    try:
+        sender(recorder, name, message, **options)
+    finally:
+        _callback_publish_retry.reset(token)
+    captured = []
+    for body, kwargs in recorder.records:
+        kwargs = dict(kwargs)
+        payload, content_type, content_encoding = _serialise(body, kwargs)
+        headers = dict(kwargs.pop("headers", None) or {})
+        exchange = _exchange_name(kwargs.pop("exchange", ""))
+        routing_key = kwargs.pop("routing_key", "") or ""
+        sending = {key: kwargs.pop(key) for key in _SENDING_OPTIONS if key in kwargs}
+        captured.append(
+            OutgoingMessage(
+                message_id=str(headers.get("id") or ""),
+                task_name=str(headers.get("task") or name),
+                destination=destination or routing_key,
+                body=payload,
+                content_type=content_type,
+                content_encoding=content_encoding,
+                exchange=exchange,
+                routing_key=routing_key,
+                headers=headers,
+                properties=kwargs,
+                sending=sending,
+            )
+        )
+    return captured
+
+
+def from_row(row: Any, queues: Any) -> OutgoingMessage:
+    """Rebuild a stored message; ``queues`` (``app.amqp.queues``) declares its destination."""
+    declare: list[Queue] = []
+    if row.destination:
+        try:
+            declare = [queues[row.destination]]
+        except KeyError:
+            declare = []
+    return OutgoingMessage(
+        message_id=row.message_id,
+        task_name=row.task_name,
+        destination=row.destination,
+        body=bytes(row.body) if row.body is not None else b"",
+        content_type=row.content_type or "application/data",
+        content_encoding=row.content_encoding or "binary",
+        exchange=row.exchange or "",
+        routing_key=row.routing_key or "",
+        headers=kombu_json.loads(row.headers) if row.headers else {},
+        properties=kombu_json.loads(row.properties) if row.properties else {},
+        sending={"declare": declare},
+        durable=True,
+        row_id=row.id,
+        expires_at=row.expires_at,
+    )

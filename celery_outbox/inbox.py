@@ -1,0 +1,343 @@
+"""The inbox: claim a delivery before its body runs; reject a redelivered duplicate.
+
+Transaction boundaries, by idempotency style:
+
+* ``optimistic`` (default for ``IdempotentTask``): the claim is the first statement
+  of the task's own transaction and the body's writes through ``self.session``
+  follow in it; claim, effects and outgoing messages commit or roll back
+  together. Effects exactly once. A concurrent copy waits for the first
+  transaction and is then discarded.
+* ``eager`` (``idempotency = "eager"``, and every plain task consumed from a
+  durable queue): the claim commits before the body; a concurrent copy is
+  discarded at once. The row is marked handled in the body's transaction. A
+  claim whose owner died (or older than ``outbox_inbox_stale_time``) can be
+  taken over.
+
+For durable queues the full envelope is stored (committed, unowned) before the
+claim, so recovery can re-publish it. An attempt that ends in a retry is recorded
+as ``retried``; one that fails for good as ``dead``, with a dead letter. A
+duplicate is acked, counted, logged at INFO, signalled and ends IGNORED. A claim
+that fails because the database is down is not acked: the message is rejected
+back to the broker and comes again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from celery.exceptions import Ignore, Reject, Retry
+from kombu.serialization import dumps
+from kombu.utils import json as kombu_json
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from .crashpoints import crashpoint
+from .errors import StoreUnavailable
+from .publishing import UnitOfWork
+from .signals import duplicate_discarded
+from .store import UNOWNED, utcnow
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = ["Delivery", "Inbox", "current_session"]
+
+logger = logging.getLogger("celery_outbox.inbox")
+
+_current_session: ContextVar[Session | None] = ContextVar("celery_outbox_task_session", default=None)
+
+# Seconds to wait before handing a message back to the broker when the database is down,
+# so a worker does not spin on a message it cannot claim.
+REQUEUE_BACKOFF = 1.0
+
+
+def current_session() -> Session | None:
+    return _current_session.get()
+
+
+class Duplicate(Exception):
+    """The delivery was already claimed or handled: discard it."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the inbox needs to know of one delivered message."""
+
+    message_id: str
+    destination: str  # the key part: the queue, or '' with message identity "id"
+    task_name: str
+    queue: str
+    retries: int
+    nesting: int
+
+    @classmethod
+    def from_request(cls, task: Any, identity: str) -> "Delivery":
+        request = task.request
+        delivery_info = request.delivery_info or {}
+        queue = delivery_info.get("queue") or delivery_info.get("routing_key") or ""
+        return cls(
+            message_id=str(request.id),
+            destination=queue if identity == "id_and_destination" else "",
+            task_name=task.name,
+            queue=queue,
+            retries=int(request.retries or 0),
+            nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
+        )
+
+    def key(self) -> dict[str, Any]:
+        return {"message_id": self.message_id, "destination": self.destination}
+
+
+def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The columns that let a delivery be published again: body, headers, routing."""
+    request = task.request
+    serializer = task.serializer or task.app.conf.task_serializer
+    content_type, content_encoding, body = dumps([list(args), dict(kwargs), {}], serializer=serializer)
+    if isinstance(body, str):
+        body = body.encode(content_encoding or "utf-8")
+    headers = {
+        "id": request.id, "task": task.name, "retries": request.retries or 0,
+        "replaced_task_nesting": getattr(request, "replaced_task_nesting", 0) or 0,
+        "root_id": request.root_id, "parent_id": request.parent_id, "group": request.group,
+        "eta": request.eta, "expires": request.expires, "origin": getattr(request, "origin", None),
+    }
+    delivery_info = request.delivery_info or {}
+    return {
+        "exchange": delivery_info.get("exchange") or "",
+        "routing_key": delivery_info.get("routing_key") or "",
+        "body": body,
+        "content_type": content_type,
+        "content_encoding": content_encoding,
+        "headers": kombu_json.dumps(headers),
+        "properties": kombu_json.dumps({"priority": delivery_info.get("priority")}),
+    }
+
+
+class Inbox:
+    """Runs task bodies behind an inbox claim."""
+
+    def __init__(self, outbox: "Outbox"):
+        self.outbox = outbox
+
+    def run(self, task: Any, args: tuple, kwargs: dict, body: Callable[[], Any], style: str,
+            unit_of_work: bool) -> Any:
+        """Run ``body`` once per delivery of ``task``'s current request."""
+        outbox = self.outbox
+        settings = outbox.settings
+        request = task.request
+        if request.called_directly or request.is_eager or not request.id:
+            return self._without_claim(body, unit_of_work)  # no message, nothing to deduplicate
+        delivery = Delivery.from_request(task, settings.message_identity)
+        durable = settings.is_durable(delivery.queue)
+        envelope = envelope_of(task, args, kwargs) if durable else {}
+        try:
+            if durable:
+                self._store_envelope(delivery, envelope)
+            if style == "eager":
+                return self._run_eager(task, delivery, body, unit_of_work)
+            return self._run_optimistic(task, delivery, body)
+        except Duplicate:
+            self._discard(delivery)
+            raise Ignore() from None
+        except _StoreDown as down:
+            logger.warning(
+                "celery-outbox: cannot claim %s[%s] from %r, the message store is unavailable; "
+                "the message goes back to the broker: %s", delivery.task_name, delivery.message_id,
+                delivery.queue, down.reason,
+            )
+            time.sleep(REQUEUE_BACKOFF)
+            raise Reject(str(down.reason), requeue=True) from None
+
+    # -- the two styles ------------------------------------------------------------------------
+
+    def _claim_row(self, delivery: Delivery, status: str, owner: int, now: datetime) -> dict[str, Any]:
+        row = {
+            **delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": status,
+            "owner": owner, "retries": delivery.retries, "nesting": delivery.nesting,
+            "received_at": now, "claimed_at": now,
+        }
+        if status == "handled":
+            row.update(handled_at=now, keep_until=self._keep_until(now))
+        else:
+            row.update(keep_until=None)
+        return row
+
+    def _keep_until(self, now: datetime) -> datetime:
+        return now + timedelta(seconds=self.outbox.settings.keep_after_handling)
+
+    def _stale_before(self, now: datetime) -> datetime | None:
+        stale = self.outbox.settings.inbox_stale_time
+        return None if stale is None else now - timedelta(seconds=stale)
+
+    def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any]) -> Any:
+        store = self.outbox.store
+        session = self.outbox.new_session()
+        outcome: BaseException | None = None
+        with self._ending(task, delivery, session), UnitOfWork.of(self.outbox, session).opened(), \
+                _committed(session):
+            now = utcnow()
+            with _store_errors():
+                claimed = store.claim_incoming(session.connection(), self._claim_row(
+                    delivery, "handled", UNOWNED, now), self._stale_before(now))
+            if not claimed:
+                raise Duplicate()
+            crashpoint("after_claim")
+            try:
+                result = self._call_with_session(body, session)
+            except Ignore as ignore:  # the body stopped on purpose (replace does): keep its work
+                outcome = ignore
+        if outcome is not None:
+            raise outcome
+        return result
+
+    def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool) -> Any:
+        store = self.outbox.store
+        node_id = self.outbox.node.id
+        now = utcnow()
+        with _store_errors(), store.begin() as conn:
+            claimed = store.claim_incoming(conn, self._claim_row(delivery, "running", node_id, now),
+                                           self._stale_before(now))
+        if not claimed:
+            raise Duplicate()
+        crashpoint("after_claim")
+        session = self.outbox.new_session()
+        outcome: BaseException | None = None
+        uow = UnitOfWork.of(self.outbox, session)
+        with self._ending(task, delivery, session), uow.opened() if unit_of_work else nullcontext(), \
+                _committed(session):
+            try:
+                result = self._call_with_session(body, session) if unit_of_work else body()
+            except Ignore as ignore:
+                outcome = ignore
+            finished = utcnow()
+            with _store_errors():
+                still_ours = store.finish_incoming(
+                    session.connection(), delivery.message_id, delivery.destination, node_id,
+                    delivery.retries, delivery.nesting, finished, self._keep_until(finished))
+            if not still_ours:
+                raise Duplicate()  # another node took the claim over: its run counts
+        if outcome is not None:
+            raise outcome
+        return result
+
+    @contextmanager
+    def _ending(self, task: Any, delivery: Delivery, session: Session) -> Iterator[None]:
+        """Record how an attempt ended when its transaction rolled back; close its session."""
+        try:
+            yield
+        except (Duplicate, _StoreDown, Reject):
+            raise
+        except Retry:
+            self._record(task, delivery, "retried")
+            raise
+        except Exception as exc:
+            self._record(task, delivery, "dead", exc)
+            raise
+        finally:
+            session.close()
+
+    def _without_claim(self, body: Callable[[], Any], unit_of_work: bool) -> Any:
+        if not unit_of_work:
+            return body()
+        with self.outbox.transaction() as session:
+            return self._call_with_session(body, session)
+
+    @staticmethod
+    def _call_with_session(body: Callable[[], Any], session: Session) -> Any:
+        token = _current_session.set(session)
+        try:
+            return body()
+        finally:
+            _current_session.reset(token)
+
+    # -- outcomes ------------------------------------------------------------------------------
+
+    def _store_envelope(self, delivery: Delivery, envelope: dict[str, Any]) -> None:
+        now = utcnow()
+        row = {**delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": "running",
+               "owner": UNOWNED, "retries": delivery.retries, "nesting": delivery.nesting, "received_at": now,
+               **envelope}
+        with _store_errors(), self.outbox.store.begin() as conn:
+            self.outbox.store.insert_incoming(conn, row)
+
+    def _record(self, task: Any, delivery: Delivery, status: str, exc: BaseException | None = None) -> None:
+        """After a rollback: remember that this attempt ended (retried, or dead with a dead letter)."""
+        store = self.outbox.store
+        now = utcnow()
+        row = self._claim_row(delivery, status, UNOWNED, now)
+        row.update(keep_until=self._keep_until(now), handled_at=now)
+        try:
+            with store.begin() as conn:
+                store.record_outcome(conn, row)
+                if exc is not None:
+                    store.insert_dead_letters(conn, [dead_letter_row(task, delivery, "failed", exc, now)])
+        except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
+            logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
+                         delivery.task_name, delivery.message_id, status, error)
+
+    def _discard(self, delivery: Delivery) -> None:
+        try:
+            with self.outbox.store.begin() as conn:
+                self.outbox.store.count_duplicate(conn, delivery.message_id, delivery.destination)
+        except Exception as error:  # noqa: BLE001 - counting is best effort; the discard stands
+            logger.warning("celery-outbox: could not count a duplicate of %s: %s", delivery.message_id, error)
+        logger.info("celery-outbox: discarded duplicate %s[%s] from queue %r (attempt %d.%d)",
+                    delivery.task_name, delivery.message_id, delivery.queue, delivery.nesting, delivery.retries)
+        duplicate_discarded.send(sender=self.outbox, message_id=delivery.message_id, task_name=delivery.task_name,
+                                 queue=delivery.queue)
+
+
+def dead_letter_row(task: Any, delivery: Delivery, reason: str, exc: BaseException, now: datetime) -> dict[str, Any]:
+    request = task.request
+    return {
+        "message_id": delivery.message_id, "destination": delivery.destination, "task_name": delivery.task_name,
+        "queue": delivery.queue, "reason": reason, "exception_type": type(exc).__name__,
+        "exception_message": str(exc)[:4000],
+        "traceback": "".join(traceback.format_exception(exc))[:20000],
+        "retries": delivery.retries, "nesting": delivery.nesting, "failed_at": now,
+        **envelope_of(task, tuple(request.args or ()), dict(request.kwargs or {})),
+    }
+
+
+class _StoreDown(Exception):
+    def __init__(self, reason: BaseException):
+        super().__init__(str(reason))
+        self.reason = reason
+
+
+class _store_errors:
+    """Turn "the database cannot be reached" during our own statements into ``_StoreDown``."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, StoreUnavailable) or (isinstance(exc, DBAPIError) and exc.connection_invalidated):
+            raise _StoreDown(exc) from exc
+        from sqlalchemy.exc import InterfaceError, OperationalError
+
+        if isinstance(exc, (OperationalError, InterfaceError)):
+            raise _StoreDown(exc) from exc
+        return False
+
+
+@contextmanager
+def _committed(session: Session) -> Iterator[None]:
+    """The body's transaction: rolled back on any exception, committed otherwise."""
+    transaction = session.begin()
+    try:
+        yield
+    except BaseException:
+        transaction.rollback()
+        raise
+    with _store_errors():
+        transaction.commit()

@@ -1,0 +1,127 @@
+"""The node: this process's identity in the store, with a heartbeat and a liveness lock.
+
+A node is registered lazily, the first time this process needs an owner id (an
+eager inbox claim), once per process: a forked prefork child registers its own.
+Its name is ``hostname:pid:uuid``, unique per process start.
+
+Liveness, two ways:
+
+* a heartbeat thread (its own thread, not the consumer loop) updates
+  ``heartbeat_at`` every ``outbox_node_heartbeat_interval`` seconds; recovery
+  declares a node dead after ``outbox_node_stale_checks`` stale checks;
+* on PostgreSQL the node also holds a session-level advisory lock on a dedicated
+  connection for its whole life. The database drops it the instant the process
+  dies, so a claim of a killed process is known dead at once, even while its
+  worker's parent process keeps heartbeating.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+import zlib
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func, select
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = ["Node", "node_lock_key"]
+
+logger = logging.getLogger("celery_outbox.node")
+
+def node_lock_namespace(table_prefix: str) -> int:
+    """High 32 bits of the advisory lock keys of one table prefix's nodes (node ids repeat across prefixes)."""
+    return zlib.crc32(f"celery_outbox.node:{table_prefix}".encode()) & 0x7FFFFFFF
+
+
+def node_lock_key(node_id: int, table_prefix: str) -> int:
+    """The advisory lock key of a node: one 64-bit key per node id and table prefix."""
+    return (node_lock_namespace(table_prefix) << 32) | (node_id & 0xFFFFFFFF)
+
+
+class Node:
+    """This process's node; ``Node.id`` registers it on first use."""
+
+    def __init__(self, outbox: "Outbox"):
+        self.outbox = outbox
+        self._lock = threading.Lock()
+        self._id: int | None = None
+        self._pid: int | None = None
+        self._name: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._liveness_connection: Any = None
+
+    @property
+    def id(self) -> int:
+        """The node id of this process, registering the node (and its heartbeat) if needed."""
+        if self._id is not None and self._pid == os.getpid():
+            return self._id
+        with self._lock:
+            if self._id is None or self._pid != os.getpid():
+                self._register()
+            assert self._id is not None
+            return self._id
+
+    @property
+    def name(self) -> str | None:
+        return self._name if self._pid == os.getpid() else None
+
+    def registered(self) -> bool:
+        return self._id is not None and self._pid == os.getpid()
+
+    def _register(self) -> None:
+        # After a fork the parent's thread and connection are not ours: start afresh.
+        self._stop = threading.Event()
+        self._liveness_connection = None
+        store = self.outbox.ready().store
+        hostname = socket.gethostname()
+        pid = os.getpid()
+        name = f"{hostname}:{pid}:{uuid.uuid4().hex[:12]}"
+        node_id = store.register_node(name, hostname, pid)
+        if store.is_postgres:
+            self._liveness_connection = store.engine.connect()
+            self._liveness_connection.execute(select(func.pg_advisory_lock(node_lock_key(node_id, store.prefix))))
+            self._liveness_connection.commit()
+        self._id, self._pid, self._name = node_id, pid, name
+        interval = self.outbox.settings.node_heartbeat_interval
+        self._thread = threading.Thread(target=self._beat, args=(node_id, interval, self._stop),
+                                        name="celery-outbox-heartbeat", daemon=True)
+        self._thread.start()
+        logger.info("celery-outbox: node %s registered as %d", name, node_id)
+
+    def _beat(self, node_id: int, interval: float, stop: threading.Event) -> None:
+        store = self.outbox.store
+        while not stop.wait(interval):
+            try:
+                if not store.heartbeat(node_id):
+                    logger.error("celery-outbox: node %d was declared dead by recovery; registering anew", node_id)
+                    with self._lock:
+                        if self._id == node_id:
+                            self._id = None
+                    return
+            except Exception as exc:  # noqa: BLE001 - the heartbeat thread must outlive a database blip
+                logger.warning("celery-outbox: heartbeat of node %d failed: %s", node_id, exc)
+
+    def deregister(self) -> None:
+        """Stop the heartbeat, release everything this node owns and delete its row."""
+        with self._lock:
+            if not self.registered():
+                return
+            node_id = self._id
+            self._stop.set()
+            self._id = None
+            try:
+                self.outbox.store.deregister_node(node_id)
+            finally:
+                if self._liveness_connection is not None:
+                    # invalidate, not close: a pooled connection would keep the session lock
+                    self._liveness_connection.invalidate()
+                    self._liveness_connection.close()
+                    self._liveness_connection = None
+        logger.info("celery-outbox: node %d deregistered", node_id)

@@ -1,0 +1,257 @@
+"""``Outbox(app)``: the single entry point that installs celery-outbox on a Celery app.
+
+``Outbox(app)`` reads and validates the settings (as soon as the app is
+configured, never at import time of this library), builds the engine and the
+store, and is where the publish hook, the inbox, the node and the beat tasks hang
+their hooks. Calling it twice on one app returns the same object.
+
+No connection is made until the store is first used (``outbox.ready()``), which
+workers and beat do at start-up: a database that cannot be reached stops them with
+one clear error instead of failing their first task.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from celery import Celery, signals
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from .config import OutboxSettings, read_settings
+from .errors import ConfigurationError, OutboxError
+from .guard import MessageGuard
+from .inbox import Inbox
+from .maintenance import register_beat_tasks, schedule_beat_tasks
+from .node import Node
+from .publishing import Publisher, UnitOfWork, current_unit_of_work, install_publish_hook
+from .relay import RelayResult, relay
+from .store import Store, build_engine
+from .window import check_dedupe_window
+
+__all__ = ["Outbox"]
+
+logger = logging.getLogger("celery_outbox")
+
+_APP_ATTRIBUTE = "_celery_outbox"
+
+
+class Outbox:
+    """The outbox and inbox of one Celery app.
+
+    ``Outbox(app)`` takes its settings from ``app.conf`` (``outbox_*``,
+    ``CELERY_OUTBOX_*`` or a Django namespace); keyword arguments override them
+    (``Outbox(app, database_url=...)``). ``Outbox(app, engine=engine)`` uses an
+    existing SQLAlchemy engine instead of ``outbox_database_url``.
+    """
+
+    app: Celery
+
+    def __new__(cls, app: Celery, engine: Engine | None = None, **overrides: Any) -> "Outbox":
+        existing = getattr(app, _APP_ATTRIBUTE, None)
+        if existing is not None:
+            if (engine is not None and engine is not existing._given_engine) or (
+                overrides and overrides != existing._overrides
+            ):
+                raise ConfigurationError(
+                    f"Outbox(app) was already called on app {app.main!r} with other arguments; "
+                    "call it once and share the object"
+                )
+            return existing
+        return super().__new__(cls)
+
+    def __init__(self, app: Celery, engine: Engine | None = None, **overrides: Any) -> None:
+        if getattr(app, _APP_ATTRIBUTE, None) is self:
+            return
+        self.app = app
+        self._given_engine = engine
+        self._overrides = dict(overrides)
+        self._lock = threading.RLock()
+        self._settings: OutboxSettings | None = None
+        self._store: Store | None = None
+        self._ready = False
+        self._sessionmaker: sessionmaker | None = None
+        self.publisher = Publisher(self)
+        self.inbox = Inbox(self)
+        self.node = Node(self)
+        setattr(app, _APP_ATTRIBUTE, self)
+        install_publish_hook(self)
+        _install_task_base(app)
+        if MessageGuard not in app.steps["consumer"]:
+            app.steps["consumer"].add(MessageGuard)
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        signals.worker_init.connect(self._on_worker_init, weak=False)
+        signals.beat_init.connect(self._on_worker_init, weak=False)
+        # warm shutdown: the pool has drained; release what this process's node owns
+        signals.worker_process_shutdown.connect(self._on_process_shutdown, weak=False)
+        signals.worker_shutdown.connect(self._on_process_shutdown, weak=False)
+        register_beat_tasks(self)
+        if app.configured:
+            self._load()
+        else:
+            app.on_after_configure.connect(self._on_after_configure, weak=False)
+
+    def __repr__(self) -> str:
+        return f"<Outbox app={self.app.main!r}>"
+
+    # -- settings and store ---------------------------------------------------------------------
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a prefork pool process) must not reuse its parent's database connections."""
+        if self._store is not None:
+            self._store.engine.dispose(close=False)
+
+    def _on_process_shutdown(self, sender: Any = None, **_: Any) -> None:
+        try:
+            self.node.deregister()
+        except Exception as exc:  # noqa: BLE001 - recovery releases the rows of a node that did not
+            logger.warning("celery-outbox: could not deregister node at shutdown: %s", exc)
+
+    def _on_worker_init(self, sender: Any = None, **_: Any) -> None:
+        """Worker and beat start-up: the store must answer, or the process stops with one clear line."""
+        app = getattr(sender, "app", None)
+        if app is not None and app is not self.app:
+            return
+        try:
+            self.ready()
+        except OutboxError as exc:
+            logger.critical("celery-outbox: %s", exc)
+            raise SystemExit(f"celery-outbox cannot start: {exc}") from None
+        check_dedupe_window(self)
+
+    def _on_after_configure(self, sender: Celery | None = None, **_: Any) -> None:
+        if sender is self.app:
+            self._load()
+
+    def _load(self) -> None:
+        with self._lock:
+            if self._settings is not None:
+                return
+            conf = self.app.conf  # may configure the app, which re-enters _load via on_after_configure
+            if self._settings is not None:
+                return
+            settings = read_settings(conf, namespace=self.app.namespace, **self._overrides)
+            engine = self._given_engine or build_engine(settings.database_url, settings.engine_options)
+            self._store = Store(engine, settings.table_prefix)
+            self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
+            self._settings = settings
+        schedule_beat_tasks(self)
+
+    @property
+    def settings(self) -> OutboxSettings:
+        """The validated, frozen settings (read from ``app.conf`` on first need)."""
+        if self._settings is None:
+            self._load()
+        assert self._settings is not None
+        return self._settings
+
+    @property
+    def store(self) -> Store:
+        """The message store; use ``ready()`` first to be sure its tables exist."""
+        if self._store is None:
+            self._load()
+        assert self._store is not None
+        return self._store
+
+    @property
+    def engine(self) -> Engine:
+        return self.store.engine
+
+    def ready(self) -> "Outbox":
+        """Check the database answers and its tables exist (creating them when
+        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable`` or
+        ``ConfigurationError`` with one clear message. Safe to call often."""
+        if self._ready:
+            return self
+        with self._lock:
+            if self._ready:
+                return self
+            store = self.store
+            if self.settings.auto_create_schema:
+                store.migrate()
+            else:
+                missing = store.missing_tables()
+                if missing:
+                    raise ConfigurationError(
+                        f"the message store at {store.describe()} has no tables {', '.join(missing)} and "
+                        "outbox_auto_create_schema is off: run 'celery -A <your app> outbox migrate'"
+                    )
+            self._ready = True
+        return self
+
+    # -- units of work ---------------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self, session: Session | None = None) -> Iterator[Session]:
+        """Open a unit of work: messages sent inside are published only after the commit.
+
+        ``with outbox.transaction() as session:`` opens a Session on the outbox's
+        engine, commits when the block ends and rolls back on an exception.
+        ``with outbox.transaction(session):`` joins a Session you own: its messages
+        are published after that Session's commit, whenever you make it. A block
+        inside an open one joins it. Messages for durable queues are stored in the
+        outgoing table inside the same database transaction.
+        """
+        outer = current_unit_of_work()
+        if session is None and outer is not None:
+            yield outer.session
+            return
+        self.ready()
+        if session is not None:
+            with UnitOfWork.of(self, session).opened():
+                yield session
+            return
+        assert self._sessionmaker is not None
+        with self._sessionmaker() as own:
+            with UnitOfWork.of(self, own).opened(), own.begin():
+                yield own
+
+    def new_session(self) -> Session:
+        """A new Session on the outbox's engine (the caller closes it)."""
+        self.ready()
+        assert self._sessionmaker is not None
+        return self._sessionmaker()
+
+    # -- maintenance ---------------------------------------------------------------------------
+
+    def relay(self, max_batches: int | None = None) -> RelayResult:
+        """Publish outgoing rows left after their commit (what beat and ``outbox relay`` run)."""
+        return relay(self, max_batches)
+
+    def migrate(self):
+        """Create or upgrade the tables (what ``celery -A proj outbox migrate`` runs)."""
+        result = self.store.migrate()
+        self._ready = True
+        return result
+
+    def status(self) -> dict[str, Any]:
+        """Counts, ages and nodes (what ``celery -A proj outbox status`` prints)."""
+        return self.ready().store.status()
+
+
+def _install_task_base(app: Celery) -> None:
+    """Make the app's task base an ``InboxTask``: deliveries from durable queues go through the inbox."""
+    from celery.utils.imports import symbol_by_name
+
+    from .tasks import InboxTask
+
+    base = symbol_by_name(app.task_cls) if isinstance(app.task_cls, str) else app.task_cls
+    if issubclass(base, InboxTask):
+        return
+    if "Task" in app.__dict__:
+        logger.warning("celery-outbox: Outbox(app) was called after app.Task was used; tasks defined before it "
+                       "do not store envelopes for durable queues. Call Outbox(app) before defining tasks.")
+        app.__dict__.pop("Task")
+    app.task_cls = type("InboxTask", (InboxTask, base), {"abstract": True, "__module__": InboxTask.__module__})
+
+
+def outbox_of(app: Celery) -> Outbox:
+    """The ``Outbox`` installed on ``app``; a clear error when there is none."""
+    outbox = getattr(app, _APP_ATTRIBUTE, None)
+    if outbox is None:
+        raise OutboxError(f"no Outbox is installed on app {app.main!r}: call Outbox(app) in your Celery module")
+    return outbox

@@ -1,0 +1,287 @@
+"""The publish hook and the unit of work.
+
+Transaction boundary: while a unit of work is open (``outbox.transaction()``, or
+an ``IdempotentTask`` body), every publish of the app (``delay``, ``apply_async``,
+``send_task``, canvas, callbacks, ``retry``, ``replace``) is captured, fully built,
+into the unit of work instead of going to the broker:
+
+* before the Session's outermost commit, messages for durable queues are written
+  to the outgoing table with one INSERT, inside that same transaction;
+* after the commit, every captured message is published in call order with one
+  producer, and the sent durable rows are deleted with one DELETE;
+* on rollback nothing is published; a rolled-back SAVEPOINT discards only the
+  messages captured inside it.
+
+Guarantee: nothing is published unless the transaction commits; a durable message
+whose publish fails after the commit (broker down, process killed) stays in the
+outgoing table for the relay, so it is delayed, never lost. Outside a unit of work
+plain Celery behaviour is unchanged, except that a message for a durable queue is
+stored, published and deleted (store-and-forward).
+
+State lives in a ``ContextVar``: it follows the thread or task that opened it, in
+prefork, threads and eventlet/gevent pools alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from celery.app.amqp import AMQP
+from kombu.exceptions import OperationalError as KombuOperationalError
+from sqlalchemy import event
+from sqlalchemy.orm import Session, SessionTransaction
+
+from .broker import connect_quickly, connection_errors
+from .crashpoints import crashpoint
+from .envelope import OutgoingMessage, capture, queue_name
+from .signals import message_published, publish_failed
+from .store import utcnow
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = ["UnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook"]
+
+logger = logging.getLogger("celery_outbox.publishing")
+
+_current: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_unit_of_work", default=None)
+_SESSION_KEY = "celery_outbox.unit_of_work"
+
+
+def current_unit_of_work() -> "UnitOfWork | None":
+    """The unit of work open in this thread or task, if any."""
+    return _current.get()
+
+
+class UnitOfWork:
+    """The messages captured while one Session's transaction is open.
+
+    Bound to the Session through its events, so it publishes at that Session's
+    outermost commit wherever the commit happens.
+    """
+
+    def __init__(self, outbox: "Outbox", session: Session):
+        self.outbox = outbox
+        self.session = session
+        self.pending: list[OutgoingMessage] = []
+        self._savepoints: dict[SessionTransaction, int] = {}
+        self._committing = False
+        event.listen(session, "after_transaction_create", self._on_transaction_create)
+        event.listen(session, "after_transaction_end", self._on_transaction_end)
+        event.listen(session, "after_soft_rollback", self._on_soft_rollback)
+        event.listen(session, "before_commit", self._before_commit)
+        event.listen(session, "after_commit", self._after_commit)
+
+    @classmethod
+    def of(cls, outbox: "Outbox", session: Session) -> "UnitOfWork":
+        uow = session.info.get(_SESSION_KEY)
+        if uow is None:
+            uow = session.info[_SESSION_KEY] = cls(outbox, session)
+        return uow
+
+    @contextmanager
+    def opened(self) -> Iterator["UnitOfWork"]:
+        """Make this the current unit of work of the running context."""
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    def add(self, messages: list[OutgoingMessage]) -> None:
+        self.pending.extend(messages)
+
+    # -- session events ------------------------------------------------------------------------
+
+    def _on_transaction_create(self, session: Session, transaction: SessionTransaction) -> None:
+        if transaction.nested:
+            self._savepoints[transaction] = len(self.pending)
+
+    def _on_transaction_end(self, session: Session, transaction: SessionTransaction) -> None:
+        # A savepoint's mark is read by after_soft_rollback, which fires after this event;
+        # marks of released savepoints are dropped when the outermost transaction ends.
+        if transaction.parent is None:
+            self._savepoints.clear()
+
+    def _on_soft_rollback(self, session: Session, previous: SessionTransaction) -> None:
+        for message in self.pending:
+            message.row_id = None  # rows inserted by a failed commit are gone with it
+        if previous.nested:
+            start = self._savepoints.pop(previous, None)
+            if start is not None:
+                self.pending[start:] = [m for m in self.pending[start:] if m.survives_rollback]
+            return
+        self._committing = False
+        self._savepoints.clear()
+        survivors = [m for m in self.pending if m.survives_rollback]
+        self.pending.clear()
+        if survivors:
+            # A retry or replace of the running task was decided by Celery: the task's
+            # transaction rolls back, its continuation must still go out.
+            self.outbox.publisher.store_and_forward(survivors)
+
+    def _before_commit(self, session: Session) -> None:
+        if session.in_nested_transaction():
+            return
+        durable = [m for m in self.pending if m.durable and m.row_id is None]
+        if durable:
+            store_durable(self.outbox.store, session.connection(), durable)
+        self._committing = True
+        crashpoint("before_commit")
+
+    def _after_commit(self, session: Session) -> None:
+        if session.in_nested_transaction() or not self._committing:
+            return
+        self._committing = False
+        messages, self.pending = self.pending, []
+        crashpoint("after_commit")
+        if messages:
+            self.outbox.publisher.publish_committed(messages)
+
+
+def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> None:
+    """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids."""
+    ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages])
+    for message, row_id in zip(messages, ids, strict=True):
+        message.row_id = row_id
+
+
+class Publisher:
+    """Publishes committed messages; the one place that talks to the broker on commit."""
+
+    def __init__(self, outbox: "Outbox"):
+        self.outbox = outbox
+
+    def store_and_forward(self, messages: list[OutgoingMessage]) -> None:
+        """Outside a unit of work: store durable messages in their own transaction, then publish."""
+        durable = [m for m in messages if m.durable]
+        if durable:
+            store = self.outbox.ready().store
+            with store.begin() as conn:
+                store_durable(store, conn, durable)
+            crashpoint("after_commit")
+        self.publish_committed(messages)
+
+    def publish_committed(self, messages: list[OutgoingMessage]) -> None:
+        """Publish in call order with one producer; delete the sent durable rows in one statement.
+
+        Durable rows are locked (``SKIP LOCKED``) first, so a relay running at the same
+        moment never sends them too; a durable publish that fails leaves its row for
+        the relay. Never raises for a broker error: the commit already happened.
+        """
+        durable_ids = [m.row_id for m in messages if m.durable and m.row_id is not None]
+        if not durable_ids:
+            self._publish_all(messages, owned=set())
+            return
+        store = self.outbox.store
+        try:
+            with store.begin() as conn:
+                owned = set(store.lock_outgoing(conn, durable_ids))
+                sent = self._publish_all(messages, owned)
+                crashpoint("after_publish")
+                store.delete_outgoing(conn, sent)
+        except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
+            logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
+
+    def _publish_all(self, messages: list[OutgoingMessage], owned: set[int]) -> list[int]:
+        app = self.outbox.app
+        sent: list[int] = []
+        with app.producer_or_acquire() as producer:
+            broker_errors = connection_errors(producer.connection)
+            # durable messages fail fast when the broker is down: their rows wait for the relay
+            broker_down = bool(owned) and connect_quickly(producer.connection) is not None
+            for message in messages:
+                if message.durable and message.row_id not in owned:
+                    continue  # a relay took it
+                if message.durable and broker_down:
+                    self._failed(message, KombuOperationalError("the broker did not answer"))
+                    continue
+                try:
+                    if message.durable:
+                        message.publish(producer, retry=False)
+                    else:
+                        message.publish(producer)
+                except Exception as exc:  # noqa: BLE001 - reported, and durable rows stay
+                    if isinstance(exc, broker_errors):
+                        broker_down = True
+                    self._failed(message, exc)
+                    continue
+                if message.durable:
+                    sent.append(message.row_id)
+                message_published.send(sender=self.outbox, message=message, relayed=False)
+        return sent
+
+    def _failed(self, message: OutgoingMessage, exc: BaseException) -> None:
+        if message.durable:
+            logger.warning(
+                "celery-outbox: publish of %s[%s] to %r failed, the relay will retry it: %r",
+                message.task_name, message.message_id, message.destination, exc,
+            )
+        else:
+            logger.error(
+                "celery-outbox: publish of %s[%s] to %r failed after commit and the queue is not durable, "
+                "the message is lost: %r",
+                message.task_name, message.message_id, message.destination, exc,
+            )
+        publish_failed.send(sender=self.outbox, message=message, exception=exc)
+
+
+def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
+    default_queue = outbox.app.conf.task_default_queue
+
+    def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        uow = _current.get()
+        destination = queue_name(options.get("queue"), options.get("exchange"), default_queue)
+        durable = outbox.settings.is_durable(destination)
+        if uow is None and not durable:
+            return celery_sender(producer, name, message, **options)
+        captured = capture(celery_sender, producer, name, message, destination, options)
+        if captured:
+            task_message = captured[0]  # a task-sent event, when enabled, follows it
+            task_message.durable = durable
+            task_message.survives_rollback = _continues_running_task(outbox.app, task_message.headers)
+        if uow is not None:
+            uow.add(captured)
+        else:
+            outbox.publisher.store_and_forward(captured)
+        return None
+
+    return send_task_message
+
+
+def _continues_running_task(app: Any, headers: dict[str, Any]) -> bool:
+    """True for the message of a ``retry`` or ``replace`` of the task running now: same id,
+    later attempt."""
+    task = app.current_task
+    if task is None:
+        return False
+    request = task.request
+    if not headers.get("id") or headers.get("id") != request.id:
+        return False
+    return (headers.get("retries") or 0) > (request.retries or 0) or (
+        (headers.get("replaced_task_nesting") or 0) > (getattr(request, "replaced_task_nesting", 0) or 0)
+    )
+
+
+def install_publish_hook(outbox: "Outbox") -> None:
+    """Make the app's AMQP an ``OutboxAMQP``: every publish passes through ``send_task_message``."""
+    app = outbox.app
+    base = app.amqp_cls
+    if isinstance(base, str):
+        from celery.utils.imports import symbol_by_name
+
+        base = symbol_by_name(base)
+    if getattr(base, "_celery_outbox", None) is outbox:
+        return
+
+    class OutboxAMQP(base):  # type: ignore[misc, valid-type]
+        _celery_outbox = outbox
+
+        def _create_task_sender(self) -> Callable[..., Any]:
+            return _make_sender(outbox, self, super()._create_task_sender())
+
+    app.amqp_cls = OutboxAMQP
+    app.__dict__.pop("amqp", None)  # an AMQP built before Outbox(app) is rebuilt with the hook

@@ -1,0 +1,20 @@
+"""The message store: tables (one MetaData per prefix) and the only SQL of celery-outbox."""
+
+from .engine import build_engine, redact, safe_url
+from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables
+from .store import MigrationResult, Store, as_utc, is_unique_violation, utcnow
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "UNOWNED",
+    "MigrationResult",
+    "Store",
+    "Tables",
+    "as_utc",
+    "build_engine",
+    "build_tables",
+    "is_unique_violation",
+    "redact",
+    "safe_url",
+    "utcnow",
+]

@@ -1,0 +1,134 @@
+"""Building the SQLAlchemy engine of the message store, with clear errors for bad input.
+
+SQLite engines built here run every transaction as ``BEGIN IMMEDIATE`` in WAL mode
+with a busy timeout, so several processes (worker, beat, web) share one file
+without lock-upgrade deadlocks. PostgreSQL needs psycopg 3 (``pip install
+celery-outbox[postgres]``); a missing driver is reported as such.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sqlite3
+import time
+from typing import Any, Mapping
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from ..errors import ConfigurationError
+
+__all__ = ["build_engine", "safe_url", "redact"]
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def safe_url(url: str | URL) -> str:
+    """The URL as text with its password masked: the only form that reaches output or logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError, TypeError):
+        return "<unparseable URL>"
+
+
+def redact(text: str, url: str | URL | None) -> str:
+    """``text`` with the URL's password, if any, replaced by ``***``."""
+    if url is None:
+        return text
+    try:
+        password = make_url(url).password
+    except (ArgumentError, ValueError, TypeError):
+        return text
+    if password:
+        text = text.replace(str(password), "***")
+    return text
+
+
+def _normalise_postgres(url: URL) -> URL:
+    if url.get_backend_name() != "postgresql":
+        return url
+    driver = url.get_driver_name()
+    if driver in ("psycopg2", "asyncpg", "pg8000", "psycopg_async"):
+        raise ConfigurationError(
+            f"setting outbox_database_url = {safe_url(url)!r} names the driver {driver!r}: "
+            "celery-outbox uses psycopg 3, write postgresql+psycopg://..."
+        )
+    if importlib.util.find_spec("psycopg") is None:
+        raise ConfigurationError(
+            f"setting outbox_database_url = {safe_url(url)!r} needs psycopg 3, which is not installed: "
+            "pip install 'celery-outbox[postgres]'"
+        )
+    return url.set(drivername="postgresql+psycopg")
+
+
+def _switch_to_wal(cursor) -> None:
+    """Put the database file in WAL mode, waiting out other connections doing the same.
+
+    Switching the journal mode needs an exclusive lock and SQLite does not always call
+    the busy handler for it, so a fresh file opened by several processes at once can
+    answer "database is locked" at once. The mode is stored in the file: once one
+    connection has switched it, the others find it set.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    delay = 0.005
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+                return
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
+def _tune_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):  # pragma: no cover - exercised by every SQLite test
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        if engine.url.database not in (None, "", ":memory:"):
+            _switch_to_wal(cursor)
+            cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):  # pragma: no cover - exercised by every SQLite test
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def build_engine(database_url: str, options: Mapping[str, Any] | None = None) -> Engine:
+    """Create the engine for ``database_url``; raise ``ConfigurationError`` naming what is wrong."""
+    try:
+        url = make_url(database_url)
+    except (ArgumentError, ValueError) as exc:
+        raise ConfigurationError(
+            f"setting outbox_database_url = {safe_url(database_url)!r} is not a database URL: {exc}; "
+            "expected e.g. postgresql+psycopg://user@host/db or sqlite:///path/to/file.sqlite3"
+        ) from None
+    backend = url.get_backend_name()
+    if backend not in ("postgresql", "sqlite"):
+        raise ConfigurationError(
+            f"setting outbox_database_url = {safe_url(url)!r} names the database {backend!r}: "
+            "celery-outbox supports postgresql (production) and sqlite (embedded)"
+        )
+    url = _normalise_postgres(url)
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if backend == "postgresql":
+        kwargs["connect_args"] = {"connect_timeout": 5}
+    kwargs.update(options or {})
+    try:
+        engine = create_engine(url, **kwargs)
+    except (ArgumentError, NoSuchModuleError, TypeError) as exc:
+        raise ConfigurationError(
+            f"cannot build an engine for outbox_database_url = {safe_url(url)!r}: {redact(str(exc), url)}"
+        ) from None
+    if backend == "sqlite":
+        _tune_sqlite(engine)
+    return engine

@@ -1,0 +1,161 @@
+"""Tables of the message store, SQLAlchemy Core, one ``MetaData`` per table prefix.
+
+* ``incoming``: the inbox. Primary key (``message_id``, ``destination``) carries the
+  idempotency: ``destination`` is the queue with ``outbox_message_identity =
+  "id_and_destination"`` and ``''`` with the default identity ``"id"``.
+* ``outgoing``: the outbox. Fully built messages waiting to be published.
+* ``dead_letters``: envelopes that failed for good, replayable.
+* ``nodes``: worker processes with their heartbeat.
+* ``schema``: one row, the schema version ``migrate`` brought the tables to.
+
+Owner columns hold a node id; ``0`` means unowned. Every predicate a poller or a
+cleaner runs has its index: unowned incoming rows, handled rows by
+``keep_until``, unowned and due outgoing rows, stale claims by ``claimed_at``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+__all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED"]
+
+SCHEMA_VERSION = 1
+UNOWNED = 0
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for 10^8 rows.
+_BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _timestamp(name: str, **kwargs) -> Column:
+    return Column(name, DateTime(timezone=True), **kwargs)
+
+
+def _envelope_columns() -> list[Column]:
+    """The fully built message: everything needed to publish it again, byte for byte."""
+    return [
+        Column("exchange", String(255), nullable=False, server_default=""),
+        Column("routing_key", String(255), nullable=False, server_default=""),
+        Column("body", LargeBinary, nullable=True),
+        Column("content_type", String(128), nullable=True),
+        Column("content_encoding", String(64), nullable=True),
+        Column("headers", Text, nullable=True),
+        Column("properties", Text, nullable=True),
+    ]
+
+
+@dataclass(frozen=True)
+class Tables:
+    metadata: MetaData
+    incoming: Table
+    outgoing: Table
+    dead_letters: Table
+    nodes: Table
+    schema: Table
+
+    def all(self) -> tuple[Table, ...]:
+        return (self.incoming, self.outgoing, self.dead_letters, self.nodes, self.schema)
+
+
+def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = None) -> Tables:
+    """Define the five tables under ``prefix`` in ``metadata`` (a new one when not given)."""
+    md = metadata if metadata is not None else MetaData()
+    p = prefix
+
+    incoming = Table(
+        f"{p}incoming", md,
+        Column("message_id", String(255), primary_key=True),
+        Column("destination", String(255), primary_key=True),
+        Column("task_name", String(255), nullable=False, server_default=""),
+        Column("queue", String(255), nullable=False, server_default=""),
+        Column("status", String(16), nullable=False),  # running | handled | dead
+        Column("owner", Integer, nullable=False, server_default=str(UNOWNED)),
+        Column("retries", Integer, nullable=False, server_default="0"),
+        Column("nesting", Integer, nullable=False, server_default="0"),
+        Column("duplicates", Integer, nullable=False, server_default="0"),
+        Column("recoveries", Integer, nullable=False, server_default="0"),
+        *_envelope_columns(),
+        _timestamp("received_at", nullable=False),
+        _timestamp("claimed_at", nullable=True),
+        _timestamp("handled_at", nullable=True),
+        _timestamp("keep_until", nullable=True),  # never NULL once status is handled or dead
+        Index(f"ix_{p}incoming_owner_status", "owner", "status"),
+        Index(f"ix_{p}incoming_keep_until", "keep_until"),
+        Index(f"ix_{p}incoming_status_claimed", "status", "claimed_at"),
+    )
+
+    outgoing = Table(
+        f"{p}outgoing", md,
+        Column("id", _BigId, primary_key=True, autoincrement=True),
+        Column("message_id", String(255), nullable=False),
+        Column("task_name", String(255), nullable=False, server_default=""),
+        Column("destination", String(255), nullable=False),
+        *_envelope_columns(),
+        Column("owner", Integer, nullable=False, server_default=str(UNOWNED)),
+        Column("attempts", Integer, nullable=False, server_default="0"),
+        Column("last_error", Text, nullable=True),
+        _timestamp("created_at", nullable=False),
+        _timestamp("deliver_at", nullable=True),  # held until due: durable scheduling
+        _timestamp("expires_at", nullable=True),
+        _timestamp("claimed_at", nullable=True),
+        Index(f"ix_{p}outgoing_owner_deliver", "owner", "deliver_at"),
+        Index(f"ix_{p}outgoing_claimed", "claimed_at"),
+        Index(f"ix_{p}outgoing_message", "message_id"),
+    )
+
+    dead_letters = Table(
+        f"{p}dead_letters", md,
+        Column("id", _BigId, primary_key=True, autoincrement=True),
+        Column("message_id", String(255), nullable=False),
+        Column("destination", String(255), nullable=False, server_default=""),
+        Column("task_name", String(255), nullable=False, server_default=""),
+        Column("queue", String(255), nullable=False, server_default=""),
+        Column("reason", String(32), nullable=False),  # failed | expired | malformed | poison
+        Column("exception_type", String(255), nullable=True),
+        Column("exception_message", Text, nullable=True),
+        Column("traceback", Text, nullable=True),
+        Column("retries", Integer, nullable=False, server_default="0"),
+        Column("nesting", Integer, nullable=False, server_default="0"),
+        *_envelope_columns(),
+        _timestamp("failed_at", nullable=False),
+        Column("replay_count", Integer, nullable=False, server_default="0"),
+        _timestamp("replayed_at", nullable=True),
+        _timestamp("keep_until", nullable=True),
+        Index(f"ix_{p}dead_letters_failed_at", "failed_at"),
+        Index(f"ix_{p}dead_letters_task", "task_name"),
+        Index(f"ix_{p}dead_letters_keep_until", "keep_until"),
+        Index(f"ix_{p}dead_letters_message", "message_id"),
+    )
+
+    nodes = Table(
+        f"{p}nodes", md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("name", String(255), nullable=False, unique=True),
+        Column("hostname", String(255), nullable=False, server_default=""),
+        Column("pid", Integer, nullable=False, server_default="0"),
+        _timestamp("started_at", nullable=False),
+        _timestamp("heartbeat_at", nullable=False),
+        Column("stale_checks", Integer, nullable=False, server_default="0"),
+        Index(f"ix_{p}nodes_heartbeat", "heartbeat_at"),
+    )
+
+    schema = Table(
+        f"{p}schema", md,
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("version", Integer, nullable=False),
+        _timestamp("migrated_at", nullable=False),
+    )
+
+    return Tables(md, incoming, outgoing, dead_letters, nodes, schema)

@@ -1,0 +1,507 @@
+"""The message store: the only SQL of celery-outbox.
+
+Every method that takes a ``conn`` runs inside the caller's transaction (a unit of
+work, a relay batch) and never commits; methods without one open their own short
+transaction. PostgreSQL gets its fast paths (multi-row INSERT, ``= ANY(array)``
+deletes, ``FOR UPDATE SKIP LOCKED`` claims, ``ON CONFLICT``, advisory locks);
+SQLite gets equivalents that are correct because every SQLite transaction of the
+store is ``BEGIN IMMEDIATE`` (one writer at a time).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Row,
+    bindparam,
+    delete,
+    func,
+    inspect,
+    literal_column,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.schema import CreateIndex, CreateTable
+
+from ..errors import StoreUnavailable
+from .engine import redact, safe_url
+from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables
+
+__all__ = ["Store", "MigrationResult", "is_unique_violation", "utcnow"]
+
+# envelope columns are only overwritten by a claim that carries them
+_ENVELOPE_KEYS = frozenset({"exchange", "routing_key", "body", "content_type", "content_encoding", "headers",
+                            "properties"})
+
+# Rows per INSERT statement: keeps every statement under both databases' parameter limits.
+INSERT_CHUNK = 1000
+PG_UNIQUE_VIOLATION = "23505"
+SQLITE_CONSTRAINT_PRIMARYKEY = 1555
+SQLITE_CONSTRAINT_UNIQUE = 2067
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes: the store only ever writes UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=timezone.utc)
+
+
+def is_unique_violation(exc: BaseException) -> bool:
+    """True when ``exc`` is a primary-key or unique violation, judged by SQLSTATE / driver error code."""
+    orig = getattr(exc, "orig", exc)
+    if getattr(orig, "sqlstate", None) == PG_UNIQUE_VIOLATION:
+        return True
+    return getattr(orig, "sqlite_errorcode", None) in (SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE)
+
+
+@dataclass
+class MigrationResult:
+    created_tables: list[str] = field(default_factory=list)
+    version_before: int | None = None
+    version_after: int = SCHEMA_VERSION
+
+
+class Store:
+    """The tables of one table prefix on one engine, and every statement run on them."""
+
+    def __init__(self, engine: Engine, table_prefix: str = "celery_outbox_", tables: Tables | None = None):
+        self.engine = engine
+        self.tables = tables if tables is not None else build_tables(table_prefix)
+        self.prefix = table_prefix
+        self.dialect = engine.dialect.name
+        self.is_postgres = self.dialect == "postgresql"
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return safe_url(self.engine.url)
+
+    def unavailable(self, exc: BaseException) -> StoreUnavailable:
+        """A ``StoreUnavailable`` naming the store and the driver's reason, with no password in it."""
+        reason = getattr(exc, "orig", None) or exc
+        message = " ".join(str(reason).split())
+        return StoreUnavailable(
+            f"cannot use the message store at {self.describe()}: {redact(message, self.engine.url)}"
+        )
+
+    def begin(self):
+        """A short transaction of its own: ``with store.begin() as conn: ...``."""
+        return _Transaction(self)
+
+    def ping(self) -> None:
+        """Raise ``StoreUnavailable`` unless the database answers."""
+        with self.begin() as conn:
+            conn.execute(select(literal_column("1")))
+
+    # -- schema --------------------------------------------------------------------------------
+
+    def _advisory_key(self) -> int:
+        return zlib.crc32(f"celery_outbox:{self.prefix}".encode()) - 2**31
+
+    def migrate(self) -> MigrationResult:
+        """Create missing tables and indexes and upgrade to ``SCHEMA_VERSION``.
+
+        Idempotent; on PostgreSQL two concurrent runs serialise on an advisory
+        transaction lock, on SQLite on the database's write lock.
+        """
+        result = MigrationResult()
+        with self.begin() as conn:
+            if self.is_postgres:
+                conn.execute(select(func.pg_advisory_xact_lock(self._advisory_key())))
+            existing = set(inspect(conn).get_table_names())
+            for table in self.tables.all():
+                if table.name not in existing:
+                    result.created_tables.append(table.name)
+                conn.execute(CreateTable(table, if_not_exists=True))
+                for index in sorted(table.indexes, key=lambda i: i.name or ""):
+                    conn.execute(CreateIndex(index, if_not_exists=True))
+            schema = self.tables.schema
+            result.version_before = conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
+            # Upgrade steps from version_before to SCHEMA_VERSION go here, one function per version.
+            if result.version_before is None:
+                conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION, migrated_at=utcnow()))
+            elif result.version_before != SCHEMA_VERSION:
+                conn.execute(
+                    update(schema).where(schema.c.id == 1).values(version=SCHEMA_VERSION, migrated_at=utcnow())
+                )
+        return result
+
+    def schema_version(self) -> int | None:
+        """The version ``migrate`` recorded, or None when the tables do not exist."""
+        with self.begin() as conn:
+            if self.tables.schema.name not in inspect(conn).get_table_names():
+                return None
+            return conn.execute(select(self.tables.schema.c.version)).scalar()
+
+    def missing_tables(self) -> list[str]:
+        with self.begin() as conn:
+            existing = set(inspect(conn).get_table_names())
+        return [t.name for t in self.tables.all() if t.name not in existing]
+
+    # -- outgoing ------------------------------------------------------------------------------
+
+    def insert_outgoing(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Insert fully built messages; one multi-row INSERT per 1000 rows. Returns their ids in order."""
+        if not rows:
+            return []
+        table = self.tables.outgoing
+        columns = {key for row in rows for key in row}
+        rows = [{key: row.get(key) for key in columns} for row in rows]
+        ids: list[int] = []
+        for start in range(0, len(rows), INSERT_CHUNK):
+            chunk = rows[start:start + INSERT_CHUNK]
+            if self.is_postgres:
+                # insertmanyvalues: one multi-row INSERT, RETURNING matched to the rows' order
+                statement = table.insert().returning(table.c.id, sort_by_parameter_order=True)
+                ids.extend(conn.execute(statement, chunk).scalars())
+            else:
+                # one explicit multi-row INSERT; SQLite's rowids ascend in VALUES order under
+                # the store's exclusive write lock
+                statement = table.insert().values(chunk).returning(table.c.id)
+                ids.extend(sorted(conn.execute(statement).scalars()))
+        return ids
+
+    def _id_predicate(self, column, ids: Sequence[int]):
+        if self.is_postgres:
+            return column == func.any(bindparam("ids", list(ids), type_=postgresql.ARRAY(BigInteger)))
+        return column.in_(list(ids))
+
+    def delete_outgoing(self, conn: Connection, ids: Sequence[int]) -> int:
+        """Delete sent rows in one statement (``= ANY(array)`` on PostgreSQL)."""
+        if not ids:
+            return 0
+        table = self.tables.outgoing
+        return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
+
+    def set_outgoing_owner(self, conn: Connection, ids: Sequence[int], owner: int, now: datetime | None) -> int:
+        """Give rows to ``owner`` (``UNOWNED`` releases them for the relay) in one statement."""
+        if not ids:
+            return 0
+        table = self.tables.outgoing
+        return conn.execute(
+            update(table).where(self._id_predicate(table.c.id, ids)).values(owner=owner, claimed_at=now)
+        ).rowcount
+
+    def lock_outgoing(self, conn: Connection, ids: Sequence[int]) -> list[int]:
+        """Lock the given outgoing rows that still exist and no relay holds; return their ids."""
+        if not ids:
+            return []
+        table = self.tables.outgoing
+        query = select(table.c.id).where(self._id_predicate(table.c.id, ids))
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query).scalars())
+
+    def lock_pending_outgoing(self, conn: Connection, limit: int, now: datetime, after_id: int = 0) -> list[Row]:
+        """Lock up to ``limit`` unowned, due outgoing rows with ``id > after_id``, oldest first.
+
+        ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so concurrent relays take disjoint
+        rows; on SQLite the ``BEGIN IMMEDIATE`` write lock gives the same guarantee.
+        The rows stay locked until the caller deletes them and commits.
+        """
+        table = self.tables.outgoing
+        query = (
+            select(table)
+            .where(table.c.owner == UNOWNED)
+            .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= now))
+            .where(table.c.id > after_id)
+            .order_by(table.c.id)
+            .limit(limit)
+        )
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def record_outgoing_failure(self, conn: Connection, row_id: int, error: str) -> int:
+        """Count a failed publish of one row; returns the row's attempts so far."""
+        table = self.tables.outgoing
+        return conn.execute(
+            update(table)
+            .where(table.c.id == row_id)
+            .values(attempts=table.c.attempts + 1, last_error=error[:4000])
+            .returning(table.c.attempts)
+        ).scalar_one()
+
+    def count_outgoing(self, conn: Connection | None = None) -> int:
+        return self._count(self.tables.outgoing, conn)
+
+    def _count(self, table, conn: Connection | None) -> int:
+        query = select(func.count()).select_from(table)
+        if conn is not None:
+            return conn.execute(query).scalar_one()
+        with self.begin() as own:
+            return own.execute(query).scalar_one()
+
+    # -- dead letters --------------------------------------------------------------------------
+
+    def insert_dead_letters(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        if rows:
+            columns = {key for row in rows for key in row}
+            conn.execute(self.tables.dead_letters.insert(), [{k: row.get(k) for k in columns} for row in rows])
+
+    def count_dead_letters(self, conn: Connection | None = None) -> int:
+        return self._count(self.tables.dead_letters, conn)
+
+    # -- incoming ------------------------------------------------------------------------------
+
+    def _upsert(self, table):
+        return (postgresql.insert if self.is_postgres else sqlite.insert)(table)
+
+    def insert_incoming(self, conn: Connection, row: dict[str, Any]) -> bool:
+        """Insert an inbox row; False (and nothing written) when its key exists.
+
+        ``INSERT ... ON CONFLICT DO NOTHING``; a concurrent insert of the same key
+        waits for the first transaction and then conflicts.
+        """
+        table = self.tables.incoming
+        statement = (
+            self._upsert(table).values(**row)
+            .on_conflict_do_nothing(index_elements=[table.c.message_id, table.c.destination])
+            .returning(table.c.message_id)
+        )
+        return conn.execute(statement).first() is not None
+
+    def _owner_is_dead(self, table):
+        """SQL: the row's owner node is gone (declared dead or deregistered) or, on
+        PostgreSQL, its process no longer holds its advisory liveness lock."""
+        nodes = self.tables.nodes
+        gone = ~select(nodes.c.id).where(nodes.c.id == table.c.owner).correlate(table).exists()
+        if not self.is_postgres:
+            return gone
+        from ..node import node_lock_namespace
+
+        lock_key = literal_column(str(node_lock_namespace(self.prefix) << 32), BigInteger) + table.c.owner
+        return gone | func.pg_try_advisory_xact_lock(lock_key)
+
+    def claim_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None = None) -> bool:
+        """Claim a received message for one attempt; False when it is a duplicate.
+
+        ``row`` carries the key, the attempt (``nesting``, ``retries``), the new
+        ``status`` (``handled`` for an optimistic claim inside the body's transaction,
+        ``running`` for an eager claim), ``owner`` and ``claimed_at``. One
+        ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` statement: an existing row is
+        taken over only by
+
+        * a ``replace`` (greater ``nesting``), always;
+        * a later attempt of a row that ended in a retry or is still running (a retry,
+          or Celery re-sending the task of a lost worker process);
+        * the same attempt of a running row whose owner is unowned (released), dead,
+          or claimed before ``stale_before``: a recovery, not a duplicate.
+
+        A concurrent claim of the same key waits for the first transaction, then
+        re-checks these conditions against the committed row.
+        """
+        table = self.tables.incoming
+        fresh = (
+            self._upsert(table).values(**row)
+            .on_conflict_do_nothing(index_elements=[table.c.message_id, table.c.destination])
+            .returning(table.c.message_id)
+        )
+        if conn.execute(fresh).first() is not None:
+            return True
+        # The key exists (or a concurrent claim just committed it): a second statement, with a
+        # fresh snapshot, decides whether this delivery may take the row over.
+        insert = self._upsert(table).values(**row)
+        new = insert.excluded
+        same_attempt = (new.nesting == table.c.nesting) & (new.retries == table.c.retries)
+        later_attempt = (new.nesting > table.c.nesting) | (
+            (new.nesting == table.c.nesting) & (new.retries > table.c.retries)
+        )
+        free = (table.c.owner == UNOWNED) | self._owner_is_dead(table)
+        if stale_before is not None:
+            free = free | (table.c.claimed_at < stale_before)
+        claimable = (
+            (new.nesting > table.c.nesting)
+            | (table.c.status.in_(("retried", "running")) & later_attempt)
+            | ((table.c.status == "running") & same_attempt & free)
+        )
+        updates = {key: getattr(new, key) for key in row if key not in ("message_id", "destination", "received_at")}
+        updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
+        statement = (
+            insert.on_conflict_do_update(
+                index_elements=[table.c.message_id, table.c.destination], set_=updates, where=claimable
+            ).returning(table.c.message_id)
+        )
+        return conn.execute(statement).first() is not None
+
+    def finish_incoming(self, conn: Connection, message_id: str, destination: str, owner: int,
+                        retries: int, nesting: int, now: datetime, keep_until: datetime) -> bool:
+        """Mark an eagerly claimed row handled, inside the body's transaction; False when
+        the claim is no longer ours (another node took it over)."""
+        table = self.tables.incoming
+        return conn.execute(
+            update(table)
+            .where(table.c.message_id == message_id, table.c.destination == destination)
+            .where(table.c.owner == owner, table.c.retries == retries, table.c.nesting == nesting)
+            .where(table.c.status == "running")
+            .values(status="handled", owner=UNOWNED, handled_at=now, keep_until=keep_until)
+        ).rowcount == 1
+
+    def record_outcome(self, conn: Connection, row: dict[str, Any]) -> None:
+        """Record how an attempt ended without committing its effects (``retried`` or
+        ``dead``), unless a later attempt or a handled row is already there."""
+        table = self.tables.incoming
+        insert = self._upsert(table).values(**row)
+        new = insert.excluded
+        not_older = (new.nesting > table.c.nesting) | (
+            (new.nesting == table.c.nesting) & (new.retries >= table.c.retries)
+        )
+        updates = {key: getattr(new, key) for key in row if key not in ("message_id", "destination", "received_at")}
+        updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
+        conn.execute(insert.on_conflict_do_update(
+            index_elements=[table.c.message_id, table.c.destination], set_=updates,
+            where=not_older & (table.c.status != "handled"),
+        ))
+
+    def count_duplicate(self, conn: Connection, message_id: str, destination: str) -> None:
+        table = self.tables.incoming
+        conn.execute(
+            update(table)
+            .where(table.c.message_id == message_id, table.c.destination == destination)
+            .values(duplicates=table.c.duplicates + 1)
+        )
+
+    def get_incoming(self, message_id: str, destination: str = "") -> Row | None:
+        table = self.tables.incoming
+        with self.begin() as conn:
+            return conn.execute(
+                select(table).where(table.c.message_id == message_id, table.c.destination == destination)
+            ).first()
+
+    def count_incoming(self, conn: Connection | None = None) -> int:
+        return self._count(self.tables.incoming, conn)
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def register_node(self, name: str, hostname: str, pid: int, now: datetime | None = None) -> int:
+        now = now or utcnow()
+        table = self.tables.nodes
+        with self.begin() as conn:
+            return conn.execute(
+                table.insert()
+                .values(name=name, hostname=hostname, pid=pid, started_at=now, heartbeat_at=now)
+                .returning(table.c.id)
+            ).scalar_one()
+
+    def heartbeat(self, node_id: int, now: datetime | None = None) -> bool:
+        """Record a heartbeat; False when the node row is gone (it was declared dead)."""
+        table = self.tables.nodes
+        with self.begin() as conn:
+            return conn.execute(
+                update(table).where(table.c.id == node_id).values(heartbeat_at=now or utcnow(), stale_checks=0)
+            ).rowcount == 1
+
+    def deregister_node(self, node_id: int) -> None:
+        """Release every row the node owns (running inbox claims, outgoing rows) and delete it."""
+        t = self.tables
+        with self.begin() as conn:
+            conn.execute(update(t.incoming).where(t.incoming.c.owner == node_id).values(owner=UNOWNED))
+            conn.execute(update(t.outgoing).where(t.outgoing.c.owner == node_id).values(owner=UNOWNED,
+                                                                                         claimed_at=None))
+            conn.execute(delete(t.nodes).where(t.nodes.c.id == node_id))
+
+    def live_nodes(self, conn: Connection | None = None) -> list[Row]:
+        table = self.tables.nodes
+        query = select(table).order_by(table.c.id)
+        if conn is not None:
+            return list(conn.execute(query))
+        with self.begin() as own:
+            return list(own.execute(query))
+
+    # -- status --------------------------------------------------------------------------------
+
+    def status(self, now: datetime | None = None) -> dict[str, Any]:
+        """Counts per table by status and destination, the oldest pending rows' age, the nodes."""
+        now = now or utcnow()
+        t = self.tables
+        with self.begin() as conn:
+            incoming = _grouped_counts(conn, t.incoming.c.status, t.incoming.c.queue, ("status", "queue"))
+            outgoing = _grouped_counts(conn, _outgoing_state(t.outgoing, now), t.outgoing.c.destination,
+                                       ("status", "destination"))
+            dead_letters = _grouped_counts(conn, t.dead_letters.c.reason, t.dead_letters.c.task_name,
+                                           ("reason", "task"))
+            oldest_outgoing = as_utc(conn.execute(
+                select(func.min(t.outgoing.c.created_at))
+                .where((t.outgoing.c.deliver_at.is_(None)) | (t.outgoing.c.deliver_at <= now))
+            ).scalar())
+            oldest_incoming = as_utc(conn.execute(
+                select(func.min(t.incoming.c.received_at)).where(t.incoming.c.status == "running")
+            ).scalar())
+            nodes = [
+                {
+                    "id": row.id,
+                    "name": row.name,
+                    "hostname": row.hostname,
+                    "pid": row.pid,
+                    "heartbeat_age_seconds": _age(now, as_utc(row.heartbeat_at)),
+                    "stale_checks": row.stale_checks,
+                }
+                for row in conn.execute(select(t.nodes).order_by(t.nodes.c.id))
+            ]
+        return {
+            "store": self.describe(),
+            "incoming": incoming,
+            "outgoing": outgoing,
+            "dead_letters": dead_letters,
+            "oldest_pending_outgoing_age_seconds": _age(now, oldest_outgoing),
+            "oldest_running_incoming_age_seconds": _age(now, oldest_incoming),
+            "nodes": nodes,
+        }
+
+
+def _grouped_counts(conn: Connection, first, second, names: tuple[str, str]) -> list[dict[str, Any]]:
+    """Row counts grouped by two columns, as dicts keyed by ``names`` and ``count``."""
+    rows = conn.execute(select(first, second, func.count()).group_by(first, second).order_by(first, second))
+    return [{names[0]: a, names[1]: b, "count": count} for a, b, count in rows]
+
+
+def _outgoing_state(table, now: datetime):
+    from sqlalchemy import case
+
+    return case(
+        (table.c.owner != UNOWNED, "claimed"),
+        ((table.c.deliver_at.is_not(None)) & (table.c.deliver_at > now), "scheduled"),
+        else_="pending",
+    ).label("status")
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else round((now - then).total_seconds(), 3)
+
+
+class _Transaction:
+    """``with store.begin() as conn``: commit on success, roll back on error, and turn a
+    database that cannot be reached into ``StoreUnavailable`` naming the store."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._context = None
+
+    def __enter__(self) -> Connection:
+        try:
+            self._context = self.store.engine.begin()
+            return self._context.__enter__()
+        except OperationalError as exc:
+            raise self.store.unavailable(exc) from exc
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return self._context.__exit__(exc_type, exc, tb)
+        except OperationalError as error:
+            if exc is None:
+                raise self.store.unavailable(error) from error
+            raise

@@ -1,0 +1,66 @@
+"""The dedupe window check: handled inbox rows must outlive every redelivery.
+
+A duplicate is recognised only while its handled row exists, that is for
+``outbox_keep_after_handling`` seconds. Redis and SQS re-deliver an unacked message
+after ``visibility_timeout`` (one hour by default), and a task's own retries can
+bring an attempt back after its retry delays. When either horizon could outlive
+the window, a redelivered copy could run again: this says so, clearly, at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = ["check_dedupe_window", "redelivery_horizons"]
+
+logger = logging.getLogger("celery_outbox.window")
+
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+VISIBILITY_TRANSPORTS = ("redis", "rediss", "sqs", "sentinel")
+
+
+def _broker_scheme(app: Any) -> str:
+    url = app.conf.broker_url or ""
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else ""
+    return str(url).split("://", 1)[0].split("+", 1)[0].lower()
+
+
+def redelivery_horizons(app: Any) -> list[tuple[str, float]]:
+    """(what, seconds) for each way a message can come back after it was handled."""
+    horizons: list[tuple[str, float]] = []
+    if _broker_scheme(app) in VISIBILITY_TRANSPORTS:
+        options = app.conf.broker_transport_options or {}
+        timeout = float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+        horizons.append((f"the broker's visibility_timeout ({timeout:g}s)", timeout))
+    from .tasks import IdempotentTask
+
+    for task in list(app.tasks.values()):
+        if not isinstance(task, IdempotentTask):
+            continue
+        retries = task.max_retries or 0
+        delay = float(task.default_retry_delay or 0)
+        if getattr(task, "retry_backoff", False):
+            delay = float(getattr(task, "retry_backoff_max", delay) or delay)
+        if retries and delay:
+            horizons.append((f"{task.name}'s retries ({retries} x {delay:g}s)", retries * delay))
+    return horizons
+
+
+def check_dedupe_window(outbox: "Outbox") -> list[str]:
+    """Warn for every redelivery horizon at least as long as the dedupe window; return the warnings."""
+    window = outbox.settings.keep_after_handling
+    warnings = []
+    for what, seconds in redelivery_horizons(outbox.app):
+        if seconds >= window:
+            warnings.append(
+                f"celery-outbox: {what} reaches beyond outbox_keep_after_handling ({window:g}s): a copy "
+                f"redelivered after the window would run again. Raise outbox_keep_after_handling above {seconds:g}s."
+            )
+    for warning in warnings:
+        logger.warning(warning)
+    return warnings

@@ -1,0 +1,28 @@
+"""A writer process for crash drills: commits one durable message and prints its id.
+
+Run with CELERY_OUTBOX_CRASHPOINT set, it dies at that point (os._exit)."""
+
+from __future__ import annotations
+
+import sys
+
+from celery import Celery
+
+from celery_outbox import Outbox
+
+
+def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: str) -> None:
+    app = Celery("crashing_writer", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        outbox_database_url=database_url,
+        outbox_table_prefix=table_prefix,
+        outbox_durable_queues=[durable_queue],
+        task_routes={"shop.durable": {"queue": durable_queue}},
+    )
+    outbox = Outbox(app)
+    outbox.ready()
+    task_id = "crash-" + __import__("uuid").uuid4().hex
+    print(task_id, flush=True)
+    with outbox.transaction():
+        app.send_task("shop.durable", args=["written before the crash"], task_id=task_id)
+    sys.exit(0)  # not reached when the crash point fires

@@ -1,0 +1,47 @@
+"""Builds a Celery app with an Outbox for a test: unique queue names, one durable queue."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+from celery_outbox import Outbox
+
+
+@dataclass
+class Shop:
+    app: Celery
+    outbox: Outbox
+    plain_queue: str
+    durable_queue: str
+    plain: Any
+    durable: Any
+
+
+def make_shop(broker_url: str, database_url: str, table_prefix: str, **conf: Any) -> Shop:
+    suffix = uuid.uuid4().hex[:8]
+    plain_queue, durable_queue = f"plain_{suffix}", f"durable_{suffix}"
+    app = Celery(f"shop_{suffix}", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        task_default_queue=plain_queue,
+        task_routes={"shop.durable": {"queue": durable_queue}},
+        outbox_database_url=database_url,
+        outbox_table_prefix=table_prefix,
+        outbox_durable_queues=[durable_queue],
+        broker_connection_retry_on_startup=False,
+        **conf,
+    )
+    outbox = Outbox(app)
+
+    @app.task(name="shop.plain", shared=False)
+    def plain(x):
+        return x
+
+    @app.task(name="shop.durable", shared=False)
+    def durable(x):
+        return x
+
+    return Shop(app, outbox, plain_queue, durable_queue, plain, durable)

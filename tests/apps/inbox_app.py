@@ -1,0 +1,118 @@
+"""A Celery app with IdempotentTasks, for tests that run real worker processes.
+
+The worker builds it from the environment (TEST_BROKER_URL, TEST_DATABASE_URL,
+TEST_TABLE_PREFIX, TEST_QUEUE, TEST_OTHER_QUEUE (a durable queue), TEST_IDENTITY); a test builds the
+same app in its own process with ``create(...)``. Every task start and end and
+every failure is written to the ``events`` table from the worker, so a test can
+see what happened in which process and in which order.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+from celery import Celery, signals
+from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, func, insert, select
+
+from celery_outbox import IdempotentTask, Outbox
+
+
+def create(broker_url: str, database_url: str, prefix: str, queue: str, other_queue: str,
+           identity: str = "id") -> SimpleNamespace:
+    app = Celery("inbox_app", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        outbox_database_url=database_url,
+        outbox_table_prefix=prefix,
+        outbox_message_identity=identity,
+        outbox_durable_queues=[other_queue],
+        outbox_node_heartbeat_interval=0.5,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        # Redis: redeliver unacked work of a dead worker within seconds, not an hour
+        broker_transport_options={"visibility_timeout": 3, "unacked_restore_interval": 1,
+                                  "unacked_restore_throttle": 1},
+    )
+    outbox = Outbox(app)
+    metadata = MetaData()
+    effects = Table(f"{prefix}effects", metadata, Column("id", Integer, primary_key=True, autoincrement=True),
+                    Column("order_id", String(64), nullable=False), Column("attempt", Integer, nullable=False))
+    events = Table(f"{prefix}events", metadata, Column("id", Integer, primary_key=True, autoincrement=True),
+                   Column("task_id", String(64)), Column("kind", String(16)), Column("state", String(16)),
+                   Column("pid", Integer), Column("at", DateTime(timezone=True), server_default=func.now()))
+
+    def record(task_id: str, kind: str, state: str | None = None) -> None:
+        with outbox.engine.begin() as conn:
+            conn.execute(insert(events).values(task_id=task_id, kind=kind, state=state, pid=os.getpid()))
+
+    def started_before(order_id: str) -> int:
+        with outbox.engine.begin() as conn:
+            return conn.execute(select(func.count()).select_from(events).where(
+                events.c.task_id == order_id, events.c.kind == "body")).scalar_one()
+
+    def pay_body(task, order_id: str, hold: float) -> str:
+        first_time = started_before(order_id) == 0
+        record(order_id, "body")
+        task.session.execute(insert(effects).values(order_id=order_id, attempt=task.request.retries))
+        if hold and first_time:
+            time.sleep(hold)  # the window in which a test kills the worker or sends a copy
+        return order_id
+
+    # default_retry_delay: a task whose pool process is killed comes back as a retry after this delay
+    @app.task(base=IdempotentTask, bind=True, name="inbox.pay", shared=False, default_retry_delay=1)
+    def pay(self, order_id: str, hold: float = 0.0) -> str:
+        return pay_body(self, order_id, hold)
+
+    @app.task(base=IdempotentTask, bind=True, name="inbox.pay_eager", shared=False, default_retry_delay=1)
+    def pay_eager(self, order_id: str, hold: float = 0.0) -> str:
+        return pay_body(self, order_id, hold)
+
+    pay_eager.idempotency = "eager"
+
+    @app.task(base=IdempotentTask, bind=True, name="inbox.flaky", shared=False, max_retries=3)
+    def flaky(self, order_id: str) -> str:
+        pay_body(self, order_id, 0)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return order_id
+
+    def on_prerun(sender=None, task_id=None, **_):
+        if sender is not None and sender.app is app:
+            record(task_id, "prerun")
+
+    def on_postrun(sender=None, task_id=None, state=None, **_):
+        if sender is not None and sender.app is app:
+            record(task_id, "postrun", state)
+
+    def on_failure(sender=None, task_id=None, **_):
+        if sender is not None and sender.app is app:
+            record(task_id, "failure")
+
+    receivers = (on_prerun, on_postrun, on_failure)
+    signals.task_prerun.connect(on_prerun, weak=False)
+    signals.task_postrun.connect(on_postrun, weak=False)
+    signals.task_failure.connect(on_failure, weak=False)
+
+    def disconnect() -> None:
+        signals.task_prerun.disconnect(receivers[0])
+        signals.task_postrun.disconnect(receivers[1])
+        signals.task_failure.disconnect(receivers[2])
+
+    def event_rows(task_id: str):
+        with outbox.engine.begin() as conn:
+            return conn.execute(select(events).where(events.c.task_id == task_id).order_by(events.c.id)).all()
+
+    def effect_rows(order_id: str):
+        with outbox.engine.begin() as conn:
+            return conn.execute(select(effects).where(effects.c.order_id == order_id)).all()
+
+    return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, pay=pay, pay_eager=pay_eager, flaky=flaky,
+                           events=event_rows, effects=effect_rows, disconnect=disconnect)
+
+
+if "TEST_BROKER_URL" in os.environ:
+    shop = create(os.environ["TEST_BROKER_URL"], os.environ["TEST_DATABASE_URL"], os.environ["TEST_TABLE_PREFIX"],
+                  os.environ["TEST_QUEUE"], os.environ["TEST_OTHER_QUEUE"], os.environ.get("TEST_IDENTITY", "id"))
+    app = shop.app

@@ -1,0 +1,73 @@
+"""Reading what reached a broker, for assertions: kombu consumers, no workers, no sleeps."""
+
+from __future__ import annotations
+
+import queue as queue_module
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+
+@dataclass
+class Received:
+    task: str
+    id: str
+    args: list[Any]
+    headers: dict[str, Any]
+
+
+def receive(app: Celery, queue: str, count: int, timeout: float = 10.0) -> list[Received]:
+    """The next ``count`` task messages of ``queue``, acked; fails if they do not come in time."""
+    got: list[Received] = []
+    with app.connection_for_read() as connection:
+        simple = connection.SimpleQueue(app.amqp.queues[queue])
+        try:
+            while len(got) < count:
+                try:
+                    message = simple.get(block=True, timeout=timeout)
+                except queue_module.Empty:
+                    raise AssertionError(f"only {len(got)} of {count} messages arrived on {queue!r}: {got}") from None
+                args, _kwargs, _embed = message.decode()
+                got.append(Received(message.headers["task"], message.headers["id"], list(args), dict(message.headers)))
+                message.ack()
+        finally:
+            simple.close()
+    return got
+
+
+def send_marker(app: Celery, queue: str, marker: str) -> None:
+    """Publish a plain message straight to ``queue``: once it arrives, everything published before it has."""
+    with app.connection_for_write() as connection:
+        producer = connection.Producer()
+        producer.publish(
+            [[marker], {}, {}], exchange="", routing_key=queue, serializer="json",
+            headers={"task": "marker", "id": marker}, declare=[app.amqp.queues[queue]],
+        )
+
+
+def receive_until_marker(app: Celery, queue: str, marker: str, timeout: float = 10.0) -> list[Received]:
+    """Every message that arrived before the marker: proves a negative without sleeping."""
+    send_marker(app, queue, marker)
+    before: list[Received] = []
+    while True:
+        (message,) = receive(app, queue, 1, timeout)
+        if message.task == "marker" and message.id == marker:
+            return before
+        before.append(message)
+
+
+def purge(app: Celery, *queues: str) -> None:
+    with app.connection_for_write() as connection:
+        for name in queues:
+            try:
+                app.amqp.queues[name].bind(connection.default_channel).delete()
+            except Exception:  # noqa: BLE001 - a queue that never existed is fine
+                pass
+
+
+def nothing_more(app: Celery, queue: str) -> bool:
+    """True when nothing is waiting on ``queue``: proven by a marker, not by a sleep."""
+    import uuid
+
+    return receive_until_marker(app, queue, f"marker-{uuid.uuid4().hex}") == []

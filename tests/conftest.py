@@ -1,0 +1,81 @@
+"""Fixtures shared by every test layer."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import inspect
+
+from celery_outbox.store import Store, build_engine
+
+from .services import require
+
+
+def unique_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}_"
+
+
+def _drop(store: Store) -> None:
+    with store.engine.begin() as conn:
+        existing = set(inspect(conn).get_table_names())
+        for table in reversed(store.tables.all()):
+            if table.name in existing:
+                table.drop(conn)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    return require("postgres")
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return require("redis")
+
+
+@pytest.fixture
+def rabbitmq_url() -> str:
+    return require("rabbitmq")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path) -> str:
+    """Each test that takes this runs twice: on SQLite and on a real PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'outbox.sqlite3'}"
+    return require("postgres")
+
+
+@pytest.fixture
+def table_prefix() -> str:
+    """A fresh table prefix per test, so tests share one PostgreSQL database without meeting."""
+    return unique_prefix()
+
+
+@pytest.fixture
+def store(database_url, table_prefix):
+    """A migrated store on SQLite and on PostgreSQL; its tables are dropped afterwards."""
+    engine = build_engine(database_url)
+    store = Store(engine, table_prefix)
+    store.migrate()
+    yield store
+    _drop(store)
+    engine.dispose()
+
+
+def outgoing_rows(store: Store) -> int:
+    """Count outgoing rows from a connection outside any transaction of the store (no lock taken)."""
+    connection = store.engine.raw_connection()
+    try:
+        cursor = connection.cursor()
+        cursor.execute(f"SELECT count(*) FROM {store.tables.outgoing.name}")
+        return cursor.fetchone()[0]
+    finally:
+        connection.rollback()
+        connection.close()

@@ -1,0 +1,228 @@
+"""The inbox with real worker processes on PostgreSQL, with Redis and RabbitMQ as brokers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+
+from ..apps import inbox_app
+from ..brokers import purge
+from ..conftest import _drop
+from ..services import require, wait_until
+from ..workers import WorkerProcess
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request):
+    return require(request.param)
+
+
+class Scenario:
+    def __init__(self, broker_url, database_url, prefix, tmp_path, identity="id"):
+        suffix = uuid.uuid4().hex[:8]
+        self.env = {
+            "TEST_BROKER_URL": broker_url, "TEST_DATABASE_URL": database_url, "TEST_TABLE_PREFIX": prefix,
+            "TEST_QUEUE": f"pay_{suffix}", "TEST_OTHER_QUEUE": f"pay_other_{suffix}", "TEST_IDENTITY": identity,
+        }
+        self.shop = inbox_app.create(broker_url, database_url, prefix, self.env["TEST_QUEUE"],
+                                     self.env["TEST_OTHER_QUEUE"], identity)
+        self.shop.outbox.ready()
+        self.shop.metadata.create_all(self.shop.outbox.engine)
+        self.tmp_path = tmp_path
+        self.workers: list[WorkerProcess] = []
+
+    def worker(self, pool="prefork", concurrency=1, queues=None) -> WorkerProcess:
+        worker = WorkerProcess("tests.apps.inbox_app", self.env, pool=pool, concurrency=concurrency,
+                               queues=queues or [self.env["TEST_QUEUE"]],
+                               log_path=self.tmp_path / f"worker{len(self.workers)}.log").start()
+        self.workers.append(worker)
+        return worker.wait_ready()
+
+    def wait_events(self, task_id, kind, count, timeout=60):
+        return wait_until(
+            lambda: (rows := [e for e in self.shop.events(task_id) if e.kind == kind]) and len(rows) >= count and rows,
+            timeout=timeout, message=f"{count} {kind} event(s) of {task_id} (logs in {self.tmp_path})")
+
+    def close(self):
+        for worker in self.workers:
+            worker.stop(cold=True)
+        purge(self.shop.app, self.env["TEST_QUEUE"], self.env["TEST_OTHER_QUEUE"])
+        self.shop.metadata.drop_all(self.shop.outbox.engine)
+        self.shop.disconnect()
+        _drop(self.shop.outbox.store)
+        self.shop.outbox.engine.dispose()
+
+
+@pytest.fixture
+def scenario(broker_url, postgres_url, table_prefix, tmp_path):
+    scenario = Scenario(broker_url, postgres_url, table_prefix, tmp_path)
+    yield scenario
+    scenario.close()
+
+
+def states(rows):
+    return [e.state for e in rows]
+
+
+@pytest.mark.parametrize("task", ["pay", "pay_eager"])
+def test_same_id_delivered_twice_in_sequence_runs_once(scenario, task):
+    scenario.worker()
+    send = getattr(scenario.shop, task)
+    send.apply_async(("order-1",), task_id="order-1")
+    scenario.wait_events("order-1", "postrun", 1)
+    send.apply_async(("order-1",), task_id="order-1")
+    rows = scenario.wait_events("order-1", "postrun", 2)
+    assert states(rows) == ["SUCCESS", "IGNORED"], "a duplicate is IGNORED, not FAILURE"
+    assert len(scenario.shop.effects("order-1")) == 1
+    assert [e for e in scenario.shop.events("order-1") if e.kind == "failure"] == []
+    row = scenario.shop.outbox.store.get_incoming("order-1")
+    assert (row.status, row.duplicates) == ("handled", 1)
+
+
+@pytest.mark.parametrize("task", ["pay", "pay_eager"])
+def test_same_id_delivered_to_two_workers_at_once_runs_once(scenario, task):
+    scenario.worker()
+    scenario.worker()
+    send = getattr(scenario.shop, task)
+    send.apply_async(("order-2", 1.5), task_id="order-2")  # held below the 3 s Redis visibility timeout
+    send.apply_async(("order-2", 1.5), task_id="order-2")  # held below the 3 s Redis visibility timeout
+    rows = scenario.wait_events("order-2", "postrun", 2)
+    assert sorted(states(rows)) == ["IGNORED", "SUCCESS"]
+    prerun = [e for e in scenario.shop.events("order-2") if e.kind == "prerun"]
+    assert len({e.pid for e in prerun}) == 2, "each copy went to its own worker process"
+    first_end = min(e.at for e in rows)
+    assert all(e.at < first_end for e in prerun), "both copies were running at the same time"
+    if task == "pay_eager":
+        assert states(rows)[0] == "IGNORED", "eager: the copy is discarded at once, while the first still runs"
+    else:
+        assert states(rows) == ["SUCCESS", "IGNORED"], "optimistic: the copy waits for the first, then is discarded"
+    assert len(scenario.shop.effects("order-2")) == 1
+    assert len([e for e in scenario.shop.events("order-2") if e.kind == "body"]) == 1
+
+
+def test_a_retry_runs_again(scenario):
+    scenario.worker()
+    scenario.shop.flaky.apply_async(("order-3",), task_id="order-3")
+    rows = scenario.wait_events("order-3", "postrun", 2)
+    assert states(rows) == ["RETRY", "SUCCESS"]
+    assert [e.attempt for e in scenario.shop.effects("order-3")] == [1], "attempt 0's writes rolled back"
+
+
+@pytest.mark.parametrize("victim", ["worker", "child"])
+@pytest.mark.parametrize("task", ["pay", "pay_eager"])
+def test_worker_killed_mid_body_effects_exactly_once(scenario, victim, task):
+    """SIGKILL while the body holds uncommitted writes: the message comes back (broker redelivery of
+    the same attempt when the whole worker dies; Celery's re-send of a new attempt when only the
+    pool child dies) and the effects exist exactly once. For an eager claim, the killed process's
+    claim is known dead at once (its PostgreSQL liveness lock is gone), so the copy is not discarded."""
+    worker = scenario.worker(pool="prefork", concurrency=1)
+    getattr(scenario.shop, task).apply_async(("order-4", 60.0), task_id="order-4")
+    (body,) = scenario.wait_events("order-4", "body", 1)
+    if victim == "worker":
+        worker.kill()
+        scenario.worker(pool="prefork", concurrency=1)
+    else:
+        os.kill(body.pid, signal.SIGKILL)
+    rows = scenario.wait_events("order-4", "postrun", 1, timeout=90)
+    assert states(rows)[-1] == "SUCCESS"
+    assert len(scenario.shop.effects("order-4")) == 1
+    assert len([e for e in scenario.shop.events("order-4") if e.kind == "body"]) == 2, "the body ran twice"
+
+
+def test_id_and_destination_runs_one_id_on_two_queues_twice(broker_url, postgres_url, table_prefix, tmp_path):
+    scenario = Scenario(broker_url, postgres_url, table_prefix, tmp_path, identity="id_and_destination")
+    try:
+        scenario.worker(queues=[scenario.env["TEST_QUEUE"], scenario.env["TEST_OTHER_QUEUE"]])
+        for queue in (scenario.env["TEST_QUEUE"], scenario.env["TEST_OTHER_QUEUE"], scenario.env["TEST_QUEUE"]):
+            scenario.shop.pay.apply_async(("order-5",), task_id="order-5", queue=queue)
+        rows = scenario.wait_events("order-5", "postrun", 3)
+        assert sorted(states(rows)) == ["IGNORED", "SUCCESS", "SUCCESS"]
+        assert len(scenario.shop.effects("order-5")) == 2
+    finally:
+        scenario.close()
+
+
+def publish_raw(app, queue, body, headers, content_type="application/json"):
+    with app.connection_for_write() as connection:
+        connection.Producer().publish(body, exchange="", routing_key=queue, headers=headers,
+                                      content_type=content_type, content_encoding="utf-8",
+                                      declare=[app.amqp.queues[queue]])
+
+
+def test_malformed_messages_are_dead_lettered_and_the_worker_stays_up(scenario):
+    durable = scenario.env["TEST_OTHER_QUEUE"]
+    worker = scenario.worker(queues=[durable])
+    app = scenario.shop.app
+    bad = [
+        ('[["x"], {}, {}]', {"task": "inbox.pay"}, "malformed", "header 'id'"),
+        ('[["x"], {}, {}]', {"task": "inbox.nope", "id": "unknown-1"}, "unknown_task", "not registered"),
+        ("{not json", {"task": "inbox.pay", "id": "garbage-1"}, "malformed", "body cannot be decoded"),
+        ('[["x"], {}, {}]', {"task": "inbox.pay", "id": "types-1", "retries": "many"}, "malformed", "'retries'"),
+        ('[["x"], {}, {}]', {"task": 42, "id": "types-2"}, "malformed", "header 'task'"),
+    ]
+    for n, (body, headers, _, _) in enumerate(bad):
+        publish_raw(app, durable, body, headers)
+        scenario.shop.pay.apply_async((f"good-{n}",), task_id=f"good-{n}", queue=durable)
+    for n in range(len(bad)):
+        scenario.wait_events(f"good-{n}", "postrun", 1)
+    store = scenario.shop.outbox.store
+    with store.begin() as conn:
+        from sqlalchemy import select
+
+        letters = conn.execute(select(store.tables.dead_letters).order_by(store.tables.dead_letters.c.id)).all()
+    assert [(letter.reason, letter.queue) for letter in letters] == [(reason, durable) for _, _, reason, _ in bad]
+    for letter, (body, _, _, expected) in zip(letters, bad, strict=True):
+        assert expected in letter.exception_message
+        assert letter.body == body.encode(), "the message is kept as it came"
+    assert all(len(scenario.shop.effects(f"good-{n}")) == 1 for n in range(len(bad)))
+    assert worker.process.poll() is None, "the worker is still running"
+
+
+def test_database_down_during_the_claim_is_not_acked(broker_url, postgres_url, table_prefix, tmp_path):
+    """The worker's database goes away: the claim fails, the message goes back to the broker, and
+    once the database is back the task runs, once."""
+    from sqlalchemy.engine import make_url
+
+    from ..services import TcpProxy
+
+    real = make_url(postgres_url)
+    proxy = TcpProxy(real.host or "127.0.0.1", real.port or 5432).start()
+    proxied_url = real.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    scenario = Scenario(broker_url, proxied_url, table_prefix, tmp_path)
+    try:
+        scenario.worker()
+        scenario.shop.pay.apply_async(("warm-up",), task_id="warm-up")
+        scenario.wait_events("warm-up", "postrun", 1)
+        proxy.stop()
+        scenario.shop.pay.apply_async(("order-6",), task_id="order-6")
+        wait_until(lambda: "the message goes back to the broker" in scenario.workers[0].log(), timeout=60,
+                   message="the worker to hand the message back")
+        proxy.start()
+        wait_until(lambda: "SUCCESS" in states(e for e in scenario.shop.events("order-6") if e.kind == "postrun"),
+                   timeout=90, message="order-6 to succeed once the database is back")
+        assert len(scenario.shop.effects("order-6")) == 1
+        assert [e.state for e in scenario.shop.events("order-6") if e.kind == "postrun"].count("SUCCESS") == 1
+    finally:
+        proxy.start() if proxy._listener is None else None
+        scenario.close()
+        proxy.stop()
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_warm_shutdown_leaves_no_rows_owned_by_the_stopped_node(scenario, pool):
+    from sqlalchemy import func, select
+
+    worker = scenario.worker(pool=pool)
+    scenario.shop.pay_eager.apply_async(("order-7",), task_id="order-7")
+    scenario.wait_events("order-7", "postrun", 1)
+    store = scenario.shop.outbox.store
+    assert len(store.live_nodes()) == 1, "the eager claim registered the executing process as a node"
+    assert worker.stop() == 0
+    assert store.live_nodes() == [], "the stopped node deregistered"
+    with store.begin() as conn:
+        owned = conn.execute(select(func.count()).select_from(store.tables.incoming)
+                             .where(store.tables.incoming.c.owner != 0)).scalar_one()
+    assert owned == 0

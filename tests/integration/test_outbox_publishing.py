@@ -1,0 +1,211 @@
+"""Publish after commit against real services: every test runs on SQLite and PostgreSQL,
+with Redis and with RabbitMQ as the broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from celery_outbox.crashpoints import EXIT_CODE
+from celery_outbox.signals import message_published
+
+from ..apps.factory import make_shop
+from ..brokers import nothing_more, purge, receive
+from ..conftest import _drop, outgoing_rows
+from ..services import ThrowawayRedis, require
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(params=["redis", "rabbitmq"])
+def broker_url(request) -> str:
+    return require(request.param)
+
+
+@pytest.fixture
+def shop(broker_url, database_url, table_prefix):
+    shop = make_shop(broker_url, database_url, table_prefix)
+    shop.outbox.ready()
+    yield shop
+    purge(shop.app, shop.plain_queue, shop.durable_queue)
+    _drop(shop.outbox.store)
+    shop.outbox.engine.dispose()
+
+
+
+
+
+
+def test_rollback_publishes_nothing(shop):
+    with pytest.raises(RuntimeError):
+        with shop.outbox.transaction():
+            shop.plain.delay(1)
+            shop.durable.delay(2)
+            raise RuntimeError("rolled back")
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert outgoing_rows(shop.outbox.store) == 0
+
+
+def test_commit_publishes_exactly_once(shop):
+    with shop.outbox.transaction():
+        plain = shop.plain.delay(1)
+        durable = shop.durable.delay(2)
+        assert nothing_more(shop.app, shop.plain_queue), "nothing reaches the broker before the commit"
+    assert [m.id for m in receive(shop.app, shop.plain_queue, 1)] == [plain.id]
+    assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [durable.id]
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert nothing_more(shop.app, shop.durable_queue)
+
+
+def test_order_is_kept(shop):
+    with shop.outbox.transaction():
+        plain_ids = [shop.plain.delay(n).id for n in range(30)]
+        durable_ids = [shop.durable.delay(n).id for n in range(30)]
+    assert [m.id for m in receive(shop.app, shop.plain_queue, 30)] == plain_ids
+    assert [m.id for m in receive(shop.app, shop.durable_queue, 30)] == durable_ids
+
+
+def test_durable_row_exists_until_the_publish_and_is_gone_after(shop):
+    rows_when_published = []
+
+    def on_published(sender, message, relayed, **_):
+        rows_when_published.append(outgoing_rows(shop.outbox.store))
+
+    message_published.connect(on_published)
+    try:
+        with shop.outbox.transaction() as session:
+            shop.durable.delay(1)
+            session.flush()
+            assert outgoing_rows(shop.outbox.store) == 0, "uncommitted rows are invisible to others"
+    finally:
+        message_published.disconnect(on_published)
+    assert rows_when_published == [1]
+    assert outgoing_rows(shop.outbox.store) == 0
+    assert len(receive(shop.app, shop.durable_queue, 1)) == 1
+
+
+def test_two_relays_at_once_publish_each_row_once(shop, monkeypatch):
+    import threading
+
+    from kombu.messaging import Producer
+
+    real_publish = Producer.publish
+    refuse = threading.Event()
+    refuse.set()
+
+    def publish(self, body, *args, **kwargs):
+        if refuse.is_set():
+            raise ConnectionRefusedError("broker is down")
+        return real_publish(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(Producer, "publish", publish)
+    with shop.outbox.transaction():
+        ids = [shop.durable.delay(n).id for n in range(120)]
+    assert outgoing_rows(shop.outbox.store) == 120
+    refuse.clear()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(shop.outbox.relay())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(r.published for r in results) == 120
+    assert sorted(m.id for m in receive(shop.app, shop.durable_queue, 120)) == sorted(ids)
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert outgoing_rows(shop.outbox.store) == 0
+
+
+def test_broker_stopped_during_commit_then_relay_delivers(database_url, table_prefix, tmp_path):
+    """A real Redis broker is stopped: the commit succeeds, the row waits, the relay delivers it."""
+    broker = ThrowawayRedis(tmp_path).start()
+    shop = make_shop(broker.url, database_url, table_prefix)
+    try:
+        shop.outbox.ready()
+        broker.stop()
+        with shop.outbox.transaction():
+            result = shop.durable.delay("survives the outage")
+        assert outgoing_rows(shop.outbox.store) == 1
+        assert shop.outbox.relay().broker_error is not None, "the relay reports the broker is down"
+        assert outgoing_rows(shop.outbox.store) == 1
+        broker.start()
+        relayed = shop.outbox.relay()
+        assert relayed.published == 1 and relayed.broker_error is None
+        (message,) = receive(shop.app, shop.durable_queue, 1)
+        assert (message.id, message.args) == (result.id, ["survives the outage"])
+        assert outgoing_rows(shop.outbox.store) == 0
+    finally:
+        broker.stop()
+        _drop(shop.outbox.store)
+
+
+def test_store_and_forward_outside_a_unit_of_work_survives_a_broker_outage(database_url, table_prefix, tmp_path):
+    broker = ThrowawayRedis(tmp_path).start()
+    shop = make_shop(broker.url, database_url, table_prefix)
+    try:
+        shop.outbox.ready()
+        broker.stop()
+        result = shop.durable.delay("sent while the broker is down")
+        assert result.id
+        assert outgoing_rows(shop.outbox.store) == 1
+        broker.start()
+        assert shop.outbox.relay().published == 1
+        (message,) = receive(shop.app, shop.durable_queue, 1)
+        assert message.id == result.id
+        assert outgoing_rows(shop.outbox.store) == 0
+    finally:
+        broker.stop()
+        _drop(shop.outbox.store)
+
+
+def test_rabbitmq_unreachable_during_commit_then_relay_delivers(rabbitmq_url, database_url, table_prefix):
+    """The writer's broker connection is refused; a relay connected to RabbitMQ delivers the stored row."""
+    from ..services import free_port
+
+    writer = make_shop(f"amqp://guest:guest@127.0.0.1:{free_port()}//", database_url, table_prefix)
+    relay_app = make_shop(rabbitmq_url, database_url, table_prefix)
+    relay_app.app.conf.outbox_durable_queues = [writer.durable_queue]
+    try:
+        writer.outbox.ready()
+        with writer.outbox.transaction():
+            result = writer.durable.delay("stored")
+        assert outgoing_rows(writer.outbox.store) == 1
+        assert relay_app.outbox.relay().published == 1
+        (message,) = receive(relay_app.app, writer.durable_queue, 1)
+        assert (message.id, message.args) == (result.id, ["stored"])
+    finally:
+        purge(relay_app.app, writer.durable_queue)
+        _drop(writer.outbox.store)
+
+
+def run_writer(broker_url, database_url, table_prefix, crashpoint, durable_queue):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CELERY_OUTBOX_CRASHPOINT=crashpoint)
+    script = (
+        "import sys; from tests.apps.crashing_writer import main; "
+        "main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4])"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script, broker_url, database_url, table_prefix, durable_queue],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+
+
+@pytest.mark.parametrize("crashpoint", ["after_commit", "after_publish"])
+def test_process_dying_after_commit_loses_nothing(shop, crashpoint):
+    """The writer exits with os._exit right after the commit (nothing published) or right after the
+    publish (rows not deleted): the relay delivers what is missing; nothing is lost."""
+    done = run_writer(shop.app.conf.broker_url, shop.outbox.store.engine.url.render_as_string(False),
+                      shop.outbox.settings.table_prefix, crashpoint, shop.durable_queue)
+    assert done.returncode == EXIT_CODE, done.stderr
+    message_id = done.stdout.strip().splitlines()[-1]
+    assert outgoing_rows(shop.outbox.store) == 1, "the committed row survived the crash"
+    relayed = shop.outbox.relay()
+    assert relayed.published == 1
+    received = receive(shop.app, shop.durable_queue, 1 if crashpoint == "after_commit" else 2)
+    assert {m.id for m in received} == {message_id}, "delivered; after_publish may deliver a copy"
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert outgoing_rows(shop.outbox.store) == 0

@@ -1,0 +1,259 @@
+"""The store contract: the same tests against SQLite and a real PostgreSQL.
+
+Invariants: ``migrate`` is idempotent and concurrent-safe; outgoing rows go in with
+one INSERT and out with one DELETE; concurrent claimers never take the same row;
+an inbox key is inserted once and a duplicate is detected by error code.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import event, inspect
+from sqlalchemy.exc import IntegrityError
+
+from celery_outbox.store import SCHEMA_VERSION, Store, build_engine, is_unique_violation, utcnow
+
+from ..conftest import _drop
+
+
+def outgoing_row(n: int, **extra):
+    row = dict(
+        message_id=f"m{n}", task_name="t.add", destination="q", exchange="", routing_key="q",
+        body=b'[[1, 2], {}, {}]', content_type="application/json", content_encoding="utf-8",
+        headers="{}", properties="{}", created_at=utcnow(),
+    )
+    row.update(extra)
+    return row
+
+
+def incoming_row(message_id: str, **extra):
+    row = dict(message_id=message_id, destination="", task_name="t.add", queue="q", status="running",
+               received_at=utcnow())
+    row.update(extra)
+    return row
+
+
+class StatementLog:
+    def __init__(self, engine):
+        self.statements: list[str] = []
+        event.listen(engine, "before_cursor_execute", self._record)
+        self.engine = engine
+
+    def _record(self, conn, cursor, statement, parameters, context, executemany):
+        self.statements.append(statement)
+
+    def close(self):
+        event.remove(self.engine, "before_cursor_execute", self._record)
+
+    def of(self, verb: str) -> list[str]:
+        return [s for s in self.statements if s.lstrip().upper().startswith(verb)]
+
+
+def test_migrate_creates_every_table_and_index_and_is_idempotent(store: Store):
+    inspector = inspect(store.engine)
+    for table in store.tables.all():
+        assert inspector.has_table(table.name)
+        names = {ix["name"] for ix in inspector.get_indexes(table.name)}
+        assert {ix.name for ix in table.indexes} <= names
+    again = store.migrate()
+    assert again.created_tables == []
+    assert again.version_before == SCHEMA_VERSION
+    assert store.schema_version() == SCHEMA_VERSION
+
+
+def test_concurrent_migrations_both_succeed(database_url, table_prefix):
+    stores = [Store(build_engine(database_url), table_prefix) for _ in range(4)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(stores))
+
+    def run(store):
+        barrier.wait()
+        try:
+            store.migrate()
+        except BaseException as exc:  # noqa: BLE001 - the assertion below reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in stores]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert stores[0].missing_tables() == []
+        assert stores[0].schema_version() == SCHEMA_VERSION
+    finally:
+        _drop(stores[0])
+        for s in stores:
+            s.engine.dispose()
+
+
+def test_outgoing_rows_go_in_with_one_insert_and_out_with_one_delete(store: Store):
+    log = StatementLog(store.engine)
+    try:
+        with store.begin() as conn:
+            ids = store.insert_outgoing(conn, [outgoing_row(n) for n in range(50)])
+        assert len(ids) == 50 and ids == sorted(ids)
+        with store.begin() as conn:
+            assert store.delete_outgoing(conn, ids[:30]) == 30
+    finally:
+        log.close()
+    assert len([s for s in log.of("INSERT") if "outgoing" in s]) == 1
+    deletes = [s for s in log.of("DELETE") if "outgoing" in s]
+    assert len(deletes) == 1
+    if store.is_postgres:
+        assert "ANY" in deletes[0].upper()
+    assert store.count_outgoing() == 20
+
+
+def test_inserted_ids_follow_the_rows_order(store: Store):
+    with store.begin() as conn:
+        ids = store.insert_outgoing(conn, [outgoing_row(n) for n in range(10)])
+        rows = store.lock_pending_outgoing(conn, 100, utcnow())
+    assert [r.id for r in rows] == ids
+    assert [r.message_id for r in rows] == [f"m{n}" for n in range(10)]
+
+
+def test_scheduled_and_owned_rows_are_not_pending(store: Store):
+    now = utcnow()
+    with store.begin() as conn:
+        due, later, owned = store.insert_outgoing(conn, [
+            outgoing_row(1, deliver_at=now - timedelta(seconds=1)),
+            outgoing_row(2, deliver_at=now + timedelta(hours=1)),
+            outgoing_row(3),
+        ])
+        store.set_outgoing_owner(conn, [owned], 7, now)
+    with store.begin() as conn:
+        assert [r.id for r in store.lock_pending_outgoing(conn, 10, now)] == [due]
+    with store.begin() as conn:
+        store.set_outgoing_owner(conn, [owned], 0, None)
+        assert [r.id for r in store.lock_pending_outgoing(conn, 10, now)] == [due, owned]
+
+
+def test_concurrent_claimers_never_take_the_same_row(store: Store):
+    with store.begin() as conn:
+        store.insert_outgoing(conn, [outgoing_row(n) for n in range(200)])
+    taken: list[list[int]] = [[], [], []]
+    errors: list[BaseException] = []
+
+    def claimer(mine: list[int]):
+        try:
+            while True:
+                with store.begin() as conn:
+                    rows = store.lock_pending_outgoing(conn, 7, utcnow())
+                    if not rows:
+                        return
+                    mine.extend(r.id for r in rows)
+                    store.delete_outgoing(conn, [r.id for r in rows])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer, args=(m,)) for m in taken]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    every = [i for m in taken for i in m]
+    assert len(every) == 200 and len(set(every)) == 200
+    assert store.count_outgoing() == 0
+
+
+@pytest.mark.parametrize("n_lockers", [2])
+def test_skip_locked_lets_a_second_relay_take_other_rows(store: Store, n_lockers):
+    if not store.is_postgres:
+        pytest.skip("SQLite serialises writers: there is no second concurrent transaction to skip past")
+    with store.begin() as conn:
+        store.insert_outgoing(conn, [outgoing_row(n) for n in range(10)])
+    with store.engine.connect() as first, store.engine.connect() as second:
+        with first.begin(), second.begin():
+            a = store.lock_pending_outgoing(first, 6, utcnow())
+            b = store.lock_pending_outgoing(second, 10, utcnow())
+            assert len(a) == 6 and len(b) == 4
+            assert not {r.id for r in a} & {r.id for r in b}
+
+
+def test_failed_publish_is_counted_per_row(store: Store):
+    with store.begin() as conn:
+        (row_id,) = store.insert_outgoing(conn, [outgoing_row(1)])
+    with store.begin() as conn:
+        assert store.record_outgoing_failure(conn, row_id, "boom") == 1
+        assert store.record_outgoing_failure(conn, row_id, "boom again") == 2
+        (row,) = store.lock_pending_outgoing(conn, 1, utcnow())
+    assert row.attempts == 2 and row.last_error == "boom again"
+
+
+def test_an_inbox_key_is_inserted_once(store: Store):
+    with store.begin() as conn:
+        assert store.insert_incoming(conn, incoming_row("a")) is True
+    with store.begin() as conn:
+        assert store.insert_incoming(conn, incoming_row("a")) is False
+        assert store.insert_incoming(conn, incoming_row("a", destination="other")) is True
+
+
+def test_a_concurrent_inbox_insert_waits_for_the_first_and_then_conflicts(store: Store):
+    first_inserted = threading.Event()
+    release_first = threading.Event()
+    results: dict[str, bool] = {}
+
+    def first():
+        with store.begin() as conn:
+            results["first"] = store.insert_incoming(conn, incoming_row("same"))
+            first_inserted.set()
+            release_first.wait(10)
+
+    def second():
+        first_inserted.wait(10)
+        with store.begin() as conn:
+            results["second"] = store.insert_incoming(conn, incoming_row("same"))
+
+    t1, t2 = threading.Thread(target=first), threading.Thread(target=second)
+    t1.start()
+    t2.start()
+    t2.join(0.5)
+    assert t2.is_alive(), "the second insert must wait for the first transaction"
+    release_first.set()
+    t1.join()
+    t2.join()
+    assert results == {"first": True, "second": False}
+
+
+def test_duplicates_are_detected_by_error_code(store: Store):
+    table = store.tables.incoming
+    with store.begin() as conn:
+        conn.execute(table.insert().values(**incoming_row("dup")))
+    with pytest.raises(IntegrityError) as duplicate:
+        with store.begin() as conn:
+            conn.execute(table.insert().values(**incoming_row("dup")))
+    assert is_unique_violation(duplicate.value)
+    with pytest.raises(IntegrityError) as not_null:
+        with store.begin() as conn:
+            conn.execute(table.insert().values(**incoming_row("x", status=None)))
+    assert not is_unique_violation(not_null.value)
+
+
+def test_nodes_register_and_heartbeat(store: Store):
+    node = store.register_node("host:abc", "host", 123)
+    assert store.heartbeat(node) is True
+    assert [n.name for n in store.live_nodes()] == ["host:abc"]
+    assert store.heartbeat(node + 1000) is False
+
+
+def test_status_counts_rows_by_status_and_destination(store: Store):
+    now = utcnow()
+    with store.begin() as conn:
+        store.insert_outgoing(conn, [outgoing_row(1, created_at=now - timedelta(seconds=30)), outgoing_row(2),
+                                     outgoing_row(3, destination="later", deliver_at=now + timedelta(hours=1))])
+        store.insert_incoming(conn, incoming_row("a"))
+        store.insert_incoming(conn, incoming_row("b", status="handled", keep_until=now))
+    store.register_node("n1", "host", 1)
+    report = store.status(now)
+    assert {"status": "pending", "destination": "q", "count": 2} in report["outgoing"]
+    assert {"status": "scheduled", "destination": "later", "count": 1} in report["outgoing"]
+    assert {"status": "running", "queue": "q", "count": 1} in report["incoming"]
+    assert {"status": "handled", "queue": "q", "count": 1} in report["incoming"]
+    assert report["oldest_pending_outgoing_age_seconds"] == pytest.approx(30, abs=1)
+    assert [n["name"] for n in report["nodes"]] == ["n1"]

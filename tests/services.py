@@ -1,0 +1,187 @@
+"""Where the real services of the test suite are, and how a test asks for one.
+
+A test that needs PostgreSQL, Redis or RabbitMQ calls ``require(...)``: when the
+service does not answer, the test is skipped with the reason, except under
+``CELERY_OUTBOX_REQUIRE_SERVICES=1`` (set by ``.ci/run``), where it fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+
+POSTGRES_URL = os.environ.get("CELERY_OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+RABBITMQ_URL = os.environ.get("CELERY_OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+URLS = {"postgres": POSTGRES_URL, "redis": REDIS_URL, "rabbitmq": RABBITMQ_URL}
+DEFAULT_PORTS = {"postgres": 5432, "redis": 6379, "rabbitmq": 5672}
+
+
+def services_required() -> bool:
+    return os.environ.get("CELERY_OUTBOX_REQUIRE_SERVICES") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _unreachable_reason(service: str) -> str | None:
+    parts = urlsplit(URLS[service].replace("+psycopg", ""))
+    host, port = parts.hostname or "127.0.0.1", parts.port or DEFAULT_PORTS[service]
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            pass
+    except OSError as exc:
+        return f"{service} is not reachable at {host}:{port} ({exc})"
+    if service == "postgres":
+        try:
+            import psycopg
+
+            psycopg.connect(URLS[service].replace("postgresql+psycopg", "postgresql"), connect_timeout=3).close()
+        except Exception as exc:  # any failure to log in means the service is unusable here
+            return f"postgres at {host}:{port} refused the test login ({exc})"
+    return None
+
+
+def require(service: str) -> str:
+    """The service's URL, or skip (fail under CELERY_OUTBOX_REQUIRE_SERVICES=1) when it is down."""
+    reason = _unreachable_reason(service)
+    if reason is not None:
+        if services_required():
+            pytest.fail(f"{reason}; CELERY_OUTBOX_REQUIRE_SERVICES=1 demands it")
+        pytest.skip(reason)
+    return URLS[service]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition, timeout: float = 20.0, interval: float = 0.05, message: str = "condition"):
+    """Poll ``condition`` until it returns a truthy value; fail with ``message`` after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+class ThrowawayRedis:
+    """A private redis-server on a free port, for tests that stop and restart the broker."""
+
+    def __init__(self, tmp_path):
+        import shutil
+
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            if services_required():
+                pytest.fail("redis-server is not installed; CELERY_OUTBOX_REQUIRE_SERVICES=1 demands it")
+            pytest.skip("redis-server is not installed")
+        self.port = free_port()
+        self.dir = tmp_path
+        self.process = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def start(self) -> "ThrowawayRedis":
+        import subprocess
+
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+             "--dir", str(self.dir), "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_until(self._answers, message=f"redis-server on port {self.port} to answer")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+            self.process = None
+
+
+class TcpProxy:
+    """A TCP proxy on a free local port in front of a real service. ``stop()`` cuts every
+    connection and refuses new ones, as a service that goes down does; ``start()`` brings it back."""
+
+    def __init__(self, target_host: str, target_port: int):
+        import threading
+
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> "TcpProxy":
+        import threading
+
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def _accept(self, listener: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._connections.update((client, upstream))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            for sock in self._connections:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+                except OSError:
+                    pass
+            self._connections.clear()

@@ -1,0 +1,124 @@
+"""Settings: three spellings, validation with clear errors, did-you-mean, frozen result."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from datetime import timedelta
+
+import pytest
+from celery import Celery
+
+from celery_outbox import ConfigurationError, OutboxSettings
+from celery_outbox.config import SETTINGS, read_settings
+
+
+def app_with(**conf) -> Celery:
+    app = Celery("t", broker="memory://", set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+def settings_of(app: Celery) -> OutboxSettings:
+    return read_settings(app.conf, namespace=app.namespace)
+
+
+def test_defaults_when_nothing_is_set():
+    settings = settings_of(app_with())
+    assert settings == OutboxSettings()
+    assert settings.database_url.startswith("sqlite:///")
+    assert settings.durable_queues == frozenset()
+    assert settings.message_identity == "id" and settings.idempotency_style == "optimistic"
+
+
+def test_lowercase_spelling():
+    settings = settings_of(app_with(outbox_database_url="sqlite:///a.db", outbox_durable_queues=["payments"]))
+    assert settings.database_url == "sqlite:///a.db"
+    assert settings.durable_queues == frozenset({"payments"})
+
+
+def test_old_style_uppercase_spelling():
+    settings = settings_of(app_with(CELERY_OUTBOX_DURABLE_QUEUES="payments, orders", CELERY_OUTBOX_RELAY_BATCH_SIZE=7))
+    assert settings.durable_queues == frozenset({"payments", "orders"})
+    assert settings.relay_batch_size == 7
+
+
+def test_django_namespace_spelling():
+    django_settings = types.SimpleNamespace(
+        CELERY_BROKER_URL="memory://",
+        CELERY_OUTBOX_DURABLE_QUEUES=("payments",),
+        CELERY_OUTBOX_IDEMPOTENCY_STYLE="eager",
+        OUTBOX_SOMETHING_ELSE="not ours: no CELERY_ prefix",
+    )
+    app = Celery("t", set_as_current=False)
+    app.config_from_object(django_settings, namespace="CELERY")
+    settings = settings_of(app)
+    assert settings.durable_queues == frozenset({"payments"})
+    assert settings.idempotency_style == "eager"
+
+
+def test_other_namespace():
+    app = Celery("t", set_as_current=False)
+    app.config_from_object(types.SimpleNamespace(TASKS_OUTBOX_TABLE_PREFIX="shop_"), namespace="TASKS")
+    assert settings_of(app).table_prefix == "shop_"
+
+
+def test_unknown_setting_is_an_error_with_a_did_you_mean():
+    expected = r"unknown setting outbox_durable_queue; did you mean outbox_durable_queues\?"
+    with pytest.raises(ConfigurationError, match=expected):
+        settings_of(app_with(outbox_durable_queue=["x"]))
+    with pytest.raises(ConfigurationError, match="did you mean CELERY_OUTBOX_DATABASE_URL"):
+        settings_of(app_with(CELERY_OUTBOX_DATABSE_URL="sqlite://"))
+
+
+@pytest.mark.parametrize(
+    "key, value, allowed",
+    [
+        ("outbox_table_prefix", "drop table;", "SQL identifier"),
+        ("outbox_table_prefix", "1abc", "SQL identifier"),
+        ("outbox_table_prefix", "x" * 40, "at most 32"),
+        ("outbox_message_identity", "uuid", "'id', 'id_and_destination'"),
+        ("outbox_idempotency_style", "pessimistic", "'optimistic', 'eager'"),
+        ("outbox_keep_after_handling", -1, "positive number of seconds"),
+        ("outbox_keep_after_handling", "1 day", "positive number of seconds"),
+        ("outbox_relay_batch_size", 0, "positive whole number"),
+        ("outbox_relay_batch_size", True, "positive whole number"),
+        ("outbox_durable_queues", 5, "queue names"),
+        ("outbox_durable_queues", ["ok", ""], "non-empty string"),
+        ("outbox_auto_create_schema", "maybe", "True or False"),
+        ("outbox_database_url", "", "non-empty string"),
+        ("outbox_engine_options", "pool_size=5", "dict"),
+    ],
+)
+def test_bad_values_name_the_setting_the_value_and_what_is_allowed(key, value, allowed):
+    with pytest.raises(ConfigurationError) as error:
+        settings_of(app_with(**{key: value}))
+    message = str(error.value)
+    assert key in message and repr(value) in message and allowed in message
+
+
+def test_a_setting_given_twice_with_different_values_is_an_error():
+    with pytest.raises(ConfigurationError, match="disagree"):
+        settings_of(app_with(outbox_relay_batch_size=5, CELERY_OUTBOX_RELAY_BATCH_SIZE=6))
+
+
+def test_durations_accept_timedelta_and_settings_are_frozen():
+    settings = settings_of(app_with(outbox_keep_after_handling=timedelta(days=2), outbox_inbox_stale_time=90))
+    assert settings.keep_after_handling == 2 * 86400.0
+    assert settings.inbox_stale_time == 90.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.relay_batch_size = 1  # type: ignore[misc]
+
+
+def test_overrides_win_and_are_validated():
+    assert read_settings({"outbox_relay_batch_size": 5}, relay_batch_size=9).relay_batch_size == 9
+    with pytest.raises(ConfigurationError, match="unknown setting 'nope'"):
+        read_settings({}, nope=1)
+
+
+def test_every_setting_is_documented_in_the_readme():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for setting in SETTINGS:
+        assert f"`{setting.key}`" in readme, f"README.md does not document {setting.key}"

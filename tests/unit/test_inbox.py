@@ -1,0 +1,258 @@
+"""The inbox on SQLite with an in-process worker: claims, duplicates, retries, dead letters.
+
+Real worker processes on PostgreSQL, Redis and RabbitMQ: tests/integration/test_inbox_workers.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from celery import Celery, signals
+from celery.contrib.testing.worker import start_worker
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
+
+from celery_outbox import IdempotentTask, Outbox
+from celery_outbox.errors import OutboxError
+from celery_outbox.signals import duplicate_discarded
+
+from ..brokers import receive_until_marker
+
+
+class Harness:
+    """An app with an in-process solo worker, a user table, and a record of task outcomes."""
+
+    def __init__(self, sqlite_url: str, prefix: str, **conf):
+        suffix = uuid.uuid4().hex[:8]
+        self.queue, self.other_queue = f"q_{suffix}", f"other_{suffix}"
+        self.app = Celery(f"inbox_{suffix}", broker="memory://", set_as_current=False)
+        self.app.conf.update(task_default_queue=self.queue, outbox_database_url=sqlite_url,
+                             outbox_table_prefix=prefix, result_backend="cache+memory://",
+                             broker_transport_options={"polling_interval": 0.01}, **conf)
+        self.outbox = Outbox(self.app)
+        self.outbox.ready()
+        self.metadata = MetaData()
+        self.effects = Table(f"{prefix}effects", self.metadata, Column("id", Integer, primary_key=True),
+                             Column("note", String(100)))
+        self.metadata.create_all(self.outbox.engine)
+        self.runs: list[tuple[str, int]] = []
+        self.states: dict[str, list[str]] = {}
+        self.failures: list[str] = []
+        self.done = threading.Condition()
+        self._connect_signals()
+
+    def _connect_signals(self):
+        def postrun(sender=None, task_id=None, state=None, **_):
+            with self.done:
+                self.states.setdefault(task_id, []).append(state)
+                self.done.notify_all()
+
+        def failure(sender=None, task_id=None, **_):
+            self.failures.append(task_id)
+
+        self._receivers = (postrun, failure)  # keep strong references
+        signals.task_postrun.connect(postrun, weak=False)
+        signals.task_failure.connect(failure, weak=False)
+
+    def close(self):
+        signals.task_postrun.disconnect(self._receivers[0])
+        signals.task_failure.disconnect(self._receivers[1])
+
+    def wait_for_states(self, task_id: str, count: int, timeout: float = 15.0) -> list[str]:
+        with self.done:
+            assert self.done.wait_for(lambda: len(self.states.get(task_id, [])) >= count, timeout), self.states
+            return list(self.states[task_id])
+
+    def effect_count(self) -> int:
+        with self.outbox.engine.begin() as conn:
+            return conn.execute(select(func.count()).select_from(self.effects)).scalar_one()
+
+    def worker(self, queues=None):
+        return start_worker(self.app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
+                            queues=queues or [self.queue])
+
+
+@pytest.fixture
+def harness(sqlite_url, table_prefix):
+    harness = Harness(sqlite_url, table_prefix)
+    yield harness
+    harness.close()
+
+
+def define_pay(harness, **options):
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.pay", shared=False, **options)
+    def pay(self, note):
+        harness.runs.append((self.request.id, self.request.retries))
+        self.session.execute(insert(harness.effects).values(note=note))
+        return note
+
+    return pay
+
+
+def test_same_id_delivered_twice_runs_once(harness):
+    pay = define_pay(harness)
+    discarded = []
+
+    def on_discard(sender, message_id, task_name, queue, **_):
+        discarded.append((message_id, task_name, queue))
+
+    duplicate_discarded.connect(on_discard)
+    try:
+        with harness.worker():
+            pay.apply_async(("first",), task_id="pay-1")
+            assert harness.wait_for_states("pay-1", 1) == ["SUCCESS"]
+            pay.apply_async(("copy",), task_id="pay-1")
+            assert harness.wait_for_states("pay-1", 2) == ["SUCCESS", "IGNORED"]
+    finally:
+        duplicate_discarded.disconnect(on_discard)
+    assert harness.runs == [("pay-1", 0)]
+    assert harness.effect_count() == 1
+    assert harness.failures == []
+    assert discarded == [("pay-1", "shop.pay", harness.queue)]
+    row = harness.outbox.store.get_incoming("pay-1")
+    assert (row.status, row.duplicates) == ("handled", 1)
+    assert row.keep_until is not None and row.handled_at is not None
+
+
+def test_an_exception_rolls_back_the_claim_and_the_effects_and_dead_letters_the_envelope(harness):
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.broken", shared=False)
+    def broken(self, note):
+        self.session.execute(insert(harness.effects).values(note=note))
+        raise ValueError(f"cannot handle {note}")
+
+    with harness.worker():
+        broken.apply_async(("x",), task_id="broken-1")
+        assert harness.wait_for_states("broken-1", 1) == ["FAILURE"]
+        broken.apply_async(("x",), task_id="broken-1")
+        assert harness.wait_for_states("broken-1", 2) == ["FAILURE", "IGNORED"]
+    assert harness.effect_count() == 0, "the body's writes rolled back"
+    assert harness.failures == ["broken-1"], "the duplicate is no failure"
+    assert harness.outbox.store.get_incoming("broken-1").status == "dead"
+    with harness.outbox.store.begin() as conn:
+        (letter,) = conn.execute(select(harness.outbox.store.tables.dead_letters)).all()
+    assert (letter.message_id, letter.reason, letter.exception_type) == ("broken-1", "failed", "ValueError")
+    assert letter.exception_message == "cannot handle x"
+    assert "ValueError: cannot handle x" in letter.traceback
+    assert letter.body and letter.task_name == "shop.broken"
+
+
+def test_a_retry_is_a_new_attempt_and_runs(harness):
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.flaky", shared=False, max_retries=2)
+    def flaky(self):
+        harness.runs.append((self.request.id, self.request.retries))
+        self.session.execute(insert(harness.effects).values(note=f"attempt {self.request.retries}"))
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return "ok"
+
+    with harness.worker():
+        flaky.apply_async(task_id="flaky-1")
+        assert harness.wait_for_states("flaky-1", 2) == ["RETRY", "SUCCESS"]
+        flaky.apply_async(task_id="flaky-1")  # a late redelivery of attempt 0
+        assert harness.wait_for_states("flaky-1", 3)[-1] == "IGNORED"
+    assert harness.runs == [("flaky-1", 0), ("flaky-1", 1)]
+    with harness.outbox.engine.begin() as conn:
+        assert conn.execute(select(harness.effects.c.note)).scalars().all() == ["attempt 1"]
+
+
+def test_messages_sent_by_the_body_go_out_after_its_commit(harness):
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.notify", shared=False)
+    def notify(self, to_queue):
+        self.app.send_task("shop.receipt", args=["r"], queue=to_queue)
+        assert receive_until_marker(self.app, to_queue, "before-commit") == [], "not before the commit"
+
+    receipts = f"receipts_{uuid.uuid4().hex[:8]}"
+    with harness.worker():
+        notify.apply_async((receipts,), task_id="n-1")
+        assert harness.wait_for_states("n-1", 1) == ["SUCCESS"]
+    assert [m.task for m in receive_until_marker(harness.app, receipts, "after")] == ["shop.receipt"]
+
+
+def test_id_and_destination_runs_one_id_once_per_queue(sqlite_url, table_prefix):
+    harness = Harness(sqlite_url, table_prefix, outbox_message_identity="id_and_destination")
+    try:
+        pay = define_pay(harness)
+        with harness.worker(queues=[harness.queue, harness.other_queue]):
+            pay.apply_async(("a",), task_id="shared-1", queue=harness.queue)
+            pay.apply_async(("b",), task_id="shared-1", queue=harness.other_queue)
+            pay.apply_async(("c",), task_id="shared-1", queue=harness.other_queue)
+            assert sorted(harness.wait_for_states("shared-1", 3)) == ["IGNORED", "SUCCESS", "SUCCESS"]
+        assert harness.effect_count() == 2
+    finally:
+        harness.close()
+
+
+def test_eager_style_commits_the_claim_before_the_body(harness):
+    seen_during_body = []
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.eager", shared=False)
+    def eager(self):
+        seen_during_body.append(harness.outbox.store.get_incoming(self.request.id).status)
+
+    eager.idempotency = "eager"
+    with harness.worker():
+        eager.apply_async(task_id="e-1")
+        eager.apply_async(task_id="e-1")
+        assert harness.wait_for_states("e-1", 2) == ["SUCCESS", "IGNORED"]
+    assert seen_during_body == ["running"], "another connection sees the committed claim while the body runs"
+    row = harness.outbox.store.get_incoming("e-1")
+    assert (row.status, row.owner, row.duplicates) == ("handled", 0, 1)
+
+
+def test_global_eager_style_setting(sqlite_url, table_prefix):
+    harness = Harness(sqlite_url, table_prefix, outbox_idempotency_style="eager")
+    try:
+        statuses = []
+
+        @harness.app.task(base=IdempotentTask, bind=True, name="shop.g", shared=False)
+        def g(self):
+            statuses.append(harness.outbox.store.get_incoming(self.request.id).status)
+
+        with harness.worker():
+            g.apply_async(task_id="g-1")
+            assert harness.wait_for_states("g-1", 1) == ["SUCCESS"]
+        assert statuses == ["running"]
+    finally:
+        harness.close()
+
+
+def test_plain_tasks_on_durable_queues_get_an_envelope_and_reject_duplicates(sqlite_url, table_prefix):
+    durable_queue = f"durable_{uuid.uuid4().hex[:8]}"
+    harness = Harness(sqlite_url, table_prefix + "d", outbox_durable_queues=[durable_queue])
+    try:
+        calls = []
+
+        @harness.app.task(name="shop.plain_on_durable", shared=False)
+        def plain_on_durable(x):
+            calls.append(x)
+
+        with harness.worker(queues=[durable_queue]):
+            plain_on_durable.apply_async((1,), task_id="d-1", queue=durable_queue)
+            plain_on_durable.apply_async((1,), task_id="d-1", queue=durable_queue)
+            assert harness.wait_for_states("d-1", 2) == ["SUCCESS", "IGNORED"]
+        assert calls == [1]
+        row = harness.outbox.store.get_incoming("d-1")
+        assert (row.status, row.queue, row.task_name) == ("handled", durable_queue, "shop.plain_on_durable")
+        assert row.body and row.headers, "the full envelope is kept for recovery and replay"
+    finally:
+        harness.close()
+
+
+def test_direct_calls_and_eager_mode_run_the_body_in_a_unit_of_work(harness):
+    pay = define_pay(harness)
+    assert pay("direct") == "direct"
+    assert pay.apply(("eager",)).get() == "eager"
+    assert harness.effect_count() == 2
+    assert harness.outbox.store.count_incoming() == 0, "no message, nothing to deduplicate"
+
+
+def test_session_outside_the_body_is_a_clear_error(harness):
+    pay = define_pay(harness)
+    with pytest.raises(OutboxError, match="only while the task body runs"):
+        pay.session  # noqa: B018
+
+
+def test_idempotent_task_defaults():
+    assert IdempotentTask.acks_late is True
+    assert IdempotentTask.reject_on_worker_lost is True

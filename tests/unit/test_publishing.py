@@ -1,0 +1,297 @@
+"""Publish after commit: fast checks on SQLite and kombu's in-memory transport.
+
+The same behaviour is checked against PostgreSQL, Redis and RabbitMQ in
+tests/integration/test_outbox_publishing.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from celery import chain, chord, group
+from kombu.messaging import Producer
+from sqlalchemy import text
+
+from celery_outbox.signals import message_published, publish_failed
+
+from ..apps.factory import make_shop
+from ..brokers import nothing_more, receive, receive_until_marker
+from ..conftest import outgoing_rows
+
+
+@pytest.fixture
+def shop(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix)
+    shop.outbox.ready()
+    return shop
+
+
+
+
+
+
+def test_commit_publishes_once_after_the_commit(shop):
+    with shop.outbox.transaction():
+        result = shop.plain.delay(1)
+        assert nothing_more(shop.app, shop.plain_queue), "nothing may reach the broker before the commit"
+    assert result.id and isinstance(result.id, str)
+    (message,) = receive(shop.app, shop.plain_queue, 1)
+    assert (message.id, message.args) == (result.id, [1])
+    assert nothing_more(shop.app, shop.plain_queue)
+
+
+def test_rollback_publishes_nothing(shop):
+    with pytest.raises(RuntimeError):
+        with shop.outbox.transaction():
+            shop.plain.delay(1)
+            shop.durable.delay(2)
+            raise RuntimeError("the caller's transaction fails")
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert shop.outbox.store.count_outgoing() == 0
+
+
+def test_messages_are_published_in_call_order(shop):
+    with shop.outbox.transaction():
+        ids = [shop.plain.apply_async((n,), queue=shop.plain_queue).id for n in range(20)]
+    assert [m.id for m in receive(shop.app, shop.plain_queue, 20)] == ids
+
+
+def test_durable_row_is_stored_in_the_transaction_and_deleted_after_the_publish(shop):
+    rows_at_publish = []
+
+    def on_published(sender, message, relayed, **_):
+        rows_at_publish.append(outgoing_rows(shop.outbox.store))
+
+    message_published.connect(on_published)
+    try:
+        with shop.outbox.transaction() as session:
+            result = shop.durable.delay(5)
+            session.flush()
+        assert shop.outbox.store.count_outgoing() == 0
+    finally:
+        message_published.disconnect(on_published)
+    assert rows_at_publish == [1], "the row exists while the message is published"
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args, message.task) == (result.id, [5], "shop.durable")
+
+
+def test_durable_rows_are_inserted_with_one_statement_per_flush(shop):
+    from ..integration.test_store_contract import StatementLog
+
+    log = StatementLog(shop.outbox.engine)
+    try:
+        with shop.outbox.transaction():
+            for n in range(25):
+                shop.durable.delay(n)
+    finally:
+        log.close()
+    assert len([s for s in log.of("INSERT") if "outgoing" in s]) == 1
+    assert len([s for s in log.of("DELETE") if "outgoing" in s]) == 1
+    assert [m.args for m in receive(shop.app, shop.durable_queue, 25)] == [[n] for n in range(25)]
+
+
+def test_nested_blocks_join_the_outer_one(shop):
+    with shop.outbox.transaction() as outer:
+        with shop.outbox.transaction() as inner:
+            assert inner is outer
+            shop.plain.delay("inner")
+        assert nothing_more(shop.app, shop.plain_queue), "the inner block does not commit"
+        shop.plain.delay("outer")
+    assert [m.args for m in receive(shop.app, shop.plain_queue, 2)] == [["inner"], ["outer"]]
+
+
+def test_a_rolled_back_savepoint_discards_only_its_messages(shop):
+    with shop.outbox.transaction() as session:
+        shop.plain.delay("before")
+        with pytest.raises(ValueError):
+            with session.begin_nested():
+                shop.plain.delay("inside")
+                shop.durable.delay("inside")
+                raise ValueError
+        with session.begin_nested():
+            shop.plain.delay("kept savepoint")
+        shop.plain.delay("after")
+    assert [m.args for m in receive(shop.app, shop.plain_queue, 3)] == [["before"], ["kept savepoint"], ["after"]]
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert nothing_more(shop.app, shop.durable_queue)
+
+
+def test_joining_a_session_the_caller_owns_publishes_at_its_commit(shop):
+    from sqlalchemy.orm import Session
+
+    with Session(shop.outbox.engine) as session:
+        session.execute(text("SELECT 1"))
+        with shop.outbox.transaction(session):
+            shop.plain.delay("joined")
+        assert nothing_more(shop.app, shop.plain_queue), "the block ended but the session has not committed"
+        session.commit()
+        assert [m.args for m in receive(shop.app, shop.plain_queue, 1)] == [["joined"]]
+        with shop.outbox.transaction(session):
+            shop.plain.delay("rolled back")
+        session.rollback()
+    assert nothing_more(shop.app, shop.plain_queue)
+
+
+def test_canvas_is_caught_and_published_after_commit(shop):
+    add = shop.plain
+    with shop.outbox.transaction():
+        chain(add.si(1), add.si(2)).apply_async()
+        group(add.si(3), add.si(4)).apply_async()
+        assert nothing_more(shop.app, shop.plain_queue)
+    received = receive(shop.app, shop.plain_queue, 3)
+    assert [m.args for m in received] == [[1], [3], [4]]
+    assert received[0].headers.get("id")
+
+
+def test_chord_header_is_caught(shop, tmp_path):
+    shop.app.conf.result_backend = f"db+sqlite:///{tmp_path / 'results.sqlite3'}"
+    with shop.outbox.transaction():
+        chord([shop.plain.si(1), shop.plain.si(2)])(shop.plain.s())
+        assert nothing_more(shop.app, shop.plain_queue)
+    received = receive(shop.app, shop.plain_queue, 3)
+    assert sorted(m.args[0] for m in received if m.task == "shop.plain") == [1, 2]
+    assert [m.task for m in received if m.task != "shop.plain"] == ["celery.chord_unlock"]
+
+
+def test_outside_a_unit_of_work_plain_queues_behave_as_plain_celery(shop):
+    result = shop.plain.delay(7)
+    (message,) = receive(shop.app, shop.plain_queue, 1)
+    assert message.id == result.id
+
+
+def test_store_and_forward_outside_a_unit_of_work(shop):
+    result = shop.durable.delay(8)
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert message.id == result.id
+    assert shop.outbox.store.count_outgoing() == 0
+
+
+def _failing_publish(monkeypatch):
+    real_publish = Producer.publish
+
+    def publish(self, body, *args, **kwargs):
+        if kwargs.get("routing_key", "").startswith("durable_"):
+            raise ConnectionRefusedError("broker is down")
+        return real_publish(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(Producer, "publish", publish)
+
+
+def test_failed_publish_after_commit_keeps_the_row_and_the_relay_sends_it(shop, monkeypatch):
+    failures = []
+
+    def on_failed(sender, message, exception, **_):
+        failures.append((message.message_id, type(exception)))
+
+    publish_failed.connect(on_failed)
+    try:
+        with monkeypatch.context() as patch:
+            _failing_publish(patch)
+            with shop.outbox.transaction():
+                result = shop.durable.delay(9)
+            assert shop.outbox.store.count_outgoing() == 1, "the row stays for the relay"
+            assert failures == [(result.id, ConnectionRefusedError)]
+        relayed = shop.outbox.relay()
+    finally:
+        publish_failed.disconnect(on_failed)
+    assert relayed.published == 1 and relayed.broker_error is None
+    assert shop.outbox.store.count_outgoing() == 0
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args) == (result.id, [9])
+
+
+def test_a_poison_row_goes_to_dead_letters_and_does_not_block_the_others(sqlite_url, table_prefix, monkeypatch):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_relay_max_attempts=2)
+    real_publish = Producer.publish
+
+    def publish(self, body, *args, **kwargs):
+        if kwargs.get("headers", {}).get("argsrepr") == "('poison',)":
+            raise ValueError("this message cannot be encoded by the broker")
+        return real_publish(self, body, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        _failing_publish(patch)
+        with shop.outbox.transaction():
+            shop.durable.delay("poison")
+            good = shop.durable.delay("good")
+    monkeypatch.setattr(Producer, "publish", publish)
+    first = shop.outbox.relay()
+    assert (first.published, first.failed, first.dead_lettered) == (1, 1, 0)
+    second = shop.outbox.relay()
+    assert (second.published, second.failed, second.dead_lettered) == (0, 1, 1)
+    assert shop.outbox.store.count_outgoing() == 0
+    assert shop.outbox.store.count_dead_letters() == 1
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert message.id == good.id
+
+
+def test_retry_inside_a_rolled_back_unit_of_work_is_still_published(shop):
+    from celery.contrib.testing.worker import start_worker
+
+    app = shop.app
+    effects_queue = f"effects_{uuid.uuid4().hex[:8]}"
+    attempts = []
+
+    @app.task(name="shop.flaky", bind=True, shared=False, max_retries=3)
+    def flaky(self):
+        attempts.append(self.request.retries)
+        with shop.outbox.transaction():
+            shop.plain.apply_async((f"effect of attempt {self.request.retries}",), queue=effects_queue)
+            if self.request.retries == 0:
+                raise self.retry(countdown=0)
+        return "done"
+
+    app.conf.result_backend = "cache+memory://"
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        result = flaky.delay()
+        assert result.get(timeout=10) == "done"
+    assert attempts == [0, 1]
+    assert [m.args for m in receive_until_marker(app, effects_queue, "end")] == [["effect of attempt 1"]]
+
+
+def test_replace_inside_a_unit_of_work_is_published(shop):
+    from celery.contrib.testing.worker import start_worker
+
+    app = shop.app
+    effects_queue = f"effects_{uuid.uuid4().hex[:8]}"
+
+    @app.task(name="shop.replaced", bind=True, shared=False)
+    def replaced(self):
+        with shop.outbox.transaction():
+            raise self.replace(shop.plain.si("replacement").set(queue=effects_queue))
+
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        result = replaced.delay()
+        (message,) = receive(app, effects_queue, 1)
+    assert message.args == ["replacement"]
+    assert (message.id, message.headers["replaced_task_nesting"]) == (result.id, 1)
+
+
+def test_beat_runs_the_relay_under_a_documented_name(shop):
+    entry = shop.app.conf.beat_schedule["celery_outbox.recover"]
+    assert entry["task"] == "celery_outbox.recover"
+    assert entry["schedule"] == shop.outbox.settings.recover_interval
+    assert entry["options"]["expires"] == shop.outbox.settings.recover_interval
+    with pytest.MonkeyPatch.context() as patch:
+        _failing_publish(patch)
+        shop.durable.delay("stranded")
+    assert shop.outbox.store.count_outgoing() == 1
+    outcome = shop.app.tasks["celery_outbox.recover"].apply().get()
+    assert outcome["published"] == 1
+    assert [m.args for m in receive(shop.app, shop.durable_queue, 1)] == [["stranded"]]
+
+
+def test_maintenance_queue_routes_the_beat_task(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_maintenance_queue="maintenance")
+    assert shop.app.conf.beat_schedule["celery_outbox.recover"]["options"]["queue"] == "maintenance"
+
+
+def test_eager_mode_runs_tasks_at_once_inside_the_transaction(shop):
+    shop.app.conf.task_always_eager = True
+    with shop.outbox.transaction():
+        result = shop.plain.delay(3)
+        assert result.get() == 3, "task_always_eager runs the task at the call, as plain Celery does"
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert shop.outbox.store.count_outgoing() == 0
