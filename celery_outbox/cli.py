@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 import click
 
+from .deadletters import DeadLetterFilter, purge, replay
 from .errors import OutboxError
 from .outbox import Outbox, outbox_of
+from .store import as_utc, utcnow
 
 __all__ = ["outbox"]
 
@@ -68,6 +72,30 @@ def relay(box: Outbox, max_batches: int | None) -> None:
 
 
 @outbox.command()
+@click.option("--max-batches", type=click.IntRange(min=1), default=None,
+              help="Batches per step (default: outbox_max_batches_per_run).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@_with_outbox
+def recover(box: Outbox, max_batches: int | None, as_json: bool) -> None:
+    """One recover pass, as beat runs it: dead nodes, released claims, relay, stranded envelopes."""
+    result = box.recover(max_batches)
+    click.echo(json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else str(result))
+    if result.broker_error or result.relay.broker_error:
+        raise SystemExit(1)
+
+
+@outbox.command()
+@click.option("--max-batches", type=click.IntRange(min=1), default=None,
+              help="Batches per step (default: outbox_max_batches_per_run).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@_with_outbox
+def cleanup(box: Outbox, max_batches: int | None, as_json: bool) -> None:
+    """One cleanup pass, as beat runs it: expired inbox rows and, with a retention, old dead letters."""
+    result = box.cleanup(max_batches)
+    click.echo(json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else str(result))
+
+
+@outbox.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
 @_with_outbox
 def status(box: Outbox, as_json: bool) -> None:
@@ -103,3 +131,152 @@ def format_status(report: dict[str, Any]) -> str:
     lines.append(f"oldest running incoming: {_age(report['oldest_running_incoming_age_seconds'])}")
     lines += _table("nodes", report["nodes"], ["id", "name", "pid", "heartbeat_age_seconds", "stale_checks"])
     return "\n".join(lines)
+
+
+# -- dead letters ----------------------------------------------------------------------------------
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class Age(click.ParamType):
+    """A duration: ``90``, ``90s``, ``15m``, ``2h``, ``7d``, ``1w``."""
+
+    name = "age"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(value))
+        if not match:
+            self.fail(f"{value!r} is not a duration; write e.g. 90s, 15m, 2h, 7d", param, ctx)
+        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
+
+
+class Since(click.ParamType):
+    """A moment: a duration back from now (``2h``) or an ISO time (``2026-11-01T12:00``, UTC if naive)."""
+
+    name = "since"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> datetime:
+        if isinstance(value, datetime):
+            return value
+        try:
+            return utcnow() - Age().convert(value, param, ctx)
+        except click.BadParameter:
+            pass
+        try:
+            moment = datetime.fromisoformat(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is neither a duration (2h, 7d) nor an ISO time (2026-11-01T12:00)", param, ctx)
+        return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def _filters(command: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed([
+        click.option("--task", help="Only this task name."),
+        click.option("--queue", help="Only this queue."),
+        click.option("--exception", help="Only this exception type, e.g. ValueError."),
+        click.option("--reason", type=click.Choice(["failed", "poison", "expired", "malformed", "worker_lost"]),
+                     help="Only this reason."),
+        click.option("--since", type=Since(), help="Failed at or after: a duration back (2h) or an ISO time."),
+    ]):
+        command = option(command)
+    return command
+
+
+@outbox.group(name="dead-letters")
+def dead_letters() -> None:
+    """Envelopes that failed for good: list, show, replay, purge."""
+
+
+@dead_letters.command(name="list")
+@_filters
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines for machines.")
+@_with_outbox
+def list_dead_letters(box: Outbox, task, queue, exception, reason, since, limit: int, as_json: bool) -> None:
+    """Dead letters matching the filters, oldest first."""
+    store = box.ready().store
+    which = DeadLetterFilter(task=task, queue=queue, exception=exception, reason=reason, since=since)
+    rows = store.list_dead_letters(which.where(store), limit=limit)
+    total = store.count_matching_dead_letters(which.where(store))
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(_summary(row), default=str))
+        return
+    columns = ["id", "failed_at", "reason", "task", "queue", "message_id", "exception", "replays"]
+    click.echo("\n".join(_table("dead letters", [_summary(row) for row in rows], columns)))
+    if total > len(rows):
+        click.echo(f"({len(rows)} of {total} shown; use --limit or filters)")
+
+
+def _summary(row: Any) -> dict[str, Any]:
+    failed_at = as_utc(row.failed_at)
+    return {
+        "id": row.id, "failed_at": failed_at.isoformat(timespec="seconds") if failed_at else "",
+        "reason": row.reason, "task": row.task_name, "queue": row.queue, "message_id": row.message_id,
+        "exception": row.exception_type or "", "replays": row.replay_count,
+    }
+
+
+@dead_letters.command(name="show")
+@click.argument("dead_letter_id", type=int)
+@_with_outbox
+def show_dead_letter(box: Outbox, dead_letter_id: int) -> None:
+    """One dead letter in full: envelope, exception and traceback."""
+    row = box.ready().store.get_dead_letter(dead_letter_id)
+    if row is None:
+        raise click.ClickException(f"no dead letter with id {dead_letter_id}")
+    for key in ("id", "message_id", "task_name", "queue", "destination", "reason", "retries", "nesting",
+                "replays", "exchange", "routing_key", "content_type", "content_encoding"):
+        click.echo(f"{key}: {getattr(row, key)}")
+    click.echo(f"failed_at: {as_utc(row.failed_at)}")
+    click.echo(f"replay_count: {row.replay_count}  replayed_at: {as_utc(row.replayed_at)}")
+    click.echo(f"headers: {row.headers}")
+    body = bytes(row.body or b"")
+    text = body.decode(row.content_encoding if row.content_encoding not in (None, "binary") else "utf-8",
+                       errors="replace")
+    click.echo(f"body ({len(body)} bytes): {text[:4000]}")
+    click.echo(f"exception: {row.exception_type}: {row.exception_message}")
+    if row.traceback:
+        click.echo(row.traceback.rstrip())
+
+
+@dead_letters.command(name="replay")
+@click.argument("dead_letter_ids", type=int, nargs=-1)
+@click.option("--all", "replay_all", is_flag=True, help="Replay every dead letter matching the filters.")
+@_filters
+@_with_outbox
+def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_all: bool, task, queue, exception,
+                        reason, since) -> None:
+    """Re-publish dead letters through the outbox as a new attempt of the same task id."""
+    filters = dict(task=task, queue=queue, exception=exception, reason=reason, since=since)
+    if bool(dead_letter_ids) == replay_all:
+        raise click.UsageError("give dead letter ids, or --all (with optional filters), not both")
+    if dead_letter_ids and any(filters.values()):
+        raise click.UsageError("filters go with --all; with ids, the ids say what to replay")
+    which = DeadLetterFilter(ids=dead_letter_ids or None, **filters)
+    store = box.ready().store
+    total = store.count_matching_dead_letters(which.where(store))
+    if dead_letter_ids and total < len(set(dead_letter_ids)):
+        found = {row.id for row in store.list_dead_letters(which.where(store))}
+        missing = ", ".join(str(i) for i in sorted(set(dead_letter_ids) - found))
+        raise click.ClickException(f"no dead letter with id {missing}; nothing replayed")
+    with click.progressbar(length=total, label="replaying", file=click.get_text_stream("stderr")) as bar:
+        replayed = replay(box, which, progress=bar.update)
+    click.echo(f"replayed {len(replayed)} dead letter(s)")
+
+
+@dead_letters.command(name="purge")
+@click.option("--older-than", type=Age(), required=True, help="Delete dead letters that failed longer ago (7d).")
+@_filters
+@_with_outbox
+def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exception, reason, since) -> None:
+    """Delete dead letters older than a duration (and matching the filters)."""
+    which = DeadLetterFilter(task=task, queue=queue, exception=exception, reason=reason, since=since,
+                             failed_before=utcnow() - older_than)
+    store = box.ready().store
+    total = store.count_matching_dead_letters(which.where(store))
+    with click.progressbar(length=total, label="purging", file=click.get_text_stream("stderr")) as bar:
+        deleted = purge(box, which, progress=bar.update)
+    click.echo(f"purged {deleted} dead letter(s)")

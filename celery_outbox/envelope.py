@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 from kombu import Exchange, Queue
 from kombu.compression import compress
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
+
+from .store import as_utc
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
     from celery.app.amqp import _callback_publish_retry
@@ -52,6 +54,20 @@ class OutgoingMessage:
     survives_rollback: bool = False  # a retry/replace of the running task: Celery already decided it
     row_id: int | None = None
     expires_at: datetime | None = None
+    deliver_at: datetime | None = None  # durable scheduling: held in the store until then
+
+    def make_durable(self) -> None:
+        """Mark for the outgoing table; a broker ETA becomes ``deliver_at`` (held in the
+        database until due, published without an ETA) and ``expires`` becomes ``expires_at``."""
+        self.durable = True
+        eta = _timestamp(self.headers.get("eta"))
+        if eta is not None:
+            self.deliver_at = eta
+            self.headers["eta"] = None
+        self.expires_at = _timestamp(self.headers.get("expires"))
+
+    def is_due(self, now: datetime) -> bool:
+        return self.deliver_at is None or self.deliver_at <= now
 
     def publish(self, producer, retry: bool | None = None) -> None:
         """Publish with ``producer``; ``retry=False`` fails fast (the relay will try again)."""
@@ -83,7 +99,24 @@ class OutgoingMessage:
             "properties": kombu_json.dumps(self.properties),
             "created_at": now,
             "expires_at": self.expires_at,
+            "deliver_at": self.deliver_at,
         }
+
+
+def _timestamp(value: Any) -> datetime | None:
+    """A header's ``eta``/``expires`` (ISO text or datetime) as an aware UTC datetime."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, datetime):
+        return None
+    if value.tzinfo is None:  # Celery writes naive times in UTC when enable_utc is on (its default)
+        value = value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)
 
 
 def queue_name(queue: Any, exchange: Any, default_queue: str) -> str | None:
@@ -177,17 +210,19 @@ def capture(
 
 
 def from_row(row: Any, queues: Any) -> OutgoingMessage:
-    """Rebuild a stored message; ``queues`` (``app.amqp.queues``) declares its destination."""
+    """Rebuild a stored message (an outgoing row, a dead letter or an inbox envelope);
+    ``queues`` (``app.amqp.queues``) declares its queue."""
+    queue = getattr(row, "queue", None) or row.destination
     declare: list[Queue] = []
-    if row.destination:
+    if queue:
         try:
-            declare = [queues[row.destination]]
+            declare = [queues[queue]]
         except KeyError:
             declare = []
     return OutgoingMessage(
         message_id=row.message_id,
         task_name=row.task_name,
-        destination=row.destination,
+        destination=queue or "",
         body=bytes(row.body) if row.body is not None else b"",
         content_type=row.content_type or "application/data",
         content_encoding=row.content_encoding or "binary",
@@ -197,6 +232,7 @@ def from_row(row: Any, queues: Any) -> OutgoingMessage:
         properties=kombu_json.loads(row.properties) if row.properties else {},
         sending={"declare": declare},
         durable=True,
-        row_id=row.id,
-        expires_at=row.expires_at,
+        row_id=getattr(row, "id", None),
+        expires_at=as_utc(getattr(row, "expires_at", None)),
+        deliver_at=as_utc(getattr(row, "deliver_at", None)),
     )

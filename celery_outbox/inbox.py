@@ -57,6 +57,9 @@ _current_session: ContextVar[Session | None] = ContextVar("celery_outbox_task_se
 # so a worker does not spin on a message it cannot claim.
 REQUEUE_BACKOFF = 1.0
 
+# The header a dead-letter replay carries: the replay number, part of the attempt.
+REPLAY_HEADER = "celery_outbox_replay"
+
 
 def current_session() -> Session | None:
     return _current_session.get()
@@ -76,6 +79,7 @@ class Delivery:
     queue: str
     retries: int
     nesting: int
+    replays: int = 0
 
     @classmethod
     def from_request(cls, task: Any, identity: str) -> "Delivery":
@@ -89,10 +93,22 @@ class Delivery:
             queue=queue,
             retries=int(request.retries or 0),
             nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
+            replays=_int_header(getattr(request, REPLAY_HEADER, 0)),
         )
+
+    @property
+    def attempt(self) -> tuple[int, int, int]:
+        return self.nesting, self.replays, self.retries
 
     def key(self) -> dict[str, Any]:
         return {"message_id": self.message_id, "destination": self.destination}
+
+
+def _int_header(value: Any) -> int:
+    try:
+        return max(int(value or 0), 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -107,6 +123,7 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "replaced_task_nesting": getattr(request, "replaced_task_nesting", 0) or 0,
         "root_id": request.root_id, "parent_id": request.parent_id, "group": request.group,
         "eta": request.eta, "expires": request.expires, "origin": getattr(request, "origin", None),
+        REPLAY_HEADER: _int_header(getattr(request, REPLAY_HEADER, 0)),
     }
     delivery_info = request.delivery_info or {}
     return {
@@ -116,7 +133,8 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "content_type": content_type,
         "content_encoding": content_encoding,
         "headers": kombu_json.dumps(headers),
-        "properties": kombu_json.dumps({"priority": delivery_info.get("priority")}),
+        "properties": kombu_json.dumps({"priority": delivery_info.get("priority"), "correlation_id": request.id,
+                                        "reply_to": request.reply_to}),
     }
 
 
@@ -161,7 +179,7 @@ class Inbox:
         row = {
             **delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": status,
             "owner": owner, "retries": delivery.retries, "nesting": delivery.nesting,
-            "received_at": now, "claimed_at": now,
+            "replays": delivery.replays, "received_at": now, "claimed_at": now,
         }
         if status == "handled":
             row.update(handled_at=now, keep_until=self._keep_until(now))
@@ -220,7 +238,7 @@ class Inbox:
             with _store_errors():
                 still_ours = store.finish_incoming(
                     session.connection(), delivery.message_id, delivery.destination, node_id,
-                    delivery.retries, delivery.nesting, finished, self._keep_until(finished))
+                    delivery.attempt, finished, self._keep_until(finished))
             if not still_ours:
                 raise Duplicate()  # another node took the claim over: its run counts
         if outcome is not None:
@@ -260,12 +278,19 @@ class Inbox:
     # -- outcomes ------------------------------------------------------------------------------
 
     def _store_envelope(self, delivery: Delivery, envelope: dict[str, Any]) -> None:
+        """Keep this attempt's envelope, committed and unowned, before the claim: if this
+        process dies before the attempt ends, recovery re-publishes it after
+        ``outbox_node_stale_after``. Raises ``Duplicate`` when the attempt was already
+        claimed or handled: the same rules as the claim itself."""
+        store = self.outbox.store
         now = utcnow()
+        grace = timedelta(seconds=self.outbox.settings.node_stale_after)
         row = {**delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": "running",
-               "owner": UNOWNED, "retries": delivery.retries, "nesting": delivery.nesting, "received_at": now,
-               **envelope}
-        with _store_errors(), self.outbox.store.begin() as conn:
-            self.outbox.store.insert_incoming(conn, row)
+               "owner": UNOWNED, "retries": delivery.retries, "nesting": delivery.nesting,
+               "replays": delivery.replays, "received_at": now, "recover_after": now + grace, **envelope}
+        with _store_errors(), store.begin() as conn:
+            if not store.claim_incoming(conn, row, self._stale_before(now)):
+                raise Duplicate()
 
     def _record(self, task: Any, delivery: Delivery, status: str, exc: BaseException | None = None) -> None:
         """After a rollback: remember that this attempt ended (retried, or dead with a dead letter)."""
@@ -301,7 +326,7 @@ def dead_letter_row(task: Any, delivery: Delivery, reason: str, exc: BaseExcepti
         "queue": delivery.queue, "reason": reason, "exception_type": type(exc).__name__,
         "exception_message": str(exc)[:4000],
         "traceback": "".join(traceback.format_exception(exc))[:20000],
-        "retries": delivery.retries, "nesting": delivery.nesting, "failed_at": now,
+        "retries": delivery.retries, "nesting": delivery.nesting, "replays": delivery.replays, "failed_at": now,
         **envelope_of(task, tuple(request.args or ()), dict(request.kwargs or {})),
     }
 

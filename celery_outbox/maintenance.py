@@ -1,9 +1,11 @@
-"""Beat tasks: ``celery_outbox.recover`` on ``outbox_recover_interval``.
+"""Beat tasks: ``celery_outbox.recover`` and ``celery_outbox.cleanup``.
 
-Each beat task calls the same ``Outbox`` method the CLI calls; registering them
-is all ``Outbox(app)`` does, so running ``celery beat`` is all a user does. Each
-periodic entry expires after one interval, so a backlog of missed runs never
-piles up, and is routed to ``outbox_maintenance_queue`` when that is set.
+Each beat task calls the same function the CLI calls (``durability.recover`` and
+``durability.cleanup``); registering them is all ``Outbox(app)`` does, so running
+``celery beat`` is all a user does. Each periodic entry expires after one
+interval, so a backlog of missed runs never piles up, and is routed to
+``outbox_maintenance_queue`` when that is set. Both are safe to run on several
+workers at once.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["RECOVER_TASK", "register_beat_tasks", "schedule_beat_tasks"]
+__all__ = ["CLEANUP_TASK", "RECOVER_TASK", "register_beat_tasks", "schedule_beat_tasks"]
 
 RECOVER_TASK = "celery_outbox.recover"
+CLEANUP_TASK = "celery_outbox.cleanup"
 
 
 def register_beat_tasks(outbox: "Outbox") -> None:
@@ -24,16 +27,20 @@ def register_beat_tasks(outbox: "Outbox") -> None:
 
     @app.task(name=RECOVER_TASK, ignore_result=True, shared=False)
     def recover() -> dict[str, Any]:
-        """Publish outgoing rows nobody published after their commit."""
-        result = outbox.relay()
-        return {"published": result.published, "failed": result.failed,
-                "dead_lettered": result.dead_lettered, "broker_error": result.broker_error}
+        """Dead nodes, released claims, unsent and due outgoing rows, stranded envelopes."""
+        return outbox.recover().as_dict()
+
+    @app.task(name=CLEANUP_TASK, ignore_result=True, shared=False)
+    def cleanup() -> dict[str, Any]:
+        """Delete handled inbox rows past their keep-until and dead letters past retention."""
+        return outbox.cleanup().as_dict()
 
 
 def schedule_beat_tasks(outbox: "Outbox") -> None:
     """Add the maintenance tasks to the beat schedule (called once the settings are read)."""
     app, settings = outbox.app, outbox.settings
-    options: dict[str, Any] = {"expires": settings.recover_interval}
-    if settings.maintenance_queue:
-        options["queue"] = settings.maintenance_queue
-    app.add_periodic_task(settings.recover_interval, app.signature(RECOVER_TASK), name=RECOVER_TASK, **options)
+    for name, interval in ((RECOVER_TASK, settings.recover_interval), (CLEANUP_TASK, settings.cleanup_interval)):
+        options: dict[str, Any] = {"expires": interval}
+        if settings.maintenance_queue:
+            options["queue"] = settings.maintenance_queue
+        app.add_periodic_task(interval, app.signature(name), name=name, **options)

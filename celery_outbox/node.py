@@ -25,8 +25,6 @@ import uuid
 import zlib
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
-
 if TYPE_CHECKING:
     from .outbox import Outbox
 
@@ -76,6 +74,8 @@ class Node:
         return self._id is not None and self._pid == os.getpid()
 
     def _register(self) -> None:
+        if self._pid == os.getpid():
+            self._drop_liveness()  # this process's node was declared dead: its lock goes too
         # After a fork the parent's thread and connection are not ours: start afresh.
         self._stop = threading.Event()
         self._liveness_connection = None
@@ -83,11 +83,12 @@ class Node:
         hostname = socket.gethostname()
         pid = os.getpid()
         name = f"{hostname}:{pid}:{uuid.uuid4().hex[:12]}"
-        node_id = store.register_node(name, hostname, pid)
         if store.is_postgres:
             self._liveness_connection = store.engine.connect()
-            self._liveness_connection.execute(select(func.pg_advisory_lock(node_lock_key(node_id, store.prefix))))
-            self._liveness_connection.commit()
+            node_id = store.register_node(name, hostname, pid, conn=self._liveness_connection,
+                                          lock_key=lambda new_id: node_lock_key(new_id, store.prefix))
+        else:
+            node_id = store.register_node(name, hostname, pid)
         self._id, self._pid, self._name = node_id, pid, name
         interval = self.outbox.settings.node_heartbeat_interval
         self._thread = threading.Thread(target=self._beat, args=(node_id, interval, self._stop),
@@ -100,7 +101,8 @@ class Node:
         while not stop.wait(interval):
             try:
                 if not store.heartbeat(node_id):
-                    logger.error("celery-outbox: node %d was declared dead by recovery; registering anew", node_id)
+                    logger.error("celery-outbox: node %d was declared dead by recovery (no heartbeat for "
+                                 "too long); the next claim registers a new node", node_id)
                     with self._lock:
                         if self._id == node_id:
                             self._id = None
@@ -119,9 +121,15 @@ class Node:
             try:
                 self.outbox.store.deregister_node(node_id)
             finally:
-                if self._liveness_connection is not None:
-                    # invalidate, not close: a pooled connection would keep the session lock
-                    self._liveness_connection.invalidate()
-                    self._liveness_connection.close()
-                    self._liveness_connection = None
+                self._drop_liveness()
         logger.info("celery-outbox: node %d deregistered", node_id)
+
+    def _drop_liveness(self) -> None:
+        if self._liveness_connection is not None:
+            # invalidate, not close: a pooled connection would keep the session lock
+            try:
+                self._liveness_connection.invalidate()
+                self._liveness_connection.close()
+            except Exception as exc:  # noqa: BLE001 - the connection is being thrown away anyway
+                logger.debug("celery-outbox: dropping the liveness connection: %s", exc)
+            self._liveness_connection = None

@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from .config import OutboxSettings, read_settings
+from .durability import Archiver, CleanupResult, RecoverResult, cleanup, recover
 from .errors import ConfigurationError, OutboxError
 from .guard import MessageGuard
 from .inbox import Inbox
@@ -78,6 +79,7 @@ class Outbox:
         self.publisher = Publisher(self)
         self.inbox = Inbox(self)
         self.node = Node(self)
+        self.archiver: Archiver | None = None  # receives rows cleanup deletes (the delivery audit's archive)
         setattr(app, _APP_ATTRIBUTE, self)
         install_publish_hook(self)
         _install_task_base(app)
@@ -221,6 +223,14 @@ class Outbox:
     def relay(self, max_batches: int | None = None) -> RelayResult:
         """Publish outgoing rows left after their commit (what beat and ``outbox relay`` run)."""
         return relay(self, max_batches)
+
+    def recover(self, max_batches: int | None = None) -> RecoverResult:
+        """One recover pass (what beat's ``celery_outbox.recover`` and ``outbox recover`` run)."""
+        return recover(self, max_batches)
+
+    def cleanup(self, max_batches: int | None = None) -> CleanupResult:
+        """One cleanup pass (what beat's ``celery_outbox.cleanup`` and ``outbox cleanup`` run)."""
+        return cleanup(self, max_batches)
 
     def migrate(self):
         """Create or upgrade the tables (what ``celery -A proj outbox migrate`` runs)."""

@@ -172,6 +172,8 @@ class Publisher:
         moment never sends them too; a durable publish that fails leaves its row for
         the relay. Never raises for a broker error: the commit already happened.
         """
+        now = utcnow()
+        messages = [m for m in messages if not m.durable or m.is_due(now)]  # scheduled ones wait in the store
         durable_ids = [m.row_id for m in messages if m.durable and m.row_id is not None]
         if not durable_ids:
             self._publish_all(messages, owned=set())
@@ -241,7 +243,8 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
         captured = capture(celery_sender, producer, name, message, destination, options)
         if captured:
             task_message = captured[0]  # a task-sent event, when enabled, follows it
-            task_message.durable = durable
+            if durable:
+                task_message.make_durable()
             task_message.survives_rollback = _continues_running_task(outbox.app, task_message.headers)
         if uow is not None:
             uow.add(captured)

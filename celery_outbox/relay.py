@@ -5,8 +5,12 @@ locked (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, the write lock on SQLite), so 
 relays never send the same row; they are published with one producer and the sent
 ones deleted with one DELETE before the commit. A row whose publish fails for a
 reason of its own counts an attempt and, after ``outbox_relay_max_attempts``, goes to
-dead letters (reason ``poison``): one bad row never blocks the others. A broker
-outage counts no attempts; the batch stops and the rows wait for the next pass.
+dead letters (reason ``poison``): one bad row never blocks the others. A row past
+its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. A
+broker outage counts no attempts; the batch stops and the rows wait for the next
+pass. With ``outbox_outbox_stale_time`` set, PostgreSQL ends a relay whose batch
+transaction idles longer than that (a publish hung on the broker), and its rows go
+to the next relay.
 
 Guarantee: at least once. A crash after the publish and before the commit sends
 the row again on the next pass; the receiving inbox discards the copy.
@@ -17,13 +21,14 @@ from __future__ import annotations
 import logging
 import traceback
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .broker import connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage, from_row
 from .signals import message_published, publish_failed
-from .store import utcnow
+from .store import as_utc, utcnow
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -38,12 +43,13 @@ class RelayResult:
     published: int = 0
     failed: int = 0
     dead_lettered: int = 0
+    expired: int = 0
     batches: int = 0
     broker_error: str | None = None
 
     def __str__(self) -> str:
         text = (f"relay: published {self.published}, failed {self.failed}, "
-                f"dead-lettered {self.dead_lettered}, in {self.batches} batch(es)")
+                f"dead-lettered {self.dead_lettered} (expired {self.expired}), in {self.batches} batch(es)")
         if self.broker_error:
             text += f"; broker unavailable: {self.broker_error}"
         return text
@@ -66,14 +72,20 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
         last_id = 0  # one pass walks the table once: a failing row is tried once per pass
         while result.batches < limit:
             with store.begin() as conn:
-                rows = store.lock_pending_outgoing(conn, settings.relay_batch_size, utcnow(), after_id=last_id)
+                store.limit_lock_holding(conn, settings.outbox_stale_time)
+                now = utcnow()
+                rows = store.lock_pending_outgoing(conn, settings.relay_batch_size, now, after_id=last_id)
                 if not rows:
                     break
                 result.batches += 1
                 last_id = rows[-1].id
                 sent: list[int] = []
                 poisoned: list[tuple[Any, BaseException]] = []
+                expired = [row for row in rows if _expired(row, now)]
+                expired_ids = {row.id for row in expired}
                 for row in rows:
+                    if row.id in expired_ids:
+                        continue
                     message = from_row(row, queues)
                     try:
                         message.publish(producer, retry=False)
@@ -92,10 +104,13 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                     result.published += 1
                     _announce(outbox, message)
                     crashpoint("during_relay")
+                if expired:
+                    store.insert_dead_letters(conn, [_dead_letter(row, None, "expired") for row in expired])
+                    result.expired += len(expired)
                 if poisoned:
-                    store.insert_dead_letters(conn, [_dead_letter(row, exc) for row, exc in poisoned])
-                    result.dead_lettered += len(poisoned)
-                store.delete_outgoing(conn, sent + [row.id for row, _ in poisoned])
+                    store.insert_dead_letters(conn, [_dead_letter(row, exc, "poison") for row, exc in poisoned])
+                result.dead_lettered += len(poisoned) + len(expired)
+                store.delete_outgoing(conn, sent + [row.id for row, _ in poisoned] + [row.id for row in expired])
             if result.broker_error:
                 break
     if result.published or result.failed:
@@ -107,15 +122,24 @@ def _announce(outbox: "Outbox", message: OutgoingMessage) -> None:
     message_published.send(sender=outbox, message=message, relayed=True)
 
 
-def _dead_letter(row: Any, exc: BaseException) -> dict[str, Any]:
+def _expired(row: Any, now: datetime) -> bool:
+    expires_at = as_utc(row.expires_at)
+    return expires_at is not None and expires_at <= now
+
+
+def _dead_letter(row: Any, exc: BaseException | None, reason: str) -> dict[str, Any]:
+    if exc is None:
+        error = {"exception_type": None, "traceback": None,
+                 "exception_message": f"expired at {as_utc(row.expires_at).isoformat()} before it was published"}
+    else:
+        error = {"exception_type": type(exc).__name__, "exception_message": str(exc)[:4000],
+                 "traceback": "".join(traceback.format_exception(exc))[:20000]}
     return {
         "message_id": row.message_id,
         "task_name": row.task_name,
         "queue": row.destination,
-        "reason": "poison",
-        "exception_type": type(exc).__name__,
-        "exception_message": str(exc)[:4000],
-        "traceback": "".join(traceback.format_exception(exc))[:20000],
+        "reason": reason,
+        **error,
         "exchange": row.exchange,
         "routing_key": row.routing_key,
         "body": row.body,

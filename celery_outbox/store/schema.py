@@ -8,9 +8,11 @@
 * ``nodes``: worker processes with their heartbeat.
 * ``schema``: one row, the schema version ``migrate`` brought the tables to.
 
-Owner columns hold a node id; ``0`` means unowned. Every predicate a poller or a
+The inbox's ``owner`` holds the node id of an eager claim; ``0`` means unowned.
+Outgoing rows have no owner: a publisher locks them inside its transaction
+(``FOR UPDATE SKIP LOCKED``), and the database frees the lock if it dies. Every predicate a poller or a
 cleaner runs has its index: unowned incoming rows, handled rows by
-``keep_until``, unowned and due outgoing rows, stale claims by ``claimed_at``.
+``keep_until``, due outgoing rows, stale claims by ``claimed_at``, envelopes due for recovery.
 """
 
 from __future__ import annotations
@@ -80,20 +82,24 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("destination", String(255), primary_key=True),
         Column("task_name", String(255), nullable=False, server_default=""),
         Column("queue", String(255), nullable=False, server_default=""),
-        Column("status", String(16), nullable=False),  # running | handled | dead
+        Column("status", String(16), nullable=False),  # running | handled | retried | dead
         Column("owner", Integer, nullable=False, server_default=str(UNOWNED)),
         Column("retries", Integer, nullable=False, server_default="0"),
         Column("nesting", Integer, nullable=False, server_default="0"),
+        Column("replays", Integer, nullable=False, server_default="0"),  # dead-letter replays of the message
         Column("duplicates", Integer, nullable=False, server_default="0"),
         Column("recoveries", Integer, nullable=False, server_default="0"),
         *_envelope_columns(),
         _timestamp("received_at", nullable=False),
         _timestamp("claimed_at", nullable=True),
         _timestamp("handled_at", nullable=True),
-        _timestamp("keep_until", nullable=True),  # never NULL once status is handled or dead
+        _timestamp("keep_until", nullable=True),  # never NULL once status is handled, retried or dead
+        # durable queues: when recovery may re-publish the stored envelope of an unowned running row
+        _timestamp("recover_after", nullable=True),
         Index(f"ix_{p}incoming_owner_status", "owner", "status"),
         Index(f"ix_{p}incoming_keep_until", "keep_until"),
         Index(f"ix_{p}incoming_status_claimed", "status", "claimed_at"),
+        Index(f"ix_{p}incoming_recover_after", "recover_after"),
     )
 
     outgoing = Table(
@@ -103,15 +109,12 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("task_name", String(255), nullable=False, server_default=""),
         Column("destination", String(255), nullable=False),
         *_envelope_columns(),
-        Column("owner", Integer, nullable=False, server_default=str(UNOWNED)),
         Column("attempts", Integer, nullable=False, server_default="0"),
         Column("last_error", Text, nullable=True),
         _timestamp("created_at", nullable=False),
         _timestamp("deliver_at", nullable=True),  # held until due: durable scheduling
         _timestamp("expires_at", nullable=True),
-        _timestamp("claimed_at", nullable=True),
-        Index(f"ix_{p}outgoing_owner_deliver", "owner", "deliver_at"),
-        Index(f"ix_{p}outgoing_claimed", "claimed_at"),
+        Index(f"ix_{p}outgoing_deliver", "deliver_at"),
         Index(f"ix_{p}outgoing_message", "message_id"),
     )
 
@@ -128,14 +131,13 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("traceback", Text, nullable=True),
         Column("retries", Integer, nullable=False, server_default="0"),
         Column("nesting", Integer, nullable=False, server_default="0"),
+        Column("replays", Integer, nullable=False, server_default="0"),  # replays of the attempt that failed
         *_envelope_columns(),
         _timestamp("failed_at", nullable=False),
-        Column("replay_count", Integer, nullable=False, server_default="0"),
+        Column("replay_count", Integer, nullable=False, server_default="0"),  # times this letter was replayed
         _timestamp("replayed_at", nullable=True),
-        _timestamp("keep_until", nullable=True),
         Index(f"ix_{p}dead_letters_failed_at", "failed_at"),
         Index(f"ix_{p}dead_letters_task", "task_name"),
-        Index(f"ix_{p}dead_letters_keep_until", "keep_until"),
         Index(f"ix_{p}dead_letters_message", "message_id"),
     )
 
@@ -147,8 +149,11 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("pid", Integer, nullable=False, server_default="0"),
         _timestamp("started_at", nullable=False),
         _timestamp("heartbeat_at", nullable=False),
-        Column("stale_checks", Integer, nullable=False, server_default="0"),
+        Column("stale_checks", Integer, nullable=False, server_default="0"),  # consecutive stale checks
+        _timestamp("checked_at", nullable=True),  # last stale check that counted
+        _timestamp("dead_at", nullable=True),  # declared dead: its rows are being released
         Index(f"ix_{p}nodes_heartbeat", "heartbeat_at"),
+        sqlite_autoincrement=True,  # a node id is never reused: owner columns must not change meaning
     )
 
     schema = Table(

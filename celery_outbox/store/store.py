@@ -18,13 +18,17 @@ from typing import Any, Sequence
 from sqlalchemy import (
     BigInteger,
     Connection,
+    Integer,
     Row,
+    and_,
     bindparam,
     delete,
     func,
     inspect,
     literal_column,
     select,
+    true,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -187,15 +191,6 @@ class Store:
         table = self.tables.outgoing
         return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
 
-    def set_outgoing_owner(self, conn: Connection, ids: Sequence[int], owner: int, now: datetime | None) -> int:
-        """Give rows to ``owner`` (``UNOWNED`` releases them for the relay) in one statement."""
-        if not ids:
-            return 0
-        table = self.tables.outgoing
-        return conn.execute(
-            update(table).where(self._id_predicate(table.c.id, ids)).values(owner=owner, claimed_at=now)
-        ).rowcount
-
     def lock_outgoing(self, conn: Connection, ids: Sequence[int]) -> list[int]:
         """Lock the given outgoing rows that still exist and no relay holds; return their ids."""
         if not ids:
@@ -207,16 +202,16 @@ class Store:
         return list(conn.execute(query).scalars())
 
     def lock_pending_outgoing(self, conn: Connection, limit: int, now: datetime, after_id: int = 0) -> list[Row]:
-        """Lock up to ``limit`` unowned, due outgoing rows with ``id > after_id``, oldest first.
+        """Lock up to ``limit`` due outgoing rows with ``id > after_id``, oldest first.
 
         ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so concurrent relays take disjoint
         rows; on SQLite the ``BEGIN IMMEDIATE`` write lock gives the same guarantee.
-        The rows stay locked until the caller deletes them and commits.
+        The rows stay locked until the caller deletes them and commits; if the caller
+        dies, the database releases them.
         """
         table = self.tables.outgoing
         query = (
             select(table)
-            .where(table.c.owner == UNOWNED)
             .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= now))
             .where(table.c.id > after_id)
             .order_by(table.c.id)
@@ -225,6 +220,12 @@ class Store:
         if self.is_postgres:
             query = query.with_for_update(skip_locked=True)
         return list(conn.execute(query))
+
+    def limit_lock_holding(self, conn: Connection, seconds: float | None) -> None:
+        """PostgreSQL: end this session if it idles in its transaction longer than ``seconds``
+        (a publish hung on the broker), so the rows it locked go to another relay."""
+        if self.is_postgres and seconds:
+            conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {int(seconds * 1000)}")
 
     def record_outgoing_failure(self, conn: Connection, row_id: int, error: str) -> int:
         """Count a failed publish of one row; returns the row's attempts so far."""
@@ -256,6 +257,70 @@ class Store:
     def count_dead_letters(self, conn: Connection | None = None) -> int:
         return self._count(self.tables.dead_letters, conn)
 
+    def dead_letter_filter(self, *, ids: Sequence[int] | None = None, task: str | None = None,
+                           queue: str | None = None, exception: str | None = None, reason: str | None = None,
+                           since: datetime | None = None, failed_before: datetime | None = None):
+        """SQL: the dead letters matching every given criterion (all of them when none is)."""
+        table = self.tables.dead_letters
+        clauses = []
+        if ids is not None:
+            clauses.append(table.c.id.in_(list(ids)))
+        if task:
+            clauses.append(table.c.task_name == task)
+        if queue:
+            clauses.append(table.c.queue == queue)
+        if exception:
+            clauses.append(table.c.exception_type == exception)
+        if reason:
+            clauses.append(table.c.reason == reason)
+        if since is not None:
+            clauses.append(table.c.failed_at >= since)
+        if failed_before is not None:
+            clauses.append(table.c.failed_at < failed_before)
+        return and_(true(), *clauses)
+
+    def list_dead_letters(self, where, limit: int | None = None, after_id: int = 0) -> list[Row]:
+        """Dead letters matching ``where``, oldest first, without their bodies and tracebacks."""
+        table = self.tables.dead_letters
+        columns = [c for c in table.c if c.name not in ("body", "traceback", "headers", "properties")]
+        query = select(*columns).where(where).where(table.c.id > after_id).order_by(table.c.id)
+        if limit is not None:
+            query = query.limit(limit)
+        with self.begin() as conn:
+            return list(conn.execute(query))
+
+    def count_matching_dead_letters(self, where) -> int:
+        with self.begin() as conn:
+            return conn.execute(select(func.count()).select_from(self.tables.dead_letters).where(where)).scalar_one()
+
+    def get_dead_letter(self, dead_letter_id: int) -> Row | None:
+        table = self.tables.dead_letters
+        with self.begin() as conn:
+            return conn.execute(select(table).where(table.c.id == dead_letter_id)).first()
+
+    def lock_dead_letters(self, conn: Connection, where, limit: int, full: bool = True,
+                          after_id: int = 0) -> list[Row]:
+        """Lock up to ``limit`` dead letters matching ``where`` with ``id > after_id``, oldest first."""
+        table = self.tables.dead_letters
+        query = select(*(table.c if full else [table.c.id])).where(where).where(table.c.id > after_id) \
+            .order_by(table.c.id).limit(limit)
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def mark_replayed(self, conn: Connection, ids: Sequence[int], now: datetime) -> None:
+        """Count one replay of each dead letter."""
+        if ids:
+            table = self.tables.dead_letters
+            conn.execute(update(table).where(self._id_predicate(table.c.id, ids))
+                         .values(replay_count=table.c.replay_count + 1, replayed_at=now))
+
+    def delete_dead_letters(self, conn: Connection, ids: Sequence[int]) -> int:
+        if not ids:
+            return 0
+        table = self.tables.dead_letters
+        return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
+
     # -- incoming ------------------------------------------------------------------------------
 
     def _upsert(self, table):
@@ -279,26 +344,26 @@ class Store:
         """SQL: the row's owner node is gone (declared dead or deregistered) or, on
         PostgreSQL, its process no longer holds its advisory liveness lock."""
         nodes = self.tables.nodes
-        gone = ~select(nodes.c.id).where(nodes.c.id == table.c.owner).correlate(table).exists()
+        gone = ~select(nodes.c.id).where(nodes.c.id == table.c.owner, nodes.c.dead_at.is_(None)) \
+            .correlate(table).exists()
         if not self.is_postgres:
             return gone
-        from ..node import node_lock_namespace
-
-        lock_key = literal_column(str(node_lock_namespace(self.prefix) << 32), BigInteger) + table.c.owner
-        return gone | func.pg_try_advisory_xact_lock(lock_key)
+        return gone | self._liveness_lock_free(table.c.owner)
 
     def claim_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None = None) -> bool:
         """Claim a received message for one attempt; False when it is a duplicate.
 
         ``row`` carries the key, the attempt (``nesting``, ``retries``), the new
         ``status`` (``handled`` for an optimistic claim inside the body's transaction,
-        ``running`` for an eager claim), ``owner`` and ``claimed_at``. One
+        ``running`` for an eager claim), ``owner`` and ``claimed_at``. An attempt is
+        ordered by (``nesting``, ``replays``, ``retries``). One
         ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` statement: an existing row is
         taken over only by
 
         * a ``replace`` (greater ``nesting``), always;
         * a later attempt of a row that ended in a retry or is still running (a retry,
           or Celery re-sending the task of a lost worker process);
+        * a dead-letter replay (greater ``replays``) of a row that ended dead;
         * the same attempt of a running row whose owner is unowned (released), dead,
           or claimed before ``stale_before``: a recovery, not a duplicate.
 
@@ -317,16 +382,15 @@ class Store:
         # fresh snapshot, decides whether this delivery may take the row over.
         insert = self._upsert(table).values(**row)
         new = insert.excluded
-        same_attempt = (new.nesting == table.c.nesting) & (new.retries == table.c.retries)
-        later_attempt = (new.nesting > table.c.nesting) | (
-            (new.nesting == table.c.nesting) & (new.retries > table.c.retries)
-        )
+        same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
+            new.retries == table.c.retries)
         free = (table.c.owner == UNOWNED) | self._owner_is_dead(table)
         if stale_before is not None:
             free = free | (table.c.claimed_at < stale_before)
         claimable = (
             (new.nesting > table.c.nesting)
-            | (table.c.status.in_(("retried", "running")) & later_attempt)
+            | (table.c.status.in_(("retried", "running")) & _later_attempt(new, table))
+            | ((table.c.status == "dead") & (new.nesting == table.c.nesting) & (new.replays > table.c.replays))
             | ((table.c.status == "running") & same_attempt & free)
         )
         updates = {key: getattr(new, key) for key in row if key not in ("message_id", "destination", "received_at")}
@@ -339,14 +403,17 @@ class Store:
         return conn.execute(statement).first() is not None
 
     def finish_incoming(self, conn: Connection, message_id: str, destination: str, owner: int,
-                        retries: int, nesting: int, now: datetime, keep_until: datetime) -> bool:
+                        attempt: tuple[int, int, int], now: datetime, keep_until: datetime) -> bool:
         """Mark an eagerly claimed row handled, inside the body's transaction; False when
-        the claim is no longer ours (another node took it over)."""
+        the claim is no longer ours (another node took it over). ``attempt`` is
+        (nesting, replays, retries)."""
         table = self.tables.incoming
+        nesting, replays, retries = attempt
         return conn.execute(
             update(table)
             .where(table.c.message_id == message_id, table.c.destination == destination)
             .where(table.c.owner == owner, table.c.retries == retries, table.c.nesting == nesting)
+            .where(table.c.replays == replays)
             .where(table.c.status == "running")
             .values(status="handled", owner=UNOWNED, handled_at=now, keep_until=keep_until)
         ).rowcount == 1
@@ -357,9 +424,9 @@ class Store:
         table = self.tables.incoming
         insert = self._upsert(table).values(**row)
         new = insert.excluded
-        not_older = (new.nesting > table.c.nesting) | (
-            (new.nesting == table.c.nesting) & (new.retries >= table.c.retries)
-        )
+        same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
+            new.retries == table.c.retries)
+        not_older = _later_attempt(new, table) | same_attempt
         updates = {key: getattr(new, key) for key in row if key not in ("message_id", "destination", "received_at")}
         updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
         conn.execute(insert.on_conflict_do_update(
@@ -385,34 +452,209 @@ class Store:
     def count_incoming(self, conn: Connection | None = None) -> int:
         return self._count(self.tables.incoming, conn)
 
+    def release_stale_incoming(self, conn: Connection, claimed_before: datetime, limit: int, now: datetime) -> int:
+        """Release up to ``limit`` running rows claimed before ``claimed_before`` (opt-in stale time)."""
+        table = self.tables.incoming
+        stale = (
+            select(table.c.message_id, table.c.destination)
+            .where(table.c.status == "running", table.c.owner != UNOWNED, table.c.claimed_at < claimed_before)
+            .limit(limit)
+        )
+        if self.is_postgres:
+            stale = stale.with_for_update(skip_locked=True)
+        return conn.execute(
+            update(table).where(tuple_(table.c.message_id, table.c.destination).in_(stale))
+            .values(owner=UNOWNED, recover_after=now)
+        ).rowcount
+
+    def lock_recoverable_incoming(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
+        """Lock up to ``limit`` stranded envelopes: running, unowned, due for recovery.
+
+        On PostgreSQL ``SKIP LOCKED`` also skips the row of an optimistic claim still in
+        flight (its ``ON CONFLICT DO UPDATE`` holds the row lock) and rows another
+        recover run holds; on SQLite a body in flight holds the write lock.
+        """
+        table = self.tables.incoming
+        query = (
+            select(table)
+            .where(table.c.status == "running", table.c.owner == UNOWNED, table.c.recover_after <= now)
+            .order_by(table.c.recover_after)
+            .limit(limit)
+        )
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def mark_recovered(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Count a re-publish of each row (``message_id``, ``destination``, ``recover_after``)."""
+        if not rows:
+            return
+        table = self.tables.incoming
+        conn.execute(
+            update(table)
+            .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
+            .values(recoveries=table.c.recoveries + 1, recover_after=bindparam("next_recovery")),
+            [{"key_id": r["message_id"], "key_destination": r["destination"], "next_recovery": r["recover_after"]}
+             for r in rows],
+        )
+
+    def mark_incoming_dead(self, conn: Connection, keys: Sequence[tuple[str, str]], now: datetime,
+                           keep_until: datetime) -> None:
+        """End running rows as ``dead`` (recovery gave up on them)."""
+        if not keys:
+            return
+        table = self.tables.incoming
+        conn.execute(
+            update(table).where(tuple_(table.c.message_id, table.c.destination).in_(list(keys)))
+            .values(status="dead", owner=UNOWNED, handled_at=now, keep_until=keep_until, recover_after=None)
+        )
+
+    def delete_expired_incoming(self, conn: Connection, now: datetime, limit: int) -> int:
+        """Delete up to ``limit`` ended rows whose ``keep_until`` passed; one statement."""
+        table = self.tables.incoming
+        return conn.execute(
+            delete(table).where(tuple_(table.c.message_id, table.c.destination).in_(
+                self._expired_incoming(now, limit, columns=(table.c.message_id, table.c.destination))))
+        ).rowcount
+
+    def lock_expired_incoming(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
+        """Lock up to ``limit`` ended rows whose ``keep_until`` passed (to archive, then delete)."""
+        table = self.tables.incoming
+        return list(conn.execute(self._expired_incoming(now, limit, columns=tuple(table.c))))
+
+    def _expired_incoming(self, now: datetime, limit: int, columns: tuple):
+        table = self.tables.incoming
+        query = select(*columns).where(table.c.keep_until < now).order_by(table.c.keep_until).limit(limit)
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return query
+
+    def delete_incoming(self, conn: Connection, keys: Sequence[tuple[str, str]]) -> int:
+        if not keys:
+            return 0
+        table = self.tables.incoming
+        return conn.execute(
+            delete(table).where(tuple_(table.c.message_id, table.c.destination).in_(list(keys)))
+        ).rowcount
+
     # -- nodes ---------------------------------------------------------------------------------
 
-    def register_node(self, name: str, hostname: str, pid: int, now: datetime | None = None) -> int:
+    def register_node(self, name: str, hostname: str, pid: int, now: datetime | None = None,
+                      conn: Connection | None = None, lock_key=None) -> int:
+        """Insert a node row and return its id.
+
+        With ``conn`` and ``lock_key`` (PostgreSQL), the row is inserted on ``conn``
+        and the node's session advisory lock is taken before the commit: no recover
+        run can see the node without its liveness lock held.
+        """
         now = now or utcnow()
         table = self.tables.nodes
-        with self.begin() as conn:
-            return conn.execute(
-                table.insert()
-                .values(name=name, hostname=hostname, pid=pid, started_at=now, heartbeat_at=now)
-                .returning(table.c.id)
-            ).scalar_one()
+        statement = (
+            table.insert().values(name=name, hostname=hostname, pid=pid, started_at=now, heartbeat_at=now)
+            .returning(table.c.id)
+        )
+        if conn is None:
+            with self.begin() as own:
+                return own.execute(statement).scalar_one()
+        with conn.begin():
+            node_id = conn.execute(statement).scalar_one()
+            conn.execute(select(func.pg_advisory_lock(lock_key(node_id))))
+        return node_id
 
     def heartbeat(self, node_id: int, now: datetime | None = None) -> bool:
-        """Record a heartbeat; False when the node row is gone (it was declared dead)."""
+        """Record a heartbeat; False when the node is gone or was declared dead."""
         table = self.tables.nodes
         with self.begin() as conn:
             return conn.execute(
-                update(table).where(table.c.id == node_id).values(heartbeat_at=now or utcnow(), stale_checks=0)
+                update(table).where(table.c.id == node_id, table.c.dead_at.is_(None))
+                .values(heartbeat_at=now or utcnow(), stale_checks=0, checked_at=None)
             ).rowcount == 1
 
     def deregister_node(self, node_id: int) -> None:
-        """Release every row the node owns (running inbox claims, outgoing rows) and delete it."""
+        """Release every inbox claim the node owns and delete it."""
         t = self.tables
+        now = utcnow()
         with self.begin() as conn:
-            conn.execute(update(t.incoming).where(t.incoming.c.owner == node_id).values(owner=UNOWNED))
-            conn.execute(update(t.outgoing).where(t.outgoing.c.owner == node_id).values(owner=UNOWNED,
-                                                                                         claimed_at=None))
+            conn.execute(update(t.incoming).where(t.incoming.c.owner == node_id)
+                         .values(owner=UNOWNED, recover_after=now))
             conn.execute(delete(t.nodes).where(t.nodes.c.id == node_id))
+
+    def check_nodes(self, conn: Connection, now: datetime, stale_before: datetime, checks_needed: int,
+                    counted_before: datetime) -> list[int]:
+        """One stale check of every live node; returns the ids it declared dead.
+
+        A node whose heartbeat is older than ``stale_before`` gets one more stale check,
+        at most one per check period (a check counted before ``counted_before``), so
+        two recover runs at once do not count twice. A node is declared dead when it
+        reaches ``checks_needed`` consecutive checks or, on PostgreSQL, at once when its
+        process no longer holds its liveness lock. A heartbeat resets the count.
+        """
+        table = self.tables.nodes
+        conn.execute(
+            update(table)
+            .where(table.c.dead_at.is_(None), table.c.heartbeat_at < stale_before)
+            .where(table.c.checked_at.is_(None) | (table.c.checked_at < counted_before))
+            .values(stale_checks=table.c.stale_checks + 1, checked_at=now)
+        )
+        dead = table.c.stale_checks >= checks_needed
+        if self.is_postgres:
+            dead = dead | self._liveness_lock_free(table.c.id)
+        candidates = select(table.c.id).where(table.c.dead_at.is_(None)).where(dead)
+        if self.is_postgres:
+            candidates = candidates.with_for_update(skip_locked=True)
+        ids = list(conn.execute(candidates).scalars())
+        if ids:
+            conn.execute(update(table).where(self._id_predicate(table.c.id, ids)).values(dead_at=now))
+        return ids
+
+    def _liveness_lock_free(self, node_id_column):
+        """SQL (PostgreSQL): the node's process no longer holds its liveness lock. Takes the
+        lock for the rest of the transaction when it is free."""
+        from ..node import node_lock_namespace
+
+        lock_key = literal_column(str(node_lock_namespace(self.prefix) << 32), BigInteger) + node_id_column
+        return func.pg_try_advisory_xact_lock(lock_key)
+
+    def dead_owners(self, conn: Connection) -> list[int]:
+        """Owners whose rows must be released: nodes declared dead, and owner ids with no node
+        row at all (orphans). Computed first, so the release runs ``WHERE owner IN (...)``."""
+        t = self.tables
+        declared = set(conn.execute(select(t.nodes.c.id).where(t.nodes.c.dead_at.is_not(None))).scalars())
+        incoming = t.incoming
+        no_node = ~select(t.nodes.c.id).where(t.nodes.c.id == incoming.c.owner).correlate(incoming).exists()
+        declared.update(conn.execute(
+            select(incoming.c.owner).where(incoming.c.owner != UNOWNED).where(no_node).distinct()
+        ).scalars())
+        return sorted(declared)
+
+    def release_owned(self, conn: Connection, owners: Sequence[int], limit: int, now: datetime) -> int:
+        """Release up to ``limit`` inbox claims owned by ``owners``; returns how many.
+
+        Released rows are due for recovery at once (durable queues re-publish them) and
+        a redelivered copy may claim them.
+        """
+        if not owners:
+            return 0
+        incoming = self.tables.incoming
+        keys = select(incoming.c.message_id, incoming.c.destination).where(
+            self._owner_predicate(incoming.c.owner, owners)).limit(limit)
+        if self.is_postgres:
+            keys = keys.with_for_update(skip_locked=True)
+        return conn.execute(
+            update(incoming).where(tuple_(incoming.c.message_id, incoming.c.destination).in_(keys))
+            .values(owner=UNOWNED, recover_after=now)
+        ).rowcount
+
+    def _owner_predicate(self, column, owners: Sequence[int]):
+        if self.is_postgres:
+            return column == func.any(bindparam("owners", list(owners), type_=postgresql.ARRAY(Integer)))
+        return column.in_(list(owners))
+
+    def forget_released_nodes(self, conn: Connection) -> int:
+        """Delete dead node rows that own nothing any more."""
+        t = self.tables
+        owns = select(t.incoming.c.owner).where(t.incoming.c.owner == t.nodes.c.id).correlate(t.nodes).exists()
+        return conn.execute(delete(t.nodes).where(t.nodes.c.dead_at.is_not(None)).where(~owns)).rowcount
 
     def live_nodes(self, conn: Connection | None = None) -> list[Row]:
         table = self.tables.nodes
@@ -463,6 +705,15 @@ class Store:
         }
 
 
+def _later_attempt(new, table):
+    """SQL: the proposed row is a later attempt than the stored one, by (nesting, replays, retries)."""
+    return (new.nesting > table.c.nesting) | (
+        (new.nesting == table.c.nesting) & (new.replays > table.c.replays)
+    ) | (
+        (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (new.retries > table.c.retries)
+    )
+
+
 def _grouped_counts(conn: Connection, first, second, names: tuple[str, str]) -> list[dict[str, Any]]:
     """Row counts grouped by two columns, as dicts keyed by ``names`` and ``count``."""
     rows = conn.execute(select(first, second, func.count()).group_by(first, second).order_by(first, second))
@@ -473,7 +724,6 @@ def _outgoing_state(table, now: datetime):
     from sqlalchemy import case
 
     return case(
-        (table.c.owner != UNOWNED, "claimed"),
         ((table.c.deliver_at.is_not(None)) & (table.c.deliver_at > now), "scheduled"),
         else_="pending",
     ).label("status")

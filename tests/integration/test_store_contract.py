@@ -117,20 +117,19 @@ def test_inserted_ids_follow_the_rows_order(store: Store):
     assert [r.message_id for r in rows] == [f"m{n}" for n in range(10)]
 
 
-def test_scheduled_and_owned_rows_are_not_pending(store: Store):
+def test_scheduled_rows_are_not_pending_until_due(store: Store):
     now = utcnow()
     with store.begin() as conn:
-        due, later, owned = store.insert_outgoing(conn, [
+        due, later, unscheduled = store.insert_outgoing(conn, [
             outgoing_row(1, deliver_at=now - timedelta(seconds=1)),
             outgoing_row(2, deliver_at=now + timedelta(hours=1)),
             outgoing_row(3),
         ])
-        store.set_outgoing_owner(conn, [owned], 7, now)
     with store.begin() as conn:
-        assert [r.id for r in store.lock_pending_outgoing(conn, 10, now)] == [due]
+        assert [r.id for r in store.lock_pending_outgoing(conn, 10, now)] == [due, unscheduled]
     with store.begin() as conn:
-        store.set_outgoing_owner(conn, [owned], 0, None)
-        assert [r.id for r in store.lock_pending_outgoing(conn, 10, now)] == [due, owned]
+        pending = store.lock_pending_outgoing(conn, 10, now + timedelta(hours=2))
+        assert [r.id for r in pending] == [due, later, unscheduled]
 
 
 def test_concurrent_claimers_never_take_the_same_row(store: Store):

@@ -1,0 +1,317 @@
+"""Recovery and cleanup: the maintenance that makes sure no row is stranded and no table grows forever.
+
+``recover(outbox)`` and ``cleanup(outbox)`` are what the beat tasks
+``celery_outbox.recover`` and ``celery_outbox.cleanup`` run, and what
+``celery -A proj outbox recover|cleanup`` runs by hand. Each step is a small
+function working in bounded batches (``outbox_recover_batch_size``,
+``outbox_cleanup_batch_size``), every batch its own short transaction, at most
+``outbox_max_batches_per_run`` batches per step and run; the next run continues.
+
+Safe to run twice at once (two beats, many workers): rows are taken with
+``FOR UPDATE SKIP LOCKED`` on PostgreSQL and under SQLite's single write lock,
+and a node's stale check counts at most once per check period.
+
+Recover, in order:
+
+1. declare dead the nodes whose heartbeat is older than ``outbox_node_stale_after``
+   for ``outbox_node_stale_checks`` consecutive checks (on PostgreSQL also, at once,
+   a node whose process no longer holds its liveness lock);
+2. release the inbox claims of dead nodes (and of owner ids with no node row);
+3. release claims older than ``outbox_inbox_stale_time`` (opt-in);
+4. relay the due outgoing rows: unsent ones and durable scheduled messages whose
+   time has come; expired ones go to dead letters (reason ``expired``);
+5. re-publish the stored envelopes of durable-queue deliveries that are running,
+   unowned and due for recovery, so they run again: the inbox accepts the copy
+   (a recovery, not a duplicate). Each re-publish backs the row off
+   exponentially; after ``outbox_relay_max_attempts`` re-publishes the delivery is
+   dead-lettered (reason ``worker_lost``).
+
+Cleanup deletes ended inbox rows whose ``keep_until`` passed and, with
+``outbox_dead_letter_retention`` set, dead letters older than that, handing each
+batch to the archiver first when one is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from .broker import connect_quickly, connection_errors
+from .crashpoints import crashpoint
+from .envelope import from_row
+from .relay import RelayResult, relay
+from .store import utcnow
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = ["Archiver", "CleanupResult", "RecoverResult", "cleanup", "recover"]
+
+logger = logging.getLogger("celery_outbox.durability")
+
+# Longest back-off between two re-publishes of one stranded envelope.
+MAX_RECOVERY_BACKOFF = timedelta(hours=1)
+
+
+class Archiver(Protocol):
+    """Receives rows cleanup is about to delete, inside the deleting transaction.
+
+    ``kind`` is ``"incoming"`` or ``"dead_letters"``. If it raises, the batch is
+    not deleted and the next cleanup tries again: archiving is at least once.
+    """
+
+    def archive(self, kind: str, rows: Sequence[Any]) -> None: ...
+
+
+@dataclass
+class RecoverResult:
+    nodes_declared_dead: list[int] = field(default_factory=list)
+    claims_released: int = 0
+    stale_claims_released: int = 0
+    relay: RelayResult = field(default_factory=RelayResult)
+    envelopes_republished: int = 0
+    envelopes_dead_lettered: int = 0
+    broker_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "nodes_declared_dead": self.nodes_declared_dead,
+            "claims_released": self.claims_released,
+            "stale_claims_released": self.stale_claims_released,
+            "published": self.relay.published,
+            "publish_failures": self.relay.failed,
+            "expired": self.relay.expired,
+            "dead_lettered": self.relay.dead_lettered + self.envelopes_dead_lettered,
+            "envelopes_republished": self.envelopes_republished,
+            "broker_error": self.broker_error or self.relay.broker_error,
+        }
+
+    def __str__(self) -> str:
+        dead = ", ".join(map(str, self.nodes_declared_dead)) or "none"
+        lines = [
+            f"nodes declared dead: {dead}",
+            f"claims released: {self.claims_released} of dead nodes, {self.stale_claims_released} stale",
+            str(self.relay),
+            f"envelopes re-published: {self.envelopes_republished}, "
+            f"dead-lettered after too many recoveries: {self.envelopes_dead_lettered}",
+        ]
+        if self.broker_error:
+            lines.append(f"broker unavailable: {self.broker_error}")
+        return "\n".join(lines)
+
+
+@dataclass
+class CleanupResult:
+    incoming_deleted: int = 0
+    dead_letters_deleted: int = 0
+    archived: int = 0
+    batches: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"incoming_deleted": self.incoming_deleted, "dead_letters_deleted": self.dead_letters_deleted,
+                "archived": self.archived, "batches": self.batches}
+
+    def __str__(self) -> str:
+        return (f"cleanup: deleted {self.incoming_deleted} handled inbox row(s) and "
+                f"{self.dead_letters_deleted} dead letter(s), archived {self.archived}, in {self.batches} batch(es)")
+
+
+# -- recover ---------------------------------------------------------------------------------------
+
+
+def recover(outbox: "Outbox", max_batches: int | None = None) -> RecoverResult:
+    """One recover pass (beat task ``celery_outbox.recover``, ``celery outbox recover``)."""
+    outbox.ready()
+    result = RecoverResult()
+    result.nodes_declared_dead = detect_dead_nodes(outbox)
+    result.claims_released = release_dead_claims(outbox, max_batches)
+    result.stale_claims_released = release_stale_claims(outbox, max_batches)
+    result.relay = relay(outbox, max_batches)
+    republish_stranded_envelopes(outbox, result, max_batches)
+    if result.nodes_declared_dead or result.claims_released or result.stale_claims_released \
+            or result.envelopes_republished or result.envelopes_dead_lettered:
+        logger.info("celery-outbox recover: %s", "; ".join(str(result).splitlines()))
+    return result
+
+
+def detect_dead_nodes(outbox: "Outbox") -> list[int]:
+    """Count one stale check per node and declare dead those that reached the threshold."""
+    settings, store = outbox.settings, outbox.store
+    now = utcnow()
+    with store.begin() as conn:
+        dead = store.check_nodes(
+            conn, now,
+            stale_before=now - timedelta(seconds=settings.node_stale_after),
+            checks_needed=settings.node_stale_checks,
+            counted_before=now - timedelta(seconds=settings.recover_interval / 2),
+        )
+    for node_id in dead:
+        logger.warning("celery-outbox: node %d declared dead; its claims are released", node_id)
+    return dead
+
+
+def release_dead_claims(outbox: "Outbox", max_batches: int | None = None) -> int:
+    """Release the inbox claims of dead nodes and orphaned owners; forget fully released nodes."""
+    settings, store = outbox.settings, outbox.store
+    released = 0
+    for _ in range(max_batches or settings.max_batches_per_run):
+        with store.begin() as conn:
+            owners = store.dead_owners(conn)
+            count = store.release_owned(conn, owners, settings.recover_batch_size, utcnow())
+        released += count
+        if count < settings.recover_batch_size:
+            with store.begin() as conn:
+                store.forget_released_nodes(conn)
+            break
+    return released
+
+
+def release_stale_claims(outbox: "Outbox", max_batches: int | None = None) -> int:
+    """With ``outbox_inbox_stale_time`` set, release claims older than that, live owner or not."""
+    settings, store = outbox.settings, outbox.store
+    if settings.inbox_stale_time is None:
+        return 0
+    released = 0
+    for _ in range(max_batches or settings.max_batches_per_run):
+        now = utcnow()
+        with store.begin() as conn:
+            count = store.release_stale_incoming(
+                conn, now - timedelta(seconds=settings.inbox_stale_time), settings.recover_batch_size, now)
+        released += count
+        if count < settings.recover_batch_size:
+            break
+    return released
+
+
+def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_batches: int | None = None) -> None:
+    """Re-publish stored envelopes of durable-queue deliveries nobody is running.
+
+    Transaction boundary: per batch, the rows are locked, published and marked
+    (``recoveries + 1``, next recovery after a back-off) in one transaction. A crash
+    after the publish re-publishes them on a later pass: the inbox discards the copy.
+    """
+    settings, store, app = outbox.settings, outbox.store, outbox.app
+    grace = timedelta(seconds=settings.node_stale_after)
+    with app.producer_or_acquire() as producer:
+        broker_errors = connection_errors(producer.connection)
+        connected = False
+        for _ in range(max_batches or settings.max_batches_per_run):
+            with store.begin() as conn:
+                now = utcnow()
+                rows = store.lock_recoverable_incoming(conn, now, settings.recover_batch_size)
+                if not rows:
+                    return
+                if not connected:
+                    result.broker_error = connect_quickly(producer.connection)
+                    if result.broker_error:
+                        logger.warning("celery-outbox recover: broker unavailable, envelopes wait: %s",
+                                       result.broker_error)
+                        return
+                    connected = True
+                exhausted = [row for row in rows if row.recoveries >= settings.relay_max_attempts]
+                if exhausted:
+                    _give_up(outbox, conn, exhausted, now)
+                    result.envelopes_dead_lettered += len(exhausted)
+                marked = []
+                for row in rows:
+                    if row.recoveries >= settings.relay_max_attempts:
+                        continue
+                    try:
+                        from_row(row, app.amqp.queues).publish(producer, retry=False)
+                    except broker_errors as exc:
+                        result.broker_error = f"{type(exc).__name__}: {exc}"
+                        break
+                    except Exception as exc:  # noqa: BLE001 - counted as a recovery; it dies after the cap
+                        logger.error("celery-outbox recover: cannot re-publish %s[%s]: %r",
+                                     row.task_name, row.message_id, exc)
+                    else:
+                        result.envelopes_republished += 1
+                        crashpoint("during_recover")
+                    backoff = min(grace * 2 ** row.recoveries, MAX_RECOVERY_BACKOFF)
+                    marked.append({"message_id": row.message_id, "destination": row.destination,
+                                   "recover_after": now + backoff})
+                store.mark_recovered(conn, marked)
+            if result.broker_error or len(rows) < settings.recover_batch_size:
+                return
+
+
+def _give_up(outbox: "Outbox", conn: Any, rows: Sequence[Any], now: datetime) -> None:
+    store, settings = outbox.store, outbox.settings
+    keep_until = now + timedelta(seconds=settings.keep_after_handling)
+    store.mark_incoming_dead(conn, [(row.message_id, row.destination) for row in rows], now, keep_until)
+    store.insert_dead_letters(conn, [{
+        "message_id": row.message_id, "destination": row.destination, "task_name": row.task_name,
+        "queue": row.queue, "reason": "worker_lost", "exception_type": None,
+        "exception_message": f"the worker running it was lost {row.recoveries} time(s); recovery gave up",
+        "retries": row.retries, "nesting": row.nesting, "replays": row.replays, "failed_at": now,
+        "exchange": row.exchange, "routing_key": row.routing_key, "body": row.body,
+        "content_type": row.content_type, "content_encoding": row.content_encoding,
+        "headers": row.headers, "properties": row.properties,
+    } for row in rows])
+    for row in rows:
+        logger.error("celery-outbox: %s[%s] was recovered %d time(s) and never finished; dead-lettered",
+                     row.task_name, row.message_id, row.recoveries)
+
+
+# -- cleanup ---------------------------------------------------------------------------------------
+
+
+def cleanup(outbox: "Outbox", max_batches: int | None = None) -> CleanupResult:
+    """One cleanup pass (beat task ``celery_outbox.cleanup``, ``celery outbox cleanup``)."""
+    outbox.ready()
+    result = CleanupResult()
+    delete_expired_inbox_rows(outbox, result, max_batches)
+    expire_dead_letters(outbox, result, max_batches)
+    if result.incoming_deleted or result.dead_letters_deleted:
+        logger.info("celery-outbox %s", result)
+    return result
+
+
+def delete_expired_inbox_rows(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
+    """Delete ended inbox rows past ``keep_until``, a batch per short transaction."""
+    settings, store = outbox.settings, outbox.store
+    archiver = outbox.archiver
+    batch = settings.cleanup_batch_size
+    for _ in range(max_batches or settings.max_batches_per_run):
+        with store.begin() as conn:
+            now = utcnow()
+            if archiver is None:
+                count = store.delete_expired_incoming(conn, now, batch)
+            else:
+                rows = store.lock_expired_incoming(conn, now, batch)
+                if rows:
+                    archiver.archive("incoming", rows)
+                    result.archived += len(rows)
+                count = store.delete_incoming(conn, [(row.message_id, row.destination) for row in rows])
+            if count:
+                crashpoint("during_cleanup")
+        if count:
+            result.batches += 1
+            result.incoming_deleted += count
+        if count < batch:
+            return
+
+
+def expire_dead_letters(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
+    """With ``outbox_dead_letter_retention`` set, delete dead letters that failed longer ago."""
+    settings, store = outbox.settings, outbox.store
+    if settings.dead_letter_retention is None:
+        return
+    archiver = outbox.archiver
+    batch = settings.cleanup_batch_size
+    for _ in range(max_batches or settings.max_batches_per_run):
+        with store.begin() as conn:
+            cutoff = utcnow() - timedelta(seconds=settings.dead_letter_retention)
+            rows = store.lock_dead_letters(conn, store.dead_letter_filter(failed_before=cutoff), batch,
+                                           full=archiver is not None)
+            if rows and archiver is not None:
+                archiver.archive("dead_letters", rows)
+                result.archived += len(rows)
+            count = store.delete_dead_letters(conn, [row.id for row in rows])
+        if count:
+            result.batches += 1
+            result.dead_letters_deleted += count
+        if count < batch:
+            return
