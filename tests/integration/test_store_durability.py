@@ -1,0 +1,302 @@
+"""The store's maintenance statements, on SQLite and on a real PostgreSQL: dead nodes, releases,
+recoverable envelopes, cleanup deletes, dead-letter queries."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select
+
+from celery_outbox.node import node_lock_key
+from celery_outbox.store import Store, utcnow
+
+from .test_store_contract import incoming_row
+
+
+def dead_letter(n: int, **extra):
+    row = dict(message_id=f"d{n}", task_name="t.add", queue="q", reason="failed", exception_type="ValueError",
+               failed_at=utcnow(), body=b"[[1], {}, {}]", content_type="application/json",
+               content_encoding="utf-8", headers='{"id": "d%d", "task": "t.add"}' % n, properties="{}")
+    row.update(extra)
+    return row
+
+
+def check(store: Store, now, stale_after=30, checks=3, period=0):
+    with store.begin() as conn:
+        return store.check_nodes(conn, now, stale_before=now - timedelta(seconds=stale_after),
+                                 checks_needed=checks, counted_before=now - timedelta(seconds=period))
+
+
+class LiveNode:
+    """A node row whose liveness lock is held (on PostgreSQL) by a connection of this test, as a worker's is."""
+
+    def __init__(self, store: Store, name: str):
+        self.store = store
+        self.connection = store.engine.connect() if store.is_postgres else None
+        self.id = store.register_node(name, "host", 1, conn=self.connection,
+                                      lock_key=lambda node_id: node_lock_key(node_id, store.prefix))
+
+    def die(self):
+        if self.connection is not None:
+            self.connection.invalidate()
+            self.connection.close()
+            self.connection = None
+
+
+def set_heartbeat(store: Store, node_id: int, at):
+    nodes = store.tables.nodes
+    with store.begin() as conn:
+        conn.execute(nodes.update().where(nodes.c.id == node_id).values(heartbeat_at=at))
+
+
+def test_a_node_is_dead_after_n_consecutive_stale_checks(store: Store):
+    node = LiveNode(store, "stale")
+    fresh = LiveNode(store, "fresh")
+    try:
+        now = utcnow()
+        set_heartbeat(store, node.id, now - timedelta(seconds=60))
+        for n in range(1, 3):
+            assert check(store, now + timedelta(seconds=n)) == [], f"check {n} of 3 declares nothing"
+        assert check(store, now + timedelta(seconds=3)) == [node.id]
+        assert store.heartbeat(node.id) is False, "a node declared dead cannot heartbeat back to life"
+        assert store.heartbeat(fresh.id) is True
+        assert check(store, now + timedelta(seconds=4)) == []
+    finally:
+        node.die()
+        fresh.die()
+
+
+def test_a_heartbeat_resets_the_stale_checks(store: Store):
+    node = LiveNode(store, "flapping")
+    try:
+        now = utcnow()
+        set_heartbeat(store, node.id, now - timedelta(seconds=60))
+        check(store, now)
+        check(store, now + timedelta(seconds=1))
+        assert store.heartbeat(node.id, now - timedelta(seconds=60)) is True  # an old heartbeat, but a heartbeat
+        assert check(store, now + timedelta(seconds=2)) == []
+        assert check(store, now + timedelta(seconds=3)) == []
+        assert check(store, now + timedelta(seconds=4)) == [node.id]
+    finally:
+        node.die()
+
+
+def test_two_checks_in_one_period_count_once(store: Store):
+    node = LiveNode(store, "doubly-checked")
+    try:
+        now = utcnow()
+        set_heartbeat(store, node.id, now - timedelta(seconds=60))
+        for _ in range(5):  # five recover runs within one check period of 10 s
+            assert check(store, now, checks=2, period=10) == []
+        assert check(store, now + timedelta(seconds=11), checks=2, period=10) == [node.id]
+    finally:
+        node.die()
+
+
+def test_postgres_declares_a_node_dead_at_once_when_its_process_is_gone(store: Store):
+    if not store.is_postgres:
+        pytest.skip("the liveness lock is PostgreSQL's; SQLite nodes die by stale heartbeats only")
+    node = LiveNode(store, "killed")
+    alive = LiveNode(store, "alive")
+    try:
+        assert check(store, utcnow()) == [], "fresh heartbeats, locks held"
+        node.die()
+        assert check(store, utcnow()) == [node.id], "no stale checks needed: its lock is free"
+    finally:
+        alive.die()
+
+
+def test_dead_nodes_claims_are_released_and_the_node_forgotten(store: Store):
+    dead, alive = LiveNode(store, "dead"), LiveNode(store, "alive")
+    try:
+        now = utcnow()
+        with store.begin() as conn:
+            for n in range(7):
+                store.insert_incoming(conn, incoming_row(f"dead{n}", owner=dead.id, claimed_at=now))
+            store.insert_incoming(conn, incoming_row("alive", owner=alive.id, claimed_at=now))
+            store.insert_incoming(conn, incoming_row("orphan", owner=dead.id + alive.id + 100, claimed_at=now))
+        set_heartbeat(store, dead.id, now - timedelta(seconds=60))
+        assert check(store, now, checks=1) == [dead.id]
+        with store.begin() as conn:
+            owners = store.dead_owners(conn)
+        assert owners == sorted([dead.id, dead.id + alive.id + 100]), "declared dead, and owners with no node"
+        with store.begin() as conn:
+            assert store.release_owned(conn, owners, 5, now) == 5, "one bounded batch"
+        with store.begin() as conn:
+            assert store.forget_released_nodes(conn) == 0, "the node still owns rows"
+            assert store.release_owned(conn, owners, 5, now) == 3
+            assert store.forget_released_nodes(conn) == 1
+        rows = {m: store.get_incoming(m) for m in [f"dead{n}" for n in range(7)] + ["alive", "orphan"]}
+        assert {m: r.owner for m, r in rows.items() if r.owner} == {"alive": alive.id}
+        assert all(r.recover_after is not None for m, r in rows.items() if m != "alive")
+        assert [n.name for n in store.live_nodes()] == ["alive"]
+    finally:
+        dead.die()
+        alive.die()
+
+
+def test_stale_claims_are_released_by_claim_time(store: Store):
+    now = utcnow()
+    node = LiveNode(store, "slow")
+    try:
+        with store.begin() as conn:
+            store.insert_incoming(conn, incoming_row("old-claim", owner=node.id, claimed_at=now - timedelta(hours=2),
+                                                     received_at=now - timedelta(hours=3)))
+            store.insert_incoming(conn, incoming_row("new-claim", owner=node.id, claimed_at=now,
+                                                     received_at=now - timedelta(hours=3)))
+        with store.begin() as conn:
+            assert store.release_stale_incoming(conn, now - timedelta(hours=1), 100, now) == 1
+        assert store.get_incoming("old-claim").owner == 0
+        assert store.get_incoming("new-claim").owner == node.id, "received long ago, claimed just now: not stale"
+    finally:
+        node.die()
+
+
+def test_recoverable_envelopes_are_running_unowned_and_due(store: Store):
+    now = utcnow()
+    with store.begin() as conn:
+        store.insert_incoming(conn, incoming_row("due", recover_after=now - timedelta(seconds=1)))
+        store.insert_incoming(conn, incoming_row("later", recover_after=now + timedelta(seconds=60)))
+        store.insert_incoming(conn, incoming_row("owned", owner=5, recover_after=now - timedelta(seconds=1)))
+        store.insert_incoming(conn, incoming_row("handled", status="handled", recover_after=now - timedelta(1),
+                                                 keep_until=now + timedelta(days=1)))
+        store.insert_incoming(conn, incoming_row("no-envelope"))
+    with store.begin() as conn:
+        assert [r.message_id for r in store.lock_recoverable_incoming(conn, now, 10)] == ["due"]
+        store.mark_recovered(conn, [{"message_id": "due", "destination": "", "recover_after": now + timedelta(1)}])
+    row = store.get_incoming("due")
+    assert row.recoveries == 1
+    with store.begin() as conn:
+        assert store.lock_recoverable_incoming(conn, now, 10) == []
+
+
+def test_an_optimistic_claim_in_flight_is_not_recoverable(store: Store):
+    if not store.is_postgres:
+        pytest.skip("on SQLite a claim in flight holds the database's only write lock")
+    now = utcnow()
+    with store.begin() as conn:
+        store.insert_incoming(conn, incoming_row("in-flight", recover_after=now - timedelta(seconds=1)))
+    with store.engine.connect() as worker:
+        with worker.begin():
+            claim = incoming_row("in-flight", status="handled", claimed_at=now, keep_until=now + timedelta(1))
+            assert store.claim_incoming(worker, claim) is True
+            with store.begin() as conn:
+                assert store.lock_recoverable_incoming(conn, now, 10) == [], "the claim's row lock is skipped"
+            worker.rollback()  # the worker died: the row is stranded again
+    with store.begin() as conn:
+        assert [r.message_id for r in store.lock_recoverable_incoming(conn, now, 10)] == ["in-flight"]
+
+
+def test_a_replay_claims_a_dead_row_and_a_plain_redelivery_does_not(store: Store):
+    now = utcnow()
+    with store.begin() as conn:
+        store.insert_incoming(conn, incoming_row("failed", status="dead", keep_until=now + timedelta(1)))
+    attempt = dict(status="handled", claimed_at=now, keep_until=now + timedelta(1))
+    with store.begin() as conn:
+        assert store.claim_incoming(conn, incoming_row("failed", **attempt)) is False, "a redelivery is a duplicate"
+        assert store.claim_incoming(conn, incoming_row("failed", retries=1, **attempt)) is False, \
+            "a dead row is not taken over by a later retry"
+        assert store.claim_incoming(conn, incoming_row("failed", replays=1, **attempt)) is True
+    with store.begin() as conn:
+        assert store.claim_incoming(conn, incoming_row("failed", replays=2, **attempt)) is False, \
+            "a handled row is never run again, replay or not"
+    assert (store.get_incoming("failed").status, store.get_incoming("failed").replays) == ("handled", 1)
+
+
+def test_cleanup_deletes_exactly_the_expired_rows_in_batches(store: Store):
+    now = utcnow()
+    with store.begin() as conn:
+        for n in range(25):
+            store.insert_incoming(conn, incoming_row(f"old{n}", status="handled", keep_until=now - timedelta(1)))
+        for n in range(5):
+            store.insert_incoming(conn, incoming_row(f"kept{n}", status="handled", keep_until=now + timedelta(1)))
+        store.insert_incoming(conn, incoming_row("running"))
+    deleted = []
+    while True:
+        with store.begin() as conn:
+            count = store.delete_expired_incoming(conn, now, 10)
+        deleted.append(count)
+        if count < 10:
+            break
+    assert deleted == [10, 10, 5]
+    with store.begin() as conn:
+        left = set(conn.execute(select(store.tables.incoming.c.message_id)).scalars())
+    assert left == {f"kept{n}" for n in range(5)} | {"running"}
+
+
+def test_dead_letter_filters_and_replay_bookkeeping(store: Store):
+    now = utcnow()
+    with store.begin() as conn:
+        store.insert_dead_letters(conn, [
+            dead_letter(1, failed_at=now - timedelta(days=10)),
+            dead_letter(2, task_name="t.other", exception_type="KeyError"),
+            dead_letter(3, queue="other", reason="poison"),
+        ])
+    ids = [r.id for r in store.list_dead_letters(store.dead_letter_filter())]
+    assert len(ids) == 3
+
+    def matching(**criteria):
+        return [r.message_id for r in store.list_dead_letters(store.dead_letter_filter(**criteria))]
+
+    assert matching(task="t.other") == ["d2"]
+    assert matching(exception="ValueError") == ["d1", "d3"]
+    assert matching(queue="other") == ["d3"]
+    assert matching(reason="poison") == ["d3"]
+    assert matching(since=now - timedelta(days=1)) == ["d2", "d3"]
+    assert matching(failed_before=now - timedelta(days=1)) == ["d1"]
+    assert matching(ids=[ids[0], ids[2]], exception="ValueError") == ["d1", "d3"]
+    with store.begin() as conn:
+        store.mark_replayed(conn, [ids[0]], now)
+        store.mark_replayed(conn, [ids[0]], now)
+    replayed = store.get_dead_letter(ids[0])
+    assert replayed.replay_count == 2 and replayed.replayed_at is not None
+    with store.begin() as conn:
+        locked = store.lock_dead_letters(conn, store.dead_letter_filter(failed_before=now), 10, full=False)
+        assert store.delete_dead_letters(conn, [r.id for r in locked]) == 1
+    assert store.count_matching_dead_letters(store.dead_letter_filter()) == 2
+
+
+def test_cleanup_never_blocks_a_concurrent_writer(store: Store):
+    """A writer keeps claiming while cleanup deletes 3000 expired rows in batches: every write lands."""
+    now = utcnow()
+    with store.begin() as conn:
+        conn.execute(store.tables.incoming.insert(), [
+            incoming_row(f"old{n}", status="handled", keep_until=now - timedelta(1)) for n in range(3000)])
+    stop = threading.Event()
+    written: list[str] = []
+    errors: list[BaseException] = []
+
+    def writer():
+        n = 0
+        try:
+            while not stop.is_set() or n < 50:
+                with store.begin() as conn:
+                    claim = incoming_row(f"new{n}", status="handled", claimed_at=utcnow(),
+                                         keep_until=utcnow() + timedelta(days=1))
+                    assert store.claim_incoming(conn, claim)
+                written.append(f"new{n}")
+                n += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        deleted = 0
+        while True:
+            with store.begin() as conn:
+                count = store.delete_expired_incoming(conn, utcnow(), 200)
+            deleted += count
+            if count < 200:
+                break
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
+    assert deleted == 3000
+    with store.begin() as conn:
+        left = set(conn.execute(select(store.tables.incoming.c.message_id)).scalars())
+        assert conn.execute(select(func.count()).select_from(store.tables.incoming)).scalar_one() == len(written)
+    assert left == set(written)

@@ -1,0 +1,239 @@
+"""Recover, cleanup, durable scheduling and dead-letter replay: fast checks on SQLite and kombu's
+in-memory transport. The same claims run against PostgreSQL, Redis and real workers in
+tests/integration/test_durability_workers.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from kombu.utils import json as kombu_json
+from sqlalchemy import select, update
+
+from celery_outbox.deadletters import DeadLetterFilter, purge, replay
+from celery_outbox.store import as_utc, utcnow
+
+from ..apps.factory import make_shop
+from ..brokers import nothing_more, receive
+
+
+@pytest.fixture
+def shop(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_relay_max_attempts=3)
+    shop.outbox.ready()
+    return shop
+
+
+def strand(shop, *args, **options):
+    """Send durable messages as if the process died right after the commit: rows stay, nothing is published."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages: None)
+        with shop.outbox.transaction():
+            return [shop.durable.apply_async((arg,), **options) for arg in args]
+
+
+def outgoing(shop):
+    with shop.outbox.store.begin() as conn:
+        return conn.execute(select(shop.outbox.store.tables.outgoing)).all()
+
+
+def make_due(shop):
+    table = shop.outbox.store.tables.outgoing
+    with shop.outbox.store.begin() as conn:
+        conn.execute(update(table).values(deliver_at=utcnow() - timedelta(seconds=1)))
+
+
+def test_both_beat_tasks_are_scheduled_with_expiry(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_maintenance_queue="maintenance",
+                     outbox_cleanup_interval=120)
+    schedule = shop.app.conf.beat_schedule
+    assert schedule["celery_outbox.recover"]["schedule"] == 5.0
+    assert schedule["celery_outbox.cleanup"]["schedule"] == 120
+    for name in ("celery_outbox.recover", "celery_outbox.cleanup"):
+        assert schedule[name]["task"] == name
+        assert schedule[name]["options"] == {"expires": schedule[name]["schedule"], "queue": "maintenance"}
+        assert name in shop.app.tasks
+
+
+@pytest.mark.parametrize("timing", ["countdown", "eta"])
+def test_a_durable_countdown_is_held_in_the_database_without_a_broker_eta(shop, timing):
+    options = {"countdown": 60} if timing == "countdown" else {"eta": utcnow() + timedelta(seconds=60)}
+    with shop.outbox.transaction():
+        result = shop.durable.apply_async(("later",), **options)
+    (row,) = outgoing(shop)
+    assert as_utc(row.deliver_at) == pytest.approx(utcnow() + timedelta(seconds=60), abs=timedelta(seconds=5))
+    assert kombu_json.loads(row.headers)["eta"] is None, "the stored message carries no broker ETA"
+    assert nothing_more(shop.app, shop.durable_queue), "not published at the commit: it is not due"
+    assert shop.outbox.recover().relay.published == 0, "not published before it is due"
+    make_due(shop)
+    assert shop.outbox.recover().relay.published == 1
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args, message.headers["eta"]) == (result.id, ["later"], None)
+    assert shop.outbox.recover().relay.published == 0
+    assert nothing_more(shop.app, shop.durable_queue), "published once"
+
+
+def test_a_durable_countdown_outside_a_unit_of_work_is_held_too(shop):
+    shop.durable.apply_async(("later",), countdown=60)
+    assert len(outgoing(shop)) == 1
+    assert nothing_more(shop.app, shop.durable_queue)
+
+
+def test_a_countdown_to_a_plain_queue_keeps_celerys_broker_eta(shop):
+    with shop.outbox.transaction():
+        shop.plain.apply_async(("later",), countdown=60)
+    (message,) = receive(shop.app, shop.plain_queue, 1)
+    assert message.headers["eta"] is not None
+    assert outgoing(shop) == []
+
+
+def test_an_expired_outgoing_row_is_dead_lettered_not_published(shop):
+    (expired,) = strand(shop, "too late", expires=utcnow() + timedelta(seconds=30))
+    (fresh,) = strand(shop, "fine", expires=utcnow() + timedelta(hours=1))
+    table = shop.outbox.store.tables.outgoing
+    with shop.outbox.store.begin() as conn:
+        conn.execute(update(table).where(table.c.message_id == expired.id)
+                     .values(expires_at=utcnow() - timedelta(seconds=1)))
+    result = shop.outbox.recover()
+    assert (result.relay.published, result.relay.expired) == (1, 1)
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert message.id == fresh.id
+    (letter,) = shop.outbox.store.list_dead_letters(shop.outbox.store.dead_letter_filter())
+    assert (letter.message_id, letter.reason) == (expired.id, "expired")
+    assert outgoing(shop) == []
+
+
+def envelope_row(shop, message_id, **extra):
+    """An inbox row as a worker of a durable queue leaves it when it dies mid-task."""
+    (sent,) = strand(shop, message_id)
+    (row,) = outgoing(shop)
+    with shop.outbox.store.begin() as conn:
+        shop.outbox.store.delete_outgoing(conn, [row.id])
+    now = utcnow()
+    values = dict(message_id=sent.id, destination="", task_name=row.task_name, queue=shop.durable_queue,
+                  status="running", owner=0, received_at=now, recover_after=now - timedelta(seconds=1),
+                  exchange=row.exchange, routing_key=row.routing_key, body=row.body,
+                  content_type=row.content_type, content_encoding=row.content_encoding, headers=row.headers,
+                  properties=row.properties)
+    values.update(extra)
+    with shop.outbox.store.begin() as conn:
+        shop.outbox.store.insert_incoming(conn, values)
+    return sent.id
+
+
+def test_a_stranded_envelope_is_republished_then_backs_off(shop):
+    task_id = envelope_row(shop, "stranded")
+    first = shop.outbox.recover()
+    assert first.envelopes_republished == 1
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args) == (task_id, ["stranded"])
+    row = shop.outbox.store.get_incoming(task_id)
+    assert row.recoveries == 1 and as_utc(row.recover_after) > utcnow(), "backed off"
+    assert shop.outbox.recover().envelopes_republished == 0
+    assert nothing_more(shop.app, shop.durable_queue)
+
+
+def test_an_envelope_recovered_too_often_is_dead_lettered(shop):
+    task_id = envelope_row(shop, "kills its worker", recoveries=3)
+    result = shop.outbox.recover()
+    assert (result.envelopes_republished, result.envelopes_dead_lettered) == (0, 1)
+    assert shop.outbox.store.get_incoming(task_id).status == "dead"
+    (letter,) = shop.outbox.store.list_dead_letters(shop.outbox.store.dead_letter_filter())
+    assert (letter.message_id, letter.reason) == (task_id, "worker_lost")
+    assert nothing_more(shop.app, shop.durable_queue)
+
+
+def test_cleanup_deletes_expired_rows_and_hands_them_to_the_archiver_first(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_cleanup_batch_size=4,
+                     outbox_dead_letter_retention=3600)
+    shop.outbox.ready()
+    store = shop.outbox.store
+    now = utcnow()
+    with store.begin() as conn:
+        for n in range(10):
+            store.insert_incoming(conn, dict(message_id=f"old{n}", destination="", status="handled",
+                                             received_at=now, keep_until=now - timedelta(seconds=1)))
+        store.insert_incoming(conn, dict(message_id="kept", destination="", status="handled", received_at=now,
+                                         keep_until=now + timedelta(days=1)))
+        store.insert_dead_letters(conn, [
+            dict(message_id="old-letter", reason="failed", failed_at=now - timedelta(hours=2)),
+            dict(message_id="new-letter", reason="failed", failed_at=now)])
+    archived: list[tuple[str, str]] = []
+
+    class Recorder:
+        def archive(self, kind, rows):
+            archived.extend((kind, row.message_id) for row in rows)
+
+    shop.outbox.archiver = Recorder()
+    result = shop.outbox.cleanup()
+    assert (result.incoming_deleted, result.dead_letters_deleted, result.archived) == (10, 1, 11)
+    assert result.batches == 4, "10 rows in batches of 4, then one batch of dead letters"
+    assert sorted(m for kind, m in archived if kind == "incoming") == sorted(f"old{n}" for n in range(10))
+    assert [m for kind, m in archived if kind == "dead_letters"] == ["old-letter"]
+    assert store.count_incoming() == 1 and store.get_incoming("kept") is not None
+    assert [r.message_id for r in store.list_dead_letters(store.dead_letter_filter())] == ["new-letter"]
+
+
+def test_a_failing_archiver_deletes_nothing(shop):
+    """The archive comes first: rows it could not take stay for the next cleanup."""
+    store = shop.outbox.store
+    with store.begin() as conn:
+        store.insert_incoming(conn, dict(message_id="old", destination="", status="handled", received_at=utcnow(),
+                                         keep_until=utcnow() - timedelta(seconds=1)))
+
+    class Broken:
+        def archive(self, kind, rows):
+            raise OSError("archive volume is full")
+
+    shop.outbox.archiver = Broken()
+    with pytest.raises(OSError, match="volume is full"):
+        shop.outbox.cleanup()
+    assert store.get_incoming("old") is not None
+
+
+def dead_letter_of(shop, *args):
+    ids = []
+    for arg in args:
+        (sent,) = strand(shop, arg)
+        (row,) = outgoing(shop)
+        store = shop.outbox.store
+        with store.begin() as conn:
+            store.delete_outgoing(conn, [row.id])
+            store.insert_dead_letters(conn, [dict(
+                message_id=sent.id, task_name=row.task_name, queue=shop.durable_queue, reason="failed",
+                exception_type="ValueError", failed_at=utcnow(), exchange=row.exchange, routing_key=row.routing_key,
+                body=row.body, content_type=row.content_type, content_encoding=row.content_encoding,
+                headers=row.headers, properties=row.properties)])
+        ids.append(sent.id)
+    return ids
+
+
+def test_replay_republishes_through_the_outbox_as_a_new_attempt(shop):
+    (task_id,) = dead_letter_of(shop, "again")
+    store = shop.outbox.store
+    (letter,) = store.list_dead_letters(store.dead_letter_filter())
+    progress = []
+    assert replay(shop.outbox, DeadLetterFilter(ids=(letter.id,)), progress=progress.append) == [task_id]
+    assert progress == [1]
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args, message.headers["celery_outbox_replay"]) == (task_id, ["again"], 1)
+    letter = store.get_dead_letter(letter.id)
+    assert letter.replay_count == 1 and letter.replayed_at is not None
+    assert outgoing(shop) == [], "the outgoing row was deleted after the publish"
+    replay(shop.outbox, DeadLetterFilter(ids=(letter.id,)))
+    (second,) = receive(shop.app, shop.durable_queue, 1)
+    assert second.headers["celery_outbox_replay"] == 2, "each replay is a later attempt"
+
+
+def test_purge_deletes_only_the_old_matching_letters(shop):
+    dead_letter_of(shop, "a", "b", "c")
+    store = shop.outbox.store
+    table = store.tables.dead_letters
+    first = store.list_dead_letters(store.dead_letter_filter())[0]
+    with store.begin() as conn:
+        conn.execute(update(table).where(table.c.id == first.id).values(failed_at=utcnow() - timedelta(days=30)))
+    counted = []
+    deleted = purge(shop.outbox, DeadLetterFilter(failed_before=utcnow() - timedelta(days=7)), progress=counted.append)
+    assert (deleted, counted) == (1, [1])
+    assert first.id not in [r.id for r in store.list_dead_letters(store.dead_letter_filter())]
+    assert store.count_dead_letters() == 2
