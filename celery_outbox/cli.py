@@ -71,28 +71,34 @@ def relay(box: Outbox, max_batches: int | None) -> None:
         raise SystemExit(1)
 
 
-@outbox.command()
-@click.option("--max-batches", type=click.IntRange(min=1), default=None,
-              help="Batches per step (default: outbox_max_batches_per_run).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
-@_with_outbox
-def recover(box: Outbox, max_batches: int | None, as_json: bool) -> None:
-    """One recover pass, as beat runs it: dead nodes, released claims, relay, stranded envelopes."""
-    result = box.recover(max_batches)
-    click.echo(json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else str(result))
-    if result.broker_error or result.relay.broker_error:
-        raise SystemExit(1)
+def _maintenance_pass(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Options and output of a command that runs one maintenance pass and reports it."""
+
+    @outbox.command(name=command.__name__, help=command.__doc__)
+    @click.option("--max-batches", type=click.IntRange(min=1), default=None,
+                  help="Batches per step (default: outbox_max_batches_per_run).")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+    @_with_outbox
+    def run(box: Outbox, max_batches: int | None, as_json: bool) -> None:
+        result = command(box, max_batches)
+        click.echo(json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else str(result))
+        if result.as_dict().get("broker_error"):
+            raise SystemExit(1)
+
+    return run
 
 
-@outbox.command()
-@click.option("--max-batches", type=click.IntRange(min=1), default=None,
-              help="Batches per step (default: outbox_max_batches_per_run).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
-@_with_outbox
-def cleanup(box: Outbox, max_batches: int | None, as_json: bool) -> None:
+@_maintenance_pass
+def recover(box: Outbox, max_batches: int | None):
+    """One recover pass, as beat runs it: dead nodes, released claims, relay, stranded envelopes.
+    Exit code 1 when the broker is unreachable."""
+    return box.recover(max_batches)
+
+
+@_maintenance_pass
+def cleanup(box: Outbox, max_batches: int | None):
     """One cleanup pass, as beat runs it: expired inbox rows and, with a retention, old dead letters."""
-    result = box.cleanup(max_batches)
-    click.echo(json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else str(result))
+    return box.cleanup(max_batches)
 
 
 @outbox.command()

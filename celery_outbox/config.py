@@ -154,15 +154,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("node_heartbeat_interval", 5.0, _seconds,
             "Seconds between two heartbeats of a worker node."),
     Setting("node_stale_after", 30.0, _seconds,
-            "A node whose last heartbeat is older than this many seconds is suspected dead."),
+            "A node whose last heartbeat is older than this many seconds is suspected dead. Also the grace "
+            "before recovery re-publishes the envelope of a durable-queue delivery that nobody is running."),
     Setting("node_stale_checks", 3, _positive_int,
             "Consecutive recover passes a node must be found stale before it is declared dead "
             "and its rows are released."),
     Setting("inbox_stale_time", None, _optional_seconds,
-            "Opt-in: an incoming row claimed longer ago than this many seconds, and not handled, "
-            "is released for recovery. Off by default."),
+            "Opt-in: an inbox claim older than this many seconds (from claim time), not yet handled, is "
+            "released for recovery even if its node is alive (a hung task). Off by default."),
     Setting("outbox_stale_time", None, _optional_seconds,
-            "Opt-in: an outgoing row claimed by a relay longer ago than this many seconds is released. "
+            "Opt-in (PostgreSQL): a relay transaction that holds outgoing rows and idles longer than this "
+            "many seconds (a publish hung on the broker) is ended, so another relay takes the rows. "
             "Off by default."),
     Setting("relay_batch_size", 500, _positive_int,
             "Outgoing rows one relay batch claims, publishes and deletes."),

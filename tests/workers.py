@@ -13,6 +13,8 @@ ROOT = Path(__file__).parents[1]
 
 
 class WorkerProcess:
+    ready_line = " ready."
+
     def __init__(self, app_module: str, env: dict[str, str], pool: str = "prefork", concurrency: int = 2,
                  queues: list[str] | None = None, log_path: Path | None = None):
         self.command = [
@@ -36,8 +38,8 @@ class WorkerProcess:
         """Wait until the worker says it is ready to consume (needs a log_path)."""
         from .services import wait_until
 
-        wait_until(lambda: " ready." in self.log() or self.process.poll() is not None, timeout=timeout,
-                   message=f"the worker to be ready (log: {self.log_path})")
+        wait_until(lambda: self.ready_line in self.log() or self.process.poll() is not None, timeout=timeout,
+                   message=f"{self.command[5]} to be ready (log: {self.log_path})")
         assert self.process.poll() is None, f"the worker exited with {self.process.returncode}: {self.log()[-2000:]}"
         return self
 
@@ -60,3 +62,16 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+
+class BeatProcess(WorkerProcess):
+    """A real ``celery beat`` process with its schedule file in a test's directory."""
+
+    ready_line = "beat: Starting..."
+
+    def __init__(self, app_module: str, env: dict[str, str], log_path: Path):
+        self.command = [sys.executable, "-m", "celery", "-A", app_module, "beat", "-l", "INFO",
+                        "--schedule", str(log_path.with_suffix(".schedule"))]
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+        self.log_path = log_path
+        self.process = None

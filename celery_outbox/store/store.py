@@ -455,15 +455,17 @@ class Store:
     def release_stale_incoming(self, conn: Connection, claimed_before: datetime, limit: int, now: datetime) -> int:
         """Release up to ``limit`` running rows claimed before ``claimed_before`` (opt-in stale time)."""
         table = self.tables.incoming
-        stale = (
-            select(table.c.message_id, table.c.destination)
-            .where(table.c.status == "running", table.c.owner != UNOWNED, table.c.claimed_at < claimed_before)
-            .limit(limit)
-        )
+        return self._release_incoming(conn, (table.c.status == "running") & (table.c.owner != UNOWNED)
+                                      & (table.c.claimed_at < claimed_before), limit, now)
+
+    def _release_incoming(self, conn: Connection, where, limit: int, now: datetime) -> int:
+        """Release up to ``limit`` claims matching ``where`` (skipping locked rows); due for recovery at once."""
+        table = self.tables.incoming
+        keys = select(table.c.message_id, table.c.destination).where(where).limit(limit)
         if self.is_postgres:
-            stale = stale.with_for_update(skip_locked=True)
+            keys = keys.with_for_update(skip_locked=True)
         return conn.execute(
-            update(table).where(tuple_(table.c.message_id, table.c.destination).in_(stale))
+            update(table).where(tuple_(table.c.message_id, table.c.destination).in_(keys))
             .values(owner=UNOWNED, recover_after=now)
         ).rowcount
 
@@ -635,15 +637,7 @@ class Store:
         """
         if not owners:
             return 0
-        incoming = self.tables.incoming
-        keys = select(incoming.c.message_id, incoming.c.destination).where(
-            self._owner_predicate(incoming.c.owner, owners)).limit(limit)
-        if self.is_postgres:
-            keys = keys.with_for_update(skip_locked=True)
-        return conn.execute(
-            update(incoming).where(tuple_(incoming.c.message_id, incoming.c.destination).in_(keys))
-            .values(owner=UNOWNED, recover_after=now)
-        ).rowcount
+        return self._release_incoming(conn, self._owner_predicate(self.tables.incoming.c.owner, owners), limit, now)
 
     def _owner_predicate(self, column, owners: Sequence[int]):
         if self.is_postgres:

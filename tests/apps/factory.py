@@ -45,3 +45,14 @@ def make_shop(broker_url: str, database_url: str, table_prefix: str, **conf: Any
         return x
 
     return Shop(app, outbox, plain_queue, durable_queue, plain, durable)
+
+
+def strand(shop: Shop, *args: Any, **options: Any) -> list[Any]:
+    """Send durable messages as if the process died right after the commit: the rows stay in the
+    outgoing table and nothing is published."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages: None)
+        with shop.outbox.transaction():
+            return [shop.durable.apply_async((arg,), **options) for arg in args]

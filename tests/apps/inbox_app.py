@@ -1,7 +1,8 @@
 """A Celery app with IdempotentTasks, for tests that run real worker processes.
 
 The worker builds it from the environment (TEST_BROKER_URL, TEST_DATABASE_URL,
-TEST_TABLE_PREFIX, TEST_QUEUE, TEST_OTHER_QUEUE (a durable queue), TEST_IDENTITY); a test builds the
+TEST_TABLE_PREFIX, TEST_QUEUE, TEST_OTHER_QUEUE (a durable queue), TEST_IDENTITY,
+TEST_VISIBILITY_TIMEOUT, TEST_CONF: more settings as JSON); a test builds the
 same app in its own process with ``create(...)``. Every task start and end and
 every failure is written to the ``events`` table from the worker, so a test can
 see what happened in which process and in which order.
@@ -9,6 +10,7 @@ see what happened in which process and in which order.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from types import SimpleNamespace
@@ -20,7 +22,7 @@ from celery_outbox import IdempotentTask, Outbox
 
 
 def create(broker_url: str, database_url: str, prefix: str, queue: str, other_queue: str,
-           identity: str = "id") -> SimpleNamespace:
+           identity: str = "id", visibility_timeout: float = 3, **conf) -> SimpleNamespace:
     app = Celery("inbox_app", broker=broker_url, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
@@ -31,9 +33,10 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         outbox_node_heartbeat_interval=0.5,
         worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
-        # Redis: redeliver unacked work of a dead worker within seconds, not an hour
-        broker_transport_options={"visibility_timeout": 3, "unacked_restore_interval": 1,
+        # Redis: by default redeliver unacked work of a dead worker within seconds, not an hour
+        broker_transport_options={"visibility_timeout": visibility_timeout, "unacked_restore_interval": 1,
                                   "unacked_restore_throttle": 1},
+        **conf,
     )
     outbox = Outbox(app)
     metadata = MetaData()
@@ -78,6 +81,15 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
             raise self.retry(countdown=0)
         return order_id
 
+    @app.task(base=IdempotentTask, bind=True, name="inbox.fragile", shared=False)
+    def fragile(self, order_id: str) -> str:
+        """Fails until the data it needs exists (an effect row ``fixed:<order_id>``): then a replay succeeds."""
+        record(order_id, "body")
+        if not self.session.execute(select(effects.c.id).where(effects.c.order_id == f"fixed:{order_id}")).first():
+            raise LookupError(f"order {order_id} has no fix yet")
+        self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
+        return order_id
+
     def on_prerun(sender=None, task_id=None, **_):
         if sender is not None and sender.app is app:
             record(task_id, "prerun")
@@ -109,10 +121,11 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
             return conn.execute(select(effects).where(effects.c.order_id == order_id)).all()
 
     return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, pay=pay, pay_eager=pay_eager, flaky=flaky,
-                           events=event_rows, effects=effect_rows, disconnect=disconnect)
+                           fragile=fragile, events=event_rows, effects=effect_rows, disconnect=disconnect)
 
 
 if "TEST_BROKER_URL" in os.environ:
     shop = create(os.environ["TEST_BROKER_URL"], os.environ["TEST_DATABASE_URL"], os.environ["TEST_TABLE_PREFIX"],
-                  os.environ["TEST_QUEUE"], os.environ["TEST_OTHER_QUEUE"], os.environ.get("TEST_IDENTITY", "id"))
+                  os.environ["TEST_QUEUE"], os.environ["TEST_OTHER_QUEUE"], os.environ.get("TEST_IDENTITY", "id"),
+                  float(os.environ.get("TEST_VISIBILITY_TIMEOUT", 3)), **json.loads(os.environ.get("TEST_CONF", "{}")))
     app = shop.app

@@ -4,56 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 
 import pytest
 
-from ..apps import inbox_app
-from ..brokers import purge
-from ..conftest import _drop
+from ..scenario import Scenario
 from ..services import require, wait_until
-from ..workers import WorkerProcess
 
 
 @pytest.fixture(params=["redis", "rabbitmq"])
 def broker_url(request):
     return require(request.param)
-
-
-class Scenario:
-    def __init__(self, broker_url, database_url, prefix, tmp_path, identity="id"):
-        suffix = uuid.uuid4().hex[:8]
-        self.env = {
-            "TEST_BROKER_URL": broker_url, "TEST_DATABASE_URL": database_url, "TEST_TABLE_PREFIX": prefix,
-            "TEST_QUEUE": f"pay_{suffix}", "TEST_OTHER_QUEUE": f"pay_other_{suffix}", "TEST_IDENTITY": identity,
-        }
-        self.shop = inbox_app.create(broker_url, database_url, prefix, self.env["TEST_QUEUE"],
-                                     self.env["TEST_OTHER_QUEUE"], identity)
-        self.shop.outbox.ready()
-        self.shop.metadata.create_all(self.shop.outbox.engine)
-        self.tmp_path = tmp_path
-        self.workers: list[WorkerProcess] = []
-
-    def worker(self, pool="prefork", concurrency=1, queues=None) -> WorkerProcess:
-        worker = WorkerProcess("tests.apps.inbox_app", self.env, pool=pool, concurrency=concurrency,
-                               queues=queues or [self.env["TEST_QUEUE"]],
-                               log_path=self.tmp_path / f"worker{len(self.workers)}.log").start()
-        self.workers.append(worker)
-        return worker.wait_ready()
-
-    def wait_events(self, task_id, kind, count, timeout=60):
-        return wait_until(
-            lambda: (rows := [e for e in self.shop.events(task_id) if e.kind == kind]) and len(rows) >= count and rows,
-            timeout=timeout, message=f"{count} {kind} event(s) of {task_id} (logs in {self.tmp_path})")
-
-    def close(self):
-        for worker in self.workers:
-            worker.stop(cold=True)
-        purge(self.shop.app, self.env["TEST_QUEUE"], self.env["TEST_OTHER_QUEUE"])
-        self.shop.metadata.drop_all(self.shop.outbox.engine)
-        self.shop.disconnect()
-        _drop(self.shop.outbox.store)
-        self.shop.outbox.engine.dispose()
 
 
 @pytest.fixture

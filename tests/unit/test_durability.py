@@ -13,7 +13,7 @@ from sqlalchemy import select, update
 from celery_outbox.deadletters import DeadLetterFilter, purge, replay
 from celery_outbox.store import as_utc, utcnow
 
-from ..apps.factory import make_shop
+from ..apps.factory import make_shop, strand
 from ..brokers import nothing_more, receive
 
 
@@ -22,14 +22,6 @@ def shop(sqlite_url, table_prefix):
     shop = make_shop("memory://", sqlite_url, table_prefix, outbox_relay_max_attempts=3)
     shop.outbox.ready()
     return shop
-
-
-def strand(shop, *args, **options):
-    """Send durable messages as if the process died right after the commit: rows stay, nothing is published."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages: None)
-        with shop.outbox.transaction():
-            return [shop.durable.apply_async((arg,), **options) for arg in args]
 
 
 def outgoing(shop):

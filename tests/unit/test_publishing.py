@@ -283,11 +283,6 @@ def test_beat_runs_the_relay_under_a_documented_name(shop):
     assert [m.args for m in receive(shop.app, shop.durable_queue, 1)] == [["stranded"]]
 
 
-def test_maintenance_queue_routes_the_beat_task(sqlite_url, table_prefix):
-    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_maintenance_queue="maintenance")
-    assert shop.app.conf.beat_schedule["celery_outbox.recover"]["options"]["queue"] == "maintenance"
-
-
 def test_eager_mode_runs_tasks_at_once_inside_the_transaction(shop):
     shop.app.conf.task_always_eager = True
     with shop.outbox.transaction():

@@ -1,0 +1,237 @@
+"""Durability on real PostgreSQL and Redis with real worker and beat processes: a SIGKILLed worker's
+messages recovered by another, concurrent recover runs, durable scheduling, dead-letter replay."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from kombu.messaging import Producer
+from sqlalchemy import insert, select
+
+from celery_outbox.store import as_utc, utcnow
+
+from ..apps.factory import make_shop, strand
+from ..brokers import nothing_more, purge, receive
+from ..conftest import _drop
+from ..scenario import Scenario
+from ..services import wait_until
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_a_sigkilled_workers_messages_are_delivered_by_another_worker(postgres_url, redis_url, table_prefix,
+                                                                        tmp_path):
+    """Both styles in flight on a durable queue when the whole worker is SIGKILLed. Redis would give the
+    messages back only after its one-hour visibility timeout: recovery, run by celery beat, re-publishes
+    them and a second worker runs each exactly once."""
+    scenario = Scenario(redis_url, postgres_url, table_prefix, tmp_path, visibility_timeout=3600,
+                        outbox_recover_interval=1, outbox_node_stale_after=2)
+    try:
+        shop, durable = scenario.shop, scenario.env["TEST_OTHER_QUEUE"]
+        victim = scenario.worker(queues=[durable], concurrency=2)
+        shop.pay_eager.apply_async(("eager-1", 120), task_id="eager-1", queue=durable)
+        shop.pay.apply_async(("optimistic-1", 120), task_id="optimistic-1", queue=durable)
+        scenario.wait_events("eager-1", "body", 1)
+        scenario.wait_events("optimistic-1", "body", 1)
+        assert shop.outbox.store.get_incoming("eager-1").owner != 0, "the eager claim is owned by the victim"
+        victim.kill()
+
+        scenario.worker(queues=[scenario.env["TEST_QUEUE"], durable], concurrency=2)
+        scenario.beat()
+        for task_id in ("eager-1", "optimistic-1"):
+            wait_until(lambda task_id=task_id: shop.outbox.store.get_incoming(task_id).status == "handled",
+                       timeout=60, message=f"{task_id} to be recovered and handled (logs in {tmp_path})")
+            row = shop.outbox.store.get_incoming(task_id)
+            assert row.recoveries >= 1 and row.owner == 0
+            assert len(shop.effects(task_id)) == 1, "effects exactly once"
+            states = [e.state for e in shop.events(task_id) if e.kind == "postrun"]
+            assert states[0] == "SUCCESS" and set(states[1:]) <= {"IGNORED"}
+        assert shop.outbox.store.live_nodes() and all(
+            n.dead_at is None for n in shop.outbox.store.live_nodes()), "the dead nodes were forgotten"
+    finally:
+        scenario.close()
+
+
+def test_two_concurrent_recover_runs_publish_each_row_once(postgres_url, redis_url, table_prefix, tmp_path):
+    shop = make_shop(redis_url, postgres_url, table_prefix)
+    shop.outbox.ready()
+    try:
+        sent = {result.id for result in strand(shop, *range(3000))}
+        assert shop.outbox.store.count_outgoing() == 3000
+        env = {"TEST_BROKER_URL": redis_url, "TEST_DATABASE_URL": postgres_url, "TEST_TABLE_PREFIX": table_prefix,
+               "TEST_RELAY_BATCH_SIZE": "50"}
+        context = multiprocessing.get_context("spawn")
+        barrier, results = context.Barrier(2), context.Queue()
+        from ..apps.recover_runner import run
+
+        runs = [context.Process(target=run, args=(env, barrier, results)) for _ in range(2)]
+        for process in runs:
+            process.start()
+        outcomes = [results.get(timeout=120) for _ in runs]
+        for process in runs:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+        published = [outcome["published"] for outcome in outcomes]
+        assert sum(published) == 3000, published
+        assert all(count > 0 for count in published), f"both runs took part: {published}"
+        received = [message.id for message in receive(shop.app, shop.durable_queue, 3000, timeout=30)]
+        assert len(received) == 3000 and set(received) == sent, "each row published exactly once"
+        assert nothing_more(shop.app, shop.durable_queue)
+        assert shop.outbox.store.count_outgoing() == 0
+    finally:
+        purge(shop.app, shop.durable_queue)
+        _drop(shop.outbox.store)
+
+
+def test_a_countdown_to_a_durable_queue_goes_out_once_when_due_without_an_eta(postgres_url, redis_url,
+                                                                              table_prefix):
+    shop = make_shop(redis_url, postgres_url, table_prefix)
+    shop.outbox.ready()
+    try:
+        with shop.outbox.transaction():
+            result = shop.durable.apply_async(("later",), countdown=2)
+        due = as_utc(_deliver_at(shop))
+        assert nothing_more(shop.app, shop.durable_queue), "held in the database, not in the broker"
+        assert shop.outbox.recover().relay.published == 0, "not before it is due"
+        wait_until(lambda: utcnow() >= due, timeout=10, message="the countdown to pass")
+        assert shop.outbox.recover().relay.published == 1
+        (message,) = receive(shop.app, shop.durable_queue, 1)
+        received_at = utcnow()
+        assert (message.id, message.args) == (result.id, ["later"])
+        assert message.headers["eta"] is None, "the broker never sees an ETA"
+        assert received_at >= due
+        assert shop.outbox.recover().relay.published == 0
+        assert nothing_more(shop.app, shop.durable_queue), "published once"
+    finally:
+        purge(shop.app, shop.durable_queue)
+        _drop(shop.outbox.store)
+
+
+def _deliver_at(shop):
+    table = shop.outbox.store.tables.outgoing
+    with shop.outbox.store.begin() as conn:
+        return conn.execute(select(table.c.deliver_at)).scalar_one()
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.inbox_app", "outbox", *args],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), **env), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_dead_letter_replay_round_trip(postgres_url, redis_url, table_prefix, tmp_path):
+    """A task fails for good, an operator lists and inspects the dead letter, fixes the data and
+    replays it: the task runs again as a new attempt and succeeds; a second replay of the handled
+    message is discarded."""
+    scenario = Scenario(redis_url, postgres_url, table_prefix, tmp_path)
+    try:
+        shop = scenario.shop
+        scenario.worker()
+        shop.fragile.apply_async(("order-9",), task_id="order-9")
+        assert [e.state for e in scenario.wait_events("order-9", "postrun", 1)] == ["FAILURE"]
+        assert shop.outbox.store.get_incoming("order-9").status == "dead"
+
+        listed = cli(scenario.env, "dead-letters", "list", "--task", "inbox.fragile", "--since", "1h")
+        assert listed.returncode == 0, listed.stderr
+        assert "order-9" in listed.stdout and "LookupError" in listed.stdout
+        (letter,) = shop.outbox.store.list_dead_letters(shop.outbox.store.dead_letter_filter(task="inbox.fragile"))
+        shown = cli(scenario.env, "dead-letters", "show", str(letter.id))
+        assert shown.returncode == 0, shown.stderr
+        assert "order 9" not in shown.stdout and "order order-9 has no fix yet" in shown.stdout
+        assert "Traceback" in shown.stdout
+
+        with shop.outbox.engine.begin() as conn:
+            conn.execute(insert(shop.metadata.tables[f"{table_prefix}effects"]).values(order_id="fixed:order-9",
+                                                                                        attempt=0))
+        replayed = cli(scenario.env, "dead-letters", "replay", str(letter.id))
+        assert replayed.returncode == 0, replayed.stderr
+        assert "replayed 1 dead letter(s)" in replayed.stdout
+        assert [e.state for e in scenario.wait_events("order-9", "postrun", 2)] == ["FAILURE", "SUCCESS"]
+        assert len(shop.effects("order-9")) == 1
+        row = shop.outbox.store.get_incoming("order-9")
+        assert (row.status, row.replays) == ("handled", 1)
+        letter = shop.outbox.store.get_dead_letter(letter.id)
+        assert letter.replay_count == 1 and as_utc(letter.replayed_at) > utcnow() - timedelta(minutes=5)
+
+        again = cli(scenario.env, "dead-letters", "replay", "--all", "--task", "inbox.fragile")
+        assert again.returncode == 0, again.stderr
+        assert [e.state for e in scenario.wait_events("order-9", "postrun", 3)] == ["FAILURE", "SUCCESS", "IGNORED"]
+        assert len(shop.effects("order-9")) == 1, "a replay of a handled message is a duplicate"
+
+        purged = cli(scenario.env, "dead-letters", "purge", "--older-than", "0s")
+        assert purged.returncode == 0, purged.stderr
+        assert "purged 1 dead letter(s)" in purged.stdout
+        assert shop.outbox.store.count_dead_letters() == 0
+    finally:
+        scenario.close()
+
+
+def test_recover_and_cleanup_commands_print_what_they_did(postgres_url, redis_url, table_prefix, tmp_path):
+    scenario = Scenario(redis_url, postgres_url, table_prefix, tmp_path)
+    try:
+        store = scenario.shop.outbox.store
+        now = utcnow()
+        with store.begin() as conn:
+            for n in range(3):
+                store.insert_incoming(conn, dict(message_id=f"old{n}", destination="", status="handled",
+                                                 received_at=now, keep_until=now - timedelta(seconds=1)))
+        recovered = cli(scenario.env, "recover")
+        assert recovered.returncode == 0, recovered.stderr
+        assert "nodes declared dead: none" in recovered.stdout and "relay: published 0" in recovered.stdout
+        cleaned = cli(scenario.env, "cleanup", "--json")
+        assert cleaned.returncode == 0, cleaned.stderr
+        assert json.loads(cleaned.stdout)["incoming_deleted"] == 3
+        assert store.count_incoming() == 0
+    finally:
+        scenario.close()
+
+
+def test_outbox_stale_time_hands_the_rows_of_a_hung_relay_to_another(postgres_url, table_prefix):
+    """A relay whose publish hangs on the broker holds its rows' locks; with outbox_outbox_stale_time
+    PostgreSQL ends its idle transaction and a second relay publishes the rows."""
+    shop = make_shop("memory://", postgres_url, table_prefix, outbox_outbox_stale_time=1)
+    shop.outbox.ready()
+    real_publish = Producer.publish
+    hung, release = threading.Event(), threading.Event()
+
+    def publish(self, body, *args, **kwargs):
+        if threading.current_thread().name == "hung-relay":
+            hung.set()
+            release.wait(60)
+        return real_publish(self, body, *args, **kwargs)
+
+    errors: list[BaseException] = []
+
+    def hung_relay():
+        try:
+            shop.outbox.relay()
+        except BaseException as exc:  # noqa: BLE001 - its database session was ended: expected
+            errors.append(exc)
+
+    try:
+        (sent,) = strand(shop, "stuck")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Producer, "publish", publish)
+            thread = threading.Thread(target=hung_relay, name="hung-relay")
+            thread.start()
+            assert hung.wait(30)
+            assert shop.outbox.relay().published == 0, "the hung relay still holds the row"
+            wait_until(lambda: shop.outbox.relay().published == 1, timeout=30,
+                       message="PostgreSQL to end the idle relay transaction")
+            release.set()
+            thread.join(60)
+        assert len(errors) == 1 and "idle-in-transaction timeout" in str(errors[0]), errors
+        assert shop.outbox.store.count_outgoing() == 0
+        assert [m.id for m in receive(shop.app, shop.durable_queue, 2)] == [sent.id, sent.id], \
+            "at least once: both relays published it, the inbox discards the copy"
+    finally:
+        release.set()
+        _drop(shop.outbox.store)
