@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigurationError
@@ -166,8 +166,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Opt-in (PostgreSQL): a relay transaction that holds outgoing rows and idles longer than this "
             "many seconds (a publish hung on the broker) is ended, so another relay takes the rows. "
             "Off by default."),
+    Setting("redeliver_after", 600.0, _optional_seconds,
+            "Delivery tracking of durable queues: a sent message stays in the outgoing table until the "
+            "consuming inbox has it, and is published again when that has not happened after this many "
+            "seconds (doubling each time, up to an hour): a broker that loses a message (a Redis restart, "
+            "a killed worker's prefetched messages) delays it, never loses it. Consumers of durable "
+            "queues must share the store. `None` deletes sent rows at once (no tracking)."),
     Setting("relay_batch_size", 500, _positive_int,
-            "Outgoing rows one relay batch claims, publishes and deletes."),
+            "Outgoing rows one relay (or redelivery) batch locks, publishes and marks sent."),
     Setting("relay_max_attempts", 10, _positive_int,
             "Failed publishes of one outgoing row (not counting broker outages) before it is moved to "
             "dead letters with reason `poison`, so one bad row never blocks the relay."),
@@ -211,6 +217,7 @@ class OutboxSettings:
     node_stale_checks: int = 3
     inbox_stale_time: float | None = None
     outbox_stale_time: float | None = None
+    redeliver_after: float | None = 600.0
     relay_batch_size: int = 500
     relay_max_attempts: int = 10
     recover_batch_size: int = 1000
@@ -225,6 +232,16 @@ class OutboxSettings:
 
     def is_durable(self, queue: str | None) -> bool:
         return queue is not None and queue in self.durable_queues
+
+    def first_redelivery(self, now: datetime) -> datetime | None:
+        """When a message sent ``now`` is published again if no inbox has acknowledged it; None
+        without delivery tracking."""
+        return None if self.redeliver_after is None else now + timedelta(seconds=self.redeliver_after)
+
+    def next_redelivery(self, now: datetime, redeliveries: int) -> datetime:
+        """The redelivery after ``redeliveries`` of them: the delay doubles, up to an hour."""
+        delay = min((self.redeliver_after or 0) * 2 ** min(redeliveries + 1, 20), 3600.0)
+        return now + timedelta(seconds=max(delay, self.redeliver_after or 0))
 
 
 assert {f.name for f in dataclasses.fields(OutboxSettings)} == set(_BY_NAME), "SETTINGS and OutboxSettings differ"

@@ -20,7 +20,9 @@ Recover, in order:
 3. release claims older than ``outbox_inbox_stale_time`` (opt-in);
 4. relay the due outgoing rows: unsent ones and durable scheduled messages whose
    time has come; expired ones go to dead letters (reason ``expired``);
-5. re-publish the stored envelopes of durable-queue deliveries that are running,
+5. redeliver sent durable messages that no inbox acknowledged within
+   ``outbox_redeliver_after`` (the broker lost them);
+6. re-publish the stored envelopes of durable-queue deliveries that are running,
    unowned and due for recovery, so they run again: the inbox accepts the copy
    (a recovery, not a duplicate). Each re-publish backs the row off
    exponentially; after ``outbox_relay_max_attempts`` re-publishes the delivery is
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from .broker import connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .envelope import from_row
-from .relay import RelayResult, relay
+from .relay import RelayResult, redeliver, relay
 from .store import utcnow
 
 if TYPE_CHECKING:
@@ -71,6 +73,7 @@ class RecoverResult:
     claims_released: int = 0
     stale_claims_released: int = 0
     relay: RelayResult = field(default_factory=RelayResult)
+    redelivered: int = 0
     envelopes_republished: int = 0
     envelopes_dead_lettered: int = 0
     broker_error: str | None = None
@@ -83,6 +86,7 @@ class RecoverResult:
             "published": self.relay.published,
             "publish_failures": self.relay.failed,
             "expired": self.relay.expired,
+            "redelivered": self.redelivered,
             "dead_lettered": self.relay.dead_lettered + self.envelopes_dead_lettered,
             "envelopes_republished": self.envelopes_republished,
             "broker_error": self.broker_error or self.relay.broker_error,
@@ -94,6 +98,7 @@ class RecoverResult:
             f"nodes declared dead: {dead}",
             f"claims released: {self.claims_released} of dead nodes, {self.stale_claims_released} stale",
             str(self.relay),
+            f"sent messages redelivered (no inbox acknowledged them): {self.redelivered}",
             f"envelopes re-published: {self.envelopes_republished}, "
             f"dead-lettered after too many recoveries: {self.envelopes_dead_lettered}",
         ]
@@ -129,9 +134,12 @@ def recover(outbox: "Outbox", max_batches: int | None = None) -> RecoverResult:
     result.claims_released = release_dead_claims(outbox, max_batches)
     result.stale_claims_released = release_stale_claims(outbox, max_batches)
     result.relay = relay(outbox, max_batches)
-    republish_stranded_envelopes(outbox, result, max_batches)
+    if not result.relay.broker_error:
+        result.redelivered, result.broker_error = redeliver(outbox, max_batches)
+    if not result.broker_error and not result.relay.broker_error:
+        republish_stranded_envelopes(outbox, result, max_batches)
     if result.nodes_declared_dead or result.claims_released or result.stale_claims_released \
-            or result.envelopes_republished or result.envelopes_dead_lettered:
+            or result.redelivered or result.envelopes_republished or result.envelopes_dead_lettered:
         logger.info("celery-outbox recover: %s", "; ".join(str(result).splitlines()))
     return result
 

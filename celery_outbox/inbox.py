@@ -280,8 +280,10 @@ class Inbox:
     def _store_envelope(self, delivery: Delivery, envelope: dict[str, Any]) -> None:
         """Keep this attempt's envelope, committed and unowned, before the claim: if this
         process dies before the attempt ends, recovery re-publishes it after
-        ``outbox_node_stale_after``. Raises ``Duplicate`` when the attempt was already
-        claimed or handled: the same rules as the claim itself."""
+        ``outbox_node_stale_after``. In the same transaction the sender's sent outgoing
+        row is acknowledged (deleted): from here on the inbox answers for the message.
+        Raises ``Duplicate`` when the attempt was already claimed or handled: the same
+        rules as the claim itself."""
         store = self.outbox.store
         now = utcnow()
         grace = timedelta(seconds=self.outbox.settings.node_stale_after)
@@ -291,6 +293,9 @@ class Inbox:
         with _store_errors(), store.begin() as conn:
             if not store.claim_incoming(conn, row, self._stale_before(now)):
                 raise Duplicate()
+            # the inbox has the message now: the sender's outgoing row is acknowledged
+            by_queue = delivery.destination if self.outbox.settings.message_identity == "id_and_destination" else None
+            store.acknowledge_outgoing(conn, delivery.message_id, by_queue)
 
     def _record(self, task: Any, delivery: Delivery, status: str, exc: BaseException | None = None) -> None:
         """After a rollback: remember that this attempt ended (retried, or dead with a dead letter)."""

@@ -8,7 +8,9 @@ into the unit of work instead of going to the broker:
 * before the Session's outermost commit, messages for durable queues are written
   to the outgoing table with one INSERT, inside that same transaction;
 * after the commit, every captured message is published in call order with one
-  producer, and the sent durable rows are deleted with one DELETE;
+  producer, and the sent durable rows are marked sent with one UPDATE (the
+  consuming inbox deletes them when it has the message; recovery publishes them
+  again if it never does);
 * on rollback nothing is published; a rolled-back SAVEPOINT discards only the
   messages captured inside it.
 
@@ -166,7 +168,7 @@ class Publisher:
         self.publish_committed(messages)
 
     def publish_committed(self, messages: list[OutgoingMessage]) -> None:
-        """Publish in call order with one producer; delete the sent durable rows in one statement.
+        """Publish in call order with one producer; mark the sent durable rows in one statement.
 
         Durable rows are locked (``SKIP LOCKED``) first, so a relay running at the same
         moment never sends them too; a durable publish that fails leaves its row for
@@ -184,7 +186,8 @@ class Publisher:
                 owned = set(store.lock_outgoing(conn, durable_ids))
                 sent = self._publish_all(messages, owned)
                 crashpoint("after_publish")
-                store.delete_outgoing(conn, sent)
+                now = utcnow()
+                store.finish_sent(conn, sent, now, self.outbox.settings.first_redelivery(now))
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
 

@@ -3,7 +3,8 @@
 Transaction boundary: one short transaction per batch. The batch's rows are
 locked (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, the write lock on SQLite), so two
 relays never send the same row; they are published with one producer and the sent
-ones deleted with one DELETE before the commit. A row whose publish fails for a
+ones marked sent with one UPDATE before the commit (the consuming inbox deletes
+them; ``redeliver`` publishes again those it never acknowledged). A row whose publish fails for a
 reason of its own counts an attempt and, after ``outbox_relay_max_attempts``, goes to
 dead letters (reason ``poison``): one bad row never blocks the others. A row past
 its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. A
@@ -33,7 +34,7 @@ from .store import as_utc, utcnow
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["RelayResult", "relay"]
+__all__ = ["RelayResult", "redeliver", "relay"]
 
 logger = logging.getLogger("celery_outbox.relay")
 
@@ -110,12 +111,57 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                 if poisoned:
                     store.insert_dead_letters(conn, [_dead_letter(row, exc, "poison") for row, exc in poisoned])
                 result.dead_lettered += len(poisoned) + len(expired)
-                store.delete_outgoing(conn, sent + [row.id for row, _ in poisoned] + [row.id for row in expired])
+                store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
+                store.finish_sent(conn, sent, now, settings.first_redelivery(now))
             if result.broker_error:
                 break
     if result.published or result.failed:
         logger.info("celery-outbox %s", result)
     return result
+
+
+def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, str | None]:
+    """Publish again the sent durable messages no inbox acknowledged by their ``redeliver_at``
+    (the broker lost them, or they wait behind a backlog: the inbox discards a copy). One
+    transaction per batch; each redelivery doubles the wait for the next. Returns how many
+    were published and the broker error that stopped the pass, if any."""
+    store, settings, app = outbox.ready().store, outbox.settings, outbox.app
+    if settings.redeliver_after is None:
+        return 0, None
+    published = 0
+    with app.producer_or_acquire() as producer:
+        broker_errors = connection_errors(producer.connection)
+        connected = False
+        for _ in range(max_batches or settings.max_batches_per_run):
+            with store.begin() as conn:
+                now = utcnow()
+                rows = store.lock_unacknowledged_outgoing(conn, now, settings.relay_batch_size)
+                if not rows:
+                    return published, None
+                if not connected:
+                    error = connect_quickly(producer.connection)
+                    if error:
+                        return published, error
+                    connected = True
+                marked = []
+                for row in rows:
+                    try:
+                        from_row(row, app.amqp.queues).publish(producer, retry=False)
+                    except broker_errors as exc:
+                        store.mark_redelivered(conn, marked)
+                        return published, f"{type(exc).__name__}: {exc}"
+                    except Exception as exc:  # noqa: BLE001 - it waits for its next redelivery
+                        logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc)
+                    else:
+                        published += 1
+                        crashpoint("during_relay")
+                    marked.append({"id": row.id, "redeliver_at": settings.next_redelivery(now, row.redeliveries)})
+                store.mark_redelivered(conn, marked)
+            if len(rows) < settings.relay_batch_size:
+                break
+    if published:
+        logger.warning("celery-outbox: redelivered %d sent message(s) no inbox had acknowledged", published)
+    return published, None
 
 
 def _announce(outbox: "Outbox", message: OutgoingMessage) -> None:

@@ -69,12 +69,13 @@ def store(database_url, table_prefix):
     engine.dispose()
 
 
-def outgoing_rows(store: Store) -> int:
-    """Count outgoing rows from a connection outside any transaction of the store (no lock taken)."""
+def unsent_rows(store: Store) -> int:
+    """Count outgoing rows still to be published (not yet sent), from a connection outside any
+    transaction of the store (no lock taken)."""
     connection = store.engine.raw_connection()
     try:
         cursor = connection.cursor()
-        cursor.execute(f"SELECT count(*) FROM {store.tables.outgoing.name}")
+        cursor.execute(f"SELECT count(*) FROM {store.tables.outgoing.name} WHERE sent_at IS NULL")
         return cursor.fetchone()[0]
     finally:
         connection.rollback()

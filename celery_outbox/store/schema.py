@@ -3,7 +3,8 @@
 * ``incoming``: the inbox. Primary key (``message_id``, ``destination``) carries the
   idempotency: ``destination`` is the queue with ``outbox_message_identity =
   "id_and_destination"`` and ``''`` with the default identity ``"id"``.
-* ``outgoing``: the outbox. Fully built messages waiting to be published.
+* ``outgoing``: the outbox. Fully built messages waiting to be published, and sent
+  messages waiting for the consuming inbox to acknowledge them.
 * ``dead_letters``: envelopes that failed for good, replayable.
 * ``nodes``: worker processes with their heartbeat.
 * ``schema``: one row, the schema version ``migrate`` brought the tables to.
@@ -114,6 +115,12 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         _timestamp("created_at", nullable=False),
         _timestamp("deliver_at", nullable=True),  # held until due: durable scheduling
         _timestamp("expires_at", nullable=True),
+        # delivery tracking: a sent row stays until the consuming inbox has the message
+        _timestamp("sent_at", nullable=True),  # first publish; NULL while pending
+        _timestamp("redeliver_at", nullable=True),  # publish again if still unacknowledged by then
+        Column("redeliveries", Integer, nullable=False, server_default="0"),
+        Index(f"ix_{p}outgoing_sent", "sent_at", "id"),
+        Index(f"ix_{p}outgoing_redeliver", "redeliver_at"),
         Index(f"ix_{p}outgoing_deliver", "deliver_at"),
         Index(f"ix_{p}outgoing_message", "message_id"),
     )

@@ -185,24 +185,68 @@ class Store:
         return column.in_(list(ids))
 
     def delete_outgoing(self, conn: Connection, ids: Sequence[int]) -> int:
-        """Delete sent rows in one statement (``= ANY(array)`` on PostgreSQL)."""
+        """Delete rows in one statement (``= ANY(array)`` on PostgreSQL)."""
         if not ids:
             return 0
         table = self.tables.outgoing
         return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
 
+    def finish_sent(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime | None) -> int:
+        """After a publish, in one statement: keep the rows as sent until the consuming inbox
+        acknowledges them (redelivered at ``redeliver_at`` if it has not), or, with delivery
+        tracking off (``redeliver_at`` None), delete them."""
+        if redeliver_at is None:
+            return self.delete_outgoing(conn, ids)
+        if not ids:
+            return 0
+        table = self.tables.outgoing
+        return conn.execute(
+            update(table).where(self._id_predicate(table.c.id, ids))
+            .values(sent_at=func.coalesce(table.c.sent_at, now), redeliver_at=redeliver_at)
+        ).rowcount
+
+    def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None) -> int:
+        """The consuming inbox claimed an attempt of the message: delete its outgoing rows (those
+        of ``destination`` only, when given). Every row of the id at this moment is of this attempt
+        or an earlier one (a later attempt is only sent after this claim). A row a publisher holds
+        is waited for (PostgreSQL row lock, SQLite write lock), so an acknowledgment that overtakes
+        its own publisher's commit still deletes the row."""
+        table = self.tables.outgoing
+        query = delete(table).where(table.c.message_id == message_id)
+        if destination is not None:
+            query = query.where(table.c.destination == destination)
+        return conn.execute(query).rowcount
+
+    def lock_unacknowledged_outgoing(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
+        """Lock up to ``limit`` sent rows whose consumer has not acknowledged them by ``redeliver_at``."""
+        table = self.tables.outgoing
+        query = select(table).where(table.c.redeliver_at <= now).order_by(table.c.redeliver_at).limit(limit)
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def mark_redelivered(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Count a redelivery of each row (``id``, ``redeliver_at``: the next one)."""
+        if rows:
+            table = self.tables.outgoing
+            conn.execute(
+                update(table).where(table.c.id == bindparam("row_id"))
+                .values(redeliveries=table.c.redeliveries + 1, redeliver_at=bindparam("next_redelivery")),
+                [{"row_id": r["id"], "next_redelivery": r["redeliver_at"]} for r in rows],
+            )
+
     def lock_outgoing(self, conn: Connection, ids: Sequence[int]) -> list[int]:
-        """Lock the given outgoing rows that still exist and no relay holds; return their ids."""
+        """Lock the given outgoing rows that still exist, are unsent and no relay holds; return their ids."""
         if not ids:
             return []
         table = self.tables.outgoing
-        query = select(table.c.id).where(self._id_predicate(table.c.id, ids))
+        query = select(table.c.id).where(self._id_predicate(table.c.id, ids)).where(table.c.sent_at.is_(None))
         if self.is_postgres:
             query = query.with_for_update(skip_locked=True)
         return list(conn.execute(query).scalars())
 
     def lock_pending_outgoing(self, conn: Connection, limit: int, now: datetime, after_id: int = 0) -> list[Row]:
-        """Lock up to ``limit`` due outgoing rows with ``id > after_id``, oldest first.
+        """Lock up to ``limit`` due, unsent outgoing rows with ``id > after_id``, oldest first.
 
         ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so concurrent relays take disjoint
         rows; on SQLite the ``BEGIN IMMEDIATE`` write lock gives the same guarantee.
@@ -212,6 +256,7 @@ class Store:
         table = self.tables.outgoing
         query = (
             select(table)
+            .where(table.c.sent_at.is_(None))
             .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= now))
             .where(table.c.id > after_id)
             .order_by(table.c.id)
@@ -671,7 +716,7 @@ class Store:
             dead_letters = _grouped_counts(conn, t.dead_letters.c.reason, t.dead_letters.c.task_name,
                                            ("reason", "task"))
             oldest_outgoing = as_utc(conn.execute(
-                select(func.min(t.outgoing.c.created_at))
+                select(func.min(t.outgoing.c.created_at)).where(t.outgoing.c.sent_at.is_(None))
                 .where((t.outgoing.c.deliver_at.is_(None)) | (t.outgoing.c.deliver_at <= now))
             ).scalar())
             oldest_incoming = as_utc(conn.execute(
@@ -718,6 +763,7 @@ def _outgoing_state(table, now: datetime):
     from sqlalchemy import case
 
     return case(
+        (table.c.sent_at.is_not(None), "sent"),
         ((table.c.deliver_at.is_not(None)) & (table.c.deliver_at > now), "scheduled"),
         else_="pending",
     ).label("status")

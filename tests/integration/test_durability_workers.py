@@ -20,7 +20,7 @@ from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand
 from ..brokers import nothing_more, purge, receive
-from ..conftest import _drop
+from ..conftest import _drop, unsent_rows
 from ..scenario import Scenario
 from ..services import wait_until
 
@@ -65,7 +65,7 @@ def test_two_concurrent_recover_runs_publish_each_row_once(postgres_url, redis_u
     shop.outbox.ready()
     try:
         sent = {result.id for result in strand(shop, *range(3000))}
-        assert shop.outbox.store.count_outgoing() == 3000
+        assert unsent_rows(shop.outbox.store) == 3000
         env = {"TEST_BROKER_URL": redis_url, "TEST_DATABASE_URL": postgres_url, "TEST_TABLE_PREFIX": table_prefix,
                "TEST_RELAY_BATCH_SIZE": "50"}
         context = multiprocessing.get_context("spawn")
@@ -85,7 +85,7 @@ def test_two_concurrent_recover_runs_publish_each_row_once(postgres_url, redis_u
         received = [message.id for message in receive(shop.app, shop.durable_queue, 3000, timeout=30)]
         assert len(received) == 3000 and set(received) == sent, "each row published exactly once"
         assert nothing_more(shop.app, shop.durable_queue)
-        assert shop.outbox.store.count_outgoing() == 0
+        assert unsent_rows(shop.outbox.store) == 0
     finally:
         purge(shop.app, shop.durable_queue)
         _drop(shop.outbox.store)
@@ -229,9 +229,34 @@ def test_outbox_stale_time_hands_the_rows_of_a_hung_relay_to_another(postgres_ur
             release.set()
             thread.join(60)
         assert len(errors) == 1 and "idle-in-transaction timeout" in str(errors[0]), errors
-        assert shop.outbox.store.count_outgoing() == 0
+        assert unsent_rows(shop.outbox.store) == 0
         assert [m.id for m in receive(shop.app, shop.durable_queue, 2)] == [sent.id, sent.id], \
             "at least once: both relays published it, the inbox discards the copy"
     finally:
         release.set()
         _drop(shop.outbox.store)
+
+
+def test_a_message_the_broker_lost_is_redelivered_and_acknowledged_by_the_inbox(postgres_url, redis_url,
+                                                                                 table_prefix, tmp_path):
+    """The broker loses a sent durable message (its queue is purged, as a Redis restart without
+    persistence would). Delivery tracking publishes it again; a real worker handles it once and its
+    inbox acknowledges the outgoing row, so nothing is left."""
+    scenario = Scenario(redis_url, postgres_url, table_prefix, tmp_path, outbox_redeliver_after=1)
+    try:
+        shop, durable = scenario.shop, scenario.env["TEST_OTHER_QUEUE"]
+        lost = shop.pay.apply_async(("lost-1",), task_id="lost-1", queue=durable)
+        kept = shop.pay.apply_async(("kept-1",), task_id="kept-1", queue=durable)
+        store = shop.outbox.store
+        assert store.count_outgoing() == 2 and unsent_rows(store) == 0, "both sent, waiting for their inbox"
+        assert {m.id for m in receive(shop.app, durable, 2)} == {lost.id, kept.id}  # taken, never acked: lost
+        scenario.worker(queues=[durable])
+        shop.pay.apply_async(("kept-1",), task_id="kept-1", queue=durable)  # kept-1 reached its worker after all
+        scenario.wait_events("kept-1", "postrun", 1)
+        wait_until(lambda: shop.outbox.recover().redelivered >= 1 or store.get_incoming("lost-1") is not None,
+                   timeout=30, message="recovery to redeliver lost-1")
+        scenario.wait_events("lost-1", "postrun", 1)
+        wait_until(lambda: store.count_outgoing() == 0, timeout=30, message="the inbox to acknowledge both rows")
+        assert len(shop.effects("lost-1")) == 1 and len(shop.effects("kept-1")) == 1
+    finally:
+        scenario.close()

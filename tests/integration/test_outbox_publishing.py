@@ -15,7 +15,7 @@ from celery_outbox.signals import message_published
 
 from ..apps.factory import make_shop
 from ..brokers import nothing_more, purge, receive
-from ..conftest import _drop, outgoing_rows
+from ..conftest import _drop, unsent_rows
 from ..services import ThrowawayRedis, require
 
 ROOT = Path(__file__).parents[2]
@@ -48,7 +48,7 @@ def test_rollback_publishes_nothing(shop):
             raise RuntimeError("rolled back")
     assert nothing_more(shop.app, shop.plain_queue)
     assert nothing_more(shop.app, shop.durable_queue)
-    assert outgoing_rows(shop.outbox.store) == 0
+    assert unsent_rows(shop.outbox.store) == 0
 
 
 def test_commit_publishes_exactly_once(shop):
@@ -74,18 +74,18 @@ def test_durable_row_exists_until_the_publish_and_is_gone_after(shop):
     rows_when_published = []
 
     def on_published(sender, message, relayed, **_):
-        rows_when_published.append(outgoing_rows(shop.outbox.store))
+        rows_when_published.append(unsent_rows(shop.outbox.store))
 
     message_published.connect(on_published)
     try:
         with shop.outbox.transaction() as session:
             shop.durable.delay(1)
             session.flush()
-            assert outgoing_rows(shop.outbox.store) == 0, "uncommitted rows are invisible to others"
+            assert unsent_rows(shop.outbox.store) == 0, "uncommitted rows are invisible to others"
     finally:
         message_published.disconnect(on_published)
     assert rows_when_published == [1]
-    assert outgoing_rows(shop.outbox.store) == 0
+    assert unsent_rows(shop.outbox.store) == 0
     assert len(receive(shop.app, shop.durable_queue, 1)) == 1
 
 
@@ -106,7 +106,7 @@ def test_two_relays_at_once_publish_each_row_once(shop, monkeypatch):
     monkeypatch.setattr(Producer, "publish", publish)
     with shop.outbox.transaction():
         ids = [shop.durable.delay(n).id for n in range(120)]
-    assert outgoing_rows(shop.outbox.store) == 120
+    assert unsent_rows(shop.outbox.store) == 120
     refuse.clear()
     results = []
     threads = [threading.Thread(target=lambda: results.append(shop.outbox.relay())) for _ in range(3)]
@@ -117,7 +117,7 @@ def test_two_relays_at_once_publish_each_row_once(shop, monkeypatch):
     assert sum(r.published for r in results) == 120
     assert sorted(m.id for m in receive(shop.app, shop.durable_queue, 120)) == sorted(ids)
     assert nothing_more(shop.app, shop.durable_queue)
-    assert outgoing_rows(shop.outbox.store) == 0
+    assert unsent_rows(shop.outbox.store) == 0
 
 
 def test_broker_stopped_during_commit_then_relay_delivers(database_url, table_prefix, tmp_path):
@@ -129,15 +129,15 @@ def test_broker_stopped_during_commit_then_relay_delivers(database_url, table_pr
         broker.stop()
         with shop.outbox.transaction():
             result = shop.durable.delay("survives the outage")
-        assert outgoing_rows(shop.outbox.store) == 1
+        assert unsent_rows(shop.outbox.store) == 1
         assert shop.outbox.relay().broker_error is not None, "the relay reports the broker is down"
-        assert outgoing_rows(shop.outbox.store) == 1
+        assert unsent_rows(shop.outbox.store) == 1
         broker.start()
         relayed = shop.outbox.relay()
         assert relayed.published == 1 and relayed.broker_error is None
         (message,) = receive(shop.app, shop.durable_queue, 1)
         assert (message.id, message.args) == (result.id, ["survives the outage"])
-        assert outgoing_rows(shop.outbox.store) == 0
+        assert unsent_rows(shop.outbox.store) == 0
     finally:
         broker.stop()
         _drop(shop.outbox.store)
@@ -151,12 +151,12 @@ def test_store_and_forward_outside_a_unit_of_work_survives_a_broker_outage(datab
         broker.stop()
         result = shop.durable.delay("sent while the broker is down")
         assert result.id
-        assert outgoing_rows(shop.outbox.store) == 1
+        assert unsent_rows(shop.outbox.store) == 1
         broker.start()
         assert shop.outbox.relay().published == 1
         (message,) = receive(shop.app, shop.durable_queue, 1)
         assert message.id == result.id
-        assert outgoing_rows(shop.outbox.store) == 0
+        assert unsent_rows(shop.outbox.store) == 0
     finally:
         broker.stop()
         _drop(shop.outbox.store)
@@ -173,7 +173,7 @@ def test_rabbitmq_unreachable_during_commit_then_relay_delivers(rabbitmq_url, da
         writer.outbox.ready()
         with writer.outbox.transaction():
             result = writer.durable.delay("stored")
-        assert outgoing_rows(writer.outbox.store) == 1
+        assert unsent_rows(writer.outbox.store) == 1
         assert relay_app.outbox.relay().published == 1
         (message,) = receive(relay_app.app, writer.durable_queue, 1)
         assert (message.id, message.args) == (result.id, ["stored"])
@@ -202,10 +202,10 @@ def test_process_dying_after_commit_loses_nothing(shop, crashpoint):
                       shop.outbox.settings.table_prefix, crashpoint, shop.durable_queue)
     assert done.returncode == EXIT_CODE, done.stderr
     message_id = done.stdout.strip().splitlines()[-1]
-    assert outgoing_rows(shop.outbox.store) == 1, "the committed row survived the crash"
+    assert unsent_rows(shop.outbox.store) == 1, "the committed row survived the crash"
     relayed = shop.outbox.relay()
     assert relayed.published == 1
     received = receive(shop.app, shop.durable_queue, 1 if crashpoint == "after_commit" else 2)
     assert {m.id for m in received} == {message_id}, "delivered; after_publish may deliver a copy"
     assert nothing_more(shop.app, shop.durable_queue)
-    assert outgoing_rows(shop.outbox.store) == 0
+    assert unsent_rows(shop.outbox.store) == 0

@@ -300,3 +300,49 @@ def test_cleanup_never_blocks_a_concurrent_writer(store: Store):
         left = set(conn.execute(select(store.tables.incoming.c.message_id)).scalars())
         assert conn.execute(select(func.count()).select_from(store.tables.incoming)).scalar_one() == len(written)
     assert left == set(written)
+
+
+def test_acknowledging_deletes_the_rows_of_the_message_and_destination(store: Store):
+    from .test_store_contract import outgoing_row
+
+    now = utcnow()
+    with store.begin() as conn:
+        sent, not_yet_marked, other_queue, other = store.insert_outgoing(conn, [
+            outgoing_row(1, message_id="m"), outgoing_row(2, message_id="m"),
+            outgoing_row(3, message_id="m", destination="q2"), outgoing_row(4, message_id="x")])
+        store.finish_sent(conn, [sent, other_queue, other], now, now + timedelta(minutes=10))
+    with store.begin() as conn:
+        assert store.acknowledge_outgoing(conn, "m", "q") == 2, "sent, or published but not yet marked"
+    with store.begin() as conn:
+        assert set(conn.execute(select(store.tables.outgoing.c.id)).scalars()) == {other_queue, other}
+        assert store.acknowledge_outgoing(conn, "m", None) == 1
+    with store.begin() as conn:
+        assert set(conn.execute(select(store.tables.outgoing.c.id)).scalars()) == {other}
+
+
+def test_an_acknowledgment_overtaking_its_publisher_waits_and_deletes(store: Store):
+    """The consumer acknowledges while the publisher still holds the row, before it marks it sent."""
+    if not store.is_postgres:
+        pytest.skip("SQLite serialises the two transactions: no overtaking")
+    from .test_store_contract import outgoing_row
+
+    now = utcnow()
+    with store.begin() as conn:
+        (row_id,) = store.insert_outgoing(conn, [outgoing_row(1, message_id="fast")])
+    acknowledged: list[int] = []
+    with store.engine.connect() as publisher:
+        with publisher.begin():
+            assert store.lock_outgoing(publisher, [row_id]) == [row_id]
+
+            def consumer():
+                with store.begin() as conn:
+                    acknowledged.append(store.acknowledge_outgoing(conn, "fast", None))
+
+            thread = threading.Thread(target=consumer)
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive(), "the acknowledgment waits for the publisher's row lock"
+            store.finish_sent(publisher, [row_id], now, now + timedelta(minutes=10))
+        thread.join(10)
+    assert acknowledged == [1]
+    assert store.count_outgoing() == 0

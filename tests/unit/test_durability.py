@@ -15,6 +15,7 @@ from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand
 from ..brokers import nothing_more, receive
+from ..conftest import unsent_rows
 
 
 @pytest.fixture
@@ -92,7 +93,8 @@ def test_an_expired_outgoing_row_is_dead_lettered_not_published(shop):
     assert message.id == fresh.id
     (letter,) = shop.outbox.store.list_dead_letters(shop.outbox.store.dead_letter_filter())
     assert (letter.message_id, letter.reason) == (expired.id, "expired")
-    assert outgoing(shop) == []
+    assert [row.message_id for row in outgoing(shop)] == [fresh.id], "only the sent one is left, for its inbox"
+    assert unsent_rows(shop.outbox.store) == 0
 
 
 def envelope_row(shop, message_id, **extra):
@@ -211,7 +213,7 @@ def test_replay_republishes_through_the_outbox_as_a_new_attempt(shop):
     assert (message.id, message.args, message.headers["celery_outbox_replay"]) == (task_id, ["again"], 1)
     letter = store.get_dead_letter(letter.id)
     assert letter.replay_count == 1 and letter.replayed_at is not None
-    assert outgoing(shop) == [], "the outgoing row was deleted after the publish"
+    assert unsent_rows(shop.outbox.store) == 0, "the outgoing row was published"
     replay(shop.outbox, DeadLetterFilter(ids=(letter.id,)))
     (second,) = receive(shop.app, shop.durable_queue, 1)
     assert second.headers["celery_outbox_replay"] == 2, "each replay is a later attempt"
@@ -229,3 +231,37 @@ def test_purge_deletes_only_the_old_matching_letters(shop):
     assert (deleted, counted) == (1, [1])
     assert first.id not in [r.id for r in store.list_dead_letters(store.dead_letter_filter())]
     assert store.count_dead_letters() == 2
+
+
+def test_a_sent_durable_message_is_redelivered_until_an_inbox_acknowledges_it(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_redeliver_after=60)
+    shop.outbox.ready()
+    result = shop.durable.delay("lost by the broker")
+    (row,) = outgoing(shop)
+    assert row.sent_at is not None and unsent_rows(shop.outbox.store) == 0
+    assert as_utc(row.redeliver_at) == pytest.approx(utcnow() + timedelta(seconds=60), abs=timedelta(seconds=5))
+    assert receive(shop.app, shop.durable_queue, 1)[0].id == result.id  # then the broker loses it
+    assert shop.outbox.recover().redelivered == 0, "not before redeliver_after"
+    table = shop.outbox.store.tables.outgoing
+    with shop.outbox.store.begin() as conn:
+        conn.execute(update(table).values(redeliver_at=utcnow() - timedelta(seconds=1)))
+    assert shop.outbox.recover().redelivered == 1
+    (again,) = receive(shop.app, shop.durable_queue, 1)
+    assert (again.id, again.args) == (result.id, ["lost by the broker"])
+    (row,) = outgoing(shop)
+    assert row.redeliveries == 1
+    assert as_utc(row.redeliver_at) == pytest.approx(utcnow() + timedelta(seconds=120), abs=timedelta(seconds=5)), \
+        "the wait doubles"
+    assert shop.outbox.recover().redelivered == 0
+    with shop.outbox.store.begin() as conn:
+        assert shop.outbox.store.acknowledge_outgoing(conn, result.id, None) == 1, "an inbox took it"
+    assert outgoing(shop) == []
+
+
+def test_without_delivery_tracking_sent_rows_are_deleted(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_redeliver_after=None)
+    shop.outbox.ready()
+    result = shop.durable.delay(1)
+    assert outgoing(shop) == []
+    assert receive(shop.app, shop.durable_queue, 1)[0].id == result.id
+    assert shop.outbox.recover().redelivered == 0
