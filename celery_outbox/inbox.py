@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 from .crashpoints import crashpoint
 from .errors import StoreUnavailable
 from .publishing import UnitOfWork
+from .relay import REDELIVERY_HEADER
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
 
@@ -80,6 +81,7 @@ class Delivery:
     retries: int
     nesting: int
     replays: int = 0
+    redelivered: int = 0  # times delivery tracking re-sent this message (not part of the attempt)
 
     @classmethod
     def from_request(cls, task: Any, identity: str) -> "Delivery":
@@ -94,6 +96,7 @@ class Delivery:
             retries=int(request.retries or 0),
             nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
             replays=_int_header(getattr(request, REPLAY_HEADER, 0)),
+            redelivered=_int_header(getattr(request, REDELIVERY_HEADER, 0)),
         )
 
     @property
@@ -289,7 +292,8 @@ class Inbox:
         grace = timedelta(seconds=self.outbox.settings.node_stale_after)
         row = {**delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": "running",
                "owner": UNOWNED, "retries": delivery.retries, "nesting": delivery.nesting,
-               "replays": delivery.replays, "received_at": now, "recover_after": now + grace, **envelope}
+               "replays": delivery.replays, "recoveries": delivery.redelivered, "received_at": now,
+               "recover_after": now + grace, **envelope}
         with _store_errors(), store.begin() as conn:
             if not store.claim_incoming(conn, row, self._stale_before(now)):
                 raise Duplicate()

@@ -38,6 +38,9 @@ __all__ = ["RelayResult", "redeliver", "relay"]
 
 logger = logging.getLogger("celery_outbox.relay")
 
+# Header of a redelivered message: how many times delivery tracking published it again.
+REDELIVERY_HEADER = "celery_outbox_redelivery"
+
 
 @dataclass
 class RelayResult:
@@ -145,8 +148,10 @@ def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, st
                     connected = True
                 marked = []
                 for row in rows:
+                    message = from_row(row, app.amqp.queues)
+                    message.headers[REDELIVERY_HEADER] = row.redeliveries + 1  # the inbox counts it as a recovery
                     try:
-                        from_row(row, app.amqp.queues).publish(producer, retry=False)
+                        message.publish(producer, retry=False)
                     except broker_errors as exc:
                         store.mark_redelivered(conn, marked)
                         return published, f"{type(exc).__name__}: {exc}"

@@ -438,7 +438,8 @@ class Store:
             | ((table.c.status == "dead") & (new.nesting == table.c.nesting) & (new.replays > table.c.replays))
             | ((table.c.status == "running") & same_attempt & free)
         )
-        updates = {key: getattr(new, key) for key in row if key not in ("message_id", "destination", "received_at")}
+        updates = {key: getattr(new, key) for key in row
+                   if key not in ("message_id", "destination", "received_at", "recoveries")}
         updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
         statement = (
             insert.on_conflict_do_update(

@@ -258,5 +258,7 @@ def test_a_message_the_broker_lost_is_redelivered_and_acknowledged_by_the_inbox(
         scenario.wait_events("lost-1", "postrun", 1)
         wait_until(lambda: store.count_outgoing() == 0, timeout=30, message="the inbox to acknowledge both rows")
         assert len(shop.effects("lost-1")) == 1 and len(shop.effects("kept-1")) == 1
+        assert store.get_incoming("lost-1").recoveries == 1, "the inbox counts the redelivery as a recovery"
+        assert store.get_incoming("kept-1").recoveries == 0
     finally:
         scenario.close()
