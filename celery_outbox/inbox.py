@@ -297,9 +297,7 @@ class Inbox:
         with _store_errors(), store.begin() as conn:
             if not store.claim_incoming(conn, row, self._stale_before(now)):
                 raise Duplicate()
-            # the inbox has the message now: the sender's outgoing row is acknowledged
-            by_queue = delivery.destination if self.outbox.settings.message_identity == "id_and_destination" else None
-            store.acknowledge_outgoing(conn, delivery.message_id, by_queue)
+            self._acknowledge(conn, delivery)  # the inbox has the message now: the sender's row can go
 
     def _record(self, task: Any, delivery: Delivery, status: str, exc: BaseException | None = None) -> None:
         """After a rollback: remember that this attempt ended (retried, or dead with a dead letter)."""
@@ -316,12 +314,19 @@ class Inbox:
             logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
                          delivery.task_name, delivery.message_id, status, error)
 
+    def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
+        """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""
+        by_queue = delivery.destination if self.outbox.settings.message_identity == "id_and_destination" else None
+        self.outbox.store.acknowledge_outgoing(conn, delivery.message_id, by_queue, delivery.attempt)
+
     def _discard(self, delivery: Delivery) -> None:
         try:
             with self.outbox.store.begin() as conn:
                 self.outbox.store.count_duplicate(conn, delivery.message_id, delivery.destination)
-        except Exception as error:  # noqa: BLE001 - counting is best effort; the discard stands
-            logger.warning("celery-outbox: could not count a duplicate of %s: %s", delivery.message_id, error)
+                if self.outbox.settings.is_durable(delivery.queue):
+                    self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it
+        except Exception as error:  # noqa: BLE001 - best effort: the discard stands, a redelivery comes again
+            logger.warning("celery-outbox: could not record a duplicate of %s: %s", delivery.message_id, error)
         logger.info("celery-outbox: discarded duplicate %s[%s] from queue %r (attempt %d.%d)",
                     delivery.task_name, delivery.message_id, delivery.queue, delivery.nesting, delivery.retries)
         duplicate_discarded.send(sender=self.outbox, message_id=delivery.message_id, task_name=delivery.task_name,

@@ -109,6 +109,10 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("message_id", String(255), nullable=False),
         Column("task_name", String(255), nullable=False, server_default=""),
         Column("destination", String(255), nullable=False),
+        # the attempt the message carries, so an inbox acknowledges only attempts it has
+        Column("nesting", Integer, nullable=False, server_default="0"),
+        Column("replays", Integer, nullable=False, server_default="0"),
+        Column("retries", Integer, nullable=False, server_default="0"),
         *_envelope_columns(),
         Column("attempts", Integer, nullable=False, server_default="0"),
         Column("last_error", Text, nullable=True),

@@ -205,14 +205,16 @@ class Store:
             .values(sent_at=func.coalesce(table.c.sent_at, now), redeliver_at=redeliver_at)
         ).rowcount
 
-    def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None) -> int:
-        """The consuming inbox claimed an attempt of the message: delete its outgoing rows (those
-        of ``destination`` only, when given). Every row of the id at this moment is of this attempt
-        or an earlier one (a later attempt is only sent after this claim). A row a publisher holds
-        is waited for (PostgreSQL row lock, SQLite write lock), so an acknowledgment that overtakes
-        its own publisher's commit still deletes the row."""
+    def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None,
+                             attempt: tuple[int, int, int]) -> int:
+        """The consuming inbox has attempt ``attempt`` (nesting, replays, retries) of the message, or
+        a later one: delete the message's outgoing rows up to that attempt (of ``destination`` only,
+        when given). A later attempt (a scheduled retry) stays. A row a publisher holds is waited
+        for (PostgreSQL row lock, SQLite write lock), so an acknowledgment that overtakes its own
+        publisher's commit still deletes the row."""
         table = self.tables.outgoing
-        query = delete(table).where(table.c.message_id == message_id)
+        query = delete(table).where(table.c.message_id == message_id).where(
+            tuple_(table.c.nesting, table.c.replays, table.c.retries) <= tuple_(*attempt))
         if destination is not None:
             query = query.where(table.c.destination == destination)
         return conn.execute(query).rowcount

@@ -312,12 +312,27 @@ def test_acknowledging_deletes_the_rows_of_the_message_and_destination(store: St
             outgoing_row(3, message_id="m", destination="q2"), outgoing_row(4, message_id="x")])
         store.finish_sent(conn, [sent, other_queue, other], now, now + timedelta(minutes=10))
     with store.begin() as conn:
-        assert store.acknowledge_outgoing(conn, "m", "q") == 2, "sent, or published but not yet marked"
+        assert store.acknowledge_outgoing(conn, "m", "q", (0, 0, 0)) == 2, "sent, or published but not yet marked"
     with store.begin() as conn:
         assert set(conn.execute(select(store.tables.outgoing.c.id)).scalars()) == {other_queue, other}
-        assert store.acknowledge_outgoing(conn, "m", None) == 1
+        assert store.acknowledge_outgoing(conn, "m", None, (0, 0, 0)) == 1
     with store.begin() as conn:
         assert set(conn.execute(select(store.tables.outgoing.c.id)).scalars()) == {other}
+
+
+def test_acknowledging_an_attempt_keeps_later_attempts(store: Store):
+    from .test_store_contract import outgoing_row
+
+    with store.begin() as conn:
+        store.insert_outgoing(conn, [
+            outgoing_row(1, message_id="m", nesting=0, replays=0, retries=0),
+            outgoing_row(2, message_id="m", nesting=0, replays=0, retries=1),
+            outgoing_row(3, message_id="m", nesting=0, replays=1, retries=0),
+            outgoing_row(4, message_id="m", nesting=1, replays=0, retries=0)])
+    with store.begin() as conn:
+        assert store.acknowledge_outgoing(conn, "m", None, (0, 0, 1)) == 2, "attempts 0 and 1 of the retries"
+        left = conn.execute(select(store.tables.outgoing.c.replays, store.tables.outgoing.c.nesting)).all()
+    assert sorted(map(tuple, left)) == [(0, 1), (1, 0)], "a replay and a replace are later attempts"
 
 
 def test_an_acknowledgment_overtaking_its_publisher_waits_and_deletes(store: Store):
@@ -336,7 +351,7 @@ def test_an_acknowledgment_overtaking_its_publisher_waits_and_deletes(store: Sto
 
             def consumer():
                 with store.begin() as conn:
-                    acknowledged.append(store.acknowledge_outgoing(conn, "fast", None))
+                    acknowledged.append(store.acknowledge_outgoing(conn, "fast", None, (0, 0, 0)))
 
             thread = threading.Thread(target=consumer)
             thread.start()

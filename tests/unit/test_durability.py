@@ -254,7 +254,7 @@ def test_a_sent_durable_message_is_redelivered_until_an_inbox_acknowledges_it(sq
         "the wait doubles"
     assert shop.outbox.recover().redelivered == 0
     with shop.outbox.store.begin() as conn:
-        assert shop.outbox.store.acknowledge_outgoing(conn, result.id, None) == 1, "an inbox took it"
+        assert shop.outbox.store.acknowledge_outgoing(conn, result.id, None, (0, 0, 0)) == 1, "an inbox took it"
     assert outgoing(shop) == []
 
 
