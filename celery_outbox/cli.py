@@ -133,6 +133,8 @@ def format_status(report: dict[str, Any]) -> str:
     lines += _table("incoming (inbox)", report["incoming"], ["status", "queue", "count"])
     lines += _table("outgoing (outbox)", report["outgoing"], ["status", "destination", "count"])
     lines += _table("dead letters", report["dead_letters"], ["reason", "task", "count"])
+    lines.append(f"duplicates discarded: {report['duplicates_discarded']}, "
+                 f"messages recovered: {report['messages_recovered']}")
     lines.append(f"oldest pending outgoing: {_age(report['oldest_pending_outgoing_age_seconds'])}")
     lines.append(f"oldest running incoming: {_age(report['oldest_running_incoming_age_seconds'])}")
     lines += _table("nodes", report["nodes"], ["id", "name", "pid", "heartbeat_age_seconds", "stale_checks"])

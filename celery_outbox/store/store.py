@@ -722,6 +722,10 @@ class Store:
                 select(func.min(t.outgoing.c.created_at)).where(t.outgoing.c.sent_at.is_(None))
                 .where((t.outgoing.c.deliver_at.is_(None)) | (t.outgoing.c.deliver_at <= now))
             ).scalar())
+            duplicates, recoveries = conn.execute(
+                select(func.coalesce(func.sum(t.incoming.c.duplicates), 0),
+                       func.coalesce(func.sum(t.incoming.c.recoveries), 0))
+            ).one()
             oldest_incoming = as_utc(conn.execute(
                 select(func.min(t.incoming.c.received_at)).where(t.incoming.c.status == "running")
             ).scalar())
@@ -741,6 +745,8 @@ class Store:
             "incoming": incoming,
             "outgoing": outgoing,
             "dead_letters": dead_letters,
+            "duplicates_discarded": int(duplicates),
+            "messages_recovered": int(recoveries),
             "oldest_pending_outgoing_age_seconds": _age(now, oldest_outgoing),
             "oldest_running_incoming_age_seconds": _age(now, oldest_incoming),
             "nodes": nodes,

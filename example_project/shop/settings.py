@@ -1,0 +1,42 @@
+"""Celery settings of the shop, in the style Django projects write them (``namespace="CELERY"``).
+
+Everything runs on embedded defaults: SQLite for the shop's data and the outbox, and
+kombu's filesystem transport as the broker, so the demo needs no server. Point
+``SHOP_DATABASE_URL`` and ``SHOP_BROKER_URL`` at PostgreSQL and Redis or RabbitMQ to
+run the same shop on real services.
+"""
+
+import os
+from pathlib import Path
+
+DATA_DIR = Path(os.environ.get("SHOP_DATA_DIR", ".shop-data")).resolve()
+BROKER_DIR = DATA_DIR / "broker"
+
+CELERY_BROKER_URL = os.environ.get("SHOP_BROKER_URL") or "filesystem://"
+if CELERY_BROKER_URL.startswith("filesystem"):
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(BROKER_DIR), "data_folder_out": str(BROKER_DIR),
+        "control_folder": str(DATA_DIR / "control"), "polling_interval": 0.05,
+    }
+    CELERY_WORKER_ENABLE_REMOTE_CONTROL = False  # the filesystem transport has no broadcast
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ROUTES = {
+    "shop.charge_payment": {"queue": "payments"},
+    "shop.send_receipt": {"queue": "receipts"},
+    "shop.cancel_unpaid_order": {"queue": "cancellations"},
+}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "beat-schedule")
+
+# celery-outbox: the same database as the shop's own tables, so an order and its messages commit together
+CELERY_OUTBOX_DATABASE_URL = os.environ.get("SHOP_DATABASE_URL") or f"sqlite:///{DATA_DIR / 'shop.sqlite3'}"
+CELERY_OUTBOX_DURABLE_QUEUES = ["payments", "cancellations"]
+CELERY_OUTBOX_RECOVER_INTERVAL = float(os.environ.get("SHOP_RECOVER_INTERVAL", 5))
+CELERY_OUTBOX_NODE_HEARTBEAT_INTERVAL = float(os.environ.get("SHOP_HEARTBEAT_INTERVAL", 5))
+CELERY_OUTBOX_NODE_STALE_AFTER = float(os.environ.get("SHOP_NODE_STALE_AFTER", 30))
+CELERY_OUTBOX_NODE_STALE_CHECKS = int(os.environ.get("SHOP_NODE_STALE_CHECKS", 3))
+CELERY_OUTBOX_REDELIVER_AFTER = float(os.environ.get("SHOP_REDELIVER_AFTER", 600))
+
+# the shop's own settings
+CANCEL_UNPAID_AFTER = float(os.environ.get("SHOP_CANCEL_UNPAID_AFTER", 15 * 60))  # seconds
+PAYMENT_GATEWAY_SECONDS = float(os.environ.get("SHOP_PAYMENT_GATEWAY_SECONDS", 0.02))

@@ -1,0 +1,54 @@
+"""The example shop's demo, in its short mode, run as a user runs it; its summary is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..services import require
+
+ROOT = Path(__file__).parents[2]
+
+
+def run_demo(tmp_path, *extra: str) -> dict:
+    process = subprocess.run(
+        [sys.executable, "-m", "example_project.demo", "--short", "--json", "--data-dir", str(tmp_path / "demo"),
+         *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert process.stdout.strip(), f"no summary; stderr: {process.stderr[-3000:]}"
+    summary = json.loads(process.stdout)
+    assert process.returncode == (0 if summary["ok"] else 1)
+    return summary
+
+
+def assert_settled_exactly_once(summary: dict) -> None:
+    assert summary["ok"], json.dumps(summary)
+    assert summary["orders_placed"] == 60
+    assert summary["payments_made"] == summary["orders_to_pay"] == summary["orders_paid_exactly_once"]
+    assert summary["orders_charged_twice"] == 0
+    assert summary["unpaid_orders_cancelled"] == summary["unpaid_orders"] > 0
+    assert summary["paid_orders_cancelled"] == 0
+    # each duplicate is discarded, except one whose original died unacked with the killed worker:
+    # it runs in the original's place (and the original, if the broker ever gives it back, is discarded)
+    assert summary["duplicates_sent"] > 0 and summary["duplicates_discarded"] > 0
+    assert summary["killed_after_orders"] == 30
+    assert summary["rows_pending"] == 0 and summary["dead_letters"] == 0
+
+
+def test_the_demo_on_embedded_defaults(tmp_path):
+    """SQLite and kombu's filesystem transport, which cannot give back a killed worker's messages:
+    delivery tracking and recovery bring them back."""
+    summary = run_demo(tmp_path)
+    assert_settled_exactly_once(summary)
+    assert summary["receipts_sent"] == summary["payments_made"]
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_the_demo_on_postgresql(tmp_path, broker):
+    summary = run_demo(tmp_path, "--database-url", require("postgres"), "--broker-url", require(broker))
+    assert_settled_exactly_once(summary)
