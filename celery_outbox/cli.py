@@ -288,3 +288,39 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
     with click.progressbar(length=total, label="purging", file=click.get_text_stream("stderr")) as bar:
         deleted = purge(box, which, progress=bar.update)
     click.echo(f"purged {deleted} dead letter(s)")
+
+
+# -- the delivery audit ----------------------------------------------------------------------------
+
+
+@outbox.command()
+@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path).")
+@click.option("--out", required=True, help="Directory for summary.json, report.html and aggregates/.")
+@click.option("--jdbc-url", help="Also read the live tables (jdbc:postgresql:// or postgresql:// URL); "
+              "'store' uses outbox_database_url.")
+@click.option("--jdbc-jar", help="The PostgreSQL JDBC driver jar (default /usr/share/java/postgresql.jar).")
+@click.option("--grace", type=Age(), default="1h", show_default=True,
+              help="A sent message not handled after this long is lost.")
+@click.option("--late-after", type=Age(), default="60s", show_default=True, help="Sent to handled beyond this is late.")
+@click.option("--stuck-after", type=Age(), default="1h", show_default=True, help="A live row waiting longer is stuck.")
+@click.option("--master", default="local[*]", show_default=True, help="Spark master.")
+@_with_outbox
+def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master) -> None:
+    """The delivery audit (Spark): lost, duplicated, late and dead-lettered messages; exit 1 when any is lost."""
+    import importlib.util
+
+    missing = [name for name in ("pyspark", "pyarrow") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise click.ClickException(f"the audit needs {' and '.join(missing)}: pip install 'celery-outbox[spark]'")
+    from .audit.job import main as audit_main
+
+    archive = archive or box.settings.archive_path
+    if jdbc_url == "store":
+        jdbc_url = box.settings.database_url
+    argv = ["--out", out, "--table-prefix", box.settings.table_prefix, "--grace", str(grace.total_seconds()),
+            "--late-after", str(late_after.total_seconds()), "--stuck-after", str(stuck_after.total_seconds()),
+            "--master", master]
+    for flag, value in (("--archive", archive), ("--jdbc-url", jdbc_url), ("--jdbc-jar", jdbc_jar)):
+        if value:
+            argv += [flag, value]
+    raise SystemExit(audit_main(argv))

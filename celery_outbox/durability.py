@@ -30,7 +30,8 @@ Recover, in order:
 
 Cleanup deletes ended inbox rows whose ``keep_until`` passed and, with
 ``outbox_dead_letter_retention`` set, dead letters older than that, handing each
-batch to the archiver first when one is configured.
+batch to the archiver first when one is configured; with an archiver it also moves
+the records of sent messages to the archive.
 """
 
 from __future__ import annotations
@@ -272,6 +273,7 @@ def cleanup(outbox: "Outbox", max_batches: int | None = None) -> CleanupResult:
     result = CleanupResult()
     delete_expired_inbox_rows(outbox, result, max_batches)
     expire_dead_letters(outbox, result, max_batches)
+    archive_sent_records(outbox, result, max_batches)
     if result.incoming_deleted or result.dead_letters_deleted:
         logger.info("celery-outbox %s", result)
     return result
@@ -321,5 +323,24 @@ def expire_dead_letters(outbox: "Outbox", result: CleanupResult, max_batches: in
         if count:
             result.batches += 1
             result.dead_letters_deleted += count
+        if count < batch:
+            return
+
+
+def archive_sent_records(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
+    """With an archiver, move the records of sent messages to the archive (the audit's "sent" side)."""
+    settings, store, archiver = outbox.settings, outbox.store, outbox.archiver
+    if archiver is None:
+        return
+    batch = settings.cleanup_batch_size
+    for _ in range(max_batches or settings.max_batches_per_run):
+        with store.begin() as conn:
+            rows = store.lock_sent_records(conn, batch)
+            if rows:
+                archiver.archive("sent", rows)
+            count = store.delete_sent_records(conn, [row.id for row in rows])
+        if count:
+            result.batches += 1
+            result.archived += count
         if count < batch:
             return

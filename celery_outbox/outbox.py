@@ -79,7 +79,8 @@ class Outbox:
         self.publisher = Publisher(self)
         self.inbox = Inbox(self)
         self.node = Node(self)
-        self.archiver: Archiver | None = None  # receives rows cleanup deletes (the delivery audit's archive)
+        # receives the rows cleanup deletes: the delivery audit's archive (outbox_archive_path)
+        self.archiver: Archiver | None = None
         setattr(app, _APP_ATTRIBUTE, self)
         install_publish_hook(self)
         _install_task_base(app)
@@ -140,6 +141,10 @@ class Outbox:
             engine = self._given_engine or build_engine(settings.database_url, settings.engine_options)
             self._store = Store(engine, settings.table_prefix)
             self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
+            if settings.archive_path and self.archiver is None:
+                from .audit.archive import ParquetArchiver
+
+                self.archiver = ParquetArchiver(settings.archive_path)
             self._settings = settings
         schedule_beat_tasks(self)
 

@@ -187,7 +187,8 @@ class Publisher:
                 sent = self._publish_all(messages, owned)
                 crashpoint("after_publish")
                 now = utcnow()
-                store.finish_sent(conn, sent, now, self.outbox.settings.first_redelivery(now))
+                store.finish_sent(conn, sent, now, self.outbox.settings.first_redelivery(now),
+                                  record=self.outbox.archiver is not None)
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
 

@@ -115,7 +115,7 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                     store.insert_dead_letters(conn, [_dead_letter(row, exc, "poison") for row, exc in poisoned])
                 result.dead_lettered += len(poisoned) + len(expired)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
-                store.finish_sent(conn, sent, now, settings.first_redelivery(now))
+                store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=outbox.archiver is not None)
             if result.broker_error:
                 break
     if result.published or result.failed:

@@ -7,6 +7,8 @@
   messages waiting for the consuming inbox to acknowledge them.
 * ``dead_letters``: envelopes that failed for good, replayable.
 * ``nodes``: worker processes with their heartbeat.
+* ``sent``: with an archive configured, one row per first publish of a durable
+  message, moved to the archive by cleanup (the delivery audit's "sent" side).
 * ``schema``: one row, the schema version ``migrate`` brought the tables to.
 
 The inbox's ``owner`` holds the node id of an eager claim; ``0`` means unowned.
@@ -67,13 +69,14 @@ class Tables:
     dead_letters: Table
     nodes: Table
     schema: Table
+    sent: Table
 
     def all(self) -> tuple[Table, ...]:
-        return (self.incoming, self.outgoing, self.dead_letters, self.nodes, self.schema)
+        return (self.incoming, self.outgoing, self.dead_letters, self.nodes, self.schema, self.sent)
 
 
 def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = None) -> Tables:
-    """Define the five tables under ``prefix`` in ``metadata`` (a new one when not given)."""
+    """Define the tables under ``prefix`` in ``metadata`` (a new one when not given)."""
     md = metadata if metadata is not None else MetaData()
     p = prefix
 
@@ -152,6 +155,16 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Index(f"ix_{p}dead_letters_message", "message_id"),
     )
 
+    sent = Table(
+        f"{p}sent", md,  # written only with an archive configured: the delivery audit's record of sends
+        Column("id", _BigId, primary_key=True, autoincrement=True),
+        Column("message_id", String(255), nullable=False),
+        Column("destination", String(255), nullable=False),
+        Column("task_name", String(255), nullable=False, server_default=""),
+        _timestamp("created_at", nullable=False),
+        _timestamp("sent_at", nullable=False),
+    )
+
     nodes = Table(
         f"{p}nodes", md,
         Column("id", Integer, primary_key=True, autoincrement=True),
@@ -174,4 +187,4 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         _timestamp("migrated_at", nullable=False),
     )
 
-    return Tables(md, incoming, outgoing, dead_letters, nodes, schema)
+    return Tables(md, incoming, outgoing, dead_letters, nodes, schema, sent)

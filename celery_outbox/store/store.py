@@ -191,15 +191,24 @@ class Store:
         table = self.tables.outgoing
         return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
 
-    def finish_sent(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime | None) -> int:
+    def finish_sent(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime | None,
+                    record: bool = False) -> int:
         """After a publish, in one statement: keep the rows as sent until the consuming inbox
         acknowledges them (redelivered at ``redeliver_at`` if it has not), or, with delivery
-        tracking off (``redeliver_at`` None), delete them."""
-        if redeliver_at is None:
-            return self.delete_outgoing(conn, ids)
+        tracking off (``redeliver_at`` None), delete them. With ``record`` (an archive is
+        configured) the first send of each row is also written to the ``sent`` table."""
         if not ids:
             return 0
         table = self.tables.outgoing
+        if record:
+            sent = self.tables.sent
+            conn.execute(sent.insert().from_select(
+                ["message_id", "destination", "task_name", "created_at", "sent_at"],
+                select(table.c.message_id, table.c.destination, table.c.task_name, table.c.created_at,
+                       bindparam("sent_now", now, type_=sent.c.sent_at.type))
+                .where(self._id_predicate(table.c.id, ids)).where(table.c.sent_at.is_(None))))
+        if redeliver_at is None:
+            return self.delete_outgoing(conn, ids)
         return conn.execute(
             update(table).where(self._id_predicate(table.c.id, ids))
             .values(sent_at=func.coalesce(table.c.sent_at, now), redeliver_at=redeliver_at)
@@ -218,6 +227,20 @@ class Store:
         if destination is not None:
             query = query.where(table.c.destination == destination)
         return conn.execute(query).rowcount
+
+    def lock_sent_records(self, conn: Connection, limit: int) -> list[Row]:
+        """Lock up to ``limit`` records of sent messages, oldest first (to archive, then delete)."""
+        table = self.tables.sent
+        query = select(table).order_by(table.c.id).limit(limit)
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def delete_sent_records(self, conn: Connection, ids: Sequence[int]) -> int:
+        if not ids:
+            return 0
+        table = self.tables.sent
+        return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
 
     def lock_unacknowledged_outgoing(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
         """Lock up to ``limit`` sent rows whose consumer has not acknowledged them by ``redeliver_at``."""

@@ -24,7 +24,7 @@ def test_public_api():
     assert {"Outbox", "metadata", "ConfigurationError", "StoreUnavailable"} <= set(celery_outbox.__all__)
     assert {t.name for t in celery_outbox.metadata.sorted_tables} == {
         "celery_outbox_incoming", "celery_outbox_outgoing", "celery_outbox_dead_letters",
-        "celery_outbox_nodes", "celery_outbox_schema",
+        "celery_outbox_nodes", "celery_outbox_schema", "celery_outbox_sent",
     }
 
 

@@ -1,0 +1,240 @@
+"""Render the self-contained HTML report of a delivery audit.
+
+The Spark job computes every number; this module only turns plain Python data into one HTML document meant to be
+looked at rather than read: a verdict, big-number tiles, three inline SVG plots and two small tables.
+No JavaScript, no external CSS, fonts or URLs; every text that comes from data is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from datetime import datetime
+
+W, H = 720, 260  # default viewBox of a plot
+LEFT, RIGHT, TOP, BOTTOM = 56, 24, 16, 40  # margins around the plot frame inside the viewBox
+X0, X1, Y0, Y1 = LEFT, W - RIGHT, TOP, H - BOTTOM
+PW, PH = X1 - X0, Y1 - Y0
+GREEN, RED, AMBER, BLUE = "#1a7f37", "#cf222e", "#9a6700", "#0969da"
+MAX_DEAD_LETTER_BARS = 15
+LABEL_CHARS = 44
+
+CSS = f"""
+body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 60rem;
+  color: #1f2328; padding: 0 1rem; }}
+h1 {{ margin-bottom: .2rem; }} h2 {{ margin-top: 2rem; font-size: 1.1rem; }}
+.verdict {{ color: #fff; padding: .1rem .6rem; border-radius: .4rem; margin-left: .5rem; }}
+.verdict.good {{ background: {GREEN}; }} .verdict.bad {{ background: {RED}; }}
+.meta {{ color: #656d76; margin-top: 0; }}
+.tiles {{ display: flex; flex-wrap: wrap; gap: .75rem; margin: 1.5rem 0; }}
+.tile {{ border: 1px solid #d0d7de; border-radius: .5rem; padding: .6rem 1rem; min-width: 7rem; }}
+.tile b {{ display: block; font-size: 1.8rem; font-variant-numeric: tabular-nums; }}
+.tile span {{ color: #656d76; font-size: .85rem; }}
+.tile.bad b {{ color: {RED}; }} .tile.good b {{ color: {GREEN}; }} .tile.warn b {{ color: {AMBER}; }}
+figure {{ margin: 1.5rem 0; }} figcaption {{ color: #656d76; font-size: .9rem; }}
+svg {{ width: 100%; height: auto; font-size: 12px; }}
+svg .frame {{ fill: #f6f8fa; stroke: #d0d7de; }} svg .bar {{ fill: {BLUE}; }} svg .dead {{ fill: {RED}; }}
+svg .nodata {{ fill: #8c959f; font-size: 20px; }} svg text {{ fill: #1f2328; }}
+svg .marker {{ fill: {RED}; stroke: #fff; stroke-width: 3px; paint-order: stroke; }}
+table {{ border-collapse: collapse; font-variant-numeric: tabular-nums; }}
+th, td {{ border-bottom: 1px solid #d0d7de; padding: .3rem .8rem; text-align: left; }}
+"""
+
+
+def _esc(value: object) -> str:
+    return html.escape(str(value))
+
+
+def _human(seconds: float | None) -> str:
+    """A duration the way a person writes it: 5ms, 1.2s, 3m, 2h, 4d; an em dash when unknown."""
+    if seconds is None:
+        return "—"
+    units = ((86400, "d"), (3600, "h"), (60, "m"), (1, "s"))
+    divisor, unit = next(((d, u) for d, u in units if abs(seconds) >= d), (0.001, "ms"))
+    return f"{seconds / divisor:.1f}".rstrip("0").rstrip(".") + unit
+
+
+def _text(x: float, y: float, content: object, anchor: str = "middle", extra: str = "") -> str:
+    return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}"{extra}>{_esc(content)}</text>'
+
+
+def _figure(fig_id: str, title: str, caption: str, body: str, height: int = H) -> str:
+    """Wrap plot elements in a framed, titled SVG; an empty body becomes a "no data" placeholder."""
+    frame_h = height - TOP - BOTTOM
+    if not body:
+        body = _text(X0 + PW / 2, TOP + frame_h / 2 + 7, "no data", extra=' class="nodata"')
+        caption = "no data"
+    return (
+        f'<figure id="{fig_id}"><svg viewBox="0 0 {W} {height}" role="img" aria-labelledby="{fig_id}-title">'
+        f'<title id="{fig_id}-title">{_esc(title)}</title>'
+        f'<rect class="frame" x="{X0}" y="{TOP}" width="{PW}" height="{frame_h}"/>{body}</svg>'
+        f"<figcaption><strong>{_esc(title)}</strong> — {_esc(caption)}</figcaption></figure>"
+    )
+
+
+def _latency_plot(histogram: list[tuple[float, float, int]], latency: dict) -> str:
+    title = "Latency from sent to handled"
+    peak = max((count for _, _, count in histogram), default=0)
+    if peak <= 0:
+        return _figure("latency-plot", title, "", "")
+    bw = PW / len(histogram)
+    parts = [_text(X0 - 6, Y0 + 10, f"{peak:,}", "end"), _text(X0 - 6, Y1, 0, "end")]
+    for i, (low, high, count) in enumerate(histogram):
+        h = PH * count / peak
+        parts.append(
+            f'<rect class="bar" x="{X0 + i * bw + 1:.1f}" y="{Y1 - h:.1f}" width="{max(bw - 2, 1):.1f}" '
+            f'height="{h:.1f}"><title>{_esc(f"{_human(low)}–{_human(high)}: {count:,}")}</title></rect>'
+        )
+    edges = [low for low, _, _ in histogram] + [histogram[-1][1]]
+    step = math.ceil(len(edges) / 9)
+    parts += [_text(X0 + j * bw, Y1 + 16, _human(edges[j])) for j in range(0, len(edges), step)]
+    for k, name in enumerate(("p50", "p95", "p99")):
+        value = latency.get(name)
+        bucket = next((i for i, (lo, hi, _) in enumerate(histogram) if value is not None and lo <= value <= hi), None)
+        if bucket is None:
+            continue
+        low, high, _ = histogram[bucket]
+        x = X0 + (bucket + ((value - low) / (high - low) if high > low else 0.5)) * bw
+        parts.append(f'<line x1="{x:.1f}" y1="{Y0}" x2="{x:.1f}" y2="{Y1}" stroke="{RED}" stroke-dasharray="5 4"/>')
+        parts.append(_text(x + 4, Y0 + 14 + 14 * k, f"{name} {_human(value)}", "start", ' class="marker"'))
+    total = sum(count for _, _, count in histogram)
+    caption = f"{total:,} handled messages in {len(histogram)} buckets; dashed lines mark p50, p95 and p99"
+    return _figure("latency-plot", title, caption, "".join(parts))
+
+
+def _time_fractions(minutes: list[str]) -> list[float]:
+    """Position of each minute along the time axis (0..1); even spacing if the minutes do not parse."""
+    try:
+        times = [datetime.fromisoformat(minute).timestamp() for minute in minutes]
+    except (TypeError, ValueError):
+        times = list(range(len(minutes)))
+    span = times[-1] - times[0]
+    return [(t - times[0]) / span if span else 0.5 for t in times]
+
+
+def _throughput_plot(throughput: list[tuple[str, int, int]]) -> str:
+    title = "Throughput over time"
+    if not throughput:
+        return _figure("throughput-plot", title, "", "")
+    peak = max(max(sent, handled) for _, sent, handled in throughput)
+    xs = [X0 + f * PW for f in _time_fractions([minute for minute, _, _ in throughput])]
+    parts = [_text(X0 - 6, Y0 + 10, f"{peak:,}", "end"), _text(X0 - 6, Y1, 0, "end")]
+    for column, colour, name in ((1, BLUE, "sent"), (2, GREEN, "handled")):
+        points = [(x, Y1 - PH * row[column] / max(peak, 1)) for x, row in zip(xs, throughput, strict=True)]
+        if len(points) == 1:  # a single minute: a short dash, since one point draws nothing
+            points = [(points[0][0] - 8, points[0][1]), (points[0][0] + 8, points[0][1])]
+        coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        parts.append(
+            f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="2" '
+            'stroke-linecap="round" stroke-linejoin="round"/>'
+        )
+        ly = Y0 + 4 + 16 * column
+        parts.append(
+            f'<line x1="{X1 - 90}" y1="{ly - 4}" x2="{X1 - 70}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>'
+        )
+        parts.append(_text(X1 - 64, ly, name, "start"))
+    if len(throughput) == 1:
+        parts.append(_text(xs[0], Y1 + 16, throughput[0][0]))
+    else:
+        parts += [_text(X0, Y1 + 16, throughput[0][0], "start"), _text(X1, Y1 + 16, throughput[-1][0], "end")]
+    sent, handled = sum(row[1] for row in throughput), sum(row[2] for row in throughput)
+    caption = f"messages per minute ({len(throughput):,} minutes with traffic): {sent:,} sent, {handled:,} handled"
+    return _figure("throughput-plot", title, caption, "".join(parts))
+
+
+def _dead_letters_plot(dead_letters: list[tuple[str, str, int]]) -> str:
+    title = "Dead letters by task and exception"
+    rows = dead_letters[:MAX_DEAD_LETTER_BARS]
+    if not rows:
+        return _figure("dead-letters-plot", title, "", "")
+    height = max(H, TOP + BOTTOM + 24 * len(rows))
+    row_h = (height - TOP - BOTTOM) / len(rows)
+    bar_x0, bar_w = X0 + 6 + 7 * LABEL_CHARS, X1 - X0 - 7 * LABEL_CHARS - 60
+    peak = max(max(count for _, _, count in rows), 1)
+    parts = []
+    for i, (task, reason, count) in enumerate(rows):
+        label = f"{task} · {reason}"
+        short = label if len(label) <= LABEL_CHARS else label[: LABEL_CHARS - 1] + "…"
+        y, w = TOP + i * row_h + row_h / 2, max(bar_w * count / peak, 1)
+        parts.append(
+            f"<g><title>{_esc(f'{label}: {count:,}')}</title>{_text(X0 + 6, y + 4, short, 'start')}"
+            f'<rect class="dead" x="{bar_x0}" y="{y - 8:.1f}" width="{w:.1f}" height="16"/>'
+            f"{_text(bar_x0 + w + 6, y + 4, f'{count:,}', 'start')}</g>"
+        )
+    shown = f"top {len(rows)} of {len(dead_letters)}" if len(dead_letters) > len(rows) else f"all {len(rows)}"
+    caption = f"{sum(r[2] for r in dead_letters):,} dead letters; {shown} task/exception pairs"
+    return _figure("dead-letters-plot", title, caption, "".join(parts), height)
+
+
+def _tiles(summary: dict) -> str:
+    latency, stuck = summary["latency_seconds"], summary["stuck"]
+    tiles = [
+        ("sent", f"{summary['sent']:,}", ""),
+        ("handled", f"{summary['handled']:,}", ""),
+        ("lost", f"{summary['lost']:,}", "bad" if summary["lost"] else "good"),
+        ("dead-lettered", f"{summary['dead_lettered']:,}", "warn" if summary["dead_lettered"] else ""),
+        ("duplicates discarded", f"{summary['duplicates_discarded']:,}", ""),
+        (
+            f"late (> {_human(summary['late_threshold_seconds'])})",
+            f"{summary['late']:,}",
+            "warn" if summary["late"] else "",
+        ),
+        (
+            "stuck" if stuck is not None else "stuck (live tables not read)",
+            "—" if stuck is None else f"{stuck:,}",
+            "warn" if stuck else "",
+        ),
+        ("p50 latency", _human(latency["p50"]), ""),
+        ("p99 latency", _human(latency["p99"]), ""),
+        ("max latency", _human(latency["max"]), ""),
+    ]
+    return (
+        '<section class="tiles">'
+        + "".join(
+            f'<div class="tile {cls}"><b>{_esc(value)}</b><span>{_esc(label)}</span></div>'
+            for label, value, cls in tiles
+        )
+        + "</section>"
+    )
+
+
+def _table(headers: tuple[str, ...], rows: list[tuple[object, ...]], empty: str) -> str:
+    if not rows:
+        return f"<p>{_esc(empty)}</p>"
+    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_report(
+    summary: dict,
+    latency_histogram: list[tuple[float, float, int]],
+    throughput: list[tuple[str, int, int]],
+    dead_letters: list[tuple[str, str, int]],
+    latency_by_task: list[dict],
+) -> str:
+    """Return the whole HTML document."""
+    lost = summary["lost"]
+    verdict = "CLEAN" if lost == 0 else f"{lost:,} LOST"
+    window = f"{summary['window_start'] or 'the beginning'} → {summary['window_end'] or 'now'}"
+    examples = summary["lost_examples"]
+    lost_rows = [(e["message_id"], e["task_name"], e["destination"], e["sent_at"]) for e in examples]
+    task_rows = [
+        (r["task_name"], f"{r['count']:,}", *(_human(r[key]) for key in ("p50", "p95", "p99", "max")))
+        for r in latency_by_task
+    ]
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>Delivery audit: {verdict}</title><style>{CSS}</style></head>
+<body><header><h1>Delivery audit <span class="verdict {"good" if lost == 0 else "bad"}">{verdict}</span></h1>
+<p class="meta">window {_esc(window)} · generated {_esc(summary["generated_at"])}</p></header>
+{_tiles(summary)}
+{_latency_plot(latency_histogram, summary["latency_seconds"])}
+{_throughput_plot(throughput)}
+{_dead_letters_plot(dead_letters)}
+<h2>Lost messages{f" (showing {len(examples)} of {lost:,})" if lost > len(examples) else ""}</h2>
+{_table(("message id", "task", "destination", "sent at"), lost_rows, "No message was lost.")}
+<h2>Latency by task</h2>
+{_table(("task", "handled", "p50", "p95", "p99", "max"), task_rows, "No message was handled.")}
+</body></html>
+"""

@@ -1,0 +1,132 @@
+"""The delivery audit on synthetic archives with known answers, and its handling of bad input."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from celery_outbox.audit.archive import ParquetArchiver
+from celery_outbox.audit.job import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_LOST, AuditOptions, main, run_audit
+
+from .conftest import JDBC_JAR
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
+NOW = T0 + timedelta(hours=3)
+LATENCIES = [0.1, 0.2, 0.3, 0.4, 0.5, 120.0, 0.7]  # messages m0..m6 handled; m5 is late
+
+
+def sent(n: int, at: datetime) -> SimpleNamespace:
+    return SimpleNamespace(message_id=f"m{n}", destination="payments", task_name="shop.pay" if n % 2 == 0 else
+                           "shop.ship", created_at=at, sent_at=at)
+
+
+def incoming(n: int, status: str, handled_at: datetime, duplicates: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(message_id=f"m{n}", destination="", task_name="shop.pay" if n % 2 == 0 else "shop.ship",
+                           queue="payments", status=status, retries=0, nesting=0, replays=0, duplicates=duplicates,
+                           recoveries=0, received_at=handled_at, claimed_at=handled_at, handled_at=handled_at)
+
+
+def dead_letter(dead_id: int, message_id: str, reason: str, exception: str | None) -> SimpleNamespace:
+    return SimpleNamespace(id=dead_id, message_id=message_id, destination="", task_name="shop.pay", queue="payments",
+                           reason=reason, exception_type=exception, exception_message="boom", retries=0, nesting=0,
+                           replays=0, failed_at=T0 + timedelta(minutes=30), replay_count=0)
+
+
+@pytest.fixture
+def known_archive(tmp_path):
+    """m0-m6 handled (m5 late), m7 dead-lettered, m8 lost, m9 sent within the grace period; every
+    batch archived twice, as an at-least-once archive may."""
+    archiver = ParquetArchiver(str(tmp_path / "archive"))
+    sends = [sent(n, T0 + timedelta(minutes=n)) for n in range(9)] + [sent(9, NOW - timedelta(minutes=10))]
+    handled = [incoming(n, "handled", T0 + timedelta(minutes=n, seconds=LATENCIES[n]),
+                        duplicates={0: 3, 1: 2}.get(n, 0)) for n in range(7)]
+    handled.append(incoming(7, "dead", T0 + timedelta(minutes=7, seconds=1)))
+    letters = [dead_letter(1, "m7", "failed", "ValueError"), dead_letter(2, "p1", "poison", None)]
+    for _ in range(2):
+        archiver.archive("sent", sends)
+        archiver.archive("incoming", handled)
+        archiver.archive("dead_letters", letters)
+    return str(tmp_path / "archive")
+
+
+def test_a_known_archive_gives_exactly_the_expected_numbers(spark, known_archive, tmp_path):
+    summary = run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark)
+    assert {key: summary[key] for key in ("sent", "handled", "lost", "dead_lettered", "duplicates_discarded",
+                                          "late", "stuck")} == {
+        "sent": 10, "handled": 7, "lost": 1, "dead_lettered": 2, "duplicates_discarded": 5, "late": 1, "stuck": None}
+    assert [example["message_id"] for example in summary["lost_examples"]] == ["m8"]
+    latency = summary["latency_seconds"]
+    assert latency["p50"] == pytest.approx(0.4, abs=0.01)
+    assert latency["max"] == pytest.approx(120.0, abs=0.01)
+    out = tmp_path / "out"
+    assert json.loads((out / "summary.json").read_text())["lost"] == 1
+    by_task = {row["task_name"]: row for row in pq.read_table(out / "aggregates" / "latency_by_task").to_pylist()}
+    assert by_task["shop.pay"]["count"] == 4 and by_task["shop.ship"]["count"] == 3
+    assert by_task["shop.ship"]["max"] == pytest.approx(120.0, abs=0.01)
+    by_hour = pq.read_table(out / "aggregates" / "latency_by_hour").to_pylist()
+    assert [row["count"] for row in by_hour] == [7]
+    dead = {(row["task_name"], row["exception"]): row["count"]
+            for row in pq.read_table(out / "aggregates" / "dead_letters").to_pylist()}
+    assert dead == {("shop.pay", "ValueError"): 1, ("shop.pay", "poison"): 1}
+    throughput = pq.read_table(out / "aggregates" / "throughput").to_pylist()
+    assert sum(row["sent"] for row in throughput) == 10 and sum(row["handled"] for row in throughput) == 7
+
+
+def test_the_report_contains_its_plots(spark, known_archive, tmp_path):
+    run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark)
+    html = (tmp_path / "out" / "report.html").read_text()
+    for figure in ("latency-plot", "throughput-plot", "dead-letters-plot"):
+        start = html.index(f'id="{figure}"')
+        assert "<svg" in html[start:html.index("</figure>", start)], f"{figure} has no drawing"
+    assert "1 LOST" in html and "m8" in html
+
+
+def test_exit_code_says_whether_anything_was_lost(spark, known_archive, tmp_path, capsys):
+    as_of = ["--now", NOW.isoformat()]
+    assert main(["--archive", known_archive, "--out", str(tmp_path / "a"), *as_of], spark) == EXIT_LOST
+    assert "1 lost" in capsys.readouterr().out
+    assert main(["--archive", known_archive, "--out", str(tmp_path / "b"), "--grace", str(10 * 86400), *as_of],
+                spark) == EXIT_CLEAN
+    assert main(["--archive", known_archive, "--out", str(tmp_path / "c")], spark) == EXIT_LOST
+    assert "2 lost" in capsys.readouterr().out, "weeks later, m9 is past its grace period too"
+
+
+def test_a_missing_archive_is_a_clear_error(spark, tmp_path, capsys):
+    assert main(["--archive", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")], spark) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "no archive at" in err and "Traceback" not in err
+
+
+def test_an_empty_archive_is_a_clear_error(spark, tmp_path, capsys):
+    (tmp_path / "archive").mkdir()
+    assert main(["--archive", str(tmp_path / "archive"), "--out", str(tmp_path / "out")], spark) == EXIT_BAD_INPUT
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_a_partition_with_a_bad_schema_is_named(spark, known_archive, tmp_path, capsys):
+    bad = tmp_path / "archive" / "incoming" / "date=2026-11-02"
+    bad.mkdir(parents=True)
+    pq.write_table(pa.table({"message_id": [1, 2], "status": ["handled", "handled"]}), bad / "part-bad.parquet")
+    assert main(["--archive", known_archive, "--out", str(tmp_path / "out")], spark) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "date=2026-11-02/part-bad.parquet has a bad schema" in err and "Traceback" not in err
+
+
+def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path, capsys):
+    import os
+
+    if not os.path.exists(JDBC_JAR):
+        pytest.skip(f"no PostgreSQL JDBC driver at {JDBC_JAR} (apt install libpostgresql-jdbc-java)")
+    from ..services import free_port
+
+    url = f"jdbc:postgresql://127.0.0.1:{free_port()}/nothing?user=postgres"
+    assert main(["--archive", known_archive, "--out", str(tmp_path / "out"), "--jdbc-url", url,
+                 "--jdbc-jar", JDBC_JAR], spark) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"cannot read the live table celery_outbox_incoming at {url.split('?')[0]}: Couldn't connect" in err
+    assert "Traceback" not in err

@@ -1,0 +1,145 @@
+"""The audit report: a self-contained HTML page with a verdict, three inline SVG plots and escaped data."""
+
+from __future__ import annotations
+
+import re
+
+from celery_outbox.audit.report import render_report
+
+
+def summary(**changes) -> dict:
+    base = {
+        "generated_at": "2024-05-01T12:00:00+00:00",
+        "window_start": "2024-05-01T10:00:00+00:00",
+        "window_end": "2024-05-01T11:00:00+00:00",
+        "sent": 1200,
+        "handled": 1200,
+        "lost": 0,
+        "duplicates_discarded": 3,
+        "dead_lettered": 7,
+        "late": 2,
+        "late_threshold_seconds": 30.0,
+        "stuck": 0,
+        "latency_seconds": {"p50": 0.012, "p95": 0.3, "p99": 1.2, "max": 95.0},
+        "lost_examples": [],
+    }
+    return base | changes
+
+
+HISTOGRAM = [(0.001, 0.01, 400), (0.01, 0.1, 500), (0.1, 1.0, 250), (1.0, 10.0, 45), (10.0, 100.0, 5)]
+THROUGHPUT = [
+    ("2024-05-01T10:00:00+00:00", 20, 18),
+    ("2024-05-01T10:01:00+00:00", 25, 27),
+    ("2024-05-01T10:03:00+00:00", 15, 15),
+]
+DEAD_LETTERS = [("shop.charge", "CardDeclined", 5), ("shop.ship", "max retries", 2)]
+BY_TASK = [{"task_name": "shop.charge", "count": 700, "p50": 0.01, "p95": 0.2, "p99": 0.9, "max": 12.0}]
+
+
+def figure(document: str, fig_id: str) -> str:
+    match = re.search(rf'<figure id="{fig_id}">(.*?)</figure>', document, re.S)
+    assert match, f"no figure {fig_id}"
+    return match.group(1)
+
+
+def svg(document: str, fig_id: str) -> str:
+    body = figure(document, fig_id)
+    match = re.search(r"<svg[^>]*>(.*?)</svg>", body, re.S)
+    assert match and "<figcaption>" in body
+    return match.group(1)
+
+
+def test_report_with_data_draws_three_plots_and_says_clean():
+    document = render_report(summary(), HISTOGRAM, THROUGHPUT, DEAD_LETTERS, BY_TASK)
+
+    assert document.startswith("<!DOCTYPE html>")
+    assert re.search(r'class="verdict good">CLEAN<', document)
+    assert "LOST" not in document
+    latency = svg(document, "latency-plot")
+    assert "<title" in latency and "Latency from sent to handled" in latency
+    assert latency.count('<rect class="bar"') == len(HISTOGRAM)
+    assert latency.count("stroke-dasharray") == 3  # p50, p95 and p99 all fall in range
+    assert ">1ms<" in latency and ">10s<" in latency  # bucket bounds written humanly
+    throughput = svg(document, "throughput-plot")
+    assert "Throughput over time" in throughput
+    assert throughput.count("<polyline") == 2 and ">sent<" in throughput and ">handled<" in throughput
+    assert ">27<" in throughput  # the y-axis maximum
+    dead = svg(document, "dead-letters-plot")
+    assert "Dead letters by task and exception" in dead
+    assert dead.count('<rect class="dead"') == 2 and "shop.charge · CardDeclined" in dead
+    assert "no data" not in document
+    assert "<td>shop.charge</td><td>700</td><td>10ms</td>" in document
+
+
+def test_lost_messages_turn_the_verdict_red_and_are_listed():
+    examples = [
+        {
+            "message_id": f"msg-{i}",
+            "task_name": "shop.charge",
+            "destination": "celery",
+            "sent_at": "2024-05-01T10:00:00+00:00",
+        }
+        for i in range(3)
+    ]
+    document = render_report(
+        summary(lost=42, handled=1158, lost_examples=examples), HISTOGRAM, THROUGHPUT, DEAD_LETTERS, BY_TASK
+    )
+
+    assert re.search(r'class="verdict bad">42 LOST<', document)
+    assert "CLEAN" not in document
+    for example in examples:
+        assert f"<td>{example['message_id']}</td>" in document
+    assert "showing 3 of 42" in document
+
+
+def test_empty_inputs_render_no_data_placeholders():
+    empty = summary(
+        sent=0,
+        handled=0,
+        dead_lettered=0,
+        late=0,
+        stuck=None,
+        window_start=None,
+        window_end=None,
+        latency_seconds={"p50": None, "p95": None, "p99": None, "max": None},
+    )
+    document = render_report(empty, [], [], [], [])
+
+    for fig_id in ("latency-plot", "throughput-plot", "dead-letters-plot"):
+        body = svg(document, fig_id)
+        assert "no data" in body and 'class="frame"' in body
+        assert "<polyline" not in body and 'class="bar"' not in body and 'class="dead"' not in body
+    assert "CLEAN" in document
+
+
+def test_degenerate_data_never_divides_by_zero():
+    document = render_report(summary(), [(0.0, 0.0, 0)], [("2024-05-01T10:00:00", 0, 0)], [("t", "e", 0)], [])
+
+    assert "no data" in svg(document, "latency-plot")
+    assert svg(document, "throughput-plot").count("<polyline") == 2
+    assert '<rect class="dead"' in svg(document, "dead-letters-plot")
+
+
+def test_text_from_data_is_escaped():
+    evil = "<script>alert(1)</script>"
+    examples = [{"message_id": evil, "task_name": evil, "destination": evil, "sent_at": evil}]
+    document = render_report(
+        summary(lost=1, lost_examples=examples, generated_at=evil),
+        HISTOGRAM,
+        [(evil, 1, 1), (evil, 2, 2)],
+        [(evil, evil, 3)],
+        [{"task_name": evil, "count": 1, "p50": 0.1, "p95": 0.1, "p99": 0.1, "max": 0.1}],
+    )
+
+    assert "<script" not in document
+    assert "&lt;script&gt;" in document
+
+
+def test_report_is_self_contained():
+    many_dead = [(f"task.{i}", "Boom", 100 - i) for i in range(40)]
+    document = render_report(summary(), HISTOGRAM, THROUGHPUT, many_dead, BY_TASK)
+
+    assert "http://" not in document and "https://" not in document
+    assert not re.search(r"\b(src|href)=", document)
+    assert "@import" not in document and "url(" not in document
+    assert svg(document, "dead-letters-plot").count('<rect class="dead"') == 15
