@@ -36,6 +36,9 @@ CELERY_OUTBOX_NODE_HEARTBEAT_INTERVAL = float(os.environ.get("SHOP_HEARTBEAT_INT
 CELERY_OUTBOX_NODE_STALE_AFTER = float(os.environ.get("SHOP_NODE_STALE_AFTER", 30))
 CELERY_OUTBOX_NODE_STALE_CHECKS = int(os.environ.get("SHOP_NODE_STALE_CHECKS", 3))
 CELERY_OUTBOX_REDELIVER_AFTER = float(os.environ.get("SHOP_REDELIVER_AFTER", 600))
+CELERY_OUTBOX_KEEP_AFTER_HANDLING = float(os.environ.get("SHOP_KEEP_AFTER_HANDLING", 7 * 24 * 3600))
+CELERY_OUTBOX_CLEANUP_INTERVAL = float(os.environ.get("SHOP_CLEANUP_INTERVAL", 60))
+CELERY_OUTBOX_ARCHIVE_PATH = os.environ.get("SHOP_ARCHIVE_PATH") or None  # the delivery audit's archive
 
 # the shop's own settings
 CANCEL_UNPAID_AFTER = float(os.environ.get("SHOP_CANCEL_UNPAID_AFTER", 15 * 60))  # seconds

@@ -120,9 +120,11 @@ def test_a_partition_with_a_bad_schema_is_named(spark, known_archive, tmp_path, 
 def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path, capsys):
     import os
 
+    from ..services import free_port, services_required
+
     if not os.path.exists(JDBC_JAR):
-        pytest.skip(f"no PostgreSQL JDBC driver at {JDBC_JAR} (apt install libpostgresql-jdbc-java)")
-    from ..services import free_port
+        reason = f"no PostgreSQL JDBC driver at {JDBC_JAR} (apt install libpostgresql-jdbc-java)"
+        pytest.fail(reason) if services_required() else pytest.skip(reason)
 
     url = f"jdbc:postgresql://127.0.0.1:{free_port()}/nothing?user=postgres"
     assert main(["--archive", known_archive, "--out", str(tmp_path / "out"), "--jdbc-url", url,
