@@ -7,7 +7,7 @@ messages again as duplicates; SIGKILLs the payments worker in the middle and sta
 another; waits for the system to settle and prints a summary a person can check.
 The exit code is 0 only when every invariant holds.
 
-Runs on embedded defaults (SQLite and kombu's filesystem transport: no server).
+Runs on embedded defaults (SQLite and a filesystem broker: no server).
 ``--database-url`` and ``--broker-url`` run the same demo on PostgreSQL with Redis
 or RabbitMQ.
 """
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cancel-after", type=float, default=20.0, help="seconds until an unpaid order is cancelled")
     parser.add_argument("--database-url", help="the store (default: SQLite in the data directory); "
                         "the demo empties the shop's and the outbox's tables there first")
-    parser.add_argument("--broker-url", help="the broker (default: kombu's filesystem transport)")
+    parser.add_argument("--broker-url", help="the broker (default: a filesystem broker, see shop/broker.py)")
     parser.add_argument("--data-dir", help="where the demo keeps its files (default: a new temporary directory)")
     parser.add_argument("--settle-timeout", type=float, default=180.0, help="seconds to wait for the system to settle")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, **DEMO_ENVIRONMENT, SHOP_DATA_DIR=str(data_dir),
                SHOP_CANCEL_UNPAID_AFTER=str(args.cancel_after), PYTHONPATH=str(ROOT))
     audit = not args.no_audit and audit_available()
+    audit_skipped = "--no-audit" if args.no_audit else "needs Java and celery-outbox[spark]"
     if audit:  # a short dedupe window, so the demo can archive its rows for the audit once it settled
         env.update(SHOP_ARCHIVE_PATH=str(data_dir / "archive"), SHOP_KEEP_AFTER_HANDLING="30")
     if args.database_url:
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = settle(outbox, placed, duplicates, args.settle_timeout, say)
         summary.update(killed_after_orders=kill_at if killed_at else None, data_dir=str(data_dir))
+        if not audit:
+            summary["audit_skipped"] = audit_skipped
         if audit and summary["ok"]:
             say("demo: archiving the handled rows and running the delivery audit (Spark)")
             summary["audit"] = run_audit(outbox, env, data_dir)
@@ -306,7 +309,7 @@ def report(summary: dict[str, Any]) -> str:
     elif audit:
         lines.append(f"  delivery audit (Spark)         failed (exit code {audit['exit_code']}); see {audit['log']}")
     else:
-        lines.append("  delivery audit (Spark)         skipped (needs Java and celery-outbox[spark])")
+        lines.append(f"  delivery audit (Spark)         skipped ({summary.get('audit_skipped', 'not run')})")
     lines += [
         "",
         "RESULT: " + ("every order paid exactly once, nothing lost, nothing pending" if summary["ok"]

@@ -8,6 +8,9 @@ from celery import Celery
 
 from celery_outbox import Outbox
 
+from .broker import register
+
+register()  # the shopfs:// transport of the server-less demo
 app = Celery("shop")
 app.config_from_object("example_project.shop.settings", namespace="CELERY")
 outbox = Outbox(app)

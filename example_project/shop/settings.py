@@ -1,7 +1,8 @@
 """Celery settings of the shop, in the style Django projects write them (``namespace="CELERY"``).
 
 Everything runs on embedded defaults: SQLite for the shop's data and the outbox, and
-kombu's filesystem transport as the broker, so the demo needs no server. Point
+a filesystem broker (kombu's, with atomic writes: ``broker.py``), so the demo needs no
+server. Point
 ``SHOP_DATABASE_URL`` and ``SHOP_BROKER_URL`` at PostgreSQL and Redis or RabbitMQ to
 run the same shop on real services.
 """
@@ -12,8 +13,8 @@ from pathlib import Path
 DATA_DIR = Path(os.environ.get("SHOP_DATA_DIR", ".shop-data")).resolve()
 BROKER_DIR = DATA_DIR / "broker"
 
-CELERY_BROKER_URL = os.environ.get("SHOP_BROKER_URL") or "filesystem://"
-if CELERY_BROKER_URL.startswith("filesystem"):
+CELERY_BROKER_URL = os.environ.get("SHOP_BROKER_URL") or "shopfs://"  # see broker.py
+if CELERY_BROKER_URL.startswith(("shopfs", "filesystem")):
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR), "data_folder_out": str(BROKER_DIR),
         "control_folder": str(DATA_DIR / "control"), "polling_interval": 0.05,

@@ -132,3 +132,24 @@ def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path
     err = capsys.readouterr().err
     assert f"cannot read the live table celery_outbox_incoming at {url.split('?')[0]}: Couldn't connect" in err
     assert "Traceback" not in err
+
+
+def test_the_job_runs_under_spark_submit(known_archive, tmp_path):
+    """No local settings are hard-coded: spark-submit gives the master."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyspark
+
+    import celery_outbox.audit.job as job
+
+    spark_submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    process = subprocess.run([str(spark_submit), "--master", "local[1]", job.__file__, "--archive", known_archive,
+                              "--out", str(tmp_path / "out"), "--now", NOW.isoformat()],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert process.returncode == EXIT_LOST, process.stderr[-3000:]
+    assert "1 lost" in process.stdout
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["lost"] == 1

@@ -41,7 +41,7 @@ def assert_settled_exactly_once(summary: dict) -> None:
 
 
 def test_the_demo_on_embedded_defaults_ends_with_a_clean_audit(tmp_path):
-    """SQLite and kombu's filesystem transport, which cannot give back a killed worker's messages:
+    """SQLite and a filesystem broker, which cannot give back a killed worker's messages:
     delivery tracking and recovery bring them back. With Java and PySpark the demo ends with the
     delivery audit of its own traffic."""
     summary = run_demo(tmp_path)
