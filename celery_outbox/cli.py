@@ -144,6 +144,7 @@ def format_status(report: dict[str, Any]) -> str:
 # -- dead letters ----------------------------------------------------------------------------------
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+DEAD_LETTER_REASONS = ["failed", "poison", "expired", "malformed", "unknown_task", "worker_lost"]
 
 
 class Age(click.ParamType):
@@ -184,8 +185,7 @@ def _filters(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--task", help="Only this task name."),
         click.option("--queue", help="Only this queue."),
         click.option("--exception", help="Only this exception type, e.g. ValueError."),
-        click.option("--reason", type=click.Choice(["failed", "poison", "expired", "malformed", "worker_lost"]),
-                     help="Only this reason."),
+        click.option("--reason", type=click.Choice(DEAD_LETTER_REASONS), help="Only this reason."),
         click.option("--since", type=Since(), help="Failed at or after: a duration back (2h) or an ISO time."),
     ]):
         command = option(command)
