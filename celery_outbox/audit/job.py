@@ -12,7 +12,8 @@ given by ``--jdbc-jar``) for what is not archived yet. Archived rows may repeat
 It computes lost messages (sent longer than the grace period ago, never handled nor
 dead-lettered, and not still held by the live tables), duplicates discarded, late
 deliveries, stuck rows (live tables only), latency from sent to handled (p50, p95,
-p99, max; per task and per hour), throughput per minute and dead letters by task
+p99, max; per task and per hour), throughput over time (per second, minute or hour,
+by the window's length) and dead letters by task
 and exception. It writes ``summary.json``, Parquet aggregates under ``aggregates/``
 and ``report.html``. Exit code: 0 clean, 1 when any message is lost, 2 on bad input.
 """
@@ -225,15 +226,16 @@ def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
     by_task = latency.groupBy("task_name").agg(*stats).orderBy("task_name")
     by_hour = latency.groupBy(F.date_trunc("hour", "sent_at").alias("hour")).agg(*stats).orderBy("hour")
     histogram = _histogram(latency, F)
-    throughput = (inputs.sent.groupBy(F.date_trunc("minute", "sent_at").alias("minute")).agg(F.count(F.lit(1))
-                                                                                                .alias("sent"))
-                  .join(handled.groupBy(F.date_trunc("minute", "handled_at").alias("minute"))
-                        .agg(F.count(F.lit(1)).alias("handled")), "minute", "full_outer")
-                  .na.fill(0).orderBy("minute"))
+    window = inputs.sent.agg(F.min("sent_at"), F.max("sent_at")).first()
+    unit = _throughput_unit(window[0], window[1])
+    throughput = (inputs.sent.groupBy(F.date_trunc(unit, "sent_at").alias("period")).agg(F.count(F.lit(1))
+                                                                                          .alias("sent"))
+                  .join(handled.groupBy(F.date_trunc(unit, "handled_at").alias("period"))
+                        .agg(F.count(F.lit(1)).alias("handled")), "period", "full_outer")
+                  .na.fill(0).orderBy("period"))
     dead_by_task = (inputs.dead.groupBy("task_name", F.coalesce("exception_type", "reason").alias("exception"))
                     .count().orderBy(F.desc("count"), "task_name"))
 
-    window = inputs.sent.agg(F.min("sent_at"), F.max("sent_at")).first()
     lost_rows = lost.orderBy("sent_at").limit(20).collect()
     summary = {
         "generated_at": options.now.isoformat(timespec="seconds"),
@@ -247,6 +249,7 @@ def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
         "late_threshold_seconds": options.late_after_seconds,
         "stuck": stuck,
         "latency_seconds": _quantiles(overall),
+        "throughput_unit": unit,
         "lost_examples": [{"message_id": r.message_id, "task_name": r.task_name, "destination": r.destination,
                            "sent_at": _iso(r.sent_at)} for r in lost_rows],
     }
@@ -257,7 +260,7 @@ def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.html").write_text(render_report(
         summary, histogram,
-        [(_iso(r.minute), int(r.sent), int(r.handled)) for r in throughput.collect()],
+        [(_iso(r.period), int(r.sent), int(r.handled)) for r in throughput.collect()],
         [(r.task_name, r.exception or "", int(r["count"])) for r in dead_by_task.collect()],
         [{"task_name": r.task_name, "count": r["count"], **_quantiles(r)} for r in by_task.collect()],
     ))
@@ -281,6 +284,12 @@ def _matched(handled, sent):
     joined = handled.join(sent, "message_id").where(
         (handled.destination == "") | (handled.destination == sent.sent_destination))
     return joined.dropDuplicates(["message_id", "destination"])
+
+
+def _throughput_unit(first, last) -> str:
+    """Seconds for a window of minutes (a demo, a test), minutes up to two days, hours beyond."""
+    span = (last - first).total_seconds() if first is not None and last is not None else 0
+    return "second" if span <= 600 else "minute" if span <= 2 * 86400 else "hour"
 
 
 def _histogram(latency, F) -> list[tuple[float, float, int]]:

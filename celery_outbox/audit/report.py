@@ -112,7 +112,7 @@ def _time_fractions(minutes: list[str]) -> list[float]:
     return [(t - times[0]) / span if span else 0.5 for t in times]
 
 
-def _throughput_plot(throughput: list[tuple[str, int, int]]) -> str:
+def _throughput_plot(throughput: list[tuple[str, int, int]], unit: str = "minute") -> str:
     title = "Throughput over time"
     if not throughput:
         return _figure("throughput-plot", title, "", "")
@@ -121,7 +121,7 @@ def _throughput_plot(throughput: list[tuple[str, int, int]]) -> str:
     parts = [_text(X0 - 6, Y0 + 10, f"{peak:,}", "end"), _text(X0 - 6, Y1, 0, "end")]
     for column, colour, name in ((1, BLUE, "sent"), (2, GREEN, "handled")):
         points = [(x, Y1 - PH * row[column] / max(peak, 1)) for x, row in zip(xs, throughput, strict=True)]
-        if len(points) == 1:  # a single minute: a short dash, since one point draws nothing
+        if len(points) == 1:  # a single period: a short dash, since one point draws nothing
             points = [(points[0][0] - 8, points[0][1]), (points[0][0] + 8, points[0][1])]
         coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
         parts.append(
@@ -138,7 +138,8 @@ def _throughput_plot(throughput: list[tuple[str, int, int]]) -> str:
     else:
         parts += [_text(X0, Y1 + 16, throughput[0][0], "start"), _text(X1, Y1 + 16, throughput[-1][0], "end")]
     sent, handled = sum(row[1] for row in throughput), sum(row[2] for row in throughput)
-    caption = f"messages per minute ({len(throughput):,} minutes with traffic): {sent:,} sent, {handled:,} handled"
+    caption = (f"messages per {unit} ({len(throughput):,} {unit}s with traffic): "
+               f"{sent:,} sent, {handled:,} handled")
     return _figure("throughput-plot", title, caption, "".join(parts))
 
 
@@ -230,7 +231,7 @@ def render_report(
 <p class="meta">window {_esc(window)} · generated {_esc(summary["generated_at"])}</p></header>
 {_tiles(summary)}
 {_latency_plot(latency_histogram, summary["latency_seconds"])}
-{_throughput_plot(throughput)}
+{_throughput_plot(throughput, summary.get("throughput_unit", "minute"))}
 {_dead_letters_plot(dead_letters)}
 <h2>Lost messages{f" (showing {len(examples)} of {lost:,})" if lost > len(examples) else ""}</h2>
 {_table(("message id", "task", "destination", "sent at"), lost_rows, "No message was lost.")}
