@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .broker import connect_quickly, connection_errors
 from .crashpoints import crashpoint
@@ -161,19 +161,32 @@ def detect_dead_nodes(outbox: "Outbox") -> list[int]:
     return dead
 
 
+def _in_batches(outbox: "Outbox", batch_size: int, max_batches: int | None,
+                step: Callable[[Any], int]) -> tuple[int, int]:
+    """Run ``step(conn)`` (which handles at most ``batch_size`` rows and returns how many), each time in
+    its own short transaction, until a batch comes back short or the cap per run is reached.
+    Returns (rows handled, batches that handled any)."""
+    total = batches = 0
+    for _ in range(max_batches or outbox.settings.max_batches_per_run):
+        with outbox.store.begin() as conn:
+            count = step(conn)
+        total += count
+        batches += bool(count)
+        if count < batch_size:
+            break
+    return total, batches
+
+
 def release_dead_claims(outbox: "Outbox", max_batches: int | None = None) -> int:
     """Release the inbox claims of dead nodes and orphaned owners; forget fully released nodes."""
     settings, store = outbox.settings, outbox.store
-    released = 0
-    for _ in range(max_batches or settings.max_batches_per_run):
-        with store.begin() as conn:
-            owners = store.dead_owners(conn)
-            count = store.release_owned(conn, owners, settings.recover_batch_size, utcnow())
-        released += count
-        if count < settings.recover_batch_size:
-            with store.begin() as conn:
-                store.forget_released_nodes(conn)
-            break
+
+    def release(conn: Any) -> int:
+        return store.release_owned(conn, store.dead_owners(conn), settings.recover_batch_size, utcnow())
+
+    released, _ = _in_batches(outbox, settings.recover_batch_size, max_batches, release)
+    with store.begin() as conn:
+        store.forget_released_nodes(conn)  # only nodes that own nothing any more
     return released
 
 
@@ -182,16 +195,13 @@ def release_stale_claims(outbox: "Outbox", max_batches: int | None = None) -> in
     settings, store = outbox.settings, outbox.store
     if settings.inbox_stale_time is None:
         return 0
-    released = 0
-    for _ in range(max_batches or settings.max_batches_per_run):
+
+    def release(conn: Any) -> int:
         now = utcnow()
-        with store.begin() as conn:
-            count = store.release_stale_incoming(
-                conn, now - timedelta(seconds=settings.inbox_stale_time), settings.recover_batch_size, now)
-        released += count
-        if count < settings.recover_batch_size:
-            break
-    return released
+        return store.release_stale_incoming(
+            conn, now - timedelta(seconds=settings.inbox_stale_time), settings.recover_batch_size, now)
+
+    return _in_batches(outbox, settings.recover_batch_size, max_batches, release)[0]
 
 
 def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_batches: int | None = None) -> None:
@@ -281,66 +291,60 @@ def cleanup(outbox: "Outbox", max_batches: int | None = None) -> CleanupResult:
 
 def delete_expired_inbox_rows(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
     """Delete ended inbox rows past ``keep_until``, a batch per short transaction."""
-    settings, store = outbox.settings, outbox.store
-    archiver = outbox.archiver
-    batch = settings.cleanup_batch_size
-    for _ in range(max_batches or settings.max_batches_per_run):
-        with store.begin() as conn:
-            now = utcnow()
-            if archiver is None:
-                count = store.delete_expired_incoming(conn, now, batch)
-            else:
-                rows = store.lock_expired_incoming(conn, now, batch)
-                if rows:
-                    archiver.archive("incoming", rows)
-                    result.archived += len(rows)
-                count = store.delete_incoming(conn, [(row.message_id, row.destination) for row in rows])
-            if count:
-                crashpoint("during_cleanup")
+    store, archiver, batch = outbox.store, outbox.archiver, outbox.settings.cleanup_batch_size
+
+    def delete(conn: Any) -> int:
+        now = utcnow()
+        if archiver is None:
+            count = store.delete_expired_incoming(conn, now, batch)
+        else:
+            rows = store.lock_expired_incoming(conn, now, batch)
+            if rows:
+                archiver.archive("incoming", rows)
+                result.archived += len(rows)
+            count = store.delete_incoming(conn, [(row.message_id, row.destination) for row in rows])
         if count:
-            result.batches += 1
-            result.incoming_deleted += count
-        if count < batch:
-            return
+            crashpoint("during_cleanup")
+        return count
+
+    deleted, batches = _in_batches(outbox, batch, max_batches, delete)
+    result.incoming_deleted += deleted
+    result.batches += batches
 
 
 def expire_dead_letters(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
     """With ``outbox_dead_letter_retention`` set, delete dead letters that failed longer ago."""
-    settings, store = outbox.settings, outbox.store
+    settings, store, archiver = outbox.settings, outbox.store, outbox.archiver
     if settings.dead_letter_retention is None:
         return
-    archiver = outbox.archiver
     batch = settings.cleanup_batch_size
-    for _ in range(max_batches or settings.max_batches_per_run):
-        with store.begin() as conn:
-            cutoff = utcnow() - timedelta(seconds=settings.dead_letter_retention)
-            rows = store.lock_dead_letters(conn, store.dead_letter_filter(failed_before=cutoff), batch,
-                                           full=archiver is not None)
-            if rows and archiver is not None:
-                archiver.archive("dead_letters", rows)
-                result.archived += len(rows)
-            count = store.delete_dead_letters(conn, [row.id for row in rows])
-        if count:
-            result.batches += 1
-            result.dead_letters_deleted += count
-        if count < batch:
-            return
+
+    def delete(conn: Any) -> int:
+        cutoff = utcnow() - timedelta(seconds=settings.dead_letter_retention)
+        rows = store.lock_dead_letters(conn, store.dead_letter_filter(failed_before=cutoff), batch,
+                                       full=archiver is not None)
+        if rows and archiver is not None:
+            archiver.archive("dead_letters", rows)
+            result.archived += len(rows)
+        return store.delete_dead_letters(conn, [row.id for row in rows])
+
+    deleted, batches = _in_batches(outbox, batch, max_batches, delete)
+    result.dead_letters_deleted += deleted
+    result.batches += batches
 
 
 def archive_sent_records(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
     """With an archiver, move the records of sent messages to the archive (the audit's "sent" side)."""
-    settings, store, archiver = outbox.settings, outbox.store, outbox.archiver
+    store, archiver, batch = outbox.store, outbox.archiver, outbox.settings.cleanup_batch_size
     if archiver is None:
         return
-    batch = settings.cleanup_batch_size
-    for _ in range(max_batches or settings.max_batches_per_run):
-        with store.begin() as conn:
-            rows = store.lock_sent_records(conn, batch)
-            if rows:
-                archiver.archive("sent", rows)
-            count = store.delete_sent_records(conn, [row.id for row in rows])
-        if count:
-            result.batches += 1
-            result.archived += count
-        if count < batch:
-            return
+
+    def move(conn: Any) -> int:
+        rows = store.lock_sent_records(conn, batch)
+        if rows:
+            archiver.archive("sent", rows)
+        return store.delete_sent_records(conn, [row.id for row in rows])
+
+    archived, batches = _in_batches(outbox, batch, max_batches, move)
+    result.archived += archived
+    result.batches += batches
