@@ -97,16 +97,17 @@ class OutgoingMessage:
             "content_encoding": self.content_encoding,
             "headers": kombu_json.dumps(self.headers),
             "properties": kombu_json.dumps(self.properties),
-            "nesting": _count(self.headers.get("replaced_task_nesting")),
-            "replays": _count(self.headers.get("celery_outbox_replay")),
-            "retries": _count(self.headers.get("retries")),
+            "nesting": header_count(self.headers.get("replaced_task_nesting")),
+            "replays": header_count(self.headers.get("celery_outbox_replay")),
+            "retries": header_count(self.headers.get("retries")),
             "created_at": now,
             "expires_at": self.expires_at,
             "deliver_at": self.deliver_at,
         }
 
 
-def _count(value: Any) -> int:
+def header_count(value: Any) -> int:
+    """A counter header (retries, nesting, replay number) as a whole number; 0 when absent or garbage."""
     try:
         return max(int(value or 0), 0)
     except (TypeError, ValueError):

@@ -39,6 +39,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .crashpoints import crashpoint
+from .envelope import header_count
 from .errors import StoreUnavailable
 from .publishing import UnitOfWork
 from .relay import REDELIVERY_HEADER
@@ -95,8 +96,8 @@ class Delivery:
             queue=queue,
             retries=int(request.retries or 0),
             nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
-            replays=_int_header(getattr(request, REPLAY_HEADER, 0)),
-            redelivered=_int_header(getattr(request, REDELIVERY_HEADER, 0)),
+            replays=header_count(getattr(request, REPLAY_HEADER, 0)),
+            redelivered=header_count(getattr(request, REDELIVERY_HEADER, 0)),
         )
 
     @property
@@ -105,13 +106,6 @@ class Delivery:
 
     def key(self) -> dict[str, Any]:
         return {"message_id": self.message_id, "destination": self.destination}
-
-
-def _int_header(value: Any) -> int:
-    try:
-        return max(int(value or 0), 0)
-    except (TypeError, ValueError):
-        return 0
 
 
 def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -126,7 +120,7 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "replaced_task_nesting": getattr(request, "replaced_task_nesting", 0) or 0,
         "root_id": request.root_id, "parent_id": request.parent_id, "group": request.group,
         "eta": request.eta, "expires": request.expires, "origin": getattr(request, "origin", None),
-        REPLAY_HEADER: _int_header(getattr(request, REPLAY_HEADER, 0)),
+        REPLAY_HEADER: header_count(getattr(request, REPLAY_HEADER, 0)),
     }
     delivery_info = request.delivery_info or {}
     return {
