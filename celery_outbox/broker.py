@@ -6,7 +6,7 @@ from typing import Any
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-__all__ = ["connection_errors", "connect_quickly"]
+__all__ = ["PublishBatch", "connection_errors", "connect_quickly"]
 
 
 def connection_errors(connection: Any) -> tuple[type[BaseException], ...]:
@@ -21,3 +21,85 @@ def connect_quickly(connection: Any) -> str | None:
     except connection_errors(connection) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+class PublishBatch:
+    """``with PublishBatch(producer, n) as batch:`` publishes made inside go out together where
+    kombu and the transport can batch them (kombu 5.7+ on Redis: one pipeline, one round
+    trip, and each exchange's bindings looked up once per batch), each at once elsewhere.
+    A batch that could not be sent does not raise: ``error`` says why, and whether its
+    messages arrived is unknown, so callers treat them as not sent (durable rows stay for
+    the relay; a copy that did arrive is discarded by the inbox).
+    """
+
+    def __init__(self, producer: Any, messages: int):
+        self._producer = producer
+        self._messages = messages
+        self._context: Any = None
+        self._channel: Any = None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> "PublishBatch":
+        start = getattr(self._producer, "batch", None)
+        if start is None or not getattr(self._producer, "supports_batch_publish", False):
+            return self
+        try:
+            channel = self._producer.channel  # connects: a broker that is down leaves the publishes unbatched
+        except Exception:  # noqa: BLE001 - each publish then fails on its own, as without a batch
+            return self
+        # room for every command of every message, so it is flushed once, at the end
+        self._context = start(max_size=max(1000, 8 * self._messages))
+        self._context.__enter__()
+        self._channel = channel
+        _remember_bindings(channel)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self._context is None:
+            return False
+        _forget_bindings(self._channel)
+        if exc_type is not None:
+            self._context.__exit__(exc_type, exc, tb)  # discards what was not flushed
+            return False
+        try:
+            self._context.__exit__(None, None, None)
+        except Exception as error:  # noqa: BLE001 - kombu's BatchPublishError or the broker's own error
+            self.error = error
+        return False
+
+
+def _remember_bindings(channel: Any) -> None:
+    """While a batch lasts, look up each exchange's bindings (kombu's virtual transports keep
+    them in the broker: one round trip per publish otherwise) once."""
+    lookup = getattr(type(channel), "get_table", None)
+    if lookup is None:
+        return
+    tables: dict[str, Any] = {}
+
+    def get_table(exchange: str) -> Any:
+        if exchange not in tables:
+            tables[exchange] = lookup(channel, exchange)
+        return tables[exchange]
+
+    channel.get_table = get_table
+
+
+def _forget_bindings(channel: Any) -> None:
+    channel.__dict__.pop("get_table", None)
+
+
+class BoundQueues:
+    """``app.amqp.queues`` with each queue bound to ``channel`` on first use, for a loop that
+    publishes many messages declaring the same few queues. kombu binds (copies) an unbound
+    queue on every publish that declares it; a bound one is only looked up in the
+    connection's cache of declared entities."""
+
+    def __init__(self, queues: Any, channel: Any):
+        self._queues, self._channel = queues, channel
+        self._bound: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        queue = self._bound.get(name)
+        if queue is None:
+            queue = self._bound[name] = self._queues[name].bind(self._channel)
+        return queue

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from .broker import connect_quickly, connection_errors
+from .broker import BoundQueues, connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .envelope import from_row
 from .relay import RelayResult, redeliver, relay
@@ -162,13 +162,15 @@ def detect_dead_nodes(outbox: "Outbox") -> list[int]:
 
 
 def _in_batches(outbox: "Outbox", batch_size: int, max_batches: int | None,
-                step: Callable[[Any], int]) -> tuple[int, int]:
+                step: Callable[[Any], int], durable: bool = True) -> tuple[int, int]:
     """Run ``step(conn)`` (which handles at most ``batch_size`` rows and returns how many), each time in
     its own short transaction, until a batch comes back short or the cap per run is reached.
+    ``durable=False`` for steps whose lost commit is simply done again by the next pass: their
+    commits do not wait for the WAL flush (nor hold up the flushes of other transactions).
     Returns (rows handled, batches that handled any)."""
     total = batches = 0
     for _ in range(max_batches or outbox.settings.max_batches_per_run):
-        with outbox.store.begin() as conn:
+        with outbox.store.begin(durable=durable) as conn:
             count = step(conn)
         total += count
         batches += bool(count)
@@ -215,20 +217,20 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
     grace = timedelta(seconds=settings.node_stale_after)
     with app.producer_or_acquire() as producer:
         broker_errors = connection_errors(producer.connection)
-        connected = False
+        queues = None  # bound once connected
         for _ in range(max_batches or settings.max_batches_per_run):
-            with store.begin() as conn:
+            with store.begin(durable=False) as conn:  # lost in a crash, the envelopes are only sent again
                 now = utcnow()
                 rows = store.lock_recoverable_incoming(conn, now, settings.recover_batch_size)
                 if not rows:
                     return
-                if not connected:
+                if queues is None:
                     result.broker_error = connect_quickly(producer.connection)
                     if result.broker_error:
                         logger.warning("celery-outbox recover: broker unavailable, envelopes wait: %s",
                                        result.broker_error)
                         return
-                    connected = True
+                    queues = BoundQueues(app.amqp.queues, producer.channel)
                 exhausted = [row for row in rows if row.recoveries >= settings.relay_max_attempts]
                 if exhausted:
                     _give_up(outbox, conn, exhausted, now)
@@ -238,7 +240,7 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
                     if row.recoveries >= settings.relay_max_attempts:
                         continue
                     try:
-                        from_row(row, app.amqp.queues).publish(producer, retry=False)
+                        from_row(row, queues).publish(producer, retry=False)
                     except broker_errors as exc:
                         result.broker_error = f"{type(exc).__name__}: {exc}"
                         break
@@ -290,24 +292,33 @@ def cleanup(outbox: "Outbox", max_batches: int | None = None) -> CleanupResult:
 
 
 def delete_expired_inbox_rows(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
-    """Delete ended inbox rows past ``keep_until``, a batch per short transaction."""
+    """Delete ended inbox rows past ``keep_until``, a batch per short transaction, oldest first.
+
+    Each batch starts at the latest ``keep_until`` the batch before it deleted, not at the start of
+    the index again: the entries of rows deleted moments ago are still there (see
+    ``Store.delete_expired_incoming``). A row skipped because it was locked is left to the next run.
+    """
     store, archiver, batch = outbox.store, outbox.archiver, outbox.settings.cleanup_batch_size
+    after = None
 
     def delete(conn: Any) -> int:
+        nonlocal after
         now = utcnow()
         if archiver is None:
-            count = store.delete_expired_incoming(conn, now, batch)
+            count = store.delete_expired_incoming(conn, now, batch, after)
+            after = count.last_keep_until or after
         else:
-            rows = store.lock_expired_incoming(conn, now, batch)
+            rows = store.lock_expired_incoming(conn, now, batch, after)
             if rows:
                 archiver.archive("incoming", rows)
                 result.archived += len(rows)
+                after = max(row.keep_until for row in rows)
             count = store.delete_incoming(conn, [(row.message_id, row.destination) for row in rows])
         if count:
             crashpoint("during_cleanup")
         return count
 
-    deleted, batches = _in_batches(outbox, batch, max_batches, delete)
+    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False)  # lost: deleted again
     result.incoming_deleted += deleted
     result.batches += batches
 
@@ -328,7 +339,7 @@ def expire_dead_letters(outbox: "Outbox", result: CleanupResult, max_batches: in
             result.archived += len(rows)
         return store.delete_dead_letters(conn, [row.id for row in rows])
 
-    deleted, batches = _in_batches(outbox, batch, max_batches, delete)
+    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False)  # lost: deleted again
     result.dead_letters_deleted += deleted
     result.batches += batches
 
@@ -345,6 +356,6 @@ def archive_sent_records(outbox: "Outbox", result: CleanupResult, max_batches: i
             archiver.archive("sent", rows)
         return store.delete_sent_records(conn, [row.id for row in rows])
 
-    archived, batches = _in_batches(outbox, batch, max_batches, move)
+    archived, batches = _in_batches(outbox, batch, max_batches, move, durable=False)  # lost: archived again
     result.archived += archived
     result.batches += batches

@@ -223,7 +223,12 @@ def capture(
 def from_row(row: Any, queues: Any) -> OutgoingMessage:
     """Rebuild a stored message (an outgoing row, a dead letter or an inbox envelope);
     ``queues`` (``app.amqp.queues``) declares its queue."""
-    queue = getattr(row, "queue", None) or row.destination
+    fields = getattr(row, "_fields", None)  # a Row raises and catches an exception for a column it lacks
+
+    def column(name: str) -> Any:
+        return getattr(row, name) if fields is None or name in fields else None
+
+    queue = column("queue") or row.destination
     declare: list[Queue] = []
     if queue:
         try:
@@ -243,7 +248,7 @@ def from_row(row: Any, queues: Any) -> OutgoingMessage:
         properties=kombu_json.loads(row.properties) if row.properties else {},
         sending={"declare": declare},
         durable=True,
-        row_id=getattr(row, "id", None),
-        expires_at=as_utc(getattr(row, "expires_at", None)),
-        deliver_at=as_utc(getattr(row, "deliver_at", None)),
+        row_id=column("id"),
+        expires_at=as_utc(column("expires_at")),
+        deliver_at=as_utc(column("deliver_at")),
     )

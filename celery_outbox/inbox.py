@@ -13,8 +13,9 @@ Transaction boundaries, by idempotency style:
   claim whose owner died (or older than ``outbox_inbox_stale_time``) can be
   taken over.
 
-For durable queues the full envelope is stored (committed, unowned) before the
-claim, so recovery can re-publish it. An attempt that ends in a retry is recorded
+For durable queues the full envelope is stored and committed before the body runs
+(unowned for the optimistic style, already claimed for the eager one), so recovery
+can re-publish it. An attempt that ends in a retry is recorded
 as ``retried``; one that fails for good as ``dead``, with a dead letter. A
 duplicate is acked, counted, logged at INFO, signalled and ends IGNORED. A claim
 that fails because the database is down is not acked: the message is rejected
@@ -153,10 +154,10 @@ class Inbox:
         durable = settings.is_durable(delivery.queue)
         envelope = envelope_of(task, args, kwargs) if durable else {}
         try:
-            if durable:
-                self._store_envelope(delivery, envelope)
             if style == "eager":
-                return self._run_eager(task, delivery, body, unit_of_work)
+                return self._run_eager(task, delivery, body, unit_of_work, envelope)
+            if durable:
+                self._store_envelope(delivery, envelope, owner=UNOWNED)
             return self._run_optimistic(task, delivery, body)
         except Duplicate:
             self._discard(delivery)
@@ -212,15 +213,18 @@ class Inbox:
             raise outcome
         return result
 
-    def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool) -> Any:
+    def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
+                   envelope: dict[str, Any]) -> Any:
         store = self.outbox.store
         node_id = self.outbox.node.id
-        now = utcnow()
-        with _store_errors(), store.begin() as conn:
-            claimed = store.claim_incoming(conn, self._claim_row(delivery, "running", node_id, now),
-                                           self._stale_before(now))
-        if not claimed:
-            raise Duplicate()
+        if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
+            self._store_envelope(delivery, envelope, owner=node_id)
+        else:
+            now = utcnow()
+            with _store_errors(), store.begin(durable=False) as conn:  # the body's commit makes it durable
+                if not store.claim_incoming(conn, self._claim_row(delivery, "running", node_id, now),
+                                            self._stale_before(now)):
+                    raise Duplicate()
         crashpoint("after_claim")
         session = self.outbox.new_session()
         outcome: BaseException | None = None
@@ -274,21 +278,23 @@ class Inbox:
 
     # -- outcomes ------------------------------------------------------------------------------
 
-    def _store_envelope(self, delivery: Delivery, envelope: dict[str, Any]) -> None:
-        """Keep this attempt's envelope, committed and unowned, before the claim: if this
-        process dies before the attempt ends, recovery re-publishes it after
-        ``outbox_node_stale_after``. In the same transaction the sender's sent outgoing
-        row is acknowledged (deleted): from here on the inbox answers for the message.
-        Raises ``Duplicate`` when the attempt was already claimed or handled: the same
-        rules as the claim itself."""
+    def _store_envelope(self, delivery: Delivery, envelope: dict[str, Any], owner: int) -> None:
+        """Keep this attempt's envelope, committed, before the body runs: if this process dies
+        before the attempt ends, recovery re-publishes it after ``outbox_node_stale_after``
+        (once the claim of a dead ``owner`` is released). Unowned for the optimistic style,
+        whose claim commits with the body; claimed by this node for the eager style, which
+        saves it a transaction. In the same transaction the sender's sent outgoing row is
+        acknowledged (deleted): from here on the inbox answers for the message. Raises
+        ``Duplicate`` when the attempt was already claimed or handled: the same rules as
+        the claim itself."""
         store = self.outbox.store
         now = utcnow()
         grace = timedelta(seconds=self.outbox.settings.node_stale_after)
-        row = {**delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": "running",
-               "owner": UNOWNED, "retries": delivery.retries, "nesting": delivery.nesting,
-               "replays": delivery.replays, "recoveries": delivery.redelivered, "received_at": now,
+        row = {**self._claim_row(delivery, "running", owner, now), "recoveries": delivery.redelivered,
                "recover_after": now + grace, **envelope}
-        with _store_errors(), store.begin() as conn:
+        if owner == UNOWNED:
+            del row["claimed_at"]  # nobody has claimed it yet
+        with _store_errors(), store.begin(durable=False) as conn:  # the body's commit makes it durable
             if not store.claim_incoming(conn, row, self._stale_before(now)):
                 raise Duplicate()
             self._acknowledge(conn, delivery)  # the inbox has the message now: the sender's row can go
@@ -315,7 +321,7 @@ class Inbox:
 
     def _discard(self, delivery: Delivery) -> None:
         try:
-            with self.outbox.store.begin() as conn:
+            with self.outbox.store.begin(durable=False) as conn:
                 self.outbox.store.count_duplicate(conn, delivery.message_id, delivery.destination)
                 if self.outbox.settings.is_durable(delivery.queue):
                     self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it

@@ -29,7 +29,14 @@ from .guard import MessageGuard
 from .inbox import Inbox
 from .maintenance import register_beat_tasks, schedule_beat_tasks
 from .node import Node
-from .publishing import Publisher, UnitOfWork, current_unit_of_work, install_publish_hook
+from .publishing import (
+    Publisher,
+    UnitOfWork,
+    current_unit_of_work,
+    install_publish_hook,
+    listen_to_sessions,
+    session_info,
+)
 from .relay import RelayResult, relay
 from .store import Store, build_engine
 from .window import check_dedupe_window
@@ -140,7 +147,8 @@ class Outbox:
             settings = read_settings(conf, namespace=self.app.namespace, **self._overrides)
             engine = self._given_engine or build_engine(settings.database_url, settings.engine_options)
             self._store = Store(engine, settings.table_prefix)
-            self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
+            self._sessionmaker = sessionmaker(engine, expire_on_commit=False, info=session_info())
+            listen_to_sessions(self._sessionmaker)
             if settings.archive_path and self.archiver is None:
                 from .audit.archive import ParquetArchiver
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
+from itertools import groupby
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from celery.app.amqp import AMQP
@@ -36,7 +38,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .broker import connect_quickly, connection_errors
+from .broker import PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage, capture, queue_name
 from .signals import message_published, publish_failed
@@ -45,12 +47,14 @@ from .store import utcnow
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["UnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook"]
+__all__ = ["UnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook", "listen_to_sessions",
+           "session_info"]
 
 logger = logging.getLogger("celery_outbox.publishing")
 
 _current: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_unit_of_work", default=None)
 _SESSION_KEY = "celery_outbox.unit_of_work"
+_LISTENED_KEY = "celery_outbox.listened"  # the session's events already reach its unit of work
 
 
 def current_unit_of_work() -> "UnitOfWork | None":
@@ -71,16 +75,14 @@ class UnitOfWork:
         self.pending: list[OutgoingMessage] = []
         self._savepoints: dict[SessionTransaction, int] = {}
         self._committing = False
-        event.listen(session, "after_transaction_create", self._on_transaction_create)
-        event.listen(session, "after_transaction_end", self._on_transaction_end)
-        event.listen(session, "after_soft_rollback", self._on_soft_rollback)
-        event.listen(session, "before_commit", self._before_commit)
-        event.listen(session, "after_commit", self._after_commit)
 
     @classmethod
     def of(cls, outbox: "Outbox", session: Session) -> "UnitOfWork":
         uow = session.info.get(_SESSION_KEY)
         if uow is None:
+            if not session.info.get(_LISTENED_KEY):  # a Session of the caller's own: listen to it
+                listen_to_sessions(session)
+                session.info[_LISTENED_KEY] = True
             uow = session.info[_SESSION_KEY] = cls(outbox, session)
         return uow
 
@@ -144,6 +146,36 @@ class UnitOfWork:
             self.outbox.publisher.publish_committed(messages)
 
 
+_EVENT_HANDLERS = {
+    "after_transaction_create": "_on_transaction_create",
+    "after_transaction_end": "_on_transaction_end",
+    "after_soft_rollback": "_on_soft_rollback",
+    "before_commit": "_before_commit",
+    "after_commit": "_after_commit",
+}
+
+
+def listen_to_sessions(target: Any) -> None:
+    """Deliver the session events of ``target`` (one Session, or a sessionmaker: all its Sessions,
+    registered once instead of per Session) to the unit of work in each Session's ``info``."""
+    for name, handler in _EVENT_HANDLERS.items():
+        event.listen(target, name, _dispatcher(handler))
+
+
+def session_info() -> dict[str, Any]:
+    """The ``info`` of a sessionmaker whose sessions ``listen_to_sessions`` already covers."""
+    return {_LISTENED_KEY: True}
+
+
+def _dispatcher(handler: str) -> Callable[..., None]:
+    def dispatch(session: Session, *args: Any) -> None:
+        uow = session.info.get(_SESSION_KEY)
+        if uow is not None:
+            getattr(uow, handler)(session, *args)
+
+    return dispatch
+
+
 def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> None:
     """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids."""
     ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages])
@@ -182,7 +214,7 @@ class Publisher:
             return
         store = self.outbox.store
         try:
-            with store.begin() as conn:
+            with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 owned = set(store.lock_outgoing(conn, durable_ids))
                 sent = self._publish_all(messages, owned)
                 crashpoint("after_publish")
@@ -193,32 +225,58 @@ class Publisher:
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
 
     def _publish_all(self, messages: list[OutgoingMessage], owned: set[int]) -> list[int]:
+        """Publish in call order; durable messages in batches (one pipeline on Redis), plain ones
+        one by one with Celery's own retry. Returns the row ids of the durable messages sent."""
         app = self.outbox.app
         sent: list[int] = []
         with app.producer_or_acquire() as producer:
             broker_errors = connection_errors(producer.connection)
             # durable messages fail fast when the broker is down: their rows wait for the relay
             broker_down = bool(owned) and connect_quickly(producer.connection) is not None
-            for message in messages:
-                if message.durable and message.row_id not in owned:
-                    continue  # a relay took it
-                if message.durable and broker_down:
+            for durable, run in groupby(messages, key=attrgetter("durable")):
+                if not durable:
+                    for message in run:
+                        try:
+                            message.publish(producer)
+                        except Exception as exc:  # noqa: BLE001 - reported: a plain message is lost
+                            broker_down = broker_down or isinstance(exc, broker_errors)
+                            self._failed(message, exc)
+                        else:
+                            message_published.send(sender=self.outbox, message=message, relayed=False)
+                    continue
+                published, broker_down = self._publish_durable(producer, list(run), owned, broker_down,
+                                                               broker_errors)
+                sent += [message.row_id for message in published]
+        return sent
+
+    def _publish_durable(self, producer: Any, run: list[OutgoingMessage], owned: set[int], broker_down: bool,
+                         broker_errors: tuple[type[BaseException], ...]) -> tuple[list[OutgoingMessage], bool]:
+        """One batch of consecutive durable messages; a failed one keeps its row for the relay."""
+        run = [message for message in run if message.row_id in owned]  # the others, a relay took
+        if broker_down:
+            for message in run:
+                self._failed(message, KombuOperationalError("the broker did not answer"))
+            return [], True
+        published: list[OutgoingMessage] = []
+        with PublishBatch(producer, len(run)) as batch:
+            for message in run:
+                if broker_down:
                     self._failed(message, KombuOperationalError("the broker did not answer"))
                     continue
                 try:
-                    if message.durable:
-                        message.publish(producer, retry=False)
-                    else:
-                        message.publish(producer)
-                except Exception as exc:  # noqa: BLE001 - reported, and durable rows stay
-                    if isinstance(exc, broker_errors):
-                        broker_down = True
+                    message.publish(producer, retry=False)
+                except Exception as exc:  # noqa: BLE001 - reported, and its row stays
+                    broker_down = isinstance(exc, broker_errors)
                     self._failed(message, exc)
-                    continue
-                if message.durable:
-                    sent.append(message.row_id)
-                message_published.send(sender=self.outbox, message=message, relayed=False)
-        return sent
+                else:
+                    published.append(message)
+        if batch.error is not None:
+            for message in published:
+                self._failed(message, batch.error)
+            return [], True
+        for message in published:
+            message_published.send(sender=self.outbox, message=message, relayed=False)
+        return published, broker_down
 
     def _failed(self, message: OutgoingMessage, exc: BaseException) -> None:
         if message.durable:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from .broker import connect_quickly, connection_errors
+from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage, from_row
 from .signals import message_published, publish_failed
@@ -72,10 +72,10 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
         if result.broker_error:
             logger.warning("celery-outbox relay: broker unavailable, nothing relayed: %s", result.broker_error)
             return result
-        queues = app.amqp.queues
+        queues = BoundQueues(app.amqp.queues, producer.channel)
         last_id = 0  # one pass walks the table once: a failing row is tried once per pass
         while result.batches < limit:
-            with store.begin() as conn:
+            with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 store.limit_lock_holding(conn, settings.outbox_stale_time)
                 now = utcnow()
                 rows = store.lock_pending_outgoing(conn, settings.relay_batch_size, now, after_id=last_id)
@@ -83,31 +83,39 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                     break
                 result.batches += 1
                 last_id = rows[-1].id
-                sent: list[int] = []
+                published: list[tuple[Any, OutgoingMessage]] = []
                 poisoned: list[tuple[Any, BaseException]] = []
                 expired = [row for row in rows if _expired(row, now)]
                 expired_ids = {row.id for row in expired}
-                for row in rows:
-                    if row.id in expired_ids:
-                        continue
-                    message = from_row(row, queues)
-                    try:
-                        message.publish(producer, retry=False)
-                    except broker_errors as exc:
-                        result.broker_error = f"{type(exc).__name__}: {exc}"
-                        publish_failed.send(sender=outbox, message=message, exception=exc)
-                        break
-                    except Exception as exc:  # noqa: BLE001 - a row-specific failure, counted per row
-                        result.failed += 1
-                        publish_failed.send(sender=outbox, message=message, exception=exc)
-                        attempts = store.record_outgoing_failure(conn, row.id, f"{type(exc).__name__}: {exc}")
-                        if attempts >= settings.relay_max_attempts:
-                            poisoned.append((row, exc))
-                        continue
-                    sent.append(row.id)
+                with PublishBatch(producer, len(rows)) as batch:  # one pipeline on Redis
+                    for row in rows:
+                        if row.id in expired_ids:
+                            continue
+                        message = from_row(row, queues)
+                        try:
+                            message.publish(producer, retry=False)
+                        except broker_errors as exc:
+                            result.broker_error = f"{type(exc).__name__}: {exc}"
+                            publish_failed.send(sender=outbox, message=message, exception=exc)
+                            break
+                        except Exception as exc:  # noqa: BLE001 - a row-specific failure, counted per row
+                            result.failed += 1
+                            publish_failed.send(sender=outbox, message=message, exception=exc)
+                            attempts = store.record_outgoing_failure(conn, row.id, f"{type(exc).__name__}: {exc}")
+                            if attempts >= settings.relay_max_attempts:
+                                poisoned.append((row, exc))
+                            continue
+                        published.append((row, message))
+                if batch.error is not None:  # nothing of it counts as sent: the rows wait for the next pass
+                    result.broker_error = f"{type(batch.error).__name__}: {batch.error}"
+                    for _, message in published:
+                        publish_failed.send(sender=outbox, message=message, exception=batch.error)
+                    published = []
+                for _, message in published:
                     result.published += 1
                     _announce(outbox, message)
                     crashpoint("during_relay")
+                sent = [row.id for row, _ in published]
                 if expired:
                     store.insert_dead_letters(conn, [_dead_letter(row, None, "expired") for row in expired])
                     result.expired += len(expired)
@@ -134,21 +142,21 @@ def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, st
     published = 0
     with app.producer_or_acquire() as producer:
         broker_errors = connection_errors(producer.connection)
-        connected = False
+        queues = None  # bound once connected
         for _ in range(max_batches or settings.max_batches_per_run):
-            with store.begin() as conn:
+            with store.begin(durable=False) as conn:
                 now = utcnow()
                 rows = store.lock_unacknowledged_outgoing(conn, now, settings.relay_batch_size)
                 if not rows:
                     return published, None
-                if not connected:
+                if queues is None:
                     error = connect_quickly(producer.connection)
                     if error:
                         return published, error
-                    connected = True
+                    queues = BoundQueues(app.amqp.queues, producer.channel)
                 marked = []
                 for row in rows:
-                    message = from_row(row, app.amqp.queues)
+                    message = from_row(row, queues)
                     message.headers[REDELIVERY_HEADER] = row.redeliveries + 1  # the inbox counts it as a recovery
                     try:
                         message.publish(producer, retry=False)

@@ -10,6 +10,7 @@ store is ``BEGIN IMMEDIATE`` (one writer at a time).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -102,9 +103,16 @@ class Store:
             f"cannot use the message store at {self.describe()}: {redact(message, self.engine.url)}"
         )
 
-    def begin(self):
-        """A short transaction of its own: ``with store.begin() as conn: ...``."""
-        return _Transaction(self)
+    def begin(self, durable: bool = True):
+        """A short transaction of its own: ``with store.begin() as conn: ...``.
+
+        ``durable=False`` is for bookkeeping that no irreversible act (an ack, a reply,
+        an effect) waits for, and whose loss in a database crash only makes a message
+        go out again, for the inbox to discard: on PostgreSQL it commits without
+        waiting for the WAL flush (``synchronous_commit = off``). The next durable
+        commit of any session makes it durable too: the WAL is flushed in order.
+        """
+        return _Transaction(self, durable)
 
     def ping(self) -> None:
         """Raise ``StoreUnavailable`` unless the database answers."""
@@ -243,10 +251,12 @@ class Store:
         return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
 
     def lock_unacknowledged_outgoing(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
-        """Lock up to ``limit`` sent rows whose consumer has not acknowledged them by ``redeliver_at``."""
+        """Lock up to ``limit`` sent rows whose consumer has not acknowledged them by ``redeliver_at``,
+        read in the order of the ``redeliver_at`` index (see ``lock_pending_outgoing``)."""
         table = self.tables.outgoing
         query = select(table).where(table.c.redeliver_at <= now).order_by(table.c.redeliver_at).limit(limit)
         if self.is_postgres:
+            self._read_in_index_order(conn)
             query = query.with_for_update(skip_locked=True)
         return list(conn.execute(query))
 
@@ -277,6 +287,9 @@ class Store:
         rows; on SQLite the ``BEGIN IMMEDIATE`` write lock gives the same guarantee.
         The rows stay locked until the caller deletes them and commits; if the caller
         dies, the database releases them.
+
+        On PostgreSQL the rows are read in the order of the ``(sent_at, id)`` index (see
+        ``_read_in_index_order``).
         """
         table = self.tables.outgoing
         query = (
@@ -284,12 +297,22 @@ class Store:
             .where(table.c.sent_at.is_(None))
             .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= now))
             .where(table.c.id > after_id)
-            .order_by(table.c.id)
+            .order_by(table.c.sent_at, table.c.id)
             .limit(limit)
         )
         if self.is_postgres:
+            self._read_in_index_order(conn)
             query = query.with_for_update(skip_locked=True)
         return list(conn.execute(query))
+
+    @staticmethod
+    def _read_in_index_order(conn: Connection) -> None:
+        """PostgreSQL: no sorting for the rest of this transaction, so a batch query ordered like
+        an index walks that index and stops at its limit. A backlog piles up faster than
+        autovacuum analyzes the table, and on such stale statistics the planner otherwise reads
+        and sorts every matching row for each batch (70 ms per batch of 500 at 100 k unsent
+        rows, instead of 0.5 ms)."""
+        conn.exec_driver_sql("SET LOCAL enable_sort = off")
 
     def limit_lock_holding(self, conn: Connection, seconds: float | None) -> None:
         """PostgreSQL: end this session if it idles in its transaction longer than ``seconds``
@@ -396,19 +419,22 @@ class Store:
     def _upsert(self, table):
         return (postgresql.insert if self.is_postgres else sqlite.insert)(table)
 
+    @functools.cached_property
+    def _insert_new_incoming(self):
+        """``INSERT ... ON CONFLICT DO NOTHING RETURNING``, built once: the row comes as parameters,
+        so SQLAlchemy compiles it once per set of columns (building ``.values(**row)`` for every
+        claim cost more than running it)."""
+        table = self.tables.incoming
+        return (self._upsert(table).on_conflict_do_nothing(index_elements=[table.c.message_id, table.c.destination])
+                .returning(table.c.message_id))
+
     def insert_incoming(self, conn: Connection, row: dict[str, Any]) -> bool:
         """Insert an inbox row; False (and nothing written) when its key exists.
 
         ``INSERT ... ON CONFLICT DO NOTHING``; a concurrent insert of the same key
         waits for the first transaction and then conflicts.
         """
-        table = self.tables.incoming
-        statement = (
-            self._upsert(table).values(**row)
-            .on_conflict_do_nothing(index_elements=[table.c.message_id, table.c.destination])
-            .returning(table.c.message_id)
-        )
-        return conn.execute(statement).first() is not None
+        return conn.execute(self._insert_new_incoming, row).first() is not None
 
     def _owner_is_dead(self, table):
         """SQL: the row's owner node is gone (declared dead or deregistered) or, on
@@ -441,12 +467,7 @@ class Store:
         re-checks these conditions against the committed row.
         """
         table = self.tables.incoming
-        fresh = (
-            self._upsert(table).values(**row)
-            .on_conflict_do_nothing(index_elements=[table.c.message_id, table.c.destination])
-            .returning(table.c.message_id)
-        )
-        if conn.execute(fresh).first() is not None:
+        if self.insert_incoming(conn, row):
             return True
         # The key exists (or a concurrent claim just committed it): a second statement, with a
         # fresh snapshot, decides whether this delivery may take the row over.
@@ -473,21 +494,31 @@ class Store:
         )
         return conn.execute(statement).first() is not None
 
+    @functools.cached_property
+    def _finish_incoming(self):
+        """The UPDATE that marks an eager claim handled, built once (bound parameters)."""
+        table = self.tables.incoming
+        return (
+            update(table)
+            .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
+            .where(table.c.owner == bindparam("claim_owner"), table.c.status == "running")
+            .where(table.c.nesting == bindparam("claim_nesting"), table.c.replays == bindparam("claim_replays"))
+            .where(table.c.retries == bindparam("claim_retries"))
+            .values(status="handled", owner=UNOWNED, handled_at=bindparam("finished_at"),
+                    keep_until=bindparam("finished_keep_until"))
+        )
+
     def finish_incoming(self, conn: Connection, message_id: str, destination: str, owner: int,
                         attempt: tuple[int, int, int], now: datetime, keep_until: datetime) -> bool:
         """Mark an eagerly claimed row handled, inside the body's transaction; False when
         the claim is no longer ours (another node took it over). ``attempt`` is
         (nesting, replays, retries)."""
-        table = self.tables.incoming
         nesting, replays, retries = attempt
-        return conn.execute(
-            update(table)
-            .where(table.c.message_id == message_id, table.c.destination == destination)
-            .where(table.c.owner == owner, table.c.retries == retries, table.c.nesting == nesting)
-            .where(table.c.replays == replays)
-            .where(table.c.status == "running")
-            .values(status="handled", owner=UNOWNED, handled_at=now, keep_until=keep_until)
-        ).rowcount == 1
+        return conn.execute(self._finish_incoming, {
+            "key_id": message_id, "key_destination": destination, "claim_owner": owner,
+            "claim_nesting": nesting, "claim_replays": replays, "claim_retries": retries,
+            "finished_at": now, "finished_keep_until": keep_until,
+        }).rowcount == 1
 
     def record_outcome(self, conn: Connection, row: dict[str, Any]) -> None:
         """Record how an attempt ended without committing its effects (``retried`` or
@@ -582,33 +613,61 @@ class Store:
             .values(status="dead", owner=UNOWNED, handled_at=now, keep_until=keep_until, recover_after=None)
         )
 
-    def delete_expired_incoming(self, conn: Connection, now: datetime, limit: int) -> int:
-        """Delete up to ``limit`` ended rows whose ``keep_until`` passed; one statement."""
-        table = self.tables.incoming
-        return conn.execute(
-            delete(table).where(tuple_(table.c.message_id, table.c.destination).in_(
-                self._expired_incoming(now, limit, columns=(table.c.message_id, table.c.destination))))
-        ).rowcount
+    def delete_expired_incoming(self, conn: Connection, now: datetime, limit: int,
+                                after: datetime | None = None) -> "ExpiredDeleted":
+        """Delete up to ``limit`` ended rows whose ``keep_until`` passed (and, with ``after``, is not
+        before it), oldest first; one statement. Returns the count, an int whose ``last_keep_until`` is
+        the latest ``keep_until`` deleted: the next batch of a run passes it as ``after``.
 
-    def lock_expired_incoming(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
-        """Lock up to ``limit`` ended rows whose ``keep_until`` passed (to archive, then delete)."""
+        On PostgreSQL the rows are locked (``SKIP LOCKED``) and deleted by ``ctid``, with no join back
+        through the primary key. ``after`` matters there: deleted rows stay in the ``keep_until`` index
+        until vacuum, and while any transaction older than the delete is open (a task body in its unit
+        of work) each of them costs the next batch's scan a heap visit; without ``after`` every batch
+        of a run would wade through all the rows the run deleted before it.
+        """
         table = self.tables.incoming
-        return list(conn.execute(self._expired_incoming(now, limit, columns=tuple(table.c))))
+        if not self.is_postgres:
+            return ExpiredDeleted(conn.execute(
+                delete(table).where(tuple_(table.c.message_id, table.c.destination).in_(
+                    self._expired_incoming(now, limit, (table.c.message_id, table.c.destination), after)))
+            ).rowcount)
+        ctid = literal_column("ctid")
+        expired = self._expired_incoming(now, limit, (ctid,), after).select_from(table)
+        gone = (delete(table).where(ctid == func.any(func.array(expired.scalar_subquery())))
+                .returning(table.c.keep_until).cte("gone"))
+        count, last = conn.execute(select(func.count(), func.max(gone.c.keep_until))).one()
+        return ExpiredDeleted(count, last)
 
-    def _expired_incoming(self, now: datetime, limit: int, columns: tuple):
+    def lock_expired_incoming(self, conn: Connection, now: datetime, limit: int,
+                              after: datetime | None = None) -> list[Row]:
+        """Lock up to ``limit`` ended rows whose ``keep_until`` passed (and is not before ``after``),
+        oldest first (to archive, then delete)."""
         table = self.tables.incoming
-        query = select(*columns).where(table.c.keep_until < now).order_by(table.c.keep_until).limit(limit)
+        return list(conn.execute(self._expired_incoming(now, limit, tuple(table.c), after)))
+
+    def _expired_incoming(self, now: datetime, limit: int, columns: tuple, after: datetime | None = None):
+        table = self.tables.incoming
+        query = select(*columns).where(table.c.keep_until < now)
+        if after is not None:
+            query = query.where(table.c.keep_until >= after)
+        query = query.order_by(table.c.keep_until).limit(limit)
         if self.is_postgres:
             query = query.with_for_update(skip_locked=True)
         return query
 
     def delete_incoming(self, conn: Connection, keys: Sequence[tuple[str, str]]) -> int:
+        """Delete the rows of ``keys`` (message id, destination); on PostgreSQL two array parameters
+        (``unnest``) instead of two bound parameters a row."""
         if not keys:
             return 0
         table = self.tables.incoming
-        return conn.execute(
-            delete(table).where(tuple_(table.c.message_id, table.c.destination).in_(list(keys)))
-        ).rowcount
+        key = tuple_(table.c.message_id, table.c.destination)
+        if not self.is_postgres:
+            return conn.execute(delete(table).where(key.in_(list(keys)))).rowcount
+        strings = postgresql.ARRAY(table.c.message_id.type)
+        pairs = select(func.unnest(bindparam("key_ids", [k[0] for k in keys], type_=strings)),
+                       func.unnest(bindparam("key_destinations", [k[1] for k in keys], type_=strings)))
+        return conn.execute(delete(table).where(key.in_(pairs))).rowcount
 
     # -- nodes ---------------------------------------------------------------------------------
 
@@ -805,18 +864,33 @@ def _age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else round((now - then).total_seconds(), 3)
 
 
+class ExpiredDeleted(int):
+    """How many expired inbox rows one cleanup batch deleted, and the latest ``keep_until`` among them."""
+
+    last_keep_until: datetime | None
+
+    def __new__(cls, count: int, last_keep_until: datetime | None = None) -> "ExpiredDeleted":
+        deleted = super().__new__(cls, count)
+        deleted.last_keep_until = last_keep_until
+        return deleted
+
+
 class _Transaction:
     """``with store.begin() as conn``: commit on success, roll back on error, and turn a
     database that cannot be reached into ``StoreUnavailable`` naming the store."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, durable: bool = True):
         self.store = store
+        self.durable = durable
         self._context = None
 
     def __enter__(self) -> Connection:
         try:
             self._context = self.store.engine.begin()
-            return self._context.__enter__()
+            conn = self._context.__enter__()
+            if not self.durable and self.store.is_postgres:
+                conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+            return conn
         except OperationalError as exc:
             raise self.store.unavailable(exc) from exc
 

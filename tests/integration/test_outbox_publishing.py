@@ -16,7 +16,8 @@ from celery_outbox.signals import message_published
 from ..apps.factory import make_shop
 from ..brokers import nothing_more, purge, receive
 from ..conftest import _drop, unsent_rows
-from ..services import ThrowawayRedis, require
+from ..services import require
+from ..throwaway import ThrowawayRedis
 
 ROOT = Path(__file__).parents[2]
 

@@ -1,0 +1,116 @@
+"""The store's connections and commits on a real PostgreSQL.
+
+* A pooled connection that sat idle is pinged on checkout and replaced when the server
+  dropped it; a connection in steady use is handed out without a ping.
+* Bookkeeping transactions (``store.begin(durable=False)``) commit without waiting for
+  the WAL flush; every other transaction waits for it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+
+from celery_outbox.store import Store, build_engine
+from celery_outbox.store import engine as engine_module
+
+
+@pytest.fixture
+def engine(postgres_url):
+    engine = build_engine(postgres_url)
+    yield engine
+    engine.dispose()
+
+
+def backend_pid(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+
+def terminate(postgres_url: str, pid: int) -> None:
+    other = build_engine(postgres_url)
+    try:
+        with other.connect() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+    finally:
+        other.dispose()
+
+
+def count_pings(engine) -> list[int]:
+    pings: list[int] = []
+    real = engine.dialect.do_ping
+    engine.dialect.do_ping = lambda dbapi_connection: pings.append(1) or real(dbapi_connection)
+    return pings
+
+
+def test_an_idle_connection_the_server_dropped_is_replaced_on_checkout(engine, postgres_url, monkeypatch):
+    monkeypatch.setattr(engine_module, "PING_AFTER_IDLE", 0.0)
+    pings = count_pings(engine)
+    dropped = backend_pid(engine)
+    terminate(postgres_url, dropped)
+    assert backend_pid(engine) != dropped, "the dropped connection was replaced, the caller saw no error"
+    assert pings, "the idle connection was pinged"
+
+
+def test_a_connection_in_steady_use_is_not_pinged(engine, monkeypatch):
+    monkeypatch.setattr(engine_module, "PING_AFTER_IDLE", 3600.0)
+    pings = count_pings(engine)
+    first = backend_pid(engine)
+    assert [backend_pid(engine) for _ in range(20)] == [first] * 20, "one pooled connection reused"
+    assert pings == []
+
+
+def test_an_explicit_pool_pre_ping_is_kept(postgres_url):
+    engine = build_engine(postgres_url, {"pool_pre_ping": True})
+    try:
+        assert engine.pool._pre_ping, "SQLAlchemy pings every checkout, as asked"
+        assert not engine.pool.dispatch.checkout, "and the idle ping is not added on top"
+    finally:
+        engine.dispose()
+
+
+def synchronous_commit(store: Store, durable: bool) -> str:
+    with store.begin(durable=durable) as conn:
+        return conn.execute(text("SHOW synchronous_commit")).scalar_one()
+
+
+def test_bookkeeping_commits_do_not_wait_for_the_wal_flush(engine):
+    store = Store(engine, "unused_")
+    assert synchronous_commit(store, durable=False) == "off"
+    assert synchronous_commit(store, durable=True) == "on"
+    assert synchronous_commit(store, durable=True) == "on", "SET LOCAL ended with its transaction"
+
+
+def test_cleanup_batches_do_not_wait_for_the_wal_flush(postgres_url, table_prefix):
+    """A cleanup batch whose commit a crash loses is simply deleted again by the next pass; its
+    commit does not wait for the WAL flush, nor hold up the flushes of the inbox's claims."""
+    from celery import Celery
+    from sqlalchemy import event
+
+    from celery_outbox import Outbox
+    from celery_outbox.store import utcnow
+
+    from ..conftest import _drop
+    from .test_store_contract import incoming_row
+
+    outbox = Outbox(Celery("cleanup-commits", broker="memory://", set_as_current=False),
+                    database_url=postgres_url, table_prefix=table_prefix, cleanup_batch_size=10)
+    store = outbox.ready().store
+    past = utcnow() - timedelta(days=1)
+    with store.begin() as conn:
+        conn.execute(store.tables.incoming.insert(), [
+            incoming_row(f"m{n}", status="handled", handled_at=past, keep_until=past) for n in range(25)])
+    log: list[str] = []
+    event.listen(store.engine, "before_cursor_execute", lambda conn, cursor, statement, *rest: log.append(statement))
+    event.listen(store.engine, "commit", lambda conn: log.append("COMMIT"))
+    try:
+        assert outbox.cleanup().incoming_deleted == 25
+    finally:
+        _drop(store)
+        store.engine.dispose()
+    transactions = " ".join(log).split("COMMIT")
+    deleting = [t for t in transactions if f"DELETE FROM {store.tables.incoming.name}" in t]
+    assert len(deleting) == 3, "three batches of at most 10"
+    assert all("synchronous_commit TO OFF" in t for t in deleting), deleting

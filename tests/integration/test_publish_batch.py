@@ -1,0 +1,101 @@
+"""Batched publishing (``broker.PublishBatch``) on real Redis and RabbitMQ.
+
+On Redis a batch goes out as one pipeline, in call order, with each exchange's bindings
+looked up once; a batch that cannot be flushed reports its error instead of raising. On
+RabbitMQ (no batching in kombu) every publish goes out at once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+from kombu import Connection, Exchange, Queue
+
+from celery_outbox.broker import PublishBatch
+
+from ..services import TcpProxy
+
+
+def queue_named(name: str) -> Queue:
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+def publish(producer, queue: Queue, n: int) -> None:
+    producer.publish({"n": n}, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue],
+                     serializer="json", retry=False)
+
+
+def drain(connection, queue: Queue) -> list[int]:
+    got = []
+    simple = connection.SimpleQueue(queue)
+    try:
+        while True:
+            try:
+                message = simple.get(block=True, timeout=1)
+            except simple.Empty:
+                return got
+            got.append(message.payload["n"])
+            message.ack()
+    finally:
+        simple.close()
+
+
+@pytest.fixture
+def queue():
+    return queue_named(f"batch_{uuid.uuid4().hex[:8]}")
+
+
+def test_a_redis_batch_arrives_in_order_with_one_binding_lookup(redis_url, queue):
+    with Connection(redis_url) as connection:
+        producer = connection.Producer()
+        publish(producer, queue, -1)  # declares and binds the queue
+        lookups = []
+        channel = producer.channel
+        real = type(channel).get_table
+        type(channel).get_table = lambda self, exchange: lookups.append(exchange) or real(self, exchange)
+        try:
+            with PublishBatch(producer, 50) as batch:
+                for n in range(50):
+                    publish(producer, queue, n)
+                assert drain(connection, queue) == [-1], "nothing of the batch is sent before it ends"
+        finally:
+            type(channel).get_table = real
+        assert batch.error is None
+        assert lookups == [queue.exchange.name], "the bindings were looked up once"
+        assert "get_table" not in channel.__dict__, "the lookup is plain again after the batch"
+        assert drain(connection, queue) == list(range(50))
+        queue.bind(channel).delete()
+
+
+def test_a_redis_batch_that_cannot_be_sent_reports_its_error(redis_url, queue):
+    real = urlsplit(redis_url)
+    proxy = TcpProxy(real.hostname or "127.0.0.1", real.port or 6379).start()
+    try:
+        with Connection(f"redis://127.0.0.1:{proxy.port}{real.path}") as connection:
+            producer = connection.Producer()
+            publish(producer, queue, -1)
+            with PublishBatch(producer, 10) as batch:
+                for n in range(10):
+                    publish(producer, queue, n)
+                proxy.stop()  # the broker goes away before the batch is flushed
+            assert batch.error is not None, "the failed flush is reported, not raised"
+    finally:
+        proxy.stop()
+    with Connection(redis_url) as connection:
+        assert drain(connection, queue) == [-1], "none of the failed batch arrived"
+        queue.bind(connection.default_channel).delete()
+
+
+def test_rabbitmq_publishes_each_message_at_once(rabbitmq_url, queue):
+    with Connection(rabbitmq_url) as connection:
+        producer = connection.Producer()
+        publish(producer, queue, -1)
+        with PublishBatch(producer, 5) as batch:
+            for n in range(5):
+                publish(producer, queue, n)
+            with Connection(rabbitmq_url) as other:
+                assert drain(other, queue) == [-1, 0, 1, 2, 3, 4], "no batching: already sent"
+        assert batch.error is None
+        queue.bind(connection.default_channel).delete()
