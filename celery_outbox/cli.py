@@ -304,8 +304,13 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
 @click.option("--late-after", type=Age(), default="60s", show_default=True, help="Sent to handled beyond this is late.")
 @click.option("--stuck-after", type=Age(), default="1h", show_default=True, help="A live row waiting longer is stuck.")
 @click.option("--master", default="local[*]", show_default=True, help="Spark master.")
+@click.option("--driver-memory", help="The Spark driver's heap, e.g. 6g (Spark's default: 1g). In local mode "
+              "the driver does all the work.")
+@click.option("--shuffle-partitions", type=click.IntRange(min=1),
+              help="Partitions per shuffle (default: 4 per core, unless your Spark configuration sets them).")
 @_with_outbox
-def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master) -> None:
+def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master, driver_memory,
+          shuffle_partitions) -> None:
     """The delivery audit (Spark): lost, duplicated, late and dead-lettered messages; exit 1 when any is lost."""
     import importlib.util
 
@@ -320,7 +325,8 @@ def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuc
     argv = ["--out", out, "--table-prefix", box.settings.table_prefix, "--grace", str(grace.total_seconds()),
             "--late-after", str(late_after.total_seconds()), "--stuck-after", str(stuck_after.total_seconds()),
             "--master", master]
-    for flag, value in (("--archive", archive), ("--jdbc-url", jdbc_url), ("--jdbc-jar", jdbc_jar)):
+    for flag, value in (("--archive", archive), ("--jdbc-url", jdbc_url), ("--jdbc-jar", jdbc_jar),
+                        ("--driver-memory", driver_memory), ("--shuffle-partitions", shuffle_partitions)):
         if value:
-            argv += [flag, value]
+            argv += [flag, str(value)]
     raise SystemExit(audit_main(argv))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -57,6 +58,24 @@ class AuditOptions:
     stuck_after_seconds: float = 3600.0
     now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     master: str | None = None
+    # The driver JVM's heap (Spark's size syntax: 512m, 6g). Local mode runs everything in the
+    # driver; Spark's default is 1g. Only when this job starts Spark: under spark-submit give
+    # spark-submit's own --driver-memory.
+    driver_memory: str | None = None
+    # Partitions of each shuffle. None: the session's own setting, unless that is Spark's default
+    # of 200, which is far too many for one machine; then 4 per core Spark has.
+    shuffle_partitions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.driver_memory is not None and not _SIZE.fullmatch(self.driver_memory):
+            raise AuditInputError(f"driver memory must be a size such as 4g or 512m, not {self.driver_memory!r}")
+        if self.shuffle_partitions is not None and self.shuffle_partitions < 1:
+            raise AuditInputError(f"shuffle partitions must be at least 1, not {self.shuffle_partitions}")
+
+
+_SIZE = re.compile(r"[1-9][0-9]*[kmgt]?", re.IGNORECASE)
+SPARK_DEFAULT_SHUFFLE_PARTITIONS = 200
+PARTITIONS_PER_CORE = 4
 
 
 # -- input -------------------------------------------------------------------------------------------
@@ -125,6 +144,8 @@ def spark_session(options: AuditOptions):
         if not os.path.exists(jar):
             raise AuditInputError(f"no JDBC driver jar at {jar}")
         builder = builder.config("spark.jars", jar).config("spark.driver.extraClassPath", jar)
+    if options.driver_memory:
+        builder = builder.config("spark.driver.memory", options.driver_memory)
     session = (builder.config("spark.sql.session.timeZone", "UTC").config("spark.ui.enabled", "false")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
@@ -195,10 +216,40 @@ class Inputs:
 
 
 def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
-    """Compute the audit, write its outputs under ``options.out`` and return the summary."""
+    """Compute the audit, write its outputs under ``options.out`` and return the summary.
+
+    The de-duplicated inputs and the lost messages are cached: every aggregate reads them, and
+    without the cache each would read and shuffle the whole archive again. A session passed in
+    gets its shuffle partitions back afterwards.
+    """
     spark = spark or spark_session(options)
+    saved_partitions = spark.conf.get("spark.sql.shuffle.partitions")
+    cached: list[Any] = []
+    try:
+        return _audit(spark, options, cached)
+    finally:
+        for frame in cached:
+            frame.unpersist()
+        spark.conf.set("spark.sql.shuffle.partitions", saved_partitions)
+
+
+def shuffle_partitions(spark, options: AuditOptions) -> int:
+    """The shuffle partitions the audit uses (see ``AuditOptions.shuffle_partitions``)."""
+    if options.shuffle_partitions is not None:
+        return options.shuffle_partitions
+    configured = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    if configured != SPARK_DEFAULT_SHUFFLE_PARTITIONS:
+        return configured
+    return PARTITIONS_PER_CORE * spark.sparkContext.defaultParallelism
+
+
+def _audit(spark, options: AuditOptions, cached: list[Any]) -> dict[str, Any]:
+    partitions = shuffle_partitions(spark, options)
+    spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
     inputs = Inputs(spark, options)
     F = inputs.F
+    for frame in (inputs.incoming, inputs.sent, inputs.dead):
+        cached.append(frame.cache())
     now = options.now.astimezone(timezone.utc).replace(tzinfo=None)  # Spark timestamps are UTC, session tz UTC
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +262,9 @@ def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
         held = inputs.outgoing.select("message_id").unionByName(
             inputs.incoming.where(F.col("status") == "running").select("message_id"))
         lost = lost.join(held, "message_id", "left_anti")
+    lost = lost.cache()  # its examples, its count and its aggregate
+    cached.append(lost)
+    if inputs.live:
         stuck_before = F.lit(now - timedelta(seconds=options.stuck_after_seconds))
         stuck = (inputs.outgoing.where(F.col("sent_at").isNull() & (F.col("created_at") < stuck_before)).count()
                  + inputs.incoming.where((F.col("status") == "running") & (F.col("received_at") < stuck_before))
@@ -220,6 +274,7 @@ def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
     latency = _matched(handled, inputs.sent).withColumn(
         "latency", F.col("handled_at").cast("double") - F.col("sent_at").cast("double"))
     latency = latency.where(F.col("latency").isNotNull()).cache()
+    cached.append(latency)
     quantiles = F.percentile_approx("latency", [0.5, 0.95, 0.99], 10000)
     stats = [quantiles.alias("q"), F.max("latency").alias("max"), F.count(F.lit(1)).alias("count")]
     overall = latency.agg(*stats).first()
@@ -252,6 +307,7 @@ def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
         "throughput_unit": unit,
         "lost_examples": [{"message_id": r.message_id, "task_name": r.task_name, "destination": r.destination,
                            "sent_at": _iso(r.sent_at)} for r in lost_rows],
+        "spark": _spark_facts(spark, partitions),
     }
     aggregates = out / "aggregates"
     for name, frame in (("latency_by_task", _flat(by_task, F)), ("latency_by_hour", _flat(by_hour, F)),
@@ -264,8 +320,15 @@ def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
         [(r.task_name, r.exception or "", int(r["count"])) for r in dead_by_task.collect()],
         [{"task_name": r.task_name, "count": r["count"], **_quantiles(r)} for r in by_task.collect()],
     ))
-    latency.unpersist()
     return summary
+
+
+def _spark_facts(spark, partitions: int) -> dict[str, Any]:
+    """Where the audit ran: the master, the shuffle partitions, and the driver's heap (the JVM's
+    own maximum, whatever set it)."""
+    heap = spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory()
+    return {"master": spark.sparkContext.master, "shuffle_partitions": partitions,
+            "driver_max_heap_mib": int(heap) // 2**20}
 
 
 def _without(sent, ended, by_id_only: bool = False):
@@ -332,6 +395,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--late-after", type=float, default=60.0, help="seconds from sent to handled counted as late")
     p.add_argument("--stuck-after", type=float, default=3600.0, help="seconds a live row may wait before stuck")
     p.add_argument("--master", help="Spark master (spark-submit's own when omitted)")
+    p.add_argument("--driver-memory", help="the driver's heap when this job starts Spark, e.g. 6g (Spark's "
+                   "default is 1g; under spark-submit use its own --driver-memory)")
+    p.add_argument("--shuffle-partitions", type=int, help="partitions per shuffle (default: the session's setting, "
+                   f"or {PARTITIONS_PER_CORE} per core when that is Spark's default of 200)")
     p.add_argument("--now", type=_moment, default=None, help="audit as of this ISO time (default: now)")
     return p
 
@@ -350,11 +417,12 @@ def main(argv: list[str] | None = None, spark=None) -> int:
     if not args.archive and not args.jdbc_url:
         print("celery-outbox audit: give --archive, --jdbc-url or both", file=sys.stderr)
         return EXIT_BAD_INPUT
-    options = AuditOptions(out=args.out, archive=args.archive, jdbc_url=args.jdbc_url, jdbc_jar=args.jdbc_jar,
-                           table_prefix=args.table_prefix, grace_seconds=args.grace,
-                           late_after_seconds=args.late_after, stuck_after_seconds=args.stuck_after,
-                           master=args.master, **({"now": args.now} if args.now else {}))
     try:
+        options = AuditOptions(out=args.out, archive=args.archive, jdbc_url=args.jdbc_url, jdbc_jar=args.jdbc_jar,
+                               table_prefix=args.table_prefix, grace_seconds=args.grace,
+                               late_after_seconds=args.late_after, stuck_after_seconds=args.stuck_after,
+                               master=args.master, driver_memory=args.driver_memory,
+                               shuffle_partitions=args.shuffle_partitions, **({"now": args.now} if args.now else {}))
         summary = run_audit(options, spark)
     except AuditInputError as exc:
         print(f"celery-outbox audit: {exc}", file=sys.stderr)

@@ -153,3 +153,59 @@ def test_the_job_runs_under_spark_submit(known_archive, tmp_path):
     assert process.returncode == EXIT_LOST, process.stderr[-3000:]
     assert "1 lost" in process.stdout
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["lost"] == 1
+
+
+def test_spark_settings_are_reported_and_a_given_session_gets_its_partitions_back(spark, known_archive, tmp_path):
+    """The summary says where the audit ran; the job's shuffle partitions do not leak into the
+    caller's session."""
+    before = spark.conf.get("spark.sql.shuffle.partitions")
+    summary = run_audit(AuditOptions(out=str(tmp_path / "a"), archive=known_archive, now=NOW, shuffle_partitions=3),
+                        spark)
+    assert summary["spark"]["shuffle_partitions"] == 3
+    assert summary["spark"]["master"] == spark.sparkContext.master
+    assert summary["spark"]["driver_max_heap_mib"] > 0
+    assert spark.conf.get("spark.sql.shuffle.partitions") == before
+    assert summary["lost"] == 1, "the numbers do not depend on the partitions"
+
+
+def test_sparks_default_of_200_partitions_becomes_four_per_core(spark, known_archive, tmp_path):
+    before = spark.conf.get("spark.sql.shuffle.partitions")
+    spark.conf.set("spark.sql.shuffle.partitions", "200")
+    try:
+        summary = run_audit(AuditOptions(out=str(tmp_path / "a"), archive=known_archive, now=NOW), spark)
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", before)
+    assert summary["spark"]["shuffle_partitions"] == 4 * spark.sparkContext.defaultParallelism
+    summary = run_audit(AuditOptions(out=str(tmp_path / "b"), archive=known_archive, now=NOW), spark)
+    assert summary["spark"]["shuffle_partitions"] == int(before), "a setting of the session's own is kept"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--driver-memory", "lots"], "driver memory must be a size such as 4g or 512m, not 'lots'"),
+    (["--shuffle-partitions", "0"], "shuffle partitions must be at least 1, not 0"),
+])
+def test_bad_spark_settings_are_clear_errors(tmp_path, capsys, argv, named):
+    """Checked before any Spark starts (no session is given)."""
+    assert main(["--archive", str(tmp_path), "--out", str(tmp_path / "out"), *argv]) == EXIT_BAD_INPUT
+    assert named in capsys.readouterr().err
+
+
+def test_the_cli_starts_spark_with_the_driver_memory_and_partitions_given(spark, known_archive, tmp_path):
+    """``celery outbox audit --driver-memory`` sizes the JVM it starts (Spark's default would be 1g)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, TEST_DATABASE_URL=f"sqlite:///{tmp_path / 'store.db'}", PYTHONPATH=str(root),
+               PYSPARK_PYTHON=sys.executable)
+    process = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "audit", "--archive", known_archive,
+         "--out", str(tmp_path / "out"), "--master", "local[1]", "--driver-memory", "640m",
+         "--shuffle-partitions", "3", "--grace", "520w"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert process.returncode == EXIT_CLEAN, process.stderr[-3000:]
+    facts = json.loads((tmp_path / "out" / "summary.json").read_text())["spark"]
+    assert facts["master"] == "local[1]" and facts["shuffle_partitions"] == 3
+    assert 400 < facts["driver_max_heap_mib"] <= 640, facts
