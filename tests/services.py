@@ -75,48 +75,6 @@ def wait_until(condition, timeout: float = 20.0, interval: float = 0.05, message
         time.sleep(interval)
 
 
-class ThrowawayRedis:
-    """A private redis-server on a free port, for tests that stop and restart the broker."""
-
-    def __init__(self, tmp_path):
-        import shutil
-
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            if services_required():
-                pytest.fail("redis-server is not installed; CELERY_OUTBOX_REQUIRE_SERVICES=1 demands it")
-            pytest.skip("redis-server is not installed")
-        self.port = free_port()
-        self.dir = tmp_path
-        self.process = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def start(self) -> "ThrowawayRedis":
-        import subprocess
-
-        self.process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-             "--dir", str(self.dir), "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        wait_until(self._answers, message=f"redis-server on port {self.port} to answer")
-        return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=20)
-            self.process = None
-
-
 class TcpProxy:
     """A TCP proxy on a free local port in front of a real service. ``stop()`` cuts every
     connection and refuses new ones, as a service that goes down does; ``start()`` brings it back."""
@@ -149,6 +107,9 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return
+            if self._listener is not listener:  # accepted as stop() ran: refused, as a down service would
+                client.close()
+                return
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
                 upstream.settimeout(None)
@@ -175,8 +136,12 @@ class TcpProxy:
 
     def stop(self) -> None:
         if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+            listener, self._listener = self._listener, None
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in another thread
+            except OSError:
+                pass
+            listener.close()
         with self._lock:
             for sock in self._connections:
                 try:

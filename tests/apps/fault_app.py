@@ -1,0 +1,136 @@
+"""The shop the fault-injection scenarios (tests/faults/) run under fire.
+
+Built from the environment: FAULT_BROKER_URL, FAULT_DATABASE_URL, FAULT_PREFIX,
+FAULT_QUEUE (a durable queue), FAULT_MAINTENANCE_QUEUE, FAULT_VISIBILITY_TIMEOUT,
+FAULT_CONF (more settings as JSON). A test builds the same app in its own process
+with ``create(...)`` to read the tables.
+
+* The producer (``python -m tests.apps.fault_app produce N``) places the orders
+  ``order-0 .. order-N-1`` that are not in the database yet, each in one unit of
+  work: the order row and its payment message (every third one to the eager
+  style) commit together. An order row is therefore exactly a committed send. A
+  database that is down makes it wait and try the same order again.
+* ``fault.pay`` (optimistic) and ``fault.pay_eager`` (eager) write a ``payment``
+  effect and send the order's receipt from their unit of work; ``fault.receipt``
+  (optimistic) writes a ``receipt`` effect. Effects carry no unique key: a second
+  run of a body would show as a second row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+from celery import Celery
+from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from celery_outbox import IdempotentTask, Outbox
+
+ORDER_ID = "order-{}"
+
+
+def create(broker_url: str, database_url: str, prefix: str, queue: str, maintenance_queue: str,
+           visibility_timeout: float = 3, **conf) -> SimpleNamespace:
+    app = Celery("fault_app", broker=broker_url, set_as_current=False)
+    app.conf.update(
+        task_default_queue=maintenance_queue,
+        task_routes={"fault.*": {"queue": queue}},
+        outbox_database_url=database_url,
+        outbox_table_prefix=prefix,
+        outbox_durable_queues=[queue],
+        outbox_maintenance_queue=maintenance_queue,
+        outbox_node_heartbeat_interval=0.5,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": visibility_timeout, "unacked_restore_interval": 1,
+                                  "unacked_restore_throttle": 1},
+        **conf,
+    )
+    outbox = Outbox(app)
+    metadata = MetaData()
+    orders = Table(f"{prefix}orders", metadata, Column("id", String(64), primary_key=True))
+    effects = Table(f"{prefix}effects", metadata, Column("id", Integer, primary_key=True, autoincrement=True),
+                    Column("order_id", String(64), nullable=False), Column("kind", String(16), nullable=False),
+                    Column("pid", Integer, nullable=False))
+
+    def pay_body(task, order_id: str) -> None:
+        task.session.execute(insert(effects).values(order_id=order_id, kind="payment", pid=os.getpid()))
+        receipt.apply_async((order_id,), task_id=f"receipt-{order_id}")
+
+    @app.task(base=IdempotentTask, bind=True, name="fault.pay", shared=False, default_retry_delay=0.2)
+    def pay(self, order_id: str) -> None:
+        pay_body(self, order_id)
+
+    @app.task(base=IdempotentTask, bind=True, name="fault.pay_eager", shared=False, default_retry_delay=0.2)
+    def pay_eager(self, order_id: str) -> None:
+        pay_body(self, order_id)
+
+    pay_eager.idempotency = "eager"
+
+    @app.task(base=IdempotentTask, bind=True, name="fault.receipt", shared=False, default_retry_delay=0.2)
+    def receipt(self, order_id: str) -> None:
+        self.session.execute(insert(effects).values(order_id=order_id, kind="receipt", pid=os.getpid()))
+
+    def place(number: int) -> None:
+        """Commit one order and its payment message in one unit of work."""
+        order_id = ORDER_ID.format(number)
+        with outbox.transaction() as session:
+            session.execute(insert(orders).values(id=order_id))
+            (pay_eager if number % 3 == 2 else pay).apply_async((order_id,), task_id=order_id)
+
+    def placed() -> set[str]:
+        with outbox.engine.begin() as conn:
+            return set(conn.execute(select(orders.c.id)).scalars())
+
+    return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, orders=orders, effects=effects,
+                           place=place, placed=placed)
+
+
+def produce(shop: SimpleNamespace, count: int, pace: float, patience: float = 120.0) -> None:
+    """Place every order not placed yet. A failed unit of work (the database is down) is tried
+    again, as a web client would; an order committed by an earlier run of this process is skipped."""
+    deadline = time.monotonic() + patience
+    done = None
+    while done is None:
+        try:
+            shop.outbox.ready()
+            done = shop.placed()
+        except SQLAlchemyError:
+            _wait_or_give_up(deadline)
+    for number in range(count):
+        if ORDER_ID.format(number) in done:
+            continue
+        while True:
+            try:
+                shop.place(number)
+                break
+            except IntegrityError:
+                break  # the commit went through before the connection broke: it is placed
+            except SQLAlchemyError:
+                _wait_or_give_up(deadline)
+        if pace:
+            time.sleep(pace)  # spreads the orders over the run, so faults meet messages in flight
+
+
+def _wait_or_give_up(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise SystemExit("fault producer: the database stayed unavailable")
+    time.sleep(0.2)
+
+
+if "FAULT_BROKER_URL" in os.environ:
+    shop = create(os.environ["FAULT_BROKER_URL"], os.environ["FAULT_DATABASE_URL"], os.environ["FAULT_PREFIX"],
+                  os.environ["FAULT_QUEUE"], os.environ["FAULT_MAINTENANCE_QUEUE"],
+                  float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", 3)),
+                  **json.loads(os.environ.get("FAULT_CONF", "{}")))
+    app = shop.app
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["produce"]:
+        raise SystemExit("usage: python -m tests.apps.fault_app produce COUNT [PACE]")
+    produce(shop, int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)

@@ -1,0 +1,447 @@
+"""A fault-injection run: the shop of tests/apps/fault_app.py under fire, then its invariants.
+
+Real processes: a producer placing orders (each order and its payment message in one
+unit of work), a worker consuming the durable queue (prefork, two children), a
+maintenance worker running beat's recover and cleanup, and celery beat. With a crash
+point armed, every one of them runs with ``CELERY_OUTBOX_CRASHPOINT`` set; whichever
+process dies with the crash point's exit code is started again (a prefork child by
+its pool, any other process by the run), as an operator's supervisor would. Faults
+from outside (a SIGKILLed worker, a broker or database restart) fire when a given
+share of the orders has been paid. While the orders flow, the run sends copies of
+freshly handled payment messages to the queue, as a broker's redelivery would (once
+every fault from outside has fired: a copy held by a worker that is then killed is the
+broker's to give back, after its visibility timeout).
+
+When the producer is done, the run waits for the system to settle and checks:
+
+* nothing lost: every committed send (an order row, and the receipt its payment
+  committed) is handled: it has its effect row;
+* exactly once: no order has a second payment or receipt effect, no effect exists
+  for an order that was never committed, no dead letters;
+* every redelivered copy was discarded and counted on its inbox row;
+* nothing pending: no outgoing row (unsent, or sent and unacknowledged), no inbox row
+  running or owned by a node.
+
+``Outcome.line()`` is the one line each scenario prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+from kombu.exceptions import KombuError
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from celery_outbox.crashpoints import ENVIRONMENT_VARIABLE, EXIT_CODE
+from celery_outbox.envelope import from_row
+from celery_outbox.store import utcnow
+
+from ..apps import fault_app
+from ..brokers import purge
+from ..conftest import _drop
+from ..services import wait_until
+from ..workers import ROOT, BeatProcess, WorkerProcess
+
+SETTLE_TIMEOUT = 120.0
+# Fast maintenance, so a run settles in seconds: recovery every second, a node dead after two
+# stale checks, a sent message nobody acknowledged published again after a few seconds.
+FAST_MAINTENANCE = {
+    "outbox_recover_interval": 1, "outbox_cleanup_interval": 1, "outbox_node_stale_after": 1.5,
+    "outbox_node_stale_checks": 2, "outbox_redeliver_after": 4,
+}
+PAYMENT_TASKS = ("fault.pay", "fault.pay_eager")
+# Crashes of Celery itself that an operator's supervisor answers by starting the process again,
+# as the run does. Celery 5.7 with kombu 5.7 on Redis: when the broker goes away while the worker
+# waits in BRPOP, the consumer closes its connection a second time after ``collect()`` cleared
+# it, and the redis channel's restore of unacked messages fails on the missing connection info.
+KNOWN_CRASHES = (
+    "Unrecoverable error: AttributeError(\"'NoneType' object has no attribute 'hostname'\")",
+)
+# A copy is sent only of a payment handled this recently: well inside any dedupe window.
+COPY_FRESHNESS = timedelta(seconds=2)
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    messages: int = 0
+    kills: int = 0
+    lost: int = 0
+    duplicate_effects: int = 0
+    discarded: int = 0
+    recovered: int = 0
+    seconds: float = 0.0
+    ghost_effects: int = 0
+    dead_letters: int = 0
+    pending: dict[str, int] = field(default_factory=dict)
+    copies_sent: int = 0
+    copies_uncounted: int = 0
+
+    def line(self) -> str:
+        return (f"fault scenario {self.scenario}: messages {self.messages}, kills {self.kills}, lost {self.lost}, "
+                f"duplicate effects {self.duplicate_effects}, discarded {self.discarded}, recovered {self.recovered}, "
+                f"seconds {self.seconds:.1f}")
+
+
+class Supervised:
+    """A process of the run; started again when a crash point ends it, or a known crash of a
+    dependency (see ``KNOWN_CRASHES``) that its log names."""
+
+    def __init__(self, name: str, start: Callable[[], subprocess.Popen], log: Path | None = None):
+        self.name, self._start, self._log = name, start, log
+        self.process = start()
+        self.restarts = 0
+        self.known_crashes = 0
+        self.finished = False
+
+    def check(self) -> None:
+        """Start the process again if a crash point or a known crash ended it; fail on any other exit
+        (0 ends it)."""
+        if self.finished:
+            return
+        code = self.process.poll()
+        if code is None:
+            return
+        _kill_group(self.process)  # what is left of it: a prefork pool's children
+        if code == 0:
+            self.finished = True
+        elif code == EXIT_CODE:
+            self.restarts += 1
+            self.process = self._start()
+        elif self._crashed_known_way():
+            self.known_crashes += 1
+            self.process = self._start()
+        else:
+            raise AssertionError(f"{self.name} exited with {code}")
+
+    def _crashed_known_way(self) -> bool:
+        if self._log is None or not self._log.exists():
+            return False
+        log = self._log.read_text(errors="replace")
+        return sum(log.count(signature) for signature in KNOWN_CRASHES) > self.known_crashes
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGQUIT)  # cold shutdown: a fault run has no use for a warm one
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_group(self.process)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class FaultRun:
+    """One scenario: build with its faults, ``run()``, then assert on the returned ``Outcome``."""
+
+    def __init__(self, scenario: str, tmp_path: Path, broker_url: str, database_url: str, *, orders: int = 150,
+                 crashpoint: str | None = None, pace: float = 0.01, visibility_timeout: float = 3,
+                 producer_broker_url: str | None = None, copies: int = 15, **conf):
+        suffix = uuid.uuid4().hex[:8]
+        self.scenario, self.tmp_path, self.orders, self.pace, self.copies = scenario, tmp_path, orders, pace, copies
+        self.prefix = f"f{suffix}_"
+        settings = {**FAST_MAINTENANCE, **conf}
+        self.env = {
+            "FAULT_BROKER_URL": broker_url, "FAULT_DATABASE_URL": database_url, "FAULT_PREFIX": self.prefix,
+            "FAULT_QUEUE": f"fault_{suffix}", "FAULT_MAINTENANCE_QUEUE": f"fault_maintenance_{suffix}",
+            "FAULT_VISIBILITY_TIMEOUT": str(visibility_timeout), "FAULT_CONF": json.dumps(settings),
+        }
+        if crashpoint:
+            self.env[ENVIRONMENT_VARIABLE] = crashpoint
+        self.producer_env = dict(self.env, FAULT_BROKER_URL=producer_broker_url or broker_url)
+        self.shop = fault_app.create(broker_url, database_url, self.prefix, self.env["FAULT_QUEUE"],
+                                     self.env["FAULT_MAINTENANCE_QUEUE"], visibility_timeout, **settings)
+        self.shop.outbox.ready()
+        self.shop.metadata.create_all(self.shop.outbox.engine)
+        self.processes: dict[str, Supervised] = {}
+        self.external_kills = 0
+        self._faults: list[tuple[float, Callable[[], None]]] = []
+        self._copied: dict[str, int] = {}
+        self._conditions: list[tuple[str, Callable[[], bool]]] = []
+        with self.shop.app.connection_for_write() as connection:  # not connected: only its error types
+            self._service_errors = (SQLAlchemyError, OSError, KombuError, *connection.connection_errors,
+                                    *connection.channel_errors)
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def _log(self, name: str) -> Path:
+        return self.tmp_path / f"{name}.log"
+
+    def _worker(self, name: str, queue: str, concurrency: int) -> Callable[[], subprocess.Popen]:
+        def start() -> subprocess.Popen:
+            worker = WorkerProcess("tests.apps.fault_app", self.env, concurrency=concurrency, queues=[queue],
+                                   log_path=self._log(name)).start()
+            return worker.process
+
+        return start
+
+    def _beat(self) -> subprocess.Popen:
+        return BeatProcess("tests.apps.fault_app", self.env, log_path=self._log("beat")).start().process
+
+    def _producer(self) -> subprocess.Popen:
+        log = open(self._log("producer"), "ab")
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.apps.fault_app", "produce", str(self.orders), str(self.pace)],
+            env=dict(os.environ, PYTHONPATH=str(ROOT), **self.producer_env), cwd=ROOT, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_consumer(self) -> None:
+        """SIGKILL the consuming worker and its children (no cleanup, no ack) and start a new one."""
+        consumer = self.processes["consumer"]
+        _kill_group(consumer.process)
+        self.external_kills += 1
+        consumer.process = consumer._start()
+
+    def kill_consumer_in_flight(self, bodies: int = 2, timeout: float = 30.0) -> None:
+        """``kill_consumer`` at a moment when at least ``bodies`` attempts run in it (their envelopes
+        stored, not yet finished), caught by stopping the worker (SIGSTOP) to look: the kill is sure
+        to strand envelopes for recovery, not only messages the broker holds."""
+        group = self.processes["consumer"].process.pid
+
+        def caught() -> bool:
+            os.killpg(group, signal.SIGSTOP)
+            if self._safely(self._envelopes_in_flight, 0) >= bodies:
+                return True
+            os.killpg(group, signal.SIGCONT)
+            return False
+
+        wait_until(caught, timeout=timeout, interval=0.02,
+                   message=f"{bodies} attempts running in the consuming worker at once")
+        self.kill_consumer()
+
+    def _envelopes_in_flight(self) -> int:
+        """Stored envelopes of attempts running now: not finished, not yet due for recovery."""
+        incoming = self.shop.outbox.store.tables.incoming
+        with self.shop.outbox.engine.begin() as conn:
+            return conn.execute(select(func.count()).select_from(incoming).where(
+                incoming.c.status == "running", incoming.c.recover_after > utcnow())).scalar_one()
+
+    def with_consumer_stopped(self, fault: Callable[[], None], backlog: int = 10,
+                              timeout: float = 30.0) -> Callable[[], None]:
+        """``fault``, fired while the consuming worker is stopped (SIGSTOP) and at least ``backlog``
+        sent messages wait in the broker, unacknowledged by any inbox: the fault is sure to catch
+        messages in flight. The worker goes on (SIGCONT) right after."""
+        def fire() -> None:
+            group = self.processes["consumer"].process.pid
+            os.killpg(group, signal.SIGSTOP)
+            try:
+                wait_until(lambda: self._safely(self._outgoing, 0) >= backlog, timeout=timeout,
+                           message=f"{backlog} sent messages waiting while the consumer is stopped")
+                fault()
+            finally:
+                os.killpg(group, signal.SIGCONT)
+
+        return fire
+
+    def _outgoing(self) -> int:
+        with self.shop.outbox.engine.begin() as conn:
+            return self.shop.outbox.store.count_outgoing(conn)
+
+    def redelivered(self) -> int:
+        """Sent messages that delivery tracking published again (the recover results in the
+        maintenance worker's log)."""
+        log = self._log("maintenance")
+        text = log.read_text(errors="replace") if log.exists() else ""
+        return sum(int(count) for count in re.findall(r"'redelivered': (\d+)", text))
+
+    def at_progress(self, share: float, fault: Callable[[], None]) -> "FaultRun":
+        """Inject ``fault`` once ``share`` of the orders have been paid."""
+        self._faults.append((share, fault))
+        self._faults.sort(key=lambda item: item[0])
+        return self
+
+    def settles_when(self, what: str, condition: Callable[[], bool]) -> "FaultRun":
+        """One more condition the system must reach before the run counts as settled."""
+        self._conditions.append((what, condition))
+        return self
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        started = time.monotonic()
+        try:
+            self.processes = {
+                "consumer": Supervised("the consuming worker", self._worker("consumer", self.env["FAULT_QUEUE"], 2),
+                                       self._log("consumer")),
+                "maintenance": Supervised("the maintenance worker", self._worker(
+                    "maintenance", self.env["FAULT_MAINTENANCE_QUEUE"], 1), self._log("maintenance")),
+                "beat": Supervised("celery beat", self._beat),
+                "producer": Supervised("the producer", self._producer),
+            }
+            settled = self._drive(started + SETTLE_TIMEOUT)
+            outcome = self.outcome(time.monotonic() - started)
+            if not settled:
+                raise AssertionError(f"{outcome.line()}\nthe system did not settle in {SETTLE_TIMEOUT:.0f}s: "
+                                     f"{self._unsettled(outcome)}; logs in {self.tmp_path}")
+            return outcome
+        finally:
+            for process in self.processes.values():
+                process.stop()
+
+    def _drive(self, deadline: float) -> bool:
+        while time.monotonic() < deadline:
+            for process in self.processes.values():
+                process.check()
+            paid = self._safely(self._paid, 0)
+            while self._faults and paid >= self._faults[0][0] * self.orders:
+                self._faults.pop(0)[1]()
+            if not self._faults:  # a copy held by a worker that is then killed would be the broker's to give back
+                self._safely(self._send_copies, None)
+            if self.processes["producer"].finished and not self._faults and self._safely(self._settled, False):
+                return True
+            time.sleep(0.25)
+        return False
+
+    def _safely(self, read: Callable, default):
+        """A reading of the tables or a publish of a copy, or ``default`` while a service is down."""
+        try:
+            return read()
+        except self._service_errors:
+            return default
+
+    def _paid(self) -> int:
+        effects = self.shop.effects
+        with self.shop.outbox.engine.begin() as conn:
+            return conn.execute(select(func.count()).select_from(effects).where(effects.c.kind == "payment")) \
+                .scalar_one()
+
+    def _send_copies(self) -> None:
+        """Publish again the stored envelope of a few payments handled in the last seconds, as a broker
+        redelivering them would, and remember how many discards each row must count afterwards."""
+        if len(self._copied) >= self.copies:
+            return
+        incoming = self.shop.outbox.store.tables.incoming
+        with self.shop.outbox.engine.begin() as conn:
+            rows = conn.execute(
+                select(incoming).where(incoming.c.status == "handled", incoming.c.task_name.in_(PAYMENT_TASKS),
+                                       incoming.c.body.is_not(None),
+                                       incoming.c.handled_at > utcnow() - COPY_FRESHNESS,
+                                       incoming.c.message_id.not_in(list(self._copied) or [""]))
+                .limit(3)).all()
+        if not rows:
+            return
+        with self.shop.app.producer_or_acquire() as producer:
+            for row in rows[: self.copies - len(self._copied)]:
+                from_row(row, self.shop.app.amqp.queues).publish(producer, retry=False)
+                self._copied[row.message_id] = row.duplicates + 1
+
+    def _settled(self) -> bool:
+        return not self._unsettled(self.outcome(0.0))
+
+    def _unsettled(self, outcome: Outcome) -> str:
+        reasons = [f"{count} {what}" for what, count in outcome.pending.items() if count]
+        reasons += [f"not yet: {what}" for what, condition in self._conditions if not self._safely(condition, False)]
+        if outcome.lost:
+            reasons.append(f"{outcome.lost} committed sends not handled")
+        if outcome.copies_uncounted:
+            reasons.append(f"{outcome.copies_uncounted} redelivered copies not counted as discarded")
+        return ", ".join(reasons)
+
+    # -- the invariants ------------------------------------------------------------------------
+
+    def outcome(self, seconds: float) -> Outcome:
+        shop, store = self.shop, self.shop.outbox.store
+        orders, effects, incoming = shop.orders, shop.effects, store.tables.incoming
+        with shop.outbox.engine.begin() as conn:
+            placed = set(conn.execute(select(orders.c.id)).scalars())
+            counts: dict[tuple[str, str], int] = {
+                (order_id, kind): count for order_id, kind, count in conn.execute(
+                    select(effects.c.order_id, effects.c.kind, func.count()).group_by(effects.c.order_id,
+                                                                                      effects.c.kind))}
+            discarded, recovered = conn.execute(select(func.coalesce(func.sum(incoming.c.duplicates), 0),
+                                                       func.coalesce(func.sum(incoming.c.recoveries), 0))).one()
+            duplicates_of = dict(conn.execute(
+                select(incoming.c.message_id, incoming.c.duplicates)
+                .where(incoming.c.message_id.in_(list(self._copied) or [""]))).all())
+            pending = {
+                "outgoing rows": store.count_outgoing(conn),
+                "inbox rows not handled": conn.execute(select(func.count()).select_from(incoming).where(
+                    incoming.c.status != "handled")).scalar_one(),
+                "inbox rows owned by a node": conn.execute(select(func.count()).select_from(incoming).where(
+                    incoming.c.owner != 0)).scalar_one(),
+            }
+            dead_letters = store.count_dead_letters(conn)
+        if not self.processes.get("producer") or not self.processes["producer"].finished:
+            pending["producer still placing orders"] = 1
+        sends = [(order_id, kind) for order_id in placed for kind in ("payment", "receipt")]
+        return Outcome(
+            scenario=self.scenario,
+            messages=len(sends),
+            kills=self.kills(),
+            lost=sum(1 for send in sends if counts.get(send, 0) == 0),
+            duplicate_effects=sum(count - 1 for send, count in counts.items() if count > 1),
+            ghost_effects=sum(count for (order_id, _), count in counts.items() if order_id not in placed),
+            discarded=discarded,
+            recovered=recovered,
+            seconds=seconds,
+            dead_letters=dead_letters,
+            pending=pending,
+            copies_sent=len(self._copied),
+            copies_uncounted=sum(1 for message_id, needed in self._copied.items()
+                                 if duplicates_of.get(message_id, 0) < needed),
+        )
+
+    def kills(self) -> int:
+        """Processes a crash point ended (each says so in its log), processes a known crash of Celery
+        ended, and processes the run SIGKILLed."""
+        fired = sum(path.read_text(errors="replace").count("celery-outbox: crash point")
+                    for path in self.tmp_path.glob("*.log"))
+        return fired + sum(process.known_crashes for process in self.processes.values()) + self.external_kills
+
+    def close(self) -> None:
+        try:
+            purge(self.shop.app, self.env["FAULT_QUEUE"], self.env["FAULT_MAINTENANCE_QUEUE"])
+        except Exception:  # noqa: BLE001 - a broker that is gone has no queues to purge
+            pass
+        try:
+            self.shop.metadata.drop_all(self.shop.outbox.engine)
+            _drop(self.shop.outbox.store)
+        finally:
+            self.shop.outbox.engine.dispose()
+
+
+def play(run: FaultRun, capsys) -> Outcome:
+    """Run a scenario, drop its tables, and print its line (past pytest's capture)."""
+    try:
+        outcome = run.run()
+    finally:
+        run.close()
+    with capsys.disabled():
+        print(f"\n{outcome.line()}")
+    return outcome
+
+
+def assert_invariants(outcome: Outcome) -> None:
+    """Nothing lost, effects exactly once, every redelivered copy discarded and counted, nothing pending."""
+    line = outcome.line()
+    assert outcome.messages > 0, f"{line}: no order was placed"
+    assert outcome.lost == 0, f"{line}: committed sends never handled"
+    assert outcome.duplicate_effects == 0, f"{line}: effects happened twice"
+    assert outcome.ghost_effects == 0, f"{line}: effects of orders that were never committed"
+    assert outcome.dead_letters == 0, f"{line}: dead letters"
+    assert outcome.copies_sent > 0 and outcome.copies_uncounted == 0, \
+        f"{line}: {outcome.copies_uncounted} of {outcome.copies_sent} redelivered copies not discarded and counted"
+    assert outcome.discarded >= outcome.copies_sent, line
+    assert not any(outcome.pending.values()), f"{line}: left pending {outcome.pending}"
