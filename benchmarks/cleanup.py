@@ -1,0 +1,185 @@
+"""Cleanup: how fast it deletes handled inbox rows, and what it costs the inbox inserts running meanwhile.
+
+1 M handled rows whose ``keep_until`` passed are loaded straight into the inbox table (setup, not
+measured), then ``outbox.cleanup()`` deletes them in its batches while another process keeps claiming
+new messages the way a worker does (one short transaction per claim, into the same table). Their p99
+is compared with the p99 of the same claims with no cleanup running, in windows right before and right
+after each cleanup (the machine's other load drifts). Three rounds; rows/s is the best of them, the
+p99s pool the claims of all rounds.
+
+The claims run in a process of their own, as a worker's do: a thread next to the cleanup would measure
+Python's GIL hand-over (up to its 5 ms switch interval whenever both threads want it), not the database.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import inspect, text
+
+from celery_outbox import Outbox
+from celery_outbox.store import Store, build_engine, utcnow
+from celery_outbox.store.schema import UNOWNED
+
+from .common import POSTGRES_URL, Options, Result, percentile, unique_prefix
+
+
+def run(options: Options) -> list[Result]:
+    rows = options.size(1_000_000, 50_000)
+    rounds = options.size(3, 1)
+    window = options.size(3.0, 0.5)  # seconds of claims without cleanup, right before and right after it
+    app = Celery(f"bench-cleanup-{uuid.uuid4().hex[:6]}", broker="memory://")
+    prefix = unique_prefix()
+    outbox = Outbox(app, database_url=POSTGRES_URL, table_prefix=prefix)
+    claims: _Claims | None = None
+    try:
+        outbox.ready()
+        batch = outbox.settings.cleanup_batch_size
+        claims = _Claims(prefix, outbox.settings.keep_after_handling)
+        rates: list[float] = []
+        for n in range(1, rounds + 1):
+            _load(outbox, rows)
+            with claims.window("without"):
+                time.sleep(window)
+            with claims.window("during"):
+                started = time.perf_counter()
+                result = outbox.cleanup(max_batches=rows // batch + 2)
+                seconds = time.perf_counter() - started
+            with claims.window("without"):
+                time.sleep(window)
+            if result.incoming_deleted != rows:
+                raise RuntimeError(f"cleanup deleted {result.incoming_deleted} rows, expected {rows}")
+            rates.append(rows / seconds)
+            _progress(f"  round {n}/{rounds}: {rows:,} rows in {seconds:.2f}s ({rows / seconds:,.0f} rows/s, "
+                      f"{result.batches} batches of {batch})")
+        samples = claims.finish()
+        during, without = samples["during"], samples["without"]
+        p99_during, p99_without = percentile(during, 0.99) * 1000, percentile(without, 0.99) * 1000
+        p50_during, p50_without = percentile(during, 0.5) * 1000, percentile(without, 0.5) * 1000
+        _progress(f"  claims p99 {p99_during:.2f} ms during cleanup ({len(during)}), {p99_without:.2f} ms without "
+                  f"({len(without)}); p50 {p50_during:.2f} / {p50_without:.2f} ms")
+        spread = f"best of {rounds}: {', '.join(f'{r:,.0f}' for r in rates)}" if rounds > 1 else ""
+        return [
+            Result("cleanup", "delete 1 M handled inbox rows", "rows/s", max(rates), target=(">=", 100_000),
+                   note=f"{rows:,} rows" if options.quick else spread),
+            Result("cleanup", "p99 of concurrent inbox inserts, during cleanup vs without", "ms",
+                   p99_during, plain=p99_without, target=("<=", 2.0),
+                   note=f"{len(during)} claims during, {len(without)} in {window:g} s right before and after"),
+        ]
+    finally:
+        if claims is not None:
+            claims.close()
+        _drop(outbox)
+
+
+def _load(outbox: Outbox, rows: int) -> None:
+    """``rows`` handled rows, random task ids (Celery's uuid4), ``keep_until`` over a day that ended 20 h ago."""
+    table = outbox.store.tables.incoming.name
+    with outbox.store.engine.begin() as conn:
+        conn.execute(text(f"""
+            INSERT INTO {table} (message_id, destination, task_name, queue, status, owner, received_at,
+                                 claimed_at, handled_at, keep_until)
+            SELECT gen_random_uuid()::text, '', 'benchmarks.task', 'celery', 'handled', {UNOWNED},
+                   t - interval '7 days', t - interval '7 days', t - interval '7 days', t
+            FROM (SELECT now() - interval '2 days' + g * interval '100 milliseconds' AS t
+                  FROM generate_series(1, :rows) AS g) AS s
+        """), {"rows": rows})
+    with outbox.store.engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text(f"VACUUM ANALYZE {table}"))
+
+
+class _Claims:
+    """A process claiming fresh messages as an optimistic worker does (``claim_incoming`` with status
+    handled, each in its own short transaction), timing begin..commit, while a window is open."""
+
+    def __init__(self, prefix: str, keep_seconds: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._active, self._stop = context.Event(), context.Event()
+        self._samples, sender = context.Pipe(duplex=False)
+        self._windows: list[tuple[str, float, float]] = []
+        self._process = context.Process(target=_claim, name="claims", daemon=True,
+                                        args=(prefix, keep_seconds, self._active, self._stop, sender))
+        self._process.start()
+
+    class _Window:
+        def __init__(self, claims: "_Claims", kind: str) -> None:
+            self.claims, self.kind = claims, kind
+
+        def __enter__(self) -> None:
+            self.started = time.monotonic()
+            self.claims._active.set()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.claims._active.clear()
+            self.claims._windows.append((self.kind, self.started, time.monotonic()))
+
+    def window(self, kind: str) -> "_Claims._Window":
+        return self._Window(self, kind)
+
+    def finish(self) -> dict[str, list[float]]:
+        """Stop claiming; the latencies of the claims that started inside each kind of window."""
+        self._stop.set()
+        if not self._samples.poll(60):
+            raise RuntimeError("the claims process did not answer")
+        samples: list[tuple[float, float]] | str = self._samples.recv()
+        if isinstance(samples, str):
+            raise RuntimeError(f"the claims process failed: {samples}")
+        kinds: dict[str, list[float]] = {"during": [], "without": []}
+        for started, latency in samples:
+            kind = next((k for k, begin, end in self._windows if begin <= started < end), None)
+            if kind is not None:
+                kinds[kind].append(latency)
+        return kinds
+
+    def close(self) -> None:
+        self._stop.set()
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.terminate()
+
+
+def _claim(prefix: str, keep_seconds: float, active: Any, stop: Any, sender: Any) -> None:
+    """The claims process: (monotonic start, seconds) of every claim made while ``active`` is set."""
+    store = Store(build_engine(POSTGRES_URL), prefix)
+    samples: list[tuple[float, float]] = []
+    try:
+        while not stop.is_set():
+            if not active.wait(0.05):
+                continue
+            now = utcnow()
+            row = {"message_id": str(uuid.uuid4()), "destination": "", "task_name": "benchmarks.task",
+                   "queue": "celery", "status": "handled", "owner": UNOWNED, "retries": 0, "nesting": 0,
+                   "replays": 0, "received_at": now, "claimed_at": now, "handled_at": now,
+                   "keep_until": now + timedelta(seconds=keep_seconds)}
+            started = time.monotonic()
+            with store.begin() as conn:
+                claimed = store.claim_incoming(conn, row)
+            samples.append((started, time.monotonic() - started))
+            if not claimed:
+                raise RuntimeError("a fresh message id was taken for a duplicate")
+    except Exception as exc:  # noqa: BLE001 - reported by finish()
+        sender.send(f"{type(exc).__name__}: {exc}")
+    else:
+        sender.send(samples)
+    finally:
+        store.engine.dispose()
+
+
+def _drop(outbox: Outbox) -> None:
+    store = outbox.store
+    with store.engine.begin() as conn:
+        existing = set(inspect(conn).get_table_names())
+        for table in reversed(store.tables.all()):
+            if table.name in existing:
+                table.drop(conn)
+    store.engine.dispose()
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,146 @@
+"""What every benchmark shares: the services, the result rows, the table and the JSON."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+POSTGRES_URL = os.environ.get("CELERY_OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+RABBITMQ_URL = os.environ.get("CELERY_OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+_OPERATORS: dict[str, Callable[[float, float], bool]] = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
+
+
+@dataclass
+class Result:
+    """One line of the table. With ``plain``, the target applies to the ratio ours / plain (both
+    measured in the same run); without, to ``ours`` itself."""
+
+    benchmark: str
+    case: str
+    unit: str
+    ours: float
+    plain: float | None = None
+    target: tuple[str, float] | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return None if not self.plain else self.ours / self.plain
+
+    @property
+    def met(self) -> bool | None:
+        if self.target is None:
+            return None
+        measured = self.ratio if self.plain is not None else self.ours
+        return measured is not None and _OPERATORS[self.target[0]](measured, self.target[1])
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(ratio=self.ratio, met=self.met,
+                    target=None if self.target is None else f"{self.target[0]} {self.target[1]:g}")
+        return data
+
+
+def unique_prefix() -> str:
+    return f"b{uuid.uuid4().hex[:10]}_"
+
+
+def best_of(repeats: int, measure: Callable[[], float]) -> float:
+    """The best of ``repeats`` throughput measurements (the least disturbed by the rest of the machine)."""
+    return max(measure() for _ in range(repeats))
+
+
+def rate(count: int, action: Callable[[], Any]) -> float:
+    """``count`` divided by the seconds ``action`` took."""
+    started = time.perf_counter()
+    action()
+    return count / (time.perf_counter() - started)
+
+
+def percentile(samples: list[float], share: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import celery
+    import sqlalchemy
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor())
+    memory_kb = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
+                      if line.startswith("MemTotal")), 0)
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory_kb / 2**20, 1),
+            "python": platform.python_version(), "celery": celery.__version__, "sqlalchemy": sqlalchemy.__version__,
+            "postgres": _postgres_version(), "redis": _redis_version()}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+def _postgres_version() -> str:
+    try:
+        import psycopg
+
+        with psycopg.connect(POSTGRES_URL.replace("postgresql+psycopg", "postgresql"), connect_timeout=3) as conn:
+            return conn.execute("SHOW server_version").fetchone()[0]
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return f"unavailable ({exc})"
+
+
+def _redis_version() -> str:
+    try:
+        import redis
+
+        return redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).info()["redis_version"]
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return f"unavailable ({exc})"
+
+
+def table(results: list[Result]) -> str:
+    """The results as a Markdown table (what the README shows)."""
+    lines = ["| benchmark | case | celery-outbox | plain Celery | ratio | target | met |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        plain = "" if r.plain is None else f"{_number(r.plain)} {r.unit}"
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+        target = "" if r.target is None else f"{r.target[0]} {r.target[1]:g}" + (" (ratio)" if r.plain else "")
+        met = {None: "", True: "yes", False: "**no**"}[r.met]
+        case = r.case + (f" ({r.note})" if r.note else "")
+        lines.append(f"| {r.benchmark} | {case} | {_number(r.ours)} {r.unit} | {plain} | {ratio} | {target} | {met} |")
+    return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
+
+
+@dataclass(frozen=True)
+class Options:
+    """``quick``: small sizes, to check that a benchmark runs (its numbers mean little)."""
+
+    quick: bool = False
+
+    def size(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
