@@ -2,7 +2,7 @@
 
 Every method that takes a ``conn`` runs inside the caller's transaction (a unit of
 work, a relay batch) and never commits; methods without one open their own short
-transaction. PostgreSQL gets its fast paths (multi-row INSERT, ``= ANY(array)``
+transaction. PostgreSQL gets its fast paths (INSERT from arrays, ``= ANY(array)``
 deletes, ``FOR UPDATE SKIP LOCKED`` claims, ``ON CONFLICT``, advisory locks);
 SQLite gets equivalents that are correct because every SQLite transaction of the
 store is ``BEGIN IMMEDIATE`` (one writer at a time).
@@ -56,6 +56,18 @@ SQLITE_CONSTRAINT_UNIQUE = 2067
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+@functools.lru_cache(maxsize=64)
+def _insert_from_arrays(table: Any, names: tuple[str, ...]) -> Any:
+    """PostgreSQL: ``INSERT INTO table (names) SELECT ... FROM unnest(one array per column) WITH
+    ORDINALITY ORDER BY ordinality RETURNING id``. The ids come from the table's sequence in the
+    arrays' order, so the ascending ids match the rows in order."""
+    arrays = func.unnest(*[bindparam(f"array_{name}", type_=postgresql.ARRAY(table.c[name].type))
+                           for name in names])
+    source = arrays.table_valued(*names, with_ordinality="ordinality").render_derived()
+    rows = select(*[source.c[name] for name in names]).order_by(source.c.ordinality)
+    return table.insert().from_select(list(names), rows).returning(table.c.id)
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -167,24 +179,26 @@ class Store:
     # -- outgoing ------------------------------------------------------------------------------
 
     def insert_outgoing(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> list[int]:
-        """Insert fully built messages; one multi-row INSERT per 1000 rows. Returns their ids in order."""
+        """Insert fully built messages. Returns their ids in the rows' order. PostgreSQL: one
+        INSERT from an array per column, whatever the row count; SQLite: one multi-row INSERT
+        per 1000 rows."""
         if not rows:
             return []
         table = self.tables.outgoing
         columns = {key for row in rows for key in row}
         rows = [{key: row.get(key) for key in columns} for row in rows]
         ids: list[int] = []
+        if self.is_postgres:
+            # one array per column: the same short statement at any row count, so psycopg and
+            # PostgreSQL parse and plan it once; the sequence numbers the rows in array order
+            names = tuple(sorted(columns))
+            arrays = {f"array_{name}": [row[name] for row in rows] for name in names}
+            return sorted(conn.execute(_insert_from_arrays(table, names), arrays).scalars())
         for start in range(0, len(rows), INSERT_CHUNK):
-            chunk = rows[start:start + INSERT_CHUNK]
-            if self.is_postgres:
-                # insertmanyvalues: one multi-row INSERT, RETURNING matched to the rows' order
-                statement = table.insert().returning(table.c.id, sort_by_parameter_order=True)
-                ids.extend(conn.execute(statement, chunk).scalars())
-            else:
-                # one explicit multi-row INSERT; SQLite's rowids ascend in VALUES order under
-                # the store's exclusive write lock
-                statement = table.insert().values(chunk).returning(table.c.id)
-                ids.extend(sorted(conn.execute(statement).scalars()))
+            # one explicit multi-row INSERT; SQLite's rowids ascend in VALUES order under the
+            # store's exclusive write lock
+            statement = table.insert().values(rows[start:start + INSERT_CHUNK]).returning(table.c.id)
+            ids.extend(sorted(conn.execute(statement).scalars()))
         return ids
 
     def _id_predicate(self, column, ids: Sequence[int]):

@@ -11,10 +11,10 @@ import threading
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import event, inspect
+from sqlalchemy import event, inspect, select
 from sqlalchemy.exc import IntegrityError
 
-from celery_outbox.store import SCHEMA_VERSION, Store, build_engine, is_unique_violation, utcnow
+from celery_outbox.store import SCHEMA_VERSION, Store, as_utc, build_engine, is_unique_violation, utcnow
 
 from ..conftest import _drop
 
@@ -115,6 +115,48 @@ def test_inserted_ids_follow_the_rows_order(store: Store):
         rows = store.lock_pending_outgoing(conn, 100, utcnow())
     assert [r.id for r in rows] == ids
     assert [r.message_id for r in rows] == [f"m{n}" for n in range(10)]
+
+
+def test_inserted_rows_keep_every_value(store: Store):
+    """Bytes with NUL, text beyond ASCII, NULLs in a column next to values."""
+    soon = utcnow() + timedelta(minutes=5)
+    given = [
+        outgoing_row(0, body=b"\x00\xff binary", headers='{"h": "\u00e9\u20ac"}', expires_at=soon, deliver_at=None,
+                     retries=0, nesting=0, replays=0),
+        outgoing_row(1, body=None, content_type=None, content_encoding=None, properties=None, expires_at=None,
+                     deliver_at=None, retries=1, nesting=0, replays=0),
+        outgoing_row(2, deliver_at=soon, expires_at=None, retries=3, nesting=1, replays=2),
+    ]
+    with store.begin() as conn:
+        ids = store.insert_outgoing(conn, given)
+    table = store.tables.outgoing
+    with store.begin() as conn:
+        rows = {row.id: row for row in conn.execute(select(table).where(table.c.id.in_(ids)))}
+    for row_id, expected in zip(ids, given, strict=True):
+        row = rows[row_id]._mapping
+        for name, value in expected.items():
+            stored = as_utc(row[name]) if name.endswith("_at") else row[name]
+            assert stored == value, name
+
+
+def test_one_insert_statement_at_any_row_count(store: Store):
+    """PostgreSQL gets the same statement text for 3 rows and for 2500 (parsed and planned once,
+    and past SQLite's chunk of 1000); SQLite one INSERT per 1000 rows."""
+    log = StatementLog(store.engine)
+    try:
+        with store.begin() as conn:
+            few = store.insert_outgoing(conn, [outgoing_row(n) for n in range(3)])
+            many = store.insert_outgoing(conn, [outgoing_row(n) for n in range(3, 2503)])
+    finally:
+        log.close()
+    assert len(few) == 3 and len(many) == 2500 and few + many == sorted(few + many)
+    inserts = [s for s in log.of("INSERT") if "outgoing" in s]
+    if store.is_postgres:
+        assert len(inserts) == 2 and inserts[0] == inserts[1]
+        assert "unnest" in inserts[0]
+    else:
+        assert len(inserts) == 1 + 3
+    assert store.count_outgoing() == 2503
 
 
 def test_scheduled_rows_are_not_pending_until_due(store: Store):
