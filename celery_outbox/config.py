@@ -101,6 +101,12 @@ def _seconds(key: str, value: Any) -> float:
     return float(value)
 
 
+def _non_negative_number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _fail(key, value, "expected a number, 0 or more")
+    return float(value)
+
+
 def _optional_seconds(key: str, value: Any) -> float | None:
     return None if value is None else _seconds(key, value)
 
@@ -181,6 +187,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Rows one recover step handles per short transaction."),
     Setting("cleanup_batch_size", 5000, _positive_int,
             "Handled rows one cleanup batch deletes, in its own short transaction."),
+    Setting("cleanup_rest", 1.0, _non_negative_number,
+            "After each cleanup batch, cleanup rests this many times as long as the batch took, so the "
+            "inbox inserts of busy workers keep their latency while it deletes; `0` runs the batches "
+            "back to back, as fast as the database allows."),
     Setting("max_batches_per_run", 100, _positive_int,
             "Cap on the batches one relay, recover or cleanup pass runs; the next pass continues."),
     Setting("recover_interval", 5.0, _seconds,
@@ -222,6 +232,7 @@ class OutboxSettings:
     relay_max_attempts: int = 10
     recover_batch_size: int = 1000
     cleanup_batch_size: int = 5000
+    cleanup_rest: float = 1.0
     max_batches_per_run: int = 100
     recover_interval: float = 5.0
     cleanup_interval: float = 60.0

@@ -37,6 +37,7 @@ the records of sent messages to the archive.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
@@ -162,16 +163,22 @@ def detect_dead_nodes(outbox: "Outbox") -> list[int]:
 
 
 def _in_batches(outbox: "Outbox", batch_size: int, max_batches: int | None,
-                step: Callable[[Any], int], durable: bool = True) -> tuple[int, int]:
+                step: Callable[[Any], int], durable: bool = True, rest: float = 0.0) -> tuple[int, int]:
     """Run ``step(conn)`` (which handles at most ``batch_size`` rows and returns how many), each time in
     its own short transaction, until a batch comes back short or the cap per run is reached.
     ``durable=False`` for steps whose lost commit is simply done again by the next pass: their
-    commits do not wait for the WAL flush (nor hold up the flushes of other transactions).
+    commits do not wait for the WAL flush (nor hold up the flushes of other transactions). Before
+    each next batch, sleep ``rest`` times as long as the batch took.
     Returns (rows handled, batches that handled any)."""
     total = batches = 0
+    took = 0.0
     for _ in range(max_batches or outbox.settings.max_batches_per_run):
+        if rest and took:
+            time.sleep(rest * took)
+        started = time.monotonic()
         with outbox.store.begin(durable=durable) as conn:
             count = step(conn)
+        took = time.monotonic() - started
         total += count
         batches += bool(count)
         if count < batch_size:
@@ -318,7 +325,9 @@ def delete_expired_inbox_rows(outbox: "Outbox", result: CleanupResult, max_batch
             crashpoint("during_cleanup")
         return count
 
-    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False)  # lost: deleted again
+    # a lost commit: the rows are deleted again
+    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False,
+                                   rest=outbox.settings.cleanup_rest)
     result.incoming_deleted += deleted
     result.batches += batches
 
@@ -339,7 +348,9 @@ def expire_dead_letters(outbox: "Outbox", result: CleanupResult, max_batches: in
             result.archived += len(rows)
         return store.delete_dead_letters(conn, [row.id for row in rows])
 
-    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False)  # lost: deleted again
+    # a lost commit: the rows are deleted again
+    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False,
+                                   rest=outbox.settings.cleanup_rest)
     result.dead_letters_deleted += deleted
     result.batches += batches
 
@@ -356,6 +367,8 @@ def archive_sent_records(outbox: "Outbox", result: CleanupResult, max_batches: i
             archiver.archive("sent", rows)
         return store.delete_sent_records(conn, [row.id for row in rows])
 
-    archived, batches = _in_batches(outbox, batch, max_batches, move, durable=False)  # lost: archived again
+    # a lost commit: the rows are archived again
+    archived, batches = _in_batches(outbox, batch, max_batches, move, durable=False,
+                                    rest=outbox.settings.cleanup_rest)
     result.archived += archived
     result.batches += batches

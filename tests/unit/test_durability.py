@@ -5,6 +5,7 @@ tests/integration/test_durability_workers.py."""
 from __future__ import annotations
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 from kombu.utils import json as kombu_json
@@ -166,6 +167,28 @@ def test_cleanup_deletes_expired_rows_and_hands_them_to_the_archiver_first(sqlit
     assert [m for kind, m in archived if kind == "dead_letters"] == ["old-letter"]
     assert store.count_incoming() == 1 and store.get_incoming("kept") is not None
     assert [r.message_id for r in store.list_dead_letters(store.dead_letter_filter())] == ["new-letter"]
+
+
+@pytest.mark.parametrize("rest", [0, 2.5])
+def test_cleanup_rests_between_batches_in_proportion_to_each_batch(sqlite_url, table_prefix, monkeypatch, rest):
+    """``outbox_cleanup_rest`` sleeps ``rest`` times each batch's own duration before the next batch."""
+    from celery_outbox import durability
+
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_cleanup_batch_size=4, outbox_cleanup_rest=rest)
+    shop.outbox.ready()
+    store = shop.outbox.store
+    now = utcnow()
+    with store.begin() as conn:
+        for n in range(10):
+            store.insert_incoming(conn, dict(message_id=f"old{n}", destination="", status="handled",
+                                             received_at=now, keep_until=now - timedelta(seconds=1)))
+    clock = iter(range(0, 1000, 2))  # every batch takes 2 s on cleanup's clock
+    slept: list[float] = []
+    monkeypatch.setattr(durability, "time", SimpleNamespace(monotonic=lambda: float(next(clock)),
+                                                            sleep=slept.append))
+    result = shop.outbox.cleanup()
+    assert (result.incoming_deleted, result.batches) == (10, 3)
+    assert slept == ([] if rest == 0 else [rest * 2, rest * 2]), "a rest before each batch after the first"
 
 
 def test_a_failing_archiver_deletes_nothing(shop):
