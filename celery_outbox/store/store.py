@@ -2,7 +2,7 @@
 
 Every method that takes a ``conn`` runs inside the caller's transaction (a unit of
 work, a relay batch) and never commits; methods without one open their own short
-transaction. PostgreSQL gets its fast paths (INSERT from arrays, ``= ANY(array)``
+transaction. PostgreSQL gets its fast paths (INSERT from one JSON parameter, ``= ANY(array)``
 deletes, ``FOR UPDATE SKIP LOCKED`` claims, ``ON CONFLICT``, advisory locks);
 SQLite gets equivalents that are correct because every SQLite transaction of the
 store is ``BEGIN IMMEDIATE`` (one writer at a time).
@@ -10,7 +10,9 @@ store is ``BEGIN IMMEDIATE`` (one writer at a time).
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -20,9 +22,13 @@ from sqlalchemy import (
     BigInteger,
     Connection,
     Integer,
+    LargeBinary,
     Row,
+    String,
+    Text,
     and_,
     bindparam,
+    cast,
     delete,
     func,
     inspect,
@@ -59,15 +65,34 @@ def utcnow() -> datetime:
 
 
 @functools.lru_cache(maxsize=64)
-def _insert_from_arrays(table: Any, names: tuple[str, ...]) -> Any:
-    """PostgreSQL: ``INSERT INTO table (names) SELECT ... FROM unnest(one array per column) WITH
-    ORDINALITY ORDER BY ordinality RETURNING id``. The ids come from the table's sequence in the
-    arrays' order, so the ascending ids match the rows in order."""
-    arrays = func.unnest(*[bindparam(f"array_{name}", type_=postgresql.ARRAY(table.c[name].type))
-                           for name in names])
-    source = arrays.table_valued(*names, with_ordinality="ordinality").render_derived()
-    rows = select(*[source.c[name] for name in names]).order_by(source.c.ordinality)
+def _insert_from_json(table: Any, names: tuple[str, ...]) -> Any:
+    """PostgreSQL: ``INSERT INTO table (names) SELECT ... FROM jsonb_array_elements(:rows) WITH
+    ORDINALITY ORDER BY ordinality RETURNING id``: the rows travel as one JSON text (bytes in
+    base64, see ``_json_rows``). The ids come from the table's sequence in the rows' order, so the
+    ascending ids match the rows in order."""
+    def value(name: str) -> Any:
+        field = literal_column("given.doc").op("->>")(name)
+        kind = table.c[name].type
+        if isinstance(kind, LargeBinary):
+            return func.decode(field, "base64")
+        return field if isinstance(kind, (String, Text)) else cast(field, kind)
+
+    given = func.jsonb_array_elements(cast(bindparam("rows", type_=Text), postgresql.JSONB)).table_valued(
+        "doc", with_ordinality="ordinality").render_derived(name="given")
+    rows = select(*[value(name) for name in names]).select_from(given).order_by(given.c.ordinality)
     return table.insert().from_select(list(names), rows).returning(table.c.id)
+
+
+def _json_rows(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> str:
+    """The rows as one JSON array for ``_insert_from_json``: bytes in base64, datetimes in ISO 8601."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return base64.b64encode(value).decode("ascii")
+        if isinstance(value, datetime):
+            return value.isoformat()
+        return value
+
+    return json.dumps([{name: plain(row[name]) for name in names} for row in rows], separators=(",", ":"))
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -180,8 +205,8 @@ class Store:
 
     def insert_outgoing(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> list[int]:
         """Insert fully built messages. Returns their ids in the rows' order. PostgreSQL: one
-        INSERT from an array per column, whatever the row count; SQLite: one multi-row INSERT
-        per 1000 rows."""
+        INSERT from one JSON array of the rows, whatever their count; SQLite: one multi-row
+        INSERT per 1000 rows."""
         if not rows:
             return []
         table = self.tables.outgoing
@@ -189,11 +214,10 @@ class Store:
         rows = [{key: row.get(key) for key in columns} for row in rows]
         ids: list[int] = []
         if self.is_postgres:
-            # one array per column: the same short statement at any row count, so psycopg and
-            # PostgreSQL parse and plan it once; the sequence numbers the rows in array order
+            # the rows as one JSON parameter: the same short statement at any row count, so psycopg
+            # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
             names = tuple(sorted(columns))
-            arrays = {f"array_{name}": [row[name] for row in rows] for name in names}
-            return sorted(conn.execute(_insert_from_arrays(table, names), arrays).scalars())
+            return sorted(conn.execute(_insert_from_json(table, names), {"rows": _json_rows(rows, names)}).scalars())
         for start in range(0, len(rows), INSERT_CHUNK):
             # one explicit multi-row INSERT; SQLite's rowids ascend in VALUES order under the
             # store's exclusive write lock
