@@ -138,16 +138,23 @@ def test_an_envelope_recovered_too_often_is_dead_lettered(shop):
     assert nothing_more(shop.app, shop.durable_queue)
 
 
+def expired_inbox_rows(store, count: int) -> None:
+    """``count`` handled inbox rows ``old0``.. whose ``keep_until`` has just passed."""
+    now = utcnow()
+    with store.begin() as conn:
+        for n in range(count):
+            store.insert_incoming(conn, dict(message_id=f"old{n}", destination="", status="handled",
+                                             received_at=now, keep_until=now - timedelta(seconds=1)))
+
+
 def test_cleanup_deletes_expired_rows_and_hands_them_to_the_archiver_first(sqlite_url, table_prefix):
     shop = make_shop("memory://", sqlite_url, table_prefix, outbox_cleanup_batch_size=4,
                      outbox_dead_letter_retention=3600)
     shop.outbox.ready()
     store = shop.outbox.store
     now = utcnow()
+    expired_inbox_rows(store, 10)
     with store.begin() as conn:
-        for n in range(10):
-            store.insert_incoming(conn, dict(message_id=f"old{n}", destination="", status="handled",
-                                             received_at=now, keep_until=now - timedelta(seconds=1)))
         store.insert_incoming(conn, dict(message_id="kept", destination="", status="handled", received_at=now,
                                          keep_until=now + timedelta(days=1)))
         store.insert_dead_letters(conn, [
@@ -176,12 +183,7 @@ def test_cleanup_rests_between_batches_in_proportion_to_each_batch(sqlite_url, t
 
     shop = make_shop("memory://", sqlite_url, table_prefix, outbox_cleanup_batch_size=4, outbox_cleanup_rest=rest)
     shop.outbox.ready()
-    store = shop.outbox.store
-    now = utcnow()
-    with store.begin() as conn:
-        for n in range(10):
-            store.insert_incoming(conn, dict(message_id=f"old{n}", destination="", status="handled",
-                                             received_at=now, keep_until=now - timedelta(seconds=1)))
+    expired_inbox_rows(shop.outbox.store, 10)
     clock = iter(range(0, 1000, 2))  # every batch takes 2 s on cleanup's clock
     slept: list[float] = []
     monkeypatch.setattr(durability, "time", SimpleNamespace(monotonic=lambda: float(next(clock)),
