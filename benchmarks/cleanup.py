@@ -21,13 +21,13 @@ from datetime import timedelta
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import inspect, text
+from sqlalchemy import text
 
 from celery_outbox import Outbox
 from celery_outbox.store import Store, build_engine, utcnow
 from celery_outbox.store.schema import UNOWNED
 
-from .common import POSTGRES_URL, Options, Result, percentile, unique_prefix
+from .common import POSTGRES_URL, Options, Result, drop_store, percentile, unique_prefix
 
 
 def run(options: Options) -> list[Result]:
@@ -75,7 +75,7 @@ def run(options: Options) -> list[Result]:
     finally:
         if claims is not None:
             claims.close()
-        _drop(outbox)
+        drop_store(outbox)
 
 
 def _load(outbox: Outbox, rows: int) -> None:
@@ -169,16 +169,6 @@ def _claim(prefix: str, keep_seconds: float, active: Any, stop: Any, sender: Any
         sender.send(samples)
     finally:
         store.engine.dispose()
-
-
-def _drop(outbox: Outbox) -> None:
-    store = outbox.store
-    with store.engine.begin() as conn:
-        existing = set(inspect(conn).get_table_names())
-        for table in reversed(store.tables.all()):
-            if table.name in existing:
-                table.drop(conn)
-    store.engine.dispose()
 
 
 def _progress(message: str) -> None:

@@ -52,6 +52,25 @@ def unique_prefix() -> str:
     return f"b{uuid.uuid4().hex[:10]}_"
 
 
+def delete_queues(app: Any, names: Any) -> None:
+    """Delete the benchmark's queues from the broker (one never declared is skipped)."""
+    with app.connection_for_write() as connection:
+        for name in names:
+            try:
+                app.amqp.queues[name].bind(connection.default_channel).delete()
+            except Exception:  # noqa: BLE001 - a queue never declared needs no deleting
+                pass
+
+
+def drop_store(outbox: Any) -> None:
+    """Drop the outbox's tables (those that exist) and close its engine."""
+    store = outbox.store
+    with store.begin() as conn:
+        for table in reversed(store.tables.all()):
+            table.drop(conn, checkfirst=True)
+    store.engine.dispose()
+
+
 def best_of(repeats: int, measure: Callable[[], float]) -> float:
     """The best of ``repeats`` throughput measurements (the least disturbed by the rest of the machine)."""
     return max(measure() for _ in range(repeats))

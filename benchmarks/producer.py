@@ -23,7 +23,18 @@ from celery import Celery
 
 from celery_outbox import Outbox
 
-from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, best_of, rate, unique_prefix
+from .common import (
+    POSTGRES_URL,
+    RABBITMQ_URL,
+    REDIS_URL,
+    Options,
+    Result,
+    best_of,
+    delete_queues,
+    drop_store,
+    rate,
+    unique_prefix,
+)
 
 BATCHES = (1, 10, 100)
 
@@ -83,16 +94,8 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
 
 
 def _tear_down(app: Celery, outbox: Outbox) -> None:
-    with app.connection_for_write() as connection:
-        for queue in app.amqp.queues.values():
-            try:
-                queue.bind(connection.default_channel).delete()
-            except Exception:  # noqa: BLE001 - a queue never declared needs no deleting
-                pass
-    with outbox.store.begin() as conn:
-        for table in reversed(outbox.store.tables.all()):
-            table.drop(conn, checkfirst=True)
-    outbox.engine.dispose()
+    delete_queues(app, list(app.amqp.queues))
+    drop_store(outbox)
 
 
 def run(options: Options) -> list[Result]:

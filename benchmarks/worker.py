@@ -22,7 +22,7 @@ import redis
 from sqlalchemy import create_engine
 
 from . import worker_app
-from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, rate
+from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store, rate
 
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
@@ -91,17 +91,9 @@ class Run:
             self.marks.delete(f"{key}:start", f"{key}:end")
 
     def close(self) -> None:
-        with self.app.connection_for_write() as connection:
-            for name in (self.env["BENCH_QUEUE"], self.env["BENCH_DURABLE_QUEUE"]):
-                try:
-                    self.app.amqp.queues[name].bind(connection.default_channel).delete()
-                except Exception:  # noqa: BLE001 - a queue never declared needs no deleting
-                    pass
+        delete_queues(self.app, (self.env["BENCH_QUEUE"], self.env["BENCH_DURABLE_QUEUE"]))
         self.metadata.drop_all(self.outbox.engine)
-        with self.outbox.store.begin() as conn:
-            for table in reversed(self.outbox.store.tables.all()):
-                table.drop(conn, checkfirst=True)
-        self.outbox.engine.dispose()
+        drop_store(self.outbox)
 
 
 def commit_rate(commits: int) -> float:
