@@ -83,7 +83,7 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                     break
                 result.batches += 1
                 last_id = rows[-1].id
-                published: list[tuple[Any, OutgoingMessage]] = []
+                published: list[OutgoingMessage] = []
                 poisoned: list[tuple[Any, BaseException]] = []
                 expired = [row for row in rows if _expired(row, now)]
                 expired_ids = {row.id for row in expired}
@@ -105,17 +105,17 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                             if attempts >= settings.relay_max_attempts:
                                 poisoned.append((row, exc))
                             continue
-                        published.append((row, message))
+                        published.append(message)
                 if batch.error is not None:  # nothing of it counts as sent: the rows wait for the next pass
                     result.broker_error = f"{type(batch.error).__name__}: {batch.error}"
-                    for _, message in published:
+                    for message in published:
                         publish_failed.send(sender=outbox, message=message, exception=batch.error)
                     published = []
-                for _, message in published:
+                for message in published:
                     result.published += 1
                     _announce(outbox, message)
                     crashpoint("during_relay")
-                sent = [row.id for row, _ in published]
+                sent = [message.row_id for message in published]
                 if expired:
                     store.insert_dead_letters(conn, [_dead_letter(row, None, "expired") for row in expired])
                     result.expired += len(expired)
