@@ -84,7 +84,8 @@ def _insert_from_json(table: Any, names: tuple[str, ...]) -> Any:
 
 
 def _json_rows(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> str:
-    """The rows as one JSON array for ``_insert_from_json``: bytes in base64, datetimes in ISO 8601."""
+    """The rows as one JSON array for ``_insert_from_json``: bytes in base64, datetimes in ISO 8601,
+    a column a row lacks as null."""
     def plain(value: Any) -> Any:
         if isinstance(value, (bytes, bytearray, memoryview)):
             return base64.b64encode(value).decode("ascii")
@@ -92,7 +93,7 @@ def _json_rows(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> str:
             return value.isoformat()
         return value
 
-    return json.dumps([{name: plain(row[name]) for name in names} for row in rows], separators=(",", ":"))
+    return json.dumps([{name: plain(row.get(name)) for name in names} for row in rows], separators=(",", ":"))
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -211,13 +212,13 @@ class Store:
             return []
         table = self.tables.outgoing
         columns = {key for row in rows for key in row}
-        rows = [{key: row.get(key) for key in columns} for row in rows]
-        ids: list[int] = []
         if self.is_postgres:
             # the rows as one JSON parameter: the same short statement at any row count, so psycopg
             # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
             names = tuple(sorted(columns))
             return sorted(conn.execute(_insert_from_json(table, names), {"rows": _json_rows(rows, names)}).scalars())
+        rows = [{key: row.get(key) for key in columns} for row in rows]
+        ids: list[int] = []
         for start in range(0, len(rows), INSERT_CHUNK):
             # one explicit multi-row INSERT; SQLite's rowids ascend in VALUES order under the
             # store's exclusive write lock
