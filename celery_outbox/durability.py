@@ -237,7 +237,7 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
                         logger.warning("celery-outbox recover: broker unavailable, envelopes wait: %s",
                                        result.broker_error)
                         return
-                    queues = BoundQueues(app.amqp.queues, producer.channel)
+                    queues = BoundQueues(app.amqp.queues, producer)
                 exhausted = [row for row in rows if row.recoveries >= settings.relay_max_attempts]
                 if exhausted:
                     _give_up(outbox, conn, exhausted, now)

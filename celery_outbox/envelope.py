@@ -69,11 +69,14 @@ class OutgoingMessage:
     def is_due(self, now: datetime) -> bool:
         return self.deliver_at is None or self.deliver_at <= now
 
-    def publish(self, producer, retry: bool | None = None) -> None:
-        """Publish with ``producer``; ``retry=False`` fails fast (the relay will try again)."""
+    def publish(self, producer, retry: bool | None = None, entities: Any = None) -> None:
+        """Publish with ``producer``; ``retry=False`` fails fast (the relay will try again).
+        ``entities`` (a ``BoundQueues``) binds the entities to declare once per loop."""
         options = dict(self.sending)
         if retry is not None:
             options["retry"] = retry
+        if entities is not None and options.get("declare"):
+            options["declare"] = entities.bind(options["declare"])
         producer.publish(
             self.body,
             content_type=self.content_type,

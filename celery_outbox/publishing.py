@@ -38,7 +38,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .broker import PublishBatch, connect_quickly, connection_errors
+from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage, capture, queue_name
 from .signals import message_published, publish_failed
@@ -230,6 +230,7 @@ class Publisher:
         app = self.outbox.app
         sent: list[int] = []
         with app.producer_or_acquire() as producer:
+            entities = BoundQueues(app.amqp.queues, producer)
             broker_errors = connection_errors(producer.connection)
             # durable messages fail fast when the broker is down: their rows wait for the relay
             broker_down = bool(owned) and connect_quickly(producer.connection) is not None
@@ -237,20 +238,21 @@ class Publisher:
                 if not durable:
                     for message in run:
                         try:
-                            message.publish(producer)
+                            message.publish(producer, entities=entities)
                         except Exception as exc:  # noqa: BLE001 - reported: a plain message is lost
                             broker_down = broker_down or isinstance(exc, broker_errors)
                             self._failed(message, exc)
                         else:
                             message_published.send(sender=self.outbox, message=message, relayed=False)
                     continue
-                published, broker_down = self._publish_durable(producer, list(run), owned, broker_down,
-                                                               broker_errors)
+                published, broker_down = self._publish_durable(producer, entities, list(run), owned,
+                                                               broker_down, broker_errors)
                 sent += [message.row_id for message in published]
         return sent
 
-    def _publish_durable(self, producer: Any, run: list[OutgoingMessage], owned: set[int], broker_down: bool,
-                         broker_errors: tuple[type[BaseException], ...]) -> tuple[list[OutgoingMessage], bool]:
+    def _publish_durable(self, producer: Any, entities: BoundQueues, run: list[OutgoingMessage], owned: set[int],
+                         broker_down: bool, broker_errors: tuple[type[BaseException], ...],
+                         ) -> tuple[list[OutgoingMessage], bool]:
         """One batch of consecutive durable messages; a failed one keeps its row for the relay."""
         run = [message for message in run if message.row_id in owned]  # the others, a relay took
         if broker_down:
@@ -264,7 +266,7 @@ class Publisher:
                     self._failed(message, KombuOperationalError("the broker did not answer"))
                     continue
                 try:
-                    message.publish(producer, retry=False)
+                    message.publish(producer, retry=False, entities=entities)
                 except Exception as exc:  # noqa: BLE001 - reported, and its row stays
                     broker_down = isinstance(exc, broker_errors)
                     self._failed(message, exc)

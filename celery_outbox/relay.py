@@ -72,7 +72,7 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
         if result.broker_error:
             logger.warning("celery-outbox relay: broker unavailable, nothing relayed: %s", result.broker_error)
             return result
-        queues = BoundQueues(app.amqp.queues, producer.channel)
+        queues = BoundQueues(app.amqp.queues, producer)
         last_id = 0  # one pass walks the table once: a failing row is tried once per pass
         while result.batches < limit:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
@@ -153,7 +153,7 @@ def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, st
                     error = connect_quickly(producer.connection)
                     if error:
                         return published, error
-                    queues = BoundQueues(app.amqp.queues, producer.channel)
+                    queues = BoundQueues(app.amqp.queues, producer)
                 marked = []
                 for row in rows:
                     message = from_row(row, queues)

@@ -2,7 +2,8 @@
 
 On Redis a batch goes out as one pipeline, in call order, with each exchange's bindings
 looked up once; a batch that cannot be flushed reports its error instead of raising. On
-RabbitMQ (no batching in kombu) every publish goes out at once.
+RabbitMQ (no batching in kombu) every publish goes out at once. ``BoundQueues`` binds the
+entities a loop of publishes declares once, and they are still declared.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 from kombu import Connection, Exchange, Queue
 
-from celery_outbox.broker import PublishBatch
+from celery_outbox.broker import BoundQueues, PublishBatch
 
 from ..services import TcpProxy
 
@@ -98,4 +99,22 @@ def test_rabbitmq_publishes_each_message_at_once(rabbitmq_url, queue):
             with Connection(rabbitmq_url) as other:
                 assert drain(other, queue) == [-1, 0, 1, 2, 3, 4], "no batching: already sent"
         assert batch.error is None
+        queue.bind(connection.default_channel).delete()
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_entities_bound_once_per_loop_are_declared_and_receive(broker, redis_url, rabbitmq_url, queue):
+    url = redis_url if broker == "redis" else rabbitmq_url
+    with Connection(url) as connection:
+        producer = connection.Producer()
+        entities = BoundQueues({queue.name: queue}, producer)
+        (bound,) = entities.bind([queue])
+        assert bound is not queue and bound.channel is producer.channel
+        assert entities.bind([queue]) == [bound] and entities.bind([queue])[0] is bound, "bound once"
+        assert entities[queue.name] is not queue and entities[queue.name].channel is producer.channel
+        for n in range(3):  # the queue does not exist yet: the first publish declares it
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key=queue.routing_key,
+                             declare=entities.bind([queue]), serializer="json", retry=False)
+        with Connection(url) as other:
+            assert drain(other, queue) == [0, 1, 2]
         queue.bind(connection.default_channel).delete()
