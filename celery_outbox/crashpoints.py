@@ -7,7 +7,7 @@ point costs one comparison.
 
 Points: ``after_claim`` (inbox row written, body not run), ``before_commit`` (body
 done, commit not yet made), ``after_commit`` (committed, nothing published),
-``after_publish`` (published, outgoing rows not marked sent), ``during_relay``,
+``after_publish`` (published, the outgoing rows' sent marks not committed), ``during_relay``,
 ``during_recover``, ``during_cleanup``.
 """
 

@@ -7,10 +7,10 @@ into the unit of work instead of going to the broker:
 
 * before the Session's outermost commit, messages for durable queues are written
   to the outgoing table with one INSERT, inside that same transaction;
-* after the commit, every captured message is published in call order with one
-  producer, and the sent durable rows are marked sent with one UPDATE (the
-  consuming inbox deletes them when it has the message; recovery publishes them
-  again if it never does);
+* after the commit, the durable rows are taken (locked and marked sent) with one
+  UPDATE, every captured message is published in call order with one producer,
+  and the marks commit (the consuming inbox deletes the rows when it has the
+  message; redelivery publishes them again if it never does);
 * on rollback nothing is published; a rolled-back SAVEPOINT discards only the
   messages captured inside it.
 
@@ -200,11 +200,14 @@ class Publisher:
         self.publish_committed(messages)
 
     def publish_committed(self, messages: list[OutgoingMessage]) -> None:
-        """Publish in call order with one producer; mark the sent durable rows in one statement.
+        """Publish in call order with one producer; durable rows are taken in one statement.
 
-        Durable rows are locked (``SKIP LOCKED``) first, so a relay running at the same
-        moment never sends them too; a durable publish that fails leaves its row for
-        the relay. Never raises for a broker error: the commit already happened.
+        In one transaction: the durable rows are locked (``SKIP LOCKED``: a relay running
+        at the same moment never sends them too) and marked sent (with delivery tracking
+        off, deleted after the publish instead); then published; a row whose publish
+        failed is unmarked, for the relay. A crash before the commit rolls the marks back:
+        the relay sends those rows. Never raises for a broker error: the commit already
+        happened.
         """
         now = utcnow()
         messages = [m for m in messages if not m.durable or m.is_due(now)]  # scheduled ones wait in the store
@@ -213,14 +216,21 @@ class Publisher:
             self._publish_all(messages, owned=set())
             return
         store = self.outbox.store
+        redeliver_at = self.outbox.settings.first_redelivery(now)
         try:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
-                owned = set(store.lock_outgoing(conn, durable_ids))
+                if redeliver_at is None:
+                    owned = set(store.lock_outgoing(conn, durable_ids))
+                else:
+                    owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
                 sent = self._publish_all(messages, owned)
                 crashpoint("after_publish")
-                now = utcnow()
-                store.finish_sent(conn, sent, now, self.outbox.settings.first_redelivery(now),
-                                  record=self.outbox.archiver is not None)
+                if redeliver_at is None:
+                    store.delete_outgoing(conn, sent)
+                else:
+                    store.unmark_sent(conn, sorted(owned.difference(sent)))
+                if sent and self.outbox.archiver is not None:
+                    store.record_sent(conn, sent, now)
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
 

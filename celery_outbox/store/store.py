@@ -240,26 +240,49 @@ class Store:
 
     def finish_sent(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime | None,
                     record: bool = False) -> int:
-        """After a publish, in one statement: keep the rows as sent until the consuming inbox
-        acknowledges them (redelivered at ``redeliver_at`` if it has not), or, with delivery
-        tracking off (``redeliver_at`` None), delete them. With ``record`` (an archive is
-        configured) the first send of each row is also written to the ``sent`` table."""
+        """After a publish of unsent rows, in one statement: keep the rows as sent until the
+        consuming inbox acknowledges them (redelivered at ``redeliver_at`` if it has not), or,
+        with delivery tracking off (``redeliver_at`` None), delete them. With ``record`` (an
+        archive is configured) each send is also written to the ``sent`` table."""
         if not ids:
             return 0
         table = self.tables.outgoing
         if record:
-            sent = self.tables.sent
-            conn.execute(sent.insert().from_select(
-                ["message_id", "destination", "task_name", "created_at", "sent_at"],
-                select(table.c.message_id, table.c.destination, table.c.task_name, table.c.created_at,
-                       bindparam("sent_now", now, type_=sent.c.sent_at.type))
-                .where(self._id_predicate(table.c.id, ids)).where(table.c.sent_at.is_(None))))
+            self.record_sent(conn, ids, now)
         if redeliver_at is None:
             return self.delete_outgoing(conn, ids)
         return conn.execute(
             update(table).where(self._id_predicate(table.c.id, ids))
             .values(sent_at=func.coalesce(table.c.sent_at, now), redeliver_at=redeliver_at)
         ).rowcount
+
+    def record_sent(self, conn: Connection, ids: Sequence[int], now: datetime) -> None:
+        """Write the first send of the given rows, at ``now``, to the ``sent`` table (the audit's)."""
+        table, sent = self.tables.outgoing, self.tables.sent
+        conn.execute(sent.insert().from_select(
+            ["message_id", "destination", "task_name", "created_at", "sent_at"],
+            select(table.c.message_id, table.c.destination, table.c.task_name, table.c.created_at,
+                   bindparam("sent_now", now, type_=sent.c.sent_at.type))
+            .where(self._id_predicate(table.c.id, ids))))
+
+    def take_outgoing(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime) -> list[int]:
+        """Before publishing them: lock the given rows that still exist, are unsent and no relay
+        holds, and mark them sent (redelivered at ``redeliver_at`` unless acknowledged), in one
+        statement; return their ids. The marks commit with the caller's transaction, after the
+        publish; ``unmark_sent`` takes them back from rows whose publish failed."""
+        if not ids:
+            return []
+        table = self.tables.outgoing
+        return list(conn.execute(
+            update(table).where(table.c.id.in_(self._unsent_unlocked(ids)))
+            .values(sent_at=now, redeliver_at=redeliver_at).returning(table.c.id)).scalars())
+
+    def unmark_sent(self, conn: Connection, ids: Sequence[int]) -> None:
+        """Rows ``take_outgoing`` marked whose publish failed: unsent again, for the relay."""
+        if ids:
+            table = self.tables.outgoing
+            conn.execute(update(table).where(self._id_predicate(table.c.id, ids))
+                         .values(sent_at=None, redeliver_at=None))
 
     def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None,
                              attempt: tuple[int, int, int]) -> int:
@@ -313,11 +336,14 @@ class Store:
         """Lock the given outgoing rows that still exist, are unsent and no relay holds; return their ids."""
         if not ids:
             return []
+        return list(conn.execute(self._unsent_unlocked(ids)).scalars())
+
+    def _unsent_unlocked(self, ids: Sequence[int]):
+        """SELECT the ids among ``ids`` of rows that exist and are unsent, locking them, skipping
+        the ones another transaction holds (SQLite: the store's write lock serialises instead)."""
         table = self.tables.outgoing
         query = select(table.c.id).where(self._id_predicate(table.c.id, ids)).where(table.c.sent_at.is_(None))
-        if self.is_postgres:
-            query = query.with_for_update(skip_locked=True)
-        return list(conn.execute(query).scalars())
+        return query.with_for_update(skip_locked=True) if self.is_postgres else query
 
     def lock_pending_outgoing(self, conn: Connection, limit: int, now: datetime, after_id: int = 0) -> list[Row]:
         """Lock up to ``limit`` due, unsent outgoing rows with ``id > after_id``, oldest first.

@@ -336,7 +336,7 @@ def test_acknowledging_an_attempt_keeps_later_attempts(store: Store):
 
 
 def test_an_acknowledgment_overtaking_its_publisher_waits_and_deletes(store: Store):
-    """The consumer acknowledges while the publisher still holds the row, before it marks it sent."""
+    """The consumer acknowledges while the publisher still holds the row it took, before its commit."""
     if not store.is_postgres:
         pytest.skip("SQLite serialises the two transactions: no overtaking")
     from .test_store_contract import outgoing_row
@@ -347,7 +347,7 @@ def test_an_acknowledgment_overtaking_its_publisher_waits_and_deletes(store: Sto
     acknowledged: list[int] = []
     with store.engine.connect() as publisher:
         with publisher.begin():
-            assert store.lock_outgoing(publisher, [row_id]) == [row_id]
+            assert store.take_outgoing(publisher, [row_id], now, now + timedelta(minutes=10)) == [row_id]
 
             def consumer():
                 with store.begin() as conn:
@@ -357,7 +357,60 @@ def test_an_acknowledgment_overtaking_its_publisher_waits_and_deletes(store: Sto
             thread.start()
             thread.join(0.5)
             assert thread.is_alive(), "the acknowledgment waits for the publisher's row lock"
-            store.finish_sent(publisher, [row_id], now, now + timedelta(minutes=10))
         thread.join(10)
     assert acknowledged == [1]
     assert store.count_outgoing() == 0
+
+
+def outgoing_state(store: Store) -> dict[int, tuple]:
+    table = store.tables.outgoing
+    with store.begin() as conn:
+        return {row.id: (row.sent_at is not None, row.redeliver_at is not None)
+                for row in conn.execute(select(table.c.id, table.c.sent_at, table.c.redeliver_at))}
+
+
+def test_taking_rows_to_publish_locks_and_marks_them_in_one_statement(store: Store):
+    from .test_store_contract import StatementLog, outgoing_row
+
+    now = utcnow()
+    with store.begin() as conn:
+        taken, already_sent, not_asked = store.insert_outgoing(conn, [outgoing_row(n) for n in range(3)])
+        store.finish_sent(conn, [already_sent], now, now + timedelta(minutes=10))
+    log = StatementLog(store.engine)
+    try:
+        with store.begin() as conn:
+            assert store.take_outgoing(conn, [taken, already_sent], now, now + timedelta(minutes=10)) == [taken]
+    finally:
+        log.close()
+    assert len([s for s in log.statements if "outgoing" in s]) == 1
+    assert outgoing_state(store) == {taken: (True, True), already_sent: (True, True), not_asked: (False, False)}
+    with store.begin() as conn:
+        assert store.lock_pending_outgoing(conn, 10, utcnow())[0].id == not_asked, "the relay sees only the unsent"
+
+
+def test_rows_whose_publish_failed_are_unmarked_for_the_relay(store: Store):
+    from .test_store_contract import outgoing_row
+
+    now = utcnow()
+    with store.begin() as conn:
+        published, failed = store.insert_outgoing(conn, [outgoing_row(1), outgoing_row(2)])
+        assert store.take_outgoing(conn, [published, failed], now, now + timedelta(minutes=10)) == [published, failed]
+        store.unmark_sent(conn, [failed])
+    assert outgoing_state(store) == {published: (True, True), failed: (False, False)}
+    with store.begin() as conn:
+        assert [row.id for row in store.lock_pending_outgoing(conn, 10, utcnow())] == [failed]
+
+
+def test_a_row_a_relay_holds_is_not_taken(store: Store):
+    if not store.is_postgres:
+        pytest.skip("SQLite's write lock lets one transaction in at a time: nothing to skip")
+    from .test_store_contract import outgoing_row
+
+    now = utcnow()
+    with store.begin() as conn:
+        held, free = store.insert_outgoing(conn, [outgoing_row(1), outgoing_row(2)])
+    with store.engine.connect() as relay, relay.begin():
+        assert [row.id for row in store.lock_pending_outgoing(relay, 1, now)] == [held]
+        with store.begin() as conn:
+            assert store.take_outgoing(conn, [held, free], now, now + timedelta(minutes=10)) == [free]
+    assert outgoing_state(store) == {held: (False, False), free: (True, True)}
