@@ -34,7 +34,7 @@ ORDER_ID = "order-{}"
 
 
 def create(broker_url: str, database_url: str, prefix: str, queue: str, maintenance_queue: str,
-           visibility_timeout: float = 3, **conf) -> SimpleNamespace:
+           visibility_timeout: float = 3, body_seconds: float = 0.0, **conf) -> SimpleNamespace:
     app = Celery("fault_app", broker=broker_url, set_as_current=False)
     app.conf.update(
         task_default_queue=maintenance_queue,
@@ -60,6 +60,8 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
 
     def pay_body(task, order_id: str) -> None:
         task.session.execute(insert(effects).values(order_id=order_id, kind="payment", pid=os.getpid()))
+        if body_seconds:
+            time.sleep(body_seconds)  # a payment that takes a while: faults find bodies running
         receipt.apply_async((order_id,), task_id=f"receipt-{order_id}")
 
     @app.task(base=IdempotentTask, bind=True, name="fault.pay", shared=False, default_retry_delay=0.2)
@@ -126,7 +128,7 @@ def _wait_or_give_up(deadline: float) -> None:
 if "FAULT_BROKER_URL" in os.environ:
     shop = create(os.environ["FAULT_BROKER_URL"], os.environ["FAULT_DATABASE_URL"], os.environ["FAULT_PREFIX"],
                   os.environ["FAULT_QUEUE"], os.environ["FAULT_MAINTENANCE_QUEUE"],
-                  float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", 3)),
+                  float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", 3)), float(os.environ.get("FAULT_BODY_SECONDS", 0)),
                   **json.loads(os.environ.get("FAULT_CONF", "{}")))
     app = shop.app
 

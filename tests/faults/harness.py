@@ -158,7 +158,7 @@ class FaultRun:
 
     def __init__(self, scenario: str, tmp_path: Path, broker_url: str, database_url: str, *, orders: int = 150,
                  crashpoint: str | None = None, pace: float = 0.01, visibility_timeout: float = 3,
-                 producer_broker_url: str | None = None, copies: int = 15, **conf):
+                 body_seconds: float = 0.0, producer_broker_url: str | None = None, copies: int = 15, **conf):
         suffix = uuid.uuid4().hex[:8]
         self.scenario, self.tmp_path, self.orders, self.pace, self.copies = scenario, tmp_path, orders, pace, copies
         self.prefix = f"f{suffix}_"
@@ -166,7 +166,8 @@ class FaultRun:
         self.env = {
             "FAULT_BROKER_URL": broker_url, "FAULT_DATABASE_URL": database_url, "FAULT_PREFIX": self.prefix,
             "FAULT_QUEUE": f"fault_{suffix}", "FAULT_MAINTENANCE_QUEUE": f"fault_maintenance_{suffix}",
-            "FAULT_VISIBILITY_TIMEOUT": str(visibility_timeout), "FAULT_CONF": json.dumps(settings),
+            "FAULT_VISIBILITY_TIMEOUT": str(visibility_timeout), "FAULT_BODY_SECONDS": str(body_seconds),
+            "FAULT_CONF": json.dumps(settings),
         }
         if crashpoint:
             self.env[ENVIRONMENT_VARIABLE] = crashpoint
@@ -217,7 +218,8 @@ class FaultRun:
     def kill_consumer_in_flight(self, bodies: int = 2, timeout: float = 30.0) -> None:
         """``kill_consumer`` at a moment when at least ``bodies`` attempts run in it (their envelopes
         stored, not yet finished), caught by stopping the worker (SIGSTOP) to look: the kill is sure
-        to strand envelopes for recovery, not only messages the broker holds."""
+        to strand envelopes for recovery, not only messages the broker holds. Give the run bodies
+        that take a while (``body_seconds``), or two at once may never be caught."""
         group = self.processes["consumer"].process.pid
 
         def caught() -> bool:
