@@ -67,11 +67,11 @@ def utcnow() -> datetime:
 @functools.lru_cache(maxsize=64)
 def _insert_from_json(table: Any, names: tuple[str, ...]) -> Any:
     """PostgreSQL: ``INSERT INTO table (names) SELECT ... FROM jsonb_array_elements(:rows) WITH
-    ORDINALITY ORDER BY ordinality RETURNING id``: the rows travel as one JSON text (bytes in
-    base64, see ``_json_rows``). The ids come from the table's sequence in the rows' order, so the
-    ascending ids match the rows in order."""
-    def value(name: str) -> Any:
-        field = literal_column("given.doc").op("->>")(name)
+    ORDINALITY ORDER BY ordinality RETURNING id``: the rows travel as one JSON text, each row an
+    array of its values in the order of ``names`` (bytes in base64, see ``_json_rows``). The ids
+    come from the table's sequence in the rows' order, so the ascending ids match the rows in order."""
+    def value(position: int, name: str) -> Any:
+        field = literal_column("given.doc").op("->>")(literal_column(str(position)))
         kind = table.c[name].type
         if isinstance(kind, LargeBinary):
             return func.decode(field, "base64")
@@ -79,21 +79,25 @@ def _insert_from_json(table: Any, names: tuple[str, ...]) -> Any:
 
     given = func.jsonb_array_elements(cast(bindparam("rows", type_=Text), postgresql.JSONB)).table_valued(
         "doc", with_ordinality="ordinality").render_derived(name="given")
-    rows = select(*[value(name) for name in names]).select_from(given).order_by(given.c.ordinality)
+    rows = select(*[value(position, name) for position, name in enumerate(names)]).select_from(given) \
+        .order_by(given.c.ordinality)
     return table.insert().from_select(list(names), rows).returning(table.c.id)
 
 
 def _json_rows(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> str:
-    """The rows as one JSON array for ``_insert_from_json``: bytes in base64, datetimes in ISO 8601,
-    a column a row lacks as null."""
-    def plain(value: Any) -> Any:
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            return base64.b64encode(value).decode("ascii")
-        if isinstance(value, datetime):
-            return value.isoformat()
-        return value
+    """The rows as one JSON array of arrays for ``_insert_from_json``: each row's values in the
+    order of ``names``, a column a row lacks as null; bytes in base64, datetimes in ISO 8601 (the
+    only values the encoder hands to ``_json_value``)."""
+    return json.dumps([[row.get(name) for name in names] for row in rows], default=_json_value,
+                      separators=(",", ":"))
 
-    return json.dumps([{name: plain(row.get(name)) for name in names} for row in rows], separators=(",", ":"))
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"an outgoing row holds a {type(value).__name__}, which JSON cannot carry: {value!r}")
 
 
 def as_utc(value: datetime | None) -> datetime | None:
