@@ -35,12 +35,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.serialization import dumps
-from kombu.utils import json as kombu_json
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .crashpoints import crashpoint
-from .envelope import header_count
+from .envelope import header_count, json_text
 from .errors import StoreUnavailable
 from .publishing import UnitOfWork
 from .relay import REDELIVERY_HEADER
@@ -130,8 +129,8 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "body": body,
         "content_type": content_type,
         "content_encoding": content_encoding,
-        "headers": kombu_json.dumps(headers),
-        "properties": kombu_json.dumps({"priority": delivery_info.get("priority"), "correlation_id": request.id,
+        "headers": json_text(headers),
+        "properties": json_text({"priority": delivery_info.get("priority"), "correlation_id": request.id,
                                         "reply_to": request.reply_to}),
     }
 

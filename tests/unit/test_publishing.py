@@ -290,3 +290,17 @@ def test_eager_mode_runs_tasks_at_once_inside_the_transaction(shop):
         assert result.get() == 3, "task_always_eager runs the task at the call, as plain Celery does"
     assert nothing_more(shop.app, shop.plain_queue)
     assert unsent_rows(shop.outbox.store) == 0
+
+
+def test_stored_headers_are_kombu_json_and_come_back_whole():
+    from datetime import datetime, timezone
+    from decimal import Decimal
+
+    from kombu.utils import json as kombu_json
+
+    from celery_outbox.envelope import json_text
+
+    headers = {"eta": datetime(2026, 11, 22, 12, 30, tzinfo=timezone.utc), "id": uuid.uuid4(),
+               "price": Decimal("9.99"), "raw": b"\xff\x00", "text": "caf\u00e9", "none": None, "n": [1, 2.5]}
+    assert json_text(headers) == kombu_json.dumps(headers)
+    assert kombu_json.loads(json_text(headers)) == headers
