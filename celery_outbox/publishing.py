@@ -225,12 +225,12 @@ class Publisher:
                     owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
                 sent = self._publish_all(messages, owned)
                 crashpoint("after_publish")
+                if sent and self.outbox.archiver is not None:  # read from the rows: before they go
+                    store.record_sent(conn, sent, now)
                 if redeliver_at is None:
                     store.delete_outgoing(conn, sent)
                 else:
                     store.unmark_sent(conn, sorted(owned.difference(sent)))
-                if sent and self.outbox.archiver is not None:
-                    store.record_sent(conn, sent, now)
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
 

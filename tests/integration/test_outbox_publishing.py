@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from celery_outbox.crashpoints import EXIT_CODE
 from celery_outbox.signals import message_published
@@ -213,3 +214,26 @@ def test_process_dying_after_commit_loses_nothing(shop, crashpoint):
     assert 1 <= len(received) <= (1 if crashpoint == "after_commit" else 2), received
     assert {m.id for m in received} == {message_id}, "delivered; after_publish may deliver a copy"
     assert unsent_rows(shop.outbox.store) == 0
+
+
+@pytest.mark.parametrize("redeliver_after", [600.0, None], ids=["tracked", "deleted-after-publish"])
+def test_with_an_archive_each_publish_after_commit_is_recorded_as_sent(broker_url, database_url, table_prefix,
+                                                                        tmp_path, redeliver_after):
+    shop = make_shop(broker_url, database_url, table_prefix, outbox_archive_path=str(tmp_path / "archive"),
+                     outbox_redeliver_after=redeliver_after)
+    shop.outbox.ready()
+    try:
+        with shop.outbox.transaction():
+            result = shop.durable.delay(7)
+        store = shop.outbox.store
+        with store.begin() as conn:
+            recorded = conn.execute(select(store.tables.sent.c.message_id, store.tables.sent.c.sent_at)).all()
+        assert [message_id for message_id, _ in recorded] == [result.id]
+        assert recorded[0].sent_at is not None
+        assert store.count_outgoing() == (1 if redeliver_after else 0), "kept until acknowledged, or deleted"
+        (message,) = receive(shop.app, shop.durable_queue, 1)
+        assert message.id == result.id
+    finally:
+        purge(shop.app, shop.plain_queue, shop.durable_queue)
+        _drop(shop.outbox.store)
+        shop.outbox.engine.dispose()
