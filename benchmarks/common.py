@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -86,10 +85,6 @@ def rate(count: int, action: Callable[[], Any]) -> float:
 def percentile(samples: list[float], share: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
-def median(samples: list[float]) -> float:
-    return statistics.median(samples)
 
 
 def machine() -> dict[str, Any]:

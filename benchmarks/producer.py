@@ -6,7 +6,7 @@ Three ways to send the same N task messages, in one process, on the same broker:
 * in-memory unit of work: ``with outbox.transaction():`` around the N calls, to a plain
   queue: captured, then published after the commit with one producer;
 * durable: the same to a durable queue: one INSERT of the N rows in the transaction,
-  then the publish and one UPDATE marking them sent.
+  then one UPDATE taking them (locked, marked sent) and the publish.
 
 Messages per second for N = 1, 10 and 100, on Redis and RabbitMQ; nobody consumes
 (the queues are deleted afterwards).
