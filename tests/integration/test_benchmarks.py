@@ -1,0 +1,83 @@
+"""The benchmark command runs, measures each pair in one run and writes its table and JSON.
+
+Small sizes (``--quick``): these tests check that the benchmarks work, never how fast anything is.
+The worker benchmark's full run starts 28 workers; here its harness drains one queue through one
+real worker.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from tests.services import require
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
+    for service in ("postgres", "redis", "rabbitmq"):
+        require(service)
+    report_path = tmp_path / "results.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "producer", "relay", "cleanup", "--quick", "--json", str(report_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+    report = json.loads(report_path.read_text())
+    assert report["quick"] is True
+    assert {"cpu", "cores", "postgres", "redis", "celery"} <= set(report["machine"])
+    results = report["results"]
+    assert {r["benchmark"] for r in results} == {"producer", "relay", "cleanup"}
+    for result in results:
+        if result["plain"] is not None:  # both sides measured in this run
+            assert result["plain"] > 0 and result["ours"] > 0
+            assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
+        if result["target"] is not None:
+            assert isinstance(result["met"], bool)
+
+    cases = {r["case"]: r for r in results}
+    for broker in ("Redis", "RabbitMQ"):
+        for n in (1, 10, 100):
+            assert f"{broker}, N={n} in one unit of work, in-memory" in cases
+            assert f"{broker}, N={n} in one unit of work, durable" in cases
+        assert cases[f"{broker}, N=100 in one unit of work, durable"]["target"] == ">= 1"
+        assert cases[f"{broker}, N=100 in one unit of work, durable, delivery tracking off"]["target"] == ">= 1"
+        assert f"{broker}, N=100, in-memory unit + the durable statements alone" in cases
+        relay = [r for r in results if r["benchmark"] == "relay" and r["case"].startswith(broker)]
+        assert len(relay) == 1 and relay[0]["target"] == ">= 1"
+    cleanup = [r for r in results if r["benchmark"] == "cleanup"]
+    assert [(r["unit"], r["target"]) for r in cleanup] == [("rows/s", ">= 100000"), ("ms", "<= 2")]
+
+    table = completed.stdout
+    assert "| benchmark | case | celery-outbox | plain Celery | ratio | target | met |" in table
+    assert sum(line.startswith("| producer |") for line in table.splitlines()) == sum(
+        r["benchmark"] == "producer" for r in results)
+    assert str(report_path) in table
+
+
+def test_worker_benchmark_drains_its_queue_through_a_real_worker():
+    require("postgres")
+    require("redis")
+    from benchmarks.common import REDIS_URL
+    from benchmarks.worker import Run
+
+    run = Run(REDIS_URL, "write")
+    try:
+        throughput = run.throughput("bench.optimistic", durable=False, messages=20)
+        effects = run.metadata.tables[f"{run.env['BENCH_PREFIX']}effects"]
+        inbox = run.outbox.store.tables.incoming
+        with run.outbox.engine.connect() as conn:
+            written = conn.execute(select(func.count()).select_from(effects)).scalar_one()
+            handled = conn.execute(select(func.count()).select_from(inbox)
+                                   .where(inbox.c.task_name == "bench.optimistic", inbox.c.status == "handled")
+                                   ).scalar_one()
+    finally:
+        run.close()
+    assert throughput > 0
+    assert written == 20  # each body's one write, once
+    assert handled == 20
