@@ -10,7 +10,8 @@ into the unit of work instead of going to the broker:
 * after the commit, the durable rows are taken (locked and marked sent) with one
   UPDATE, every captured message is published in call order with one producer,
   and the marks commit (the consuming inbox deletes the rows when it has the
-  message; redelivery publishes them again if it never does);
+  message; redelivery publishes them again if it never does); with delivery
+  tracking off, one DELETE takes them instead;
 * on rollback nothing is published; a rolled-back SAVEPOINT discards only the
   messages captured inside it.
 
@@ -203,11 +204,12 @@ class Publisher:
         """Publish in call order with one producer; durable rows are taken in one statement.
 
         In one transaction: the durable rows are locked (``SKIP LOCKED``: a relay running
-        at the same moment never sends them too) and marked sent (with delivery tracking
-        off, deleted after the publish instead); then published; a row whose publish
-        failed is unmarked, for the relay. A crash before the commit rolls the marks back:
-        the relay sends those rows. Never raises for a broker error: the commit already
-        happened.
+        at the same moment never sends them too) and marked sent; then published; a row
+        whose publish failed is unmarked, for the relay. With delivery tracking off they
+        are deleted instead: by the statement that takes them, or, with an archive (which
+        records each send from the row), after the publish. A crash before the commit
+        rolls the marks back: the relay sends those rows. Never raises for a broker
+        error: the commit already happened.
         """
         now = utcnow()
         messages = [m for m in messages if not m.durable or m.is_due(now)]  # scheduled ones wait in the store
@@ -218,6 +220,9 @@ class Publisher:
         store = self.outbox.store
         redeliver_at = self.outbox.settings.first_redelivery(now)
         try:
+            if redeliver_at is None and self.outbox.archiver is None:
+                self._publish_deleting(messages, durable_ids)
+                return
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 if redeliver_at is None:
                     owned = set(store.lock_outgoing(conn, durable_ids))
@@ -233,6 +238,23 @@ class Publisher:
                     store.unmark_sent(conn, sorted(owned.difference(sent)))
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
+
+    def _publish_deleting(self, messages: list[OutgoingMessage], durable_ids: list[int]) -> None:
+        """Delivery tracking off, no archive: one DELETE takes the rows before the publish and
+        commits after it. If a publish failed, that transaction rolls back (every row is back)
+        and a new one deletes the published rows: the failed ones stay for the relay (which
+        may, between the two, send a published one again: the inbox discards it)."""
+        store = self.outbox.store
+        try:
+            with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
+                owned = set(store.take_outgoing_to_delete(conn, durable_ids))
+                sent = self._publish_all(messages, owned)
+                crashpoint("after_publish")
+                if len(sent) < len(owned):
+                    raise _PartlyPublished(sent)
+        except _PartlyPublished as partly:
+            with store.begin(durable=False) as conn:
+                store.delete_outgoing(conn, partly.sent)
 
     def _publish_all(self, messages: list[OutgoingMessage], owned: set[int]) -> list[int]:
         """Publish in call order; durable messages in batches (one pipeline on Redis), plain ones
@@ -303,6 +325,14 @@ class Publisher:
                 message.task_name, message.message_id, message.destination, exc,
             )
         publish_failed.send(sender=self.outbox, message=message, exception=exc)
+
+
+class _PartlyPublished(Exception):
+    """Rolls back a transaction that deleted rows whose publish then failed."""
+
+    def __init__(self, sent: list[int]):
+        super().__init__(f"{len(sent)} published")
+        self.sent = sent
 
 
 def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:

@@ -281,6 +281,17 @@ class Store:
             update(table).where(table.c.id.in_(self._unsent_unlocked(ids)))
             .values(sent_at=now, redeliver_at=redeliver_at).returning(table.c.id)).scalars())
 
+    def take_outgoing_to_delete(self, conn: Connection, ids: Sequence[int]) -> list[int]:
+        """Before publishing them, with delivery tracking off: delete the given rows that still
+        exist, are unsent and no relay holds, in one statement; return their ids. The delete
+        commits with the caller's transaction, after the publish; a caller whose publish failed
+        rolls it back, and deletes the published rows alone (``delete_outgoing``) in a new one."""
+        if not ids:
+            return []
+        table = self.tables.outgoing
+        return list(conn.execute(
+            delete(table).where(table.c.id.in_(self._unsent_unlocked(ids))).returning(table.c.id)).scalars())
+
     def unmark_sent(self, conn: Connection, ids: Sequence[int]) -> None:
         """Rows ``take_outgoing`` marked whose publish failed: unsent again, for the relay."""
         if ids:

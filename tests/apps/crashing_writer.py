@@ -11,7 +11,8 @@ from celery import Celery
 from celery_outbox import Outbox
 
 
-def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: str) -> None:
+def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: str, tracking: str = "on") -> None:
+    """``tracking`` "off": delivery tracking off (``outbox_redeliver_after = None``)."""
     app = Celery("crashing_writer", broker=broker_url, set_as_current=False)
     app.conf.update(
         outbox_database_url=database_url,
@@ -19,6 +20,8 @@ def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: s
         outbox_durable_queues=[durable_queue],
         task_routes={"shop.durable": {"queue": durable_queue}},
     )
+    if tracking == "off":
+        app.conf.outbox_redeliver_after = None
     outbox = Outbox(app)
     outbox.ready()
     task_id = "crash-" + __import__("uuid").uuid4().hex

@@ -184,24 +184,27 @@ def test_rabbitmq_unreachable_during_commit_then_relay_delivers(rabbitmq_url, da
         _drop(writer.outbox.store)
 
 
-def run_writer(broker_url, database_url, table_prefix, crashpoint, durable_queue):
+def run_writer(broker_url, database_url, table_prefix, crashpoint, durable_queue, tracking="on"):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CELERY_OUTBOX_CRASHPOINT=crashpoint)
     script = (
         "import sys; from tests.apps.crashing_writer import main; "
-        "main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4])"
+        "main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])"
     )
     return subprocess.run(
-        [sys.executable, "-c", script, broker_url, database_url, table_prefix, durable_queue],
+        [sys.executable, "-c", script, broker_url, database_url, table_prefix, durable_queue, tracking],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
 
 
-@pytest.mark.parametrize("crashpoint", ["after_commit", "after_publish"])
-def test_process_dying_after_commit_loses_nothing(shop, crashpoint):
+@pytest.mark.parametrize(("crashpoint", "tracking"), [("after_commit", "on"), ("after_publish", "on"),
+                                                      ("after_publish", "off")],
+                         ids=["after_commit", "after_publish", "after_publish-tracking-off"])
+def test_process_dying_after_commit_loses_nothing(shop, crashpoint, tracking):
     """The writer exits with os._exit right after the commit (nothing published) or right after the
-    publish (rows not deleted): the relay delivers what is missing; nothing is lost."""
+    publish (the marks, or with delivery tracking off the DELETE, not committed): the relay delivers
+    what is missing; nothing is lost."""
     done = run_writer(shop.app.conf.broker_url, shop.outbox.store.engine.url.render_as_string(False),
-                      shop.outbox.settings.table_prefix, crashpoint, shop.durable_queue)
+                      shop.outbox.settings.table_prefix, crashpoint, shop.durable_queue, tracking)
     assert done.returncode == EXIT_CODE, done.stderr
     message_id = done.stdout.strip().splitlines()[-1]
     assert unsent_rows(shop.outbox.store) == 1, "the committed row survived the crash"
@@ -233,6 +236,40 @@ def test_with_an_archive_each_publish_after_commit_is_recorded_as_sent(broker_ur
         assert store.count_outgoing() == (1 if redeliver_after else 0), "kept until acknowledged, or deleted"
         (message,) = receive(shop.app, shop.durable_queue, 1)
         assert message.id == result.id
+    finally:
+        purge(shop.app, shop.plain_queue, shop.durable_queue)
+        _drop(shop.outbox.store)
+        shop.outbox.engine.dispose()
+
+
+def test_with_delivery_tracking_off_a_failed_publish_keeps_only_its_row(broker_url, database_url, table_prefix,
+                                                                         monkeypatch):
+    """The rows are deleted by the statement that takes them; when one publish fails, its row
+    comes back for the relay and the published ones stay deleted."""
+    from kombu.messaging import Producer
+
+    shop = make_shop(broker_url, database_url, table_prefix, outbox_redeliver_after=None)
+    shop.outbox.ready()
+    real_publish = Producer.publish
+
+    def publish(self, body, *args, **kwargs):
+        if kwargs.get("headers", {}).get("argsrepr") == "(2,)":
+            raise ValueError("this message cannot be encoded by the broker")
+        return real_publish(self, body, *args, **kwargs)
+
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(Producer, "publish", publish)
+            with shop.outbox.transaction():
+                sent = [shop.durable.delay(n).id for n in (1, 2, 3)]
+            assert shop.outbox.store.count_outgoing() == 1
+            assert unsent_rows(shop.outbox.store) == 1, "the failed one, for the relay"
+            assert {m.id for m in receive(shop.app, shop.durable_queue, 2)} == {sent[0], sent[2]}
+        assert shop.outbox.relay().published == 1
+        (message,) = receive(shop.app, shop.durable_queue, 1)
+        assert (message.id, message.args) == (sent[1], [2])
+        assert nothing_more(shop.app, shop.durable_queue)
+        assert shop.outbox.store.count_outgoing() == 0
     finally:
         purge(shop.app, shop.plain_queue, shop.durable_queue)
         _drop(shop.outbox.store)

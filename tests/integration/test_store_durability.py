@@ -4,6 +4,7 @@ recoverable envelopes, cleanup deletes, dead-letter queries."""
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from datetime import timedelta
 
 import pytest
@@ -414,3 +415,29 @@ def test_a_row_a_relay_holds_is_not_taken(store: Store):
         with store.begin() as conn:
             assert store.take_outgoing(conn, [held, free], now, now + timedelta(minutes=10)) == [free]
     assert outgoing_state(store) == {held: (False, False), free: (True, True)}
+
+
+def test_taking_rows_to_delete_them_is_one_statement_that_skips_sent_and_held_rows(store: Store):
+    """With delivery tracking off the publisher deletes the rows it takes, before the publish."""
+    from .test_store_contract import StatementLog, outgoing_row
+
+    now = utcnow()
+    with store.begin() as conn:
+        taken, already_sent, held, not_asked = store.insert_outgoing(conn, [outgoing_row(n) for n in range(4)])
+        store.finish_sent(conn, [already_sent], now, now + timedelta(minutes=10))
+    with ExitStack() as relay_holds:
+        if store.is_postgres:  # a relay holds one row (SQLite lets one writer in at a time: no skipping)
+            relay = relay_holds.enter_context(store.engine.connect())
+            relay_holds.enter_context(relay.begin())
+            assert [row.id for row in store.lock_pending_outgoing(relay, 1, now, after_id=taken)] == [held]
+        log = StatementLog(store.engine)
+        try:
+            with store.begin() as conn:
+                assert store.take_outgoing_to_delete(conn, [taken, already_sent, held]) == \
+                    ([taken] if store.is_postgres else [taken, held])
+        finally:
+            log.close()
+    assert len(log.of("DELETE")) == 1
+    assert [s for s in log.statements if "outgoing" in s] == log.of("DELETE"), "one statement takes them"
+    left = [already_sent, held, not_asked] if store.is_postgres else [already_sent, not_asked]
+    assert sorted(outgoing_state(store)) == left
