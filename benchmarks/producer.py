@@ -19,8 +19,8 @@ tracks their delivery is faster than that; where publishes are pipelined (Redis)
 durable path's batch publish beats the in-memory unit's one-by-one publishes.
 
 For N = 100, the durable unit and its floor again with delivery tracking off
-(``outbox_redeliver_after = None``): the rows are locked and deleted around the publish instead of
-marked sent, the issue's "one INSERT, one DELETE".
+(``outbox_redeliver_after = None``): one DELETE takes the rows before the publish instead of the
+UPDATE marking them sent: one INSERT, one DELETE.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def send(task: Any, units: int, n: int, outbox: Outbox | None) -> None:
 def statements_alone(outbox: Outbox, durable: Any, units: int, n: int, repeats: int = 1) -> float:
     """Seconds per unit of work the durable path's statements take alone, on N rows built once:
     the INSERT and its commit, then what the publisher runs around the publish and its commit
-    (the UPDATE taking the rows; without delivery tracking, the lock and the DELETE). The best
+    (the UPDATE taking the rows; without delivery tracking, the DELETE taking them). The best
     of ``repeats`` runs."""
     with outbox.transaction():
         for i in range(n):
@@ -110,7 +110,7 @@ def statements_alone(outbox: Outbox, durable: Any, units: int, n: int, repeats: 
                 now = utcnow()
                 redeliver_at = settings.first_redelivery(now)
                 if redeliver_at is None:
-                    store.delete_outgoing(conn, store.lock_outgoing(conn, ids))
+                    store.take_outgoing_to_delete(conn, ids)
                 else:
                     store.take_outgoing(conn, ids, now, redeliver_at)
         return (time.perf_counter() - started) / units
