@@ -253,8 +253,9 @@ class Publisher:
                 if len(sent) < len(owned):
                     raise _PartlyPublished(sent)
         except _PartlyPublished as partly:
-            with store.begin(durable=False) as conn:
-                store.delete_outgoing(conn, partly.sent)
+            if partly.sent:
+                with store.begin(durable=False) as conn:
+                    store.delete_outgoing(conn, partly.sent)
 
     def _publish_all(self, messages: list[OutgoingMessage], owned: set[int]) -> list[int]:
         """Publish in call order; durable messages in batches (one pipeline on Redis), plain ones

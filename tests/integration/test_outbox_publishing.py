@@ -122,10 +122,11 @@ def test_two_relays_at_once_publish_each_row_once(shop, monkeypatch):
     assert unsent_rows(shop.outbox.store) == 0
 
 
-def test_broker_stopped_during_commit_then_relay_delivers(database_url, table_prefix, tmp_path):
+@pytest.mark.parametrize("redeliver_after", [600.0, None], ids=["tracked", "tracking-off"])
+def test_broker_stopped_during_commit_then_relay_delivers(database_url, table_prefix, tmp_path, redeliver_after):
     """A real Redis broker is stopped: the commit succeeds, the row waits, the relay delivers it."""
     broker = ThrowawayRedis(tmp_path).start()
-    shop = make_shop(broker.url, database_url, table_prefix)
+    shop = make_shop(broker.url, database_url, table_prefix, outbox_redeliver_after=redeliver_after)
     try:
         shop.outbox.ready()
         broker.stop()
