@@ -122,16 +122,11 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
     app, outbox, plain, durable = build(broker_url)
     repeats = options.size(5, 1)
     try:
-        plain.apply_async((0,))  # connect, declare the queues
-        with outbox.transaction():
-            durable.apply_async((0,))
+        _warm_up(outbox, plain, durable)
         results = []
         for n in BATCHES:
             units = max(20, options.size(3000, 200) // n)
-            messages = units * n
-            baseline = best_of(repeats, partial(rate, messages, partial(send, plain, units, n, None)))
-            memory = best_of(repeats, partial(rate, messages, partial(send, plain, units, n, outbox)))
-            stored = best_of(repeats, partial(rate, messages, partial(send, durable, units, n, outbox)))
+            baseline, memory, stored = _rates(outbox, plain, durable, units, n, repeats)
             print(f"  producer {broker} N={n}: plain {baseline:.0f}/s, in-memory {memory:.0f}/s, "
                   f"durable {stored:.0f}/s", file=sys.stderr)
             results += [
@@ -153,13 +148,8 @@ def _untracked(broker: str, broker_url: str, n: int, units: int, repeats: int) -
     Celery measured again beside them."""
     app, outbox, plain, durable = build(broker_url, tracking=False)
     try:
-        plain.apply_async((0,))  # connect, declare the queues
-        with outbox.transaction():
-            durable.apply_async((0,))
-        messages = units * n
-        baseline = best_of(repeats, partial(rate, messages, partial(send, plain, units, n, None)))
-        memory = best_of(repeats, partial(rate, messages, partial(send, plain, units, n, outbox)))
-        stored = best_of(repeats, partial(rate, messages, partial(send, durable, units, n, outbox)))
+        _warm_up(outbox, plain, durable)
+        baseline, memory, stored = _rates(outbox, plain, durable, units, n, repeats)
         print(f"  producer {broker} N={n}, delivery tracking off: plain {baseline:.0f}/s, durable {stored:.0f}/s",
               file=sys.stderr)
         mode = ", delivery tracking off"
@@ -168,6 +158,21 @@ def _untracked(broker: str, broker_url: str, n: int, units: int, repeats: int) -
                 _floor(broker, n, memory, baseline, statements_alone(outbox, durable, units, n, repeats), mode)]
     finally:
         _tear_down(app, outbox)
+
+
+def _warm_up(outbox: Outbox, plain: Any, durable: Any) -> None:
+    """Connect and declare the queues before anything is timed."""
+    plain.apply_async((0,))
+    with outbox.transaction():
+        durable.apply_async((0,))
+
+
+def _rates(outbox: Outbox, plain: Any, durable: Any, units: int, n: int, repeats: int) -> tuple[float, float, float]:
+    """Messages per second, the best of ``repeats``: plain Celery, the in-memory unit of work, the durable one."""
+    messages = units * n
+    return (best_of(repeats, partial(rate, messages, partial(send, plain, units, n, None))),
+            best_of(repeats, partial(rate, messages, partial(send, plain, units, n, outbox))),
+            best_of(repeats, partial(rate, messages, partial(send, durable, units, n, outbox))))
 
 
 def _floor(broker: str, n: int, memory: float, baseline: float, statements: float, mode: str = "") -> Result:
