@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import datetime
 from itertools import groupby
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -206,10 +207,10 @@ class Publisher:
         In one transaction: the durable rows are locked (``SKIP LOCKED``: a relay running
         at the same moment never sends them too) and marked sent; then published; a row
         whose publish failed is unmarked, for the relay. With delivery tracking off they
-        are deleted instead: by the statement that takes them, or, with an archive (which
-        records each send from the row), after the publish. A crash before the commit
-        rolls the marks back: the relay sends those rows. Never raises for a broker
-        error: the commit already happened.
+        are deleted instead (see ``_publish_deleting``). With an archive, each send is
+        recorded in the same transaction. A crash before the commit rolls the marks back:
+        the relay sends those rows. Never raises for a broker error: the commit already
+        happened.
         """
         now = utcnow()
         messages = [m for m in messages if not m.durable or m.is_due(now)]  # scheduled ones wait in the store
@@ -220,42 +221,40 @@ class Publisher:
         store = self.outbox.store
         redeliver_at = self.outbox.settings.first_redelivery(now)
         try:
-            if redeliver_at is None and self.outbox.archiver is None:
-                self._publish_deleting(messages, durable_ids)
+            if redeliver_at is None:
+                self._publish_deleting(messages, durable_ids, now)
                 return
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
-                if redeliver_at is None:
-                    owned = set(store.lock_outgoing(conn, durable_ids))
-                else:
-                    owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
+                owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
                 sent = self._publish_all(messages, owned)
                 crashpoint("after_publish")
-                if sent and self.outbox.archiver is not None:  # read from the rows: before they go
+                if sent and self.outbox.archiver is not None:
                     store.record_sent(conn, sent, now)
-                if redeliver_at is None:
-                    store.delete_outgoing(conn, sent)
-                else:
-                    store.unmark_sent(conn, sorted(owned.difference(sent)))
+                store.unmark_sent(conn, sorted(owned.difference(sent)))
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
 
-    def _publish_deleting(self, messages: list[OutgoingMessage], durable_ids: list[int]) -> None:
-        """Delivery tracking off, no archive: one DELETE takes the rows before the publish and
-        commits after it. If a publish failed, that transaction rolls back (every row is back)
-        and a new one deletes the published rows: the failed ones stay for the relay (which
-        may, between the two, send a published one again: the inbox discards it)."""
+    def _publish_deleting(self, messages: list[OutgoingMessage], durable_ids: list[int], now: datetime) -> None:
+        """Delivery tracking off: one DELETE takes the rows before the publish and commits after
+        it (with an archive, together with the records of the sends). If a publish failed, that
+        transaction rolls back (every row is back) and a new one deletes, and records, the
+        published rows: the failed ones stay for the relay (which may, between the two, send a
+        published one again: the inbox discards it)."""
         store = self.outbox.store
+        record = self.outbox.archiver is not None
         try:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
-                owned = set(store.take_outgoing_to_delete(conn, durable_ids))
-                sent = self._publish_all(messages, owned)
+                taken = store.take_outgoing_to_delete(conn, durable_ids, record)
+                sent = self._publish_all(messages, {row.id for row in taken})
                 crashpoint("after_publish")
-                if len(sent) < len(owned):
+                if len(sent) < len(taken):
                     raise _PartlyPublished(sent)
+                if record:
+                    store.record_sends(conn, taken, now)
         except _PartlyPublished as partly:
             if partly.sent:
                 with store.begin(durable=False) as conn:
-                    store.delete_outgoing(conn, partly.sent)
+                    store.finish_sent(conn, partly.sent, now, None, record=record)
 
     def _publish_all(self, messages: list[OutgoingMessage], owned: set[int]) -> list[int]:
         """Publish in call order; durable messages in batches (one pipeline on Redis), plain ones

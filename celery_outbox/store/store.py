@@ -55,6 +55,8 @@ _ENVELOPE_KEYS = frozenset({"exchange", "routing_key", "body", "content_type", "
 
 # Rows per INSERT statement: keeps every statement under both databases' parameter limits.
 INSERT_CHUNK = 1000
+# The columns of an outgoing row a record of its send (the ``sent`` table) keeps.
+RECORD_COLUMNS = ("message_id", "destination", "task_name", "created_at")
 PG_UNIQUE_VIOLATION = "23505"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
@@ -264,10 +266,16 @@ class Store:
         """Write the first send of the given rows, at ``now``, to the ``sent`` table (the audit's)."""
         table, sent = self.tables.outgoing, self.tables.sent
         conn.execute(sent.insert().from_select(
-            ["message_id", "destination", "task_name", "created_at", "sent_at"],
-            select(table.c.message_id, table.c.destination, table.c.task_name, table.c.created_at,
-                   bindparam("sent_now", now, type_=sent.c.sent_at.type))
+            [*RECORD_COLUMNS, "sent_at"],
+            select(*(table.c[name] for name in RECORD_COLUMNS), bindparam("sent_now", now, type_=sent.c.sent_at.type))
             .where(self._id_predicate(table.c.id, ids))))
+
+    def record_sends(self, conn: Connection, rows: Sequence[Row], now: datetime) -> None:
+        """Write the sends of rows already taken out of the table (``take_outgoing_to_delete``
+        with ``record``), at ``now``, to the ``sent`` table, in one statement."""
+        if rows:
+            conn.execute(self.tables.sent.insert(),
+                         [{**{name: row._mapping[name] for name in RECORD_COLUMNS}, "sent_at": now} for row in rows])
 
     def take_outgoing(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime) -> list[int]:
         """Before publishing them: lock the given rows that still exist, are unsent and no relay
@@ -281,16 +289,17 @@ class Store:
             update(table).where(table.c.id.in_(self._unsent_unlocked(ids)))
             .values(sent_at=now, redeliver_at=redeliver_at).returning(table.c.id)).scalars())
 
-    def take_outgoing_to_delete(self, conn: Connection, ids: Sequence[int]) -> list[int]:
+    def take_outgoing_to_delete(self, conn: Connection, ids: Sequence[int], record: bool = False) -> list[Row]:
         """Before publishing them, with delivery tracking off: delete the given rows that still
-        exist, are unsent and no relay holds, in one statement; return their ids. The delete
-        commits with the caller's transaction, after the publish; a caller whose publish failed
-        rolls it back, and deletes the published rows alone (``delete_outgoing``) in a new one."""
+        exist, are unsent and no relay holds, in one statement; return their ``id`` (and, with
+        ``record``, the columns ``record_sends`` writes). The delete commits with the caller's
+        transaction, after the publish; a caller whose publish failed rolls it back, and
+        finishes the published rows alone (``finish_sent``) in a new one."""
         if not ids:
             return []
         table = self.tables.outgoing
-        return list(conn.execute(
-            delete(table).where(table.c.id.in_(self._unsent_unlocked(ids))).returning(table.c.id)).scalars())
+        returned = [table.c.id, *(table.c[name] for name in RECORD_COLUMNS)] if record else [table.c.id]
+        return list(conn.execute(delete(table).where(table.c.id.in_(self._unsent_unlocked(ids))).returning(*returned)))
 
     def unmark_sent(self, conn: Connection, ids: Sequence[int]) -> None:
         """Rows ``take_outgoing`` marked whose publish failed: unsent again, for the relay."""
@@ -346,12 +355,6 @@ class Store:
                 .values(redeliveries=table.c.redeliveries + 1, redeliver_at=bindparam("next_redelivery")),
                 [{"row_id": r["id"], "next_redelivery": r["redeliver_at"]} for r in rows],
             )
-
-    def lock_outgoing(self, conn: Connection, ids: Sequence[int]) -> list[int]:
-        """Lock the given outgoing rows that still exist, are unsent and no relay holds; return their ids."""
-        if not ids:
-            return []
-        return list(conn.execute(self._unsent_unlocked(ids)).scalars())
 
     def _unsent_unlocked(self, ids: Sequence[int]):
         """SELECT the ids among ``ids`` of rows that exist and are unsent, locking them, skipping

@@ -220,7 +220,7 @@ def test_process_dying_after_commit_loses_nothing(shop, crashpoint, tracking):
     assert unsent_rows(shop.outbox.store) == 0
 
 
-@pytest.mark.parametrize("redeliver_after", [600.0, None], ids=["tracked", "deleted-after-publish"])
+@pytest.mark.parametrize("redeliver_after", [600.0, None], ids=["tracked", "tracking-off"])
 def test_with_an_archive_each_publish_after_commit_is_recorded_as_sent(broker_url, database_url, table_prefix,
                                                                         tmp_path, redeliver_after):
     shop = make_shop(broker_url, database_url, table_prefix, outbox_archive_path=str(tmp_path / "archive"),
@@ -243,14 +243,19 @@ def test_with_an_archive_each_publish_after_commit_is_recorded_as_sent(broker_ur
         shop.outbox.engine.dispose()
 
 
+@pytest.mark.parametrize("archived", [False, True], ids=["no-archive", "archive"])
 def test_with_delivery_tracking_off_a_failed_publish_keeps_only_its_row(broker_url, database_url, table_prefix,
-                                                                         monkeypatch):
+                                                                         monkeypatch, tmp_path, archived):
     """The rows are deleted by the statement that takes them; when one publish fails, its row
-    comes back for the relay and the published ones stay deleted."""
+    comes back for the relay and the published ones stay deleted. With an archive, each
+    published message is recorded as sent once: the relay records the failed one when it
+    sends it."""
     from kombu.messaging import Producer
 
-    shop = make_shop(broker_url, database_url, table_prefix, outbox_redeliver_after=None)
+    archive = {"outbox_archive_path": str(tmp_path / "archive")} if archived else {}
+    shop = make_shop(broker_url, database_url, table_prefix, outbox_redeliver_after=None, **archive)
     shop.outbox.ready()
+    store = shop.outbox.store
     real_publish = Producer.publish
 
     def publish(self, body, *args, **kwargs):
@@ -258,19 +263,25 @@ def test_with_delivery_tracking_off_a_failed_publish_keeps_only_its_row(broker_u
             raise ValueError("this message cannot be encoded by the broker")
         return real_publish(self, body, *args, **kwargs)
 
+    def recorded() -> list[str]:
+        with store.begin() as conn:
+            return sorted(conn.execute(select(store.tables.sent.c.message_id)).scalars())
+
     try:
         with monkeypatch.context() as patch:
             patch.setattr(Producer, "publish", publish)
             with shop.outbox.transaction():
                 sent = [shop.durable.delay(n).id for n in (1, 2, 3)]
-            assert shop.outbox.store.count_outgoing() == 1
-            assert unsent_rows(shop.outbox.store) == 1, "the failed one, for the relay"
+            assert store.count_outgoing() == 1
+            assert unsent_rows(store) == 1, "the failed one, for the relay"
             assert {m.id for m in receive(shop.app, shop.durable_queue, 2)} == {sent[0], sent[2]}
+            assert recorded() == (sorted([sent[0], sent[2]]) if archived else [])
         assert shop.outbox.relay().published == 1
         (message,) = receive(shop.app, shop.durable_queue, 1)
         assert (message.id, message.args) == (sent[1], [2])
         assert nothing_more(shop.app, shop.durable_queue)
-        assert shop.outbox.store.count_outgoing() == 0
+        assert store.count_outgoing() == 0
+        assert recorded() == (sorted(sent) if archived else [])
     finally:
         purge(shop.app, shop.plain_queue, shop.durable_queue)
         _drop(shop.outbox.store)

@@ -433,7 +433,7 @@ def test_taking_rows_to_delete_them_is_one_statement_that_skips_sent_and_held_ro
         log = StatementLog(store.engine)
         try:
             with store.begin() as conn:
-                assert store.take_outgoing_to_delete(conn, [taken, already_sent, held]) == \
+                assert [row.id for row in store.take_outgoing_to_delete(conn, [taken, already_sent, held])] == \
                     ([taken] if store.is_postgres else [taken, held])
         finally:
             log.close()
@@ -441,3 +441,25 @@ def test_taking_rows_to_delete_them_is_one_statement_that_skips_sent_and_held_ro
     assert [s for s in log.statements if "outgoing" in s] == log.of("DELETE"), "one statement takes them"
     left = [already_sent, held, not_asked] if store.is_postgres else [already_sent, not_asked]
     assert sorted(outgoing_state(store)) == left
+
+
+def test_rows_taken_to_delete_keep_what_records_their_sends(store: Store):
+    """With an archive, the DELETE that takes the rows returns what the ``sent`` table keeps of
+    them: their sends are recorded after the publish, though the rows are gone."""
+    from .test_store_contract import outgoing_row
+
+    now = utcnow()
+    with store.begin() as conn:
+        first, second = store.insert_outgoing(conn, [outgoing_row(n, destination=f"q{n}") for n in (1, 2)])
+    with store.begin() as conn:
+        taken = store.take_outgoing_to_delete(conn, [first, second], record=True)
+        store.record_sends(conn, taken, now)
+    assert [(row.id, row.message_id, row.destination, row.task_name) for row in taken] == \
+        [(first, "m1", "q1", "t.add"), (second, "m2", "q2", "t.add")]
+    assert store.count_outgoing() == 0
+    sent = store.tables.sent
+    with store.begin() as conn:
+        recorded = conn.execute(select(sent.c.message_id, sent.c.destination, sent.c.task_name, sent.c.created_at,
+                                       sent.c.sent_at).order_by(sent.c.message_id)).all()
+    assert [tuple(row[:3]) for row in recorded] == [("m1", "q1", "t.add"), ("m2", "q2", "t.add")]
+    assert all(row.created_at is not None and row.sent_at is not None for row in recorded)
