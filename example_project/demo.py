@@ -91,12 +91,17 @@ class Process:
             self.process.wait(30)
 
     def stop(self) -> None:
+        """Start a warm shutdown: SIGTERM to the main process alone, which stops its pool itself.
+        (A pool process sent SIGTERM too dies at once, and its worker then waits for it.)"""
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+            self.process.terminate()
+
+    def stopped(self, deadline: float) -> None:
+        """Wait for the shutdown until ``deadline`` (monotonic); SIGKILL the process group then."""
+        try:
+            self.process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 def worker(name: str, queues: str, concurrency: int, env: dict[str, str], log_dir: Path) -> Process:
@@ -186,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             summary["audit"] = run_audit(outbox, env, data_dir)
             summary["ok"] = summary["audit"]["exit_code"] == 0
     finally:
-        for process in reversed(processes):
+        for process in processes:  # all at once: each warm shutdown takes seconds
             process.stop()
+        deadline = time.monotonic() + 30
+        for process in processes:
+            process.stopped(deadline)
         server.shutdown()
     print(json.dumps(summary, indent=2) if args.json else report(summary))
     return 0 if summary["ok"] else 1
