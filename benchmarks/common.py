@@ -70,9 +70,15 @@ def drop_store(outbox: Any) -> None:
     store.engine.dispose()
 
 
-def best_of(repeats: int, measure: Callable[[], float]) -> float:
-    """The best of ``repeats`` throughput measurements (the least disturbed by the rest of the machine)."""
-    return max(measure() for _ in range(repeats))
+def best_of(repeats: int, *measures: Callable[[], float]) -> list[float]:
+    """For each of ``measures``, the best of ``repeats`` throughput measurements (the least disturbed
+    by the rest of the machine). The measures take turns, one round after another, so that a
+    machine whose speed drifts during the run weighs on each of them alike."""
+    best = [0.0] * len(measures)
+    for _ in range(repeats):
+        for index, measure in enumerate(measures):
+            best[index] = max(best[index], measure())
+    return best
 
 
 def rate(count: int, action: Callable[[], Any]) -> float:

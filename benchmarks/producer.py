@@ -168,11 +168,13 @@ def _warm_up(outbox: Outbox, plain: Any, durable: Any) -> None:
 
 
 def _rates(outbox: Outbox, plain: Any, durable: Any, units: int, n: int, repeats: int) -> tuple[float, float, float]:
-    """Messages per second, the best of ``repeats``: plain Celery, the in-memory unit of work, the durable one."""
+    """Messages per second, the best of ``repeats`` rounds: plain Celery, the in-memory unit of work, the
+    durable one."""
     messages = units * n
-    return (best_of(repeats, partial(rate, messages, partial(send, plain, units, n, None))),
-            best_of(repeats, partial(rate, messages, partial(send, plain, units, n, outbox))),
-            best_of(repeats, partial(rate, messages, partial(send, durable, units, n, outbox))))
+    baseline, memory, durable_rate = best_of(repeats, partial(rate, messages, partial(send, plain, units, n, None)),
+                                             partial(rate, messages, partial(send, plain, units, n, outbox)),
+                                             partial(rate, messages, partial(send, durable, units, n, outbox)))
+    return baseline, memory, durable_rate
 
 
 def _floor(broker: str, n: int, memory: float, baseline: float, statements: float, mode: str = "") -> Result:
