@@ -15,7 +15,9 @@ The inbox's ``owner`` holds the node id of an eager claim; ``0`` means unowned.
 Outgoing rows have no owner: a publisher locks them inside its transaction
 (``FOR UPDATE SKIP LOCKED``), and the database frees the lock if it dies. Every predicate a poller or a
 cleaner runs has its index: unowned incoming rows, handled rows by
-``keep_until``, due outgoing rows, stale claims by ``claimed_at``, envelopes due for recovery.
+``keep_until``, unsent, scheduled and sent-but-unacknowledged outgoing rows (partial indexes, each
+holding only the rows its poller looks for), stale claims by ``claimed_at``, envelopes due for
+recovery.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from sqlalchemy import (
 
 __all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the outgoing table's time indexes are partial (see store.migrate)
 UNOWNED = 0
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for 10^8 rows.
@@ -46,6 +48,11 @@ _BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 def _timestamp(name: str, **kwargs) -> Column:
     return Column(name, DateTime(timezone=True), **kwargs)
+
+
+def _partial_index(name: str, column: Column, where) -> Index:
+    """An index of ``column`` over the rows matching ``where`` only (PostgreSQL and SQLite)."""
+    return Index(name, column, postgresql_where=where, sqlite_where=where)
 
 
 def _envelope_columns() -> list[Column]:
@@ -126,11 +133,14 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         _timestamp("sent_at", nullable=True),  # first publish; NULL while pending
         _timestamp("redeliver_at", nullable=True),  # publish again if still unacknowledged by then
         Column("redeliveries", Integer, nullable=False, server_default="0"),
-        Index(f"ix_{p}outgoing_sent", "sent_at", "id"),
-        Index(f"ix_{p}outgoing_redeliver", "redeliver_at"),
-        Index(f"ix_{p}outgoing_deliver", "deliver_at"),
         Index(f"ix_{p}outgoing_message", "message_id"),
     )
+    # Partial indexes: each holds only the rows its poller looks for, so an INSERT adds no entry
+    # to the two time indexes and marking a row sent removes it from the unsent one's new version.
+    _partial_index(f"ix_{p}outgoing_unsent", outgoing.c.id, outgoing.c.sent_at.is_(None))  # the relay
+    _partial_index(f"ix_{p}outgoing_redelivery", outgoing.c.redeliver_at,  # delivery tracking
+                   outgoing.c.redeliver_at.is_not(None))
+    _partial_index(f"ix_{p}outgoing_scheduled", outgoing.c.deliver_at, outgoing.c.deliver_at.is_not(None))
 
     dead_letters = Table(
         f"{p}dead_letters", md,

@@ -16,7 +16,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sqlalchemy import (
     BigInteger,
@@ -187,7 +187,9 @@ class Store:
                     conn.execute(CreateIndex(index, if_not_exists=True))
             schema = self.tables.schema
             result.version_before = conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
-            # Upgrade steps from version_before to SCHEMA_VERSION go here, one function per version.
+            if result.version_before is not None:
+                for version in range(result.version_before + 1, SCHEMA_VERSION + 1):
+                    _UPGRADES[version](self, conn)
             if result.version_before is None:
                 conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION, migrated_at=utcnow()))
             elif result.version_before != SCHEMA_VERSION:
@@ -371,8 +373,8 @@ class Store:
         The rows stay locked until the caller deletes them and commits; if the caller
         dies, the database releases them.
 
-        On PostgreSQL the rows are read in the order of the ``(sent_at, id)`` index (see
-        ``_read_in_index_order``).
+        On PostgreSQL the rows are read in the order of the partial index of unsent rows, by id
+        (see ``_read_in_index_order``): sent rows waiting for their acknowledgement are not in it.
         """
         table = self.tables.outgoing
         query = (
@@ -380,7 +382,7 @@ class Store:
             .where(table.c.sent_at.is_(None))
             .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= now))
             .where(table.c.id > after_id)
-            .order_by(table.c.sent_at, table.c.id)
+            .order_by(table.c.id)
             .limit(limit)
         )
         if self.is_postgres:
@@ -956,6 +958,17 @@ class ExpiredDeleted(int):
         deleted = super().__new__(cls, count)
         deleted.last_keep_until = last_keep_until
         return deleted
+
+
+def _upgrade_to_2(store: Store, conn: Connection) -> None:
+    """Version 2: the outgoing table's indexes for the relay, delivery tracking and scheduling
+    became partial (created above under new names); drop the full ones they replace."""
+    for old in ("sent", "redeliver", "deliver"):
+        conn.exec_driver_sql(f'DROP INDEX IF EXISTS "ix_{store.prefix}outgoing_{old}"')
+
+
+# version -> the step that brings the tables from the version before it to that one
+_UPGRADES: dict[int, Callable[[Store, Connection], None]] = {2: _upgrade_to_2}
 
 
 class _Transaction:

@@ -98,3 +98,16 @@ def test_a_redelivery_batch_reads_only_its_own_rows_of_a_backlog(stale_store):
     plan = plan_of_last_select(store, statements_of(
         store, lambda conn: store.lock_unacknowledged_outgoing(conn, now, LIMIT)))
     assert_walks_an_index(plan)
+
+
+def test_a_relay_batch_reads_no_sent_row_waiting_for_its_acknowledgement(stale_store):
+    """Sent rows stay until their consumer acknowledges them; the relay's index holds unsent rows only."""
+    store = stale_store
+    past = utcnow() - timedelta(minutes=5)
+    with store.begin() as conn:
+        store.insert_outgoing(conn, [outgoing_row(n, body=BODY, sent_at=past, redeliver_at=past + timedelta(hours=1))
+                                     for n in range(BACKLOG)])
+        store.insert_outgoing(conn, [outgoing_row(BACKLOG + n, body=BODY) for n in range(LIMIT)])
+    plan = plan_of_last_select(store, statements_of(
+        store, lambda conn: store.lock_pending_outgoing(conn, LIMIT, utcnow())))
+    assert_walks_an_index(plan)

@@ -64,6 +64,35 @@ def test_migrate_creates_every_table_and_index_and_is_idempotent(store: Store):
     assert store.schema_version() == SCHEMA_VERSION
 
 
+def test_migrate_upgrades_version_1_outgoing_indexes_to_partial_ones(store: Store):
+    """A store made by version 1 (full indexes of sent_at, redeliver_at and deliver_at) gets the
+    partial indexes in their place, and its rows stay where the pollers find them."""
+    prefix, outgoing = store.prefix, store.tables.outgoing.name
+    with store.begin() as conn:
+        for index in ("unsent", "redelivery", "scheduled"):
+            conn.exec_driver_sql(f'DROP INDEX "ix_{prefix}outgoing_{index}"')
+        conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}outgoing_sent" ON {outgoing} (sent_at, id)')
+        conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}outgoing_redeliver" ON {outgoing} (redeliver_at)')
+        conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}outgoing_deliver" ON {outgoing} (deliver_at)')
+        conn.execute(store.tables.schema.update().values(version=1))
+        past = utcnow() - timedelta(minutes=1)
+        store.insert_outgoing(conn, [outgoing_row(1), outgoing_row(2, sent_at=past, redeliver_at=past)])
+
+    result = store.migrate()
+
+    assert (result.version_before, result.version_after) == (1, SCHEMA_VERSION)
+    assert store.schema_version() == SCHEMA_VERSION
+    indexes = {ix["name"]: ix for ix in inspect(store.engine).get_indexes(outgoing)}
+    assert not {f"ix_{prefix}outgoing_{old}" for old in ("sent", "redeliver", "deliver")} & set(indexes)
+    for index in ("unsent", "redelivery", "scheduled"):
+        assert f"ix_{prefix}outgoing_{index}" in indexes
+    now = utcnow()
+    with store.begin() as conn:
+        assert [row.message_id for row in store.lock_pending_outgoing(conn, 10, now)] == ["m1"]
+        assert [row.message_id for row in store.lock_unacknowledged_outgoing(conn, now, 10)] == ["m2"]
+    assert store.migrate().version_before == SCHEMA_VERSION
+
+
 def test_concurrent_migrations_both_succeed(database_url, table_prefix):
     stores = [Store(build_engine(database_url), table_prefix) for _ in range(4)]
     errors: list[BaseException] = []
