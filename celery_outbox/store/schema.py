@@ -15,8 +15,8 @@ The inbox's ``owner`` holds the node id of an eager claim; ``0`` means unowned.
 Outgoing rows have no owner: a publisher locks them inside its transaction
 (``FOR UPDATE SKIP LOCKED``), and the database frees the lock if it dies. Every predicate a poller or a
 cleaner runs has its index: unowned incoming rows, handled rows by
-``keep_until``, unsent, scheduled and sent-but-unacknowledged outgoing rows (partial indexes, each
-holding only the rows its poller looks for), stale claims by ``claimed_at``, envelopes due for
+``keep_until``, unsent outgoing rows, scheduled and sent-but-unacknowledged ones (partial indexes,
+each holding only the rows its poller looks for), stale claims by ``claimed_at``, envelopes due for
 recovery.
 """
 
@@ -39,7 +39,7 @@ from sqlalchemy import (
 
 __all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED"]
 
-SCHEMA_VERSION = 2  # 2: the outgoing table's time indexes are partial (see store.migrate)
+SCHEMA_VERSION = 2  # 2: the outgoing table's redelivery and scheduling indexes are partial
 UNOWNED = 0
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for 10^8 rows.
@@ -133,11 +133,13 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         _timestamp("sent_at", nullable=True),  # first publish; NULL while pending
         _timestamp("redeliver_at", nullable=True),  # publish again if still unacknowledged by then
         Column("redeliveries", Integer, nullable=False, server_default="0"),
+        Index(f"ix_{p}outgoing_sent", "sent_at", "id"),  # the relay: unsent rows first, by id
         Index(f"ix_{p}outgoing_message", "message_id"),
     )
-    # Partial indexes: each holds only the rows its poller looks for, so an INSERT adds no entry
-    # to the two time indexes and marking a row sent removes it from the unsent one's new version.
-    _partial_index(f"ix_{p}outgoing_unsent", outgoing.c.id, outgoing.c.sent_at.is_(None))  # the relay
+    # Partial indexes: each holds only the rows its poller looks for, so an INSERT adds no entry to
+    # them. (The relay's index stays whole: the statement taking given ids for a publish looks them
+    # up through it, and a prepared statement's generic plan on a partial index of unsent rows
+    # scanned the whole table while its statistics lagged behind a growing backlog.)
     _partial_index(f"ix_{p}outgoing_redelivery", outgoing.c.redeliver_at,  # delivery tracking
                    outgoing.c.redeliver_at.is_not(None))
     _partial_index(f"ix_{p}outgoing_scheduled", outgoing.c.deliver_at, outgoing.c.deliver_at.is_not(None))

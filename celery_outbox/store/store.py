@@ -373,8 +373,8 @@ class Store:
         The rows stay locked until the caller deletes them and commits; if the caller
         dies, the database releases them.
 
-        On PostgreSQL the rows are read in the order of the partial index of unsent rows, by id
-        (see ``_read_in_index_order``): sent rows waiting for their acknowledgement are not in it.
+        On PostgreSQL the rows are read in the order of the ``(sent_at, id)`` index (see
+        ``_read_in_index_order``).
         """
         table = self.tables.outgoing
         query = (
@@ -382,7 +382,7 @@ class Store:
             .where(table.c.sent_at.is_(None))
             .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= now))
             .where(table.c.id > after_id)
-            .order_by(table.c.id)
+            .order_by(table.c.sent_at, table.c.id)
             .limit(limit)
         )
         if self.is_postgres:
@@ -961,9 +961,9 @@ class ExpiredDeleted(int):
 
 
 def _upgrade_to_2(store: Store, conn: Connection) -> None:
-    """Version 2: the outgoing table's indexes for the relay, delivery tracking and scheduling
-    became partial (created above under new names); drop the full ones they replace."""
-    for old in ("sent", "redeliver", "deliver"):
+    """Version 2: the outgoing table's indexes for delivery tracking and scheduling became partial
+    (created above under new names); drop the full ones they replace."""
+    for old in ("redeliver", "deliver"):
         conn.exec_driver_sql(f'DROP INDEX IF EXISTS "ix_{store.prefix}outgoing_{old}"')
 
 

@@ -65,13 +65,12 @@ def test_migrate_creates_every_table_and_index_and_is_idempotent(store: Store):
 
 
 def test_migrate_upgrades_version_1_outgoing_indexes_to_partial_ones(store: Store):
-    """A store made by version 1 (full indexes of sent_at, redeliver_at and deliver_at) gets the
-    partial indexes in their place, and its rows stay where the pollers find them."""
+    """A store made by version 1 (full indexes of redeliver_at and deliver_at) gets the partial
+    indexes in their place, and its rows stay where the pollers find them."""
     prefix, outgoing = store.prefix, store.tables.outgoing.name
     with store.begin() as conn:
-        for index in ("unsent", "redelivery", "scheduled"):
+        for index in ("redelivery", "scheduled"):
             conn.exec_driver_sql(f'DROP INDEX "ix_{prefix}outgoing_{index}"')
-        conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}outgoing_sent" ON {outgoing} (sent_at, id)')
         conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}outgoing_redeliver" ON {outgoing} (redeliver_at)')
         conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}outgoing_deliver" ON {outgoing} (deliver_at)')
         conn.execute(store.tables.schema.update().values(version=1))
@@ -83,8 +82,8 @@ def test_migrate_upgrades_version_1_outgoing_indexes_to_partial_ones(store: Stor
     assert (result.version_before, result.version_after) == (1, SCHEMA_VERSION)
     assert store.schema_version() == SCHEMA_VERSION
     indexes = {ix["name"]: ix for ix in inspect(store.engine).get_indexes(outgoing)}
-    assert not {f"ix_{prefix}outgoing_{old}" for old in ("sent", "redeliver", "deliver")} & set(indexes)
-    for index in ("unsent", "redelivery", "scheduled"):
+    assert not {f"ix_{prefix}outgoing_{old}" for old in ("redeliver", "deliver")} & set(indexes)
+    for index in ("sent", "redelivery", "scheduled"):
         assert f"ix_{prefix}outgoing_{index}" in indexes
     now = utcnow()
     with store.begin() as conn:
