@@ -35,8 +35,9 @@ def stale_store(postgres_url, table_prefix):
     store.engine.dispose()
 
 
-def statements_of(store: Store, call) -> list[tuple[str, object]]:
-    """The statements ``call`` sends to the database, with their parameters."""
+def statements_of(store: Store, call, expect: int | None = LIMIT) -> list[tuple[str, object]]:
+    """The statements ``call`` sends to the database, with their parameters; ``call`` returns
+    ``expect`` rows (any number with None). Its transaction commits."""
     sent: list[tuple[str, object]] = []
 
     def record(conn, cursor, statement, parameters, context, executemany):
@@ -48,7 +49,7 @@ def statements_of(store: Store, call) -> list[tuple[str, object]]:
             rows = call(conn)
     finally:
         event.remove(store.engine, "before_cursor_execute", record)
-    assert len(rows) == LIMIT
+    assert expect is None or len(rows) == expect
     return sent
 
 
@@ -111,3 +112,47 @@ def test_a_relay_batch_reads_no_sent_row_waiting_for_its_acknowledgement(stale_s
     plan = plan_of_last_select(store, statements_of(
         store, lambda conn: store.lock_pending_outgoing(conn, LIMIT, utcnow())))
     assert_walks_an_index(plan)
+
+
+def test_taking_rows_for_a_publish_never_scans_the_table_in_a_generic_plan(stale_store):
+    """psycopg prepares a statement after its fifth run, and PostgreSQL may then run a generic plan,
+    made without the ids. On a table whose statistics lag behind its backlog that plan must still
+    reach the given rows through an index, not read the table. (A partial index of unsent rows once
+    led the publisher's take to a sequential scan in a benchmark whose table autovacuum had
+    analyzed while small; this backlog did not reproduce that plan, so the test guards the shape,
+    not that one history.)"""
+    store = stale_store
+    table = store.tables.outgoing.name
+    past = utcnow() - timedelta(minutes=5)
+    for start, count in ((0, 60), (60, BACKLOG)):  # analyzed while small: autovacuum's first look
+        with store.begin() as conn:  # published and waiting for their consumer, as publishers leave them
+            sent = store.insert_outgoing(conn, [outgoing_row(start + n, body=BODY) for n in range(count)])
+        with store.begin() as conn:
+            store.finish_sent(conn, sent, past, past + timedelta(hours=1))
+            if start == 0:
+                conn.exec_driver_sql(f"ANALYZE {table}")
+    with store.begin() as conn:
+        ids = store.insert_outgoing(conn, [outgoing_row(BACKLOG + n, body=BODY) for n in range(10)])
+    now = utcnow()
+    (take, parameters), = [(statement, params) for statement, params in statements_of(
+        store, lambda conn: store.take_outgoing(conn, ids, now, now + timedelta(minutes=10)), expect=None)
+        if statement.lstrip().upper().startswith("UPDATE")]
+    with store.begin() as conn:
+        store.unmark_sent(conn, ids)  # unsent again, for the replay
+    raw = store.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(take, parameters, prepare=True)
+        taken = sorted(row[0] for row in cursor.fetchall())
+        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE 'UPDATE%'")
+        (name,), = cursor.fetchall()
+        cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}(now(), now(), '{{{','.join(map(str, ids))}}}')")
+        plan = cursor.fetchone()[0][0]["Plan"]
+    finally:
+        raw.rollback()
+        raw.close()
+    assert taken == sorted(ids)  # the statement replayed is the take, and its rows were still unsent
+    scans = [node["Node Type"] for node in nodes(plan) if "Scan" in node["Node Type"]
+             and node.get("Relation Name") == table]
+    assert scans and "Seq Scan" not in scans, plan
