@@ -15,9 +15,9 @@ The inbox's ``owner`` holds the node id of an eager claim; ``0`` means unowned.
 Outgoing rows have no owner: a publisher locks them inside its transaction
 (``FOR UPDATE SKIP LOCKED``), and the database frees the lock if it dies. Every predicate a poller or a
 cleaner runs has its index: unowned incoming rows, handled rows by
-``keep_until``, unsent outgoing rows, scheduled and sent-but-unacknowledged ones (partial indexes,
-each holding only the rows its poller looks for), stale claims by ``claimed_at``, envelopes due for
-recovery.
+``keep_until``, unsent outgoing rows, scheduled and sent-but-unacknowledged ones (these two partial
+indexes, each holding only the rows its poller looks for), stale claims by ``claimed_at``, envelopes
+due for recovery.
 """
 
 from __future__ import annotations

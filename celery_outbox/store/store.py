@@ -187,12 +187,11 @@ class Store:
                     conn.execute(CreateIndex(index, if_not_exists=True))
             schema = self.tables.schema
             result.version_before = conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
-            if result.version_before is not None:
-                for version in range(result.version_before + 1, SCHEMA_VERSION + 1):
-                    _UPGRADES[version](self, conn)
             if result.version_before is None:
                 conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION, migrated_at=utcnow()))
             elif result.version_before != SCHEMA_VERSION:
+                for version in range(result.version_before + 1, SCHEMA_VERSION + 1):
+                    _UPGRADES[version](self, conn)
                 conn.execute(
                     update(schema).where(schema.c.id == 1).values(version=SCHEMA_VERSION, migrated_at=utcnow())
                 )

@@ -102,7 +102,8 @@ def test_a_redelivery_batch_reads_only_its_own_rows_of_a_backlog(stale_store):
 
 
 def test_a_relay_batch_reads_no_sent_row_waiting_for_its_acknowledgement(stale_store):
-    """Sent rows stay until their consumer acknowledges them; the relay's index holds unsent rows only."""
+    """Sent rows stay until their consumer acknowledges them; the relay's batch walks only the unsent
+    end of its ``(sent_at, id)`` index."""
     store = stale_store
     past = utcnow() - timedelta(minutes=5)
     with store.begin() as conn:
