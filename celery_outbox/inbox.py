@@ -4,7 +4,8 @@ Transaction boundaries, by idempotency style:
 
 * ``optimistic`` (default for ``IdempotentTask``): the claim is the first statement
   of the task's own transaction and the body's writes through ``self.session``
-  follow in it; claim, effects and outgoing messages commit or roll back
+  or ``self.connection`` follow in it (one pooled connection; the Session is made
+  on it only if the body asks for one); claim, effects and outgoing messages commit or roll back
   together. Effects exactly once. A concurrent copy waits for the first
   transaction and is then discarded.
 * ``eager`` (``idempotency = "eager"``, and every plain task consumed from a
@@ -35,13 +36,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.serialization import dumps
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .crashpoints import crashpoint
 from .envelope import header_count, json_text
 from .errors import StoreUnavailable
-from .publishing import UnitOfWork
+from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
 from .relay import REDELIVERY_HEADER
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
@@ -49,11 +51,11 @@ from .store import UNOWNED, utcnow
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["Delivery", "Inbox", "current_session"]
+__all__ = ["Delivery", "Inbox", "current_connection", "current_session"]
 
 logger = logging.getLogger("celery_outbox.inbox")
 
-_current_session: ContextVar[Session | None] = ContextVar("celery_outbox_task_session", default=None)
+_task_unit_of_work: ContextVar[UnitOfWork | None] = ContextVar("celery_outbox_task_unit_of_work", default=None)
 
 # Seconds to wait before handing a message back to the broker when the database is down,
 # so a worker does not spin on a message it cannot claim.
@@ -64,7 +66,15 @@ REPLAY_HEADER = "celery_outbox_replay"
 
 
 def current_session() -> Session | None:
-    return _current_session.get()
+    """The Session of the running task body's unit of work (made on first use), or None."""
+    uow = _task_unit_of_work.get()
+    return None if uow is None else uow.session
+
+
+def current_connection() -> Connection | None:
+    """The Connection of the running task body's unit of work (its transaction begun), or None."""
+    uow = _task_unit_of_work.get()
+    return None if uow is None else uow.connection
 
 
 class Duplicate(Exception):
@@ -193,19 +203,17 @@ class Inbox:
 
     def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any]) -> Any:
         store = self.outbox.store
-        session = self.outbox.new_session()
         outcome: BaseException | None = None
-        with self._ending(task, delivery, session), UnitOfWork.of(self.outbox, session).opened(), \
-                _committed(session):
+        with self._attempt(task, delivery, unit_of_work=True) as uow:
             now = utcnow()
             with _store_errors():
-                claimed = store.claim_incoming(session.connection(), self._claim_row(
+                claimed = store.claim_incoming(uow.connection, self._claim_row(
                     delivery, "handled", UNOWNED, now), self._stale_before(now))
             if not claimed:
                 raise Duplicate()
             crashpoint("after_claim")
             try:
-                result = self._call_with_session(body, session)
+                result = _call_body(body, uow)
             except Ignore as ignore:  # the body stopped on purpose (replace does): keep its work
                 outcome = ignore
         if outcome is not None:
@@ -225,19 +233,16 @@ class Inbox:
                                             self._stale_before(now)):
                     raise Duplicate()
         crashpoint("after_claim")
-        session = self.outbox.new_session()
         outcome: BaseException | None = None
-        uow = UnitOfWork.of(self.outbox, session)
-        with self._ending(task, delivery, session), uow.opened() if unit_of_work else nullcontext(), \
-                _committed(session):
+        with self._attempt(task, delivery, unit_of_work) as uow:
             try:
-                result = self._call_with_session(body, session) if unit_of_work else body()
+                result = _call_body(body, uow) if unit_of_work else body()
             except Ignore as ignore:
                 outcome = ignore
             finished = utcnow()
             with _store_errors():
                 still_ours = store.finish_incoming(
-                    session.connection(), delivery.message_id, delivery.destination, node_id,
+                    uow.connection, delivery.message_id, delivery.destination, node_id,
                     delivery.attempt, finished, self._keep_until(finished))
             if not still_ours:
                 raise Duplicate()  # another node took the claim over: its run counts
@@ -246,8 +251,25 @@ class Inbox:
         return result
 
     @contextmanager
-    def _ending(self, task: Any, delivery: Delivery, session: Session) -> Iterator[None]:
-        """Record how an attempt ended when its transaction rolled back; close its session."""
+    def _attempt(self, task: Any, delivery: Delivery, unit_of_work: bool) -> Iterator[ConnectionUnitOfWork]:
+        """The attempt's transaction: one pooled connection, committed when the block ends (durable
+        messages inserted just before, everything captured published just after) and rolled back
+        on any exception. With ``unit_of_work``, the block's publishes are captured into it. When
+        the attempt failed, how it ended is recorded after the rollback (``_ending``)."""
+        with _store_errors():
+            uow = ConnectionUnitOfWork(self.outbox)
+        with self._ending(task, delivery, uow), uow.opened() if unit_of_work else nullcontext():
+            try:
+                yield uow
+                with _store_errors():
+                    uow.commit()
+            except BaseException:
+                uow.rollback()
+                raise
+
+    @contextmanager
+    def _ending(self, task: Any, delivery: Delivery, uow: ConnectionUnitOfWork) -> Iterator[None]:
+        """Record how an attempt ended when its transaction rolled back; close its connection."""
         try:
             yield
         except (Duplicate, _StoreDown, Reject):
@@ -259,21 +281,15 @@ class Inbox:
             self._record(task, delivery, "dead", exc)
             raise
         finally:
-            session.close()
+            uow.close()
 
     def _without_claim(self, body: Callable[[], Any], unit_of_work: bool) -> Any:
         if not unit_of_work:
             return body()
-        with self.outbox.transaction() as session:
-            return self._call_with_session(body, session)
-
-    @staticmethod
-    def _call_with_session(body: Callable[[], Any], session: Session) -> Any:
-        token = _current_session.set(session)
-        try:
-            return body()
-        finally:
-            _current_session.reset(token)
+        with self.outbox.transaction():  # joins a unit of work already open in this context
+            uow = current_unit_of_work()
+            assert uow is not None
+            return _call_body(body, uow)
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -368,14 +384,10 @@ class _store_errors:
         return False
 
 
-@contextmanager
-def _committed(session: Session) -> Iterator[None]:
-    """The body's transaction: rolled back on any exception, committed otherwise."""
-    transaction = session.begin()
+def _call_body(body: Callable[[], Any], uow: UnitOfWork) -> Any:
+    """Run the body with ``uow`` as the task's unit of work (``self.session`` is its Session)."""
+    token = _task_unit_of_work.set(uow)
     try:
-        yield
-    except BaseException:
-        transaction.rollback()
-        raise
-    with _store_errors():
-        transaction.commit()
+        return body()
+    finally:
+        _task_unit_of_work.reset(token)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from celery import Celery, signals
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from .config import OutboxSettings, read_settings
@@ -225,11 +225,15 @@ class Outbox:
             with UnitOfWork.of(self, own).opened(), own.begin():
                 yield own
 
-    def new_session(self) -> Session:
-        """A new Session on the outbox's engine (the caller closes it)."""
+    def new_session(self, bind: Connection | None = None) -> Session:
+        """A new Session on the outbox's engine (the caller closes it). With ``bind``, a Session
+        that joins that connection's open transaction: its ``commit()`` only flushes, the
+        connection's owner commits; its ``rollback()`` rolls the transaction back."""
         self.ready()
         assert self._sessionmaker is not None
-        return self._sessionmaker()
+        if bind is None:
+            return self._sessionmaker()
+        return self._sessionmaker(bind=bind, join_transaction_mode="rollback_only")
 
     # -- maintenance ---------------------------------------------------------------------------
 

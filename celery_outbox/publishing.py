@@ -38,19 +38,21 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from celery.app.amqp import AMQP
 from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy import event
+from sqlalchemy.engine import Connection, RootTransaction
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage, capture, queue_name
+from .errors import OutboxError
 from .signals import message_published, publish_failed
 from .store import utcnow
 
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["UnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook", "listen_to_sessions",
-           "session_info"]
+__all__ = ["UnitOfWork", "ConnectionUnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook",
+           "listen_to_sessions", "session_info"]
 
 logger = logging.getLogger("celery_outbox.publishing")
 
@@ -71,12 +73,23 @@ class UnitOfWork:
     outermost commit wherever the commit happens.
     """
 
-    def __init__(self, outbox: "Outbox", session: Session):
+    def __init__(self, outbox: "Outbox", session: Session | None):
         self.outbox = outbox
-        self.session = session
+        self._session = session
         self.pending: list[OutgoingMessage] = []
         self._savepoints: dict[SessionTransaction, int] = {}
         self._committing = False
+
+    @property
+    def session(self) -> Session:
+        """The Session whose transaction this unit of work follows."""
+        assert self._session is not None
+        return self._session
+
+    @property
+    def connection(self) -> Connection:
+        """The connection of the Session's transaction."""
+        return self.session.connection()
 
     @classmethod
     def of(cls, outbox: "Outbox", session: Session) -> "UnitOfWork":
@@ -113,39 +126,125 @@ class UnitOfWork:
             self._savepoints.clear()
 
     def _on_soft_rollback(self, session: Session, previous: SessionTransaction) -> None:
-        for message in self.pending:
-            message.row_id = None  # rows inserted by a failed commit are gone with it
         if previous.nested:
+            for message in self.pending:
+                message.row_id = None  # rows inserted by a failed commit are gone with it
             start = self._savepoints.pop(previous, None)
             if start is not None:
                 self.pending[start:] = [m for m in self.pending[start:] if m.survives_rollback]
             return
-        self._committing = False
-        self._savepoints.clear()
-        survivors = [m for m in self.pending if m.survives_rollback]
-        self.pending.clear()
-        if survivors:
-            # A retry or replace of the running task was decided by Celery: the task's
-            # transaction rolls back, its continuation must still go out.
-            self.outbox.publisher.store_and_forward(survivors)
+        self._rolled_back()
 
     def _before_commit(self, session: Session) -> None:
-        if session.in_nested_transaction():
-            return
+        if not session.in_nested_transaction():
+            self._store_durable(session.connection())
+
+    def _after_commit(self, session: Session) -> None:
+        if not session.in_nested_transaction():
+            self._publish_committed()
+
+    # -- the transaction's ends ----------------------------------------------------------------
+
+    def _store_durable(self, connection: Connection) -> None:
+        """Just before the outermost commit: insert the durable messages, in its transaction."""
         durable = [m for m in self.pending if m.durable and m.row_id is None]
         if durable:
-            store_durable(self.outbox.store, session.connection(), durable)
+            store_durable(self.outbox.store, connection, durable)
         self._committing = True
         crashpoint("before_commit")
 
-    def _after_commit(self, session: Session) -> None:
-        if session.in_nested_transaction() or not self._committing:
+    def _publish_committed(self) -> None:
+        """Just after the outermost commit: publish what was captured, in call order."""
+        if not self._committing:
             return
         self._committing = False
         messages, self.pending = self.pending, []
         crashpoint("after_commit")
         if messages:
             self.outbox.publisher.publish_committed(messages)
+
+    def _rolled_back(self) -> None:
+        """After the outermost rollback: drop what was captured, except a retry or replace of the
+        running task, which Celery decided on: it still goes out."""
+        for message in self.pending:
+            message.row_id = None  # rows inserted by a failed commit are gone with it
+        self._committing = False
+        self._savepoints.clear()
+        survivors = [m for m in self.pending if m.survives_rollback]
+        self.pending.clear()
+        if survivors:
+            self.outbox.publisher.store_and_forward(survivors)
+
+
+class ConnectionUnitOfWork(UnitOfWork):
+    """A task attempt's unit of work: one transaction on one pooled Core connection, which its
+    owner (the inbox) ends with ``commit`` or ``rollback``.
+
+    A Session is made on that connection, inside the same transaction, only when the body
+    asks for ``session``: an attempt that never touches it pays for no ORM. That Session's
+    own ``commit()`` only flushes (it cannot end the owner's transaction), its
+    ``rollback()`` rolls the whole transaction back, and its savepoints work as in any
+    unit of work. Guarantee: as for ``UnitOfWork``; durable messages are inserted just
+    before ``commit`` commits, and everything captured is published just after.
+    """
+
+    def __init__(self, outbox: "Outbox"):
+        super().__init__(outbox, None)
+        self._connection = outbox.engine.connect()
+        self._transaction: RootTransaction | None = None
+
+    @property
+    def connection(self) -> Connection:
+        """The connection, its transaction begun (on first use: on SQLite, BEGIN takes the write lock)."""
+        if self._transaction is None:
+            self._transaction = self._connection.begin()
+        return self._connection
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            session = self._session = self.outbox.new_session(bind=self.connection)
+            session.info[_SESSION_KEY] = self
+        return self._session
+
+    def commit(self) -> None:
+        """Flush the Session, insert the durable messages, commit, then publish."""
+        if self._session is not None:
+            self._session.flush()
+        self._store_durable(self.connection)
+        assert self._transaction is not None
+        if not self._transaction.is_active:
+            raise OutboxError("the task's transaction was rolled back inside its body (self.session.rollback()), "
+                              "its inbox claim with it: raise an exception to fail the task instead")
+        self._transaction.commit()
+        self._publish_committed()
+
+    def rollback(self) -> None:
+        """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop
+        what was captured."""
+        try:
+            if self._transaction is not None and self._transaction.is_active:
+                self._transaction.rollback()
+        except Exception as exc:  # noqa: BLE001 - the error that led here is the one to raise; closing ends it
+            logger.warning("celery-outbox: could not roll back a task's transaction (closing its connection): %s",
+                           exc)
+        finally:
+            self._rolled_back()
+
+    def close(self) -> None:
+        """Close the Session, if one was made, and give the connection back to the pool."""
+        try:
+            if self._session is not None:
+                self._session.close()
+        finally:
+            self._connection.close()
+
+    # The Session joined the owner's transaction: its commit only flushes; the owner commits.
+    def _before_commit(self, session: Session) -> None:
+        return None
+
+    def _after_commit(self, session: Session) -> None:
+        return None
 
 
 _EVENT_HANDLERS = {

@@ -3,9 +3,10 @@
 ``IdempotentTask`` (``@app.task(base=IdempotentTask, bind=True)``): each delivery
 is claimed in the inbox before the body runs, and a redelivered duplicate is
 discarded (acked, state IGNORED, never a failure). Inside the body
-``self.session`` is the SQLAlchemy Session of the task's unit of work: committed
-when the body returns, together with the claim (optimistic style) and followed by
-the publish of what the body sent; rolled back on an exception or a retry.
+``self.session`` is the SQLAlchemy Session of the task's unit of work (made on first
+use) and ``self.connection`` its Core Connection: one transaction, committed when the
+body returns, together with the claim (optimistic style) and followed by the publish
+of what the body sent; rolled back on an exception or a retry.
 
 ``acks_late`` is on, and a task whose worker process is killed is sent again
 (``retry_on_worker_lost`` on Celery 5.7+, ``reject_on_worker_lost`` before): the
@@ -24,7 +25,7 @@ from typing import Any
 from celery import Task
 
 from .errors import OutboxError
-from .inbox import current_session
+from .inbox import current_connection, current_session
 from .outbox import outbox_of
 
 __all__ = ["IdempotentTask", "InboxTask"]
@@ -67,6 +68,16 @@ class IdempotentTask(Task):
         if session is None:
             raise OutboxError(f"{self.name}: self.session exists only while the task body runs")
         return session
+
+    @property
+    def connection(self) -> Any:
+        """The SQLAlchemy Connection of the running unit of work, for Core statements (only
+        inside the body). The same transaction as ``self.session``: it commits with the claim
+        and rolls back with it."""
+        connection = current_connection()
+        if connection is None:
+            raise OutboxError(f"{self.name}: self.connection exists only while the task body runs")
+        return connection
 
     @property
     def outbox(self) -> Any:

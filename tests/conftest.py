@@ -16,7 +16,8 @@ def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}_"
 
 
-def _drop(store: Store) -> None:
+def drop_store(store: Store) -> None:
+    """Drop the store's tables that exist."""
     with store.engine.begin() as conn:
         existing = set(inspect(conn).get_table_names())
         for table in reversed(store.tables.all()):
@@ -65,7 +66,7 @@ def store(database_url, table_prefix):
     store = Store(engine, table_prefix)
     store.migrate()
     yield store
-    _drop(store)
+    drop_store(store)
     engine.dispose()
 
 

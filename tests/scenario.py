@@ -7,7 +7,7 @@ import uuid
 
 from .apps import inbox_app
 from .brokers import purge
-from .conftest import _drop
+from .conftest import drop_store
 from .services import wait_until
 from .workers import BeatProcess, WorkerProcess
 
@@ -50,5 +50,5 @@ class Scenario:
         purge(self.shop.app, self.env["TEST_QUEUE"], self.env["TEST_OTHER_QUEUE"])
         self.shop.metadata.drop_all(self.shop.outbox.engine)
         self.shop.disconnect()
-        _drop(self.shop.outbox.store)
+        drop_store(self.shop.outbox.store)
         self.shop.outbox.engine.dispose()

@@ -50,7 +50,7 @@ from celery_outbox.store import utcnow
 
 from ..apps import fault_app
 from ..brokers import purge
-from ..conftest import _drop
+from ..conftest import drop_store
 from ..services import wait_until
 from ..workers import ROOT, BeatProcess, WorkerProcess
 
@@ -422,7 +422,7 @@ class FaultRun:
             pass
         try:
             self.shop.metadata.drop_all(self.shop.outbox.engine)
-            _drop(self.shop.outbox.store)
+            drop_store(self.shop.outbox.store)
         finally:
             self.shop.outbox.engine.dispose()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from celery_outbox.store import SCHEMA_VERSION, Store, build_engine
 
-from ..conftest import _drop
+from ..conftest import drop_store
 
 ROOT = Path(__file__).parents[2]
 
@@ -41,7 +41,7 @@ def test_migrate_creates_then_reports_nothing_to_do(database_url, table_prefix):
         assert "created tables: none" in second.stdout
         assert store.missing_tables() == []
     finally:
-        _drop(store)
+        drop_store(store)
 
 
 def test_two_migrations_at_once_both_succeed(database_url, table_prefix):
@@ -54,7 +54,7 @@ def test_two_migrations_at_once_both_succeed(database_url, table_prefix):
         assert len(created) == 1, "exactly one of the two runs creates the tables"
         assert store.schema_version() == SCHEMA_VERSION
     finally:
-        _drop(store)
+        drop_store(store)
 
 
 def test_status_prints_counts_and_json(database_url, table_prefix):
@@ -76,7 +76,7 @@ def test_status_prints_counts_and_json(database_url, table_prefix):
         assert report["oldest_pending_outgoing_age_seconds"] >= 0
         assert [n["name"] for n in report["nodes"]] == ["worker-1:abc"]
     finally:
-        _drop(store)
+        drop_store(store)
 
 
 def test_unreachable_database_is_one_line_without_the_password(table_prefix):

@@ -20,7 +20,7 @@ from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand
 from ..brokers import nothing_more, purge, receive
-from ..conftest import _drop, unsent_rows
+from ..conftest import drop_store, unsent_rows
 from ..scenario import Scenario
 from ..services import wait_until
 
@@ -89,7 +89,7 @@ def test_two_concurrent_recover_runs_publish_each_row_once(postgres_url, redis_u
         assert unsent_rows(shop.outbox.store) == 0
     finally:
         purge(shop.app, shop.durable_queue)
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)
 
 
 def test_a_countdown_to_a_durable_queue_goes_out_once_when_due_without_an_eta(postgres_url, redis_url,
@@ -113,7 +113,7 @@ def test_a_countdown_to_a_durable_queue_goes_out_once_when_due_without_an_eta(po
         assert nothing_more(shop.app, shop.durable_queue), "published once"
     finally:
         purge(shop.app, shop.durable_queue)
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)
 
 
 def _deliver_at(shop):
@@ -235,7 +235,7 @@ def test_outbox_stale_time_hands_the_rows_of_a_hung_relay_to_another(postgres_ur
             "at least once: both relays published it, the inbox discards the copy"
     finally:
         release.set()
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)
 
 
 def test_a_message_the_broker_lost_is_redelivered_and_acknowledged_by_the_inbox(postgres_url, redis_url,

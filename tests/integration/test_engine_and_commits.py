@@ -92,7 +92,7 @@ def test_cleanup_batches_do_not_wait_for_the_wal_flush(postgres_url, table_prefi
     from celery_outbox import Outbox
     from celery_outbox.store import utcnow
 
-    from ..conftest import _drop
+    from ..conftest import drop_store
     from .test_store_contract import incoming_row
 
     outbox = Outbox(Celery("cleanup-commits", broker="memory://", set_as_current=False),
@@ -108,7 +108,7 @@ def test_cleanup_batches_do_not_wait_for_the_wal_flush(postgres_url, table_prefi
     try:
         assert outbox.cleanup().incoming_deleted == 25
     finally:
-        _drop(store)
+        drop_store(store)
         store.engine.dispose()
     transactions = " ".join(log).split("COMMIT")
     deleting = [t for t in transactions if f"DELETE FROM {store.tables.incoming.name}" in t]

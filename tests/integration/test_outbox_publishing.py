@@ -16,7 +16,7 @@ from celery_outbox.signals import message_published
 
 from ..apps.factory import make_shop
 from ..brokers import nothing_more, purge, receive, receive_until_marker
-from ..conftest import _drop, unsent_rows
+from ..conftest import drop_store, unsent_rows
 from ..services import require
 from ..throwaway import ThrowawayRedis
 
@@ -34,7 +34,7 @@ def shop(broker_url, database_url, table_prefix):
     shop.outbox.ready()
     yield shop
     purge(shop.app, shop.plain_queue, shop.durable_queue)
-    _drop(shop.outbox.store)
+    drop_store(shop.outbox.store)
     shop.outbox.engine.dispose()
 
 
@@ -143,7 +143,7 @@ def test_broker_stopped_during_commit_then_relay_delivers(database_url, table_pr
         assert unsent_rows(shop.outbox.store) == 0
     finally:
         broker.stop()
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)
 
 
 def test_store_and_forward_outside_a_unit_of_work_survives_a_broker_outage(database_url, table_prefix, tmp_path):
@@ -162,7 +162,7 @@ def test_store_and_forward_outside_a_unit_of_work_survives_a_broker_outage(datab
         assert unsent_rows(shop.outbox.store) == 0
     finally:
         broker.stop()
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)
 
 
 def test_rabbitmq_unreachable_during_commit_then_relay_delivers(rabbitmq_url, database_url, table_prefix):
@@ -182,7 +182,7 @@ def test_rabbitmq_unreachable_during_commit_then_relay_delivers(rabbitmq_url, da
         assert (message.id, message.args) == (result.id, ["stored"])
     finally:
         purge(relay_app.app, writer.durable_queue)
-        _drop(writer.outbox.store)
+        drop_store(writer.outbox.store)
 
 
 def run_writer(broker_url, database_url, table_prefix, crashpoint, durable_queue, tracking="on"):
@@ -239,7 +239,7 @@ def test_with_an_archive_each_publish_after_commit_is_recorded_as_sent(broker_ur
         assert message.id == result.id
     finally:
         purge(shop.app, shop.plain_queue, shop.durable_queue)
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)
         shop.outbox.engine.dispose()
 
 
@@ -284,5 +284,5 @@ def test_with_delivery_tracking_off_a_failed_publish_keeps_only_its_row(broker_u
         assert recorded() == (sorted(sent) if archived else [])
     finally:
         purge(shop.app, shop.plain_queue, shop.durable_queue)
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)
         shop.outbox.engine.dispose()

@@ -16,7 +16,7 @@ from sqlalchemy import event
 
 from celery_outbox.store import Store, build_engine, utcnow
 
-from ..conftest import _drop
+from ..conftest import drop_store
 from .test_store_contract import outgoing_row
 
 BACKLOG, LIMIT = 20_000, 500
@@ -31,7 +31,7 @@ def stale_store(postgres_url, table_prefix):
     with store.begin() as conn:
         conn.exec_driver_sql(f"ALTER TABLE {store.tables.outgoing.name} SET (autovacuum_enabled = false)")
     yield store
-    _drop(store)
+    drop_store(store)
     store.engine.dispose()
 
 

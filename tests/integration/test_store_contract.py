@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 
 from celery_outbox.store import SCHEMA_VERSION, Store, as_utc, build_engine, is_unique_violation, utcnow
 
-from ..conftest import _drop
+from ..conftest import drop_store
 
 
 def outgoing_row(n: int, **extra):
@@ -114,7 +114,7 @@ def test_concurrent_migrations_both_succeed(database_url, table_prefix):
         assert stores[0].missing_tables() == []
         assert stores[0].schema_version() == SCHEMA_VERSION
     finally:
-        _drop(stores[0])
+        drop_store(stores[0])
         for s in stores:
             s.engine.dispose()
 

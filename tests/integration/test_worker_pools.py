@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from ..apps import worker_app
 from ..brokers import purge
-from ..conftest import _drop
+from ..conftest import drop_store
 from ..services import require, wait_until
 from ..workers import WorkerProcess
 
@@ -66,4 +66,4 @@ def test_the_check_always_finds_the_order(broker_url, postgres_url, table_prefix
         checking.stop(cold=True)
         purge(shop.app, env["TEST_QUEUE"], env["TEST_QUEUE"] + "_checks", env["TEST_DURABLE_QUEUE"])
         shop.metadata.drop_all(shop.outbox.engine)
-        _drop(shop.outbox.store)
+        drop_store(shop.outbox.store)

@@ -18,6 +18,7 @@ from celery_outbox.errors import OutboxError
 from celery_outbox.signals import duplicate_discarded
 
 from ..brokers import receive_until_marker
+from ..conftest import drop_store
 
 
 class Harness:
@@ -247,10 +248,93 @@ def test_direct_calls_and_eager_mode_run_the_body_in_a_unit_of_work(harness):
     assert harness.outbox.store.count_incoming() == 0, "no message, nothing to deduplicate"
 
 
+@pytest.fixture
+def harness_on_each_store(database_url, table_prefix):
+    """A harness on SQLite and on a real PostgreSQL; its tables are dropped afterwards."""
+    harness = Harness(database_url, table_prefix)
+    yield harness
+    harness.close()
+    harness.metadata.drop_all(harness.outbox.engine)
+    drop_store(harness.outbox.store)
+    harness.outbox.engine.dispose()
+
+
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_connection_and_session_are_one_transaction_with_the_claim(harness_on_each_store, style):
+    """``self.connection`` (Core) and ``self.session`` (ORM) write in one transaction: the
+    Session's own ``commit()`` only flushes, and an exception after it rolls back both writes
+    (and, optimistic, the claim); otherwise both commit with the row marked handled."""
+    harness = harness_on_each_store
+    same_connection = []
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.both", shared=False)
+    def both(self, note, fail):
+        self.connection.execute(insert(harness.effects).values(note=f"{note} core"))
+        self.session.execute(insert(harness.effects).values(note=f"{note} orm"))
+        self.session.commit()
+        same_connection.append(self.session.connection() is self.connection)
+        if fail:
+            raise ValueError("after the session's commit")
+
+    both.idempotency = style
+    with harness.worker():
+        both.apply_async(("failed", True), task_id="both-1")
+        assert harness.wait_for_states("both-1", 1) == ["FAILURE"]
+        assert harness.effect_count() == 0, "the session's commit did not end the task's transaction"
+        both.apply_async(("ok", False), task_id="both-2")
+        assert harness.wait_for_states("both-2", 1) == ["SUCCESS"]
+    assert same_connection == [True, True]
+    with harness.outbox.engine.begin() as conn:
+        assert sorted(conn.execute(select(harness.effects.c.note)).scalars()) == ["ok core", "ok orm"]
+    assert harness.outbox.store.get_incoming("both-1").status == "dead"
+    assert harness.outbox.store.get_incoming("both-2").status == "handled"
+
+
+def test_a_body_that_never_touches_the_session_makes_none(harness, monkeypatch):
+    made = []
+    new_session = harness.outbox.new_session
+    monkeypatch.setattr(harness.outbox, "new_session", lambda *a, **kw: made.append(1) or new_session(*a, **kw))
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.core_only", shared=False)
+    def core_only(self, note):
+        self.connection.execute(insert(harness.effects).values(note=note))
+
+    pay = define_pay(harness)
+    with harness.worker():
+        core_only.apply_async(("core",), task_id="core-1")
+        assert harness.wait_for_states("core-1", 1) == ["SUCCESS"]
+        assert made == [], "no ORM Session for a body that writes through self.connection"
+        pay.apply_async(("orm",), task_id="orm-1")
+        assert harness.wait_for_states("orm-1", 1) == ["SUCCESS"]
+    assert made == [1], "one Session, made when the body asked for self.session"
+    assert harness.effect_count() == 2
+
+
+def test_rolling_back_inside_the_body_fails_the_task_with_a_clear_error(harness):
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.rolls_back", shared=False)
+    def rolls_back(self, note):
+        self.session.execute(insert(harness.effects).values(note=note))
+        self.session.rollback()
+        self.app.send_task("shop.receipt", args=["r"], queue=harness.other_queue)
+
+    with harness.worker():
+        rolls_back.apply_async(("x",), task_id="rb-1")
+        assert harness.wait_for_states("rb-1", 1) == ["FAILURE"]
+    assert harness.effect_count() == 0
+    assert harness.outbox.store.get_incoming("rb-1").status == "dead"
+    with harness.outbox.store.begin() as conn:
+        (letter,) = conn.execute(select(harness.outbox.store.tables.dead_letters)).all()
+    assert letter.exception_type == "OutboxError"
+    assert "rolled back inside its body" in letter.exception_message
+    assert receive_until_marker(harness.app, harness.other_queue, "after") == [], "nothing sent by a failed task"
+
+
 def test_session_outside_the_body_is_a_clear_error(harness):
     pay = define_pay(harness)
     with pytest.raises(OutboxError, match="only while the task body runs"):
         pay.session  # noqa: B018
+    with pytest.raises(OutboxError, match="only while the task body runs"):
+        pay.connection  # noqa: B018
 
 
 def test_idempotent_task_defaults():
