@@ -4,9 +4,9 @@ One body, seven ways to run it: a plain Celery task (acknowledged before it runs
 default, and after, with ``acks_late``), two floors (plain tasks writing their inbox row by
 hand, the least each ``IdempotentTask`` style must do), an ``IdempotentTask`` in the
 optimistic and in the eager style, and the plain task consumed from a durable queue.
-``BENCH_BODY`` is ``noop`` or ``write`` (one INSERT: through ``self.session`` in an
-``IdempotentTask``; in its own transaction on a plain SQLAlchemy engine otherwise, as a
-Celery user without celery-outbox would write it). ``bench.mark`` records when the
+``BENCH_BODY`` is ``noop`` or ``write`` (one Core INSERT: through ``self.connection``, in
+the claim's transaction, in an ``IdempotentTask``; in its own transaction on a plain
+SQLAlchemy engine otherwise, as a Celery user without celery-outbox would write it). ``bench.mark`` records when the
 first and the last message of a run were handled, in Redis.
 """
 
@@ -85,12 +85,12 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
     @app.task(base=IdempotentTask, bind=True, name="bench.optimistic", shared=False)
     def optimistic(self, n: int) -> None:
         if body == "write":
-            self.session.execute(insert(effects).values(n=n))
+            self.connection.execute(insert(effects).values(n=n))
 
     @app.task(base=IdempotentTask, bind=True, name="bench.eager", shared=False)
     def eager(self, n: int) -> None:
         if body == "write":
-            self.session.execute(insert(effects).values(n=n))
+            self.connection.execute(insert(effects).values(n=n))
 
     eager.idempotency = "eager"
 
