@@ -310,6 +310,27 @@ def test_a_body_that_never_touches_the_session_makes_none(harness, monkeypatch):
     assert harness.effect_count() == 2
 
 
+def test_a_savepoint_rolled_back_in_the_body_drops_only_its_writes_and_messages(harness):
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.partly", shared=False)
+    def partly(self):
+        self.connection.execute(insert(harness.effects).values(note="kept"))
+        self.app.send_task("shop.receipt", args=["kept"], queue=harness.other_queue)
+        with pytest.raises(ValueError):
+            with self.session.begin_nested():
+                self.session.execute(insert(harness.effects).values(note="dropped"))
+                self.app.send_task("shop.receipt", args=["dropped"], queue=harness.other_queue)
+                raise ValueError("undo the savepoint")
+        self.app.send_task("shop.receipt", args=["after"], queue=harness.other_queue)
+
+    with harness.worker():
+        partly.apply_async(task_id="sp-1")
+        assert harness.wait_for_states("sp-1", 1) == ["SUCCESS"]
+    with harness.outbox.engine.begin() as conn:
+        assert conn.execute(select(harness.effects.c.note)).scalars().all() == ["kept"]
+    assert [m.args for m in receive_until_marker(harness.app, harness.other_queue, "end")] == [["kept"], ["after"]]
+    assert harness.outbox.store.get_incoming("sp-1").status == "handled"
+
+
 def test_rolling_back_inside_the_body_fails_the_task_with_a_clear_error(harness):
     @harness.app.task(base=IdempotentTask, bind=True, name="shop.rolls_back", shared=False)
     def rolls_back(self, note):
