@@ -209,14 +209,14 @@ class ConnectionUnitOfWork(UnitOfWork):
 
     def commit(self) -> None:
         """Flush the Session, insert the durable messages, commit, then publish."""
-        if self._session is not None:
-            self._session.flush()
-        self._store_durable(self.connection)
-        assert self._transaction is not None
-        if not self._transaction.is_active:
+        if self._transaction is not None and not self._transaction.is_active:
             raise OutboxError("the task's transaction was rolled back inside its body (self.session.rollback()), "
                               "its inbox claim with it: raise an exception to fail the task instead")
-        self._transaction.commit()
+        if self._session is not None:
+            self._session.flush()
+        connection = self.connection
+        self._store_durable(connection)
+        connection.commit()
         self._publish_committed()
 
     def rollback(self) -> None:
