@@ -23,6 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Task
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
 
 from .errors import OutboxError
 from .inbox import current_connection, current_session
@@ -62,7 +64,7 @@ class IdempotentTask(Task):
     idempotency: str | None = None
 
     @property
-    def session(self) -> Any:
+    def session(self) -> Session:
         """The SQLAlchemy Session of the running unit of work (only inside the body)."""
         session = current_session()
         if session is None:
@@ -70,7 +72,7 @@ class IdempotentTask(Task):
         return session
 
     @property
-    def connection(self) -> Any:
+    def connection(self) -> Connection:
         """The SQLAlchemy Connection of the running unit of work, for Core statements (only
         inside the body). The same transaction as ``self.session``: it commits with the claim
         and rolls back with it."""
