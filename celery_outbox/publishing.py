@@ -190,7 +190,7 @@ class ConnectionUnitOfWork(UnitOfWork):
 
     def __init__(self, outbox: "Outbox"):
         super().__init__(outbox, None)
-        self._connection = outbox.engine.connect()
+        self._connection = outbox.ready().engine.connect()  # like every entry point: the store answers, tables exist
         self._transaction: RootTransaction | None = None
 
     @property
