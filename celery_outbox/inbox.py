@@ -228,9 +228,9 @@ class Inbox:
             self._store_envelope(delivery, envelope, owner=node_id)
         else:
             now = utcnow()
-            with _store_errors(), store.begin(durable=False) as conn:  # the body's commit makes it durable
-                if not store.claim_incoming(conn, self._claim_row(delivery, "running", node_id, now),
-                                            self._stale_before(now)):
+            with _store_errors():  # committed without waiting for the disk: the body's commit makes it durable
+                if not store.claim_incoming_alone(self._claim_row(delivery, "running", node_id, now),
+                                                  self._stale_before(now)):
                     raise Duplicate()
         crashpoint("after_claim")
         outcome: BaseException | None = None

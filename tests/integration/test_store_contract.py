@@ -7,8 +7,10 @@ an inbox key is inserted once and a duplicate is detected by error code.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import event, inspect, select
@@ -288,6 +290,55 @@ def test_a_concurrent_inbox_insert_waits_for_the_first_and_then_conflicts(store:
     t1.join()
     t2.join()
     assert results == {"first": True, "second": False}
+
+
+def test_a_claim_alone_commits_a_new_key_and_takes_over_only_what_a_claim_may(store: Store):
+    """``claim_incoming_alone`` (the eager claim) commits on its own and keeps every value, quotes
+    included; on an existing key it follows ``claim_incoming``'s rules: a later retry of a
+    running row takes it over, a handled row is never claimed again."""
+    now = utcnow()
+    claim = incoming_row("eager'; DROP TABLE x; --", task_name="t.100%", owner=7, claimed_at=now, retries=0,
+                         nesting=0, replays=0, keep_until=None)
+    assert store.claim_incoming_alone(claim) is True
+    row = store.get_incoming(claim["message_id"])
+    assert (row.task_name, row.owner, row.status, as_utc(row.claimed_at)) == ("t.100%", 7, "running", now)
+    assert store.claim_incoming_alone({**claim, "retries": 1, "owner": 8}) is True, "a retry takes the row over"
+    row = store.get_incoming(claim["message_id"])
+    assert (row.retries, row.owner) == (1, 8)
+    with store.begin() as conn:
+        store.insert_incoming(conn, incoming_row("done", status="handled", keep_until=now + timedelta(1)))
+    assert store.claim_incoming_alone({**claim, "message_id": "done"}) is False, "a handled row is a duplicate"
+    assert store.get_incoming("done").status == "handled"
+
+
+def test_a_claim_alone_of_a_new_key_is_one_message_to_postgresql(store: Store):
+    """On PostgreSQL the eager claim of a new key sends one query (INSERT and SET LOCAL
+    synchronous_commit), not BEGIN, SET, INSERT and COMMIT; the pooled connection goes back
+    as it came (not autocommit, the server-side binding cursor)."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL only: SQLite has no round trips")
+    import psycopg
+
+    store.engine.dispose()
+    trace_path = Path(tempfile.mkstemp(suffix=".trace")[1])
+    with trace_path.open("w") as trace:
+        @event.listens_for(store.engine, "connect")
+        def _trace(dbapi_connection, _record):
+            dbapi_connection.pgconn.trace(trace.fileno())
+            dbapi_connection.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+
+        assert store.claim_incoming_alone(incoming_row("one-message", owner=0, claimed_at=utcnow())) is True
+        event.remove(store.engine, "connect", _trace)
+        with store.engine.connect() as conn:
+            driver = conn.connection.driver_connection
+            driver.pgconn.untrace()
+            assert (driver.autocommit, driver.cursor_factory) == (False, psycopg.Cursor)
+    sent = [line.split("\t") for line in trace_path.read_text().splitlines() if line.startswith("F\t")]
+    trace_path.unlink()
+    queries = [fields[3] for fields in sent if fields[2] == "Query"]
+    assert [fields[2] for fields in sent if fields[2] != "Query"] == [], "no extended-protocol round trips"
+    assert len(queries) == 1 and "INSERT INTO" in queries[0] and "synchronous_commit TO OFF" in queries[0], queries
+    assert store.get_incoming("one-message").status == "running"
 
 
 def test_duplicates_are_detected_by_error_code(store: Store):
