@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import re
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -40,7 +41,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from ..errors import StoreUnavailable
@@ -58,6 +59,14 @@ INSERT_CHUNK = 1000
 # The columns of an outgoing row a record of its send (the ``sent`` table) keeps.
 RECORD_COLUMNS = ("message_id", "destination", "task_name", "created_at")
 PG_UNIQUE_VIOLATION = "23505"
+# psycopg.pq values, without importing psycopg for SQLite
+_PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
+_TUPLES_OK = 2  # ExecStatus.TUPLES_OK
+_PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
+_PG_NO_SUCH_PREPARED = "26000"
+_PG_PREPARED_EXISTS = "42P05"
+# Per pooled connection: the names of the statements prepared on it by ``_insert_incoming_in_one_message``
+_PREPARED = "celery_outbox_prepared"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
 
@@ -66,14 +75,35 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+@dataclass(frozen=True)
+class _ClaimQuery:
+    """The inbox claim's INSERT as a named prepared statement: ``prepare`` creates it on a
+    connection, ``execute`` runs it (``%(name)s`` placeholders, bound by psycopg on the
+    client), ``literal`` is the INSERT itself, for a connection that prepares nothing."""
+
+    name: str
+    prepare: str
+    execute: str
+    literal: str
+
+
 @functools.lru_cache(maxsize=16)
-def _one_message_claim(statement: Any, dialect: Any, names: tuple[str, ...]) -> str:
-    """PostgreSQL: ``statement`` (an INSERT ... RETURNING) for the columns ``names``, followed by
-    ``SET LOCAL synchronous_commit TO OFF``, as one query text with ``%(name)s`` placeholders."""
+def _claim_query(statement: Any, dialect: Any, names: tuple[str, ...]) -> _ClaimQuery:
+    """PostgreSQL: ``statement`` (the inbox INSERT ... RETURNING) for the columns ``names``."""
     compiled = statement.compile(dialect=dialect, column_keys=list(names))
     if set(compiled.binds) != set(names):  # every value must be a plain bound column value
         raise ValueError(f"cannot send the claim of columns {names} as one message")
-    return f"{compiled.string}; SET LOCAL synchronous_commit TO OFF"
+    order: list[str] = []
+
+    def number(match: re.Match) -> str:
+        if match.group(1) not in order:
+            order.append(match.group(1))
+        return f"${order.index(match.group(1)) + 1}"
+
+    positional = re.sub(r"%\((\w+)\)s", number, compiled.string).replace("%%", "%")
+    name = f"celery_outbox_claim_{zlib.crc32(positional.encode()):08x}"
+    arguments = ", ".join(f"%({key})s" for key in order)
+    return _ClaimQuery(name, f"PREPARE {name} AS {positional}", f"EXECUTE {name}({arguments})", compiled.string)
 
 
 @functools.lru_cache(maxsize=64)
@@ -528,6 +558,8 @@ class Store:
         ``INSERT ... ON CONFLICT DO NOTHING``; a concurrent insert of the same key
         waits for the first transaction and then conflicts.
         """
+        if self.is_postgres and self._at_rest(conn):  # its BEGIN goes with it: one round trip
+            return self._insert_incoming_in_one_message(conn, row, "BEGIN")
         return conn.execute(self._insert_new_incoming, row).first() is not None
 
     def _owner_is_dead(self, table):
@@ -592,34 +624,85 @@ class Store:
         """``claim_incoming`` in a transaction of its own that commits without waiting for the
         WAL flush (``begin(durable=False)``): the eager claim, made durable by the body's commit.
 
-        On PostgreSQL a new key, the common case, costs one message to the server: the
-        ``INSERT ... ON CONFLICT DO NOTHING`` and ``SET LOCAL synchronous_commit TO OFF`` go
-        as one query, which PostgreSQL runs as one implicit transaction, instead of four
-        round trips (BEGIN, SET, INSERT, COMMIT). The values are bound by psycopg on the
-        client, with its quoting. A key that exists already takes ``claim_incoming``'s second
-        statement in a transaction of its own; nothing was written by the first."""
-        if self.engine.dialect.driver == "psycopg":
+        On PostgreSQL a new key, the common case, costs one message to the server instead of
+        four (BEGIN, SET, INSERT, COMMIT): ``SET LOCAL synchronous_commit TO OFF`` and the
+        ``INSERT ... ON CONFLICT DO NOTHING`` go as one query, which PostgreSQL runs as one
+        implicit transaction. A key that exists already takes ``claim_incoming``'s second
+        statement in a transaction of its own; the first wrote nothing."""
+        if self.is_postgres:
             try:
                 with self.engine.connect() as conn:
-                    if self._insert_incoming_in_one_message(conn, row):
+                    if self._at_rest(conn) and self._insert_incoming_in_one_message(
+                            conn, row, "SET LOCAL synchronous_commit TO OFF"):
                         return True
             except OperationalError as exc:
                 raise self.unavailable(exc) from exc
         with self.begin(durable=False) as conn:
             return self.claim_incoming(conn, row, stale_before)
 
-    def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any]) -> bool:
+    def _at_rest(self, conn: Connection) -> bool:
+        """PostgreSQL: ``conn``'s psycopg connection is between transactions, in the default
+        transaction mode: its next statement may open the transaction itself (``BEGIN; ...``),
+        as psycopg would have with a BEGIN of its own."""
+        driver = conn.connection.driver_connection
+        return (conn.dialect.driver == "psycopg" and not driver.autocommit
+                and driver.info.transaction_status == _PSYCOPG_IDLE and driver.isolation_level is None
+                and driver.read_only is None and driver.deferrable is None)
+
+    def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: str) -> bool:
+        """PostgreSQL: ``before`` and the inbox INSERT ... ON CONFLICT DO NOTHING RETURNING, sent as
+        one query; True when the row went in. libpq runs the query and returns the last
+        statement's result. The INSERT is a statement prepared once per connection (sent
+        with the first query) and the values are bound on the client by psycopg's own quoting
+        (``mogrify``). With psycopg's prepared statements off (``prepare_threshold = None``,
+        as behind a transaction-pooling PgBouncer) the INSERT goes as text."""
         import psycopg
 
-        sql = _one_message_claim(self._insert_new_incoming, conn.dialect, tuple(row))
-        conn.execution_options(isolation_level="AUTOCOMMIT")  # no BEGIN first; reset when the pool takes it back
-        driver = conn.connection.driver_connection
-        cursor_factory = driver.cursor_factory
-        driver.cursor_factory = psycopg.ClientCursor  # binds on the client: a query of several statements
+        claim = _claim_query(self._insert_new_incoming, conn.dialect, tuple(row))
+        prepared: set[str] = conn.connection.info.setdefault(_PREPARED, set())
         try:
-            return conn.exec_driver_sql(sql, row).first() is not None
-        finally:
-            driver.cursor_factory = cursor_factory
+            result = self._run_one_message(conn, claim, prepared, before, row)
+            if result.status != _TUPLES_OK:  # unless the statement was prepared after all, or is gone: raise
+                sqlstate = self._error_of(conn, result, claim.execute, row,
+                                          expected=(_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS))
+                conn.connection.driver_connection.rollback()
+                (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(claim.name)
+                result = self._run_one_message(conn, claim, prepared, before, row)
+                if result.status != _TUPLES_OK:
+                    self._error_of(conn, result, claim.execute, row, expected=())
+        except psycopg.Error as exc:  # from libpq or psycopg's quoting itself
+            if conn.connection.driver_connection.pgconn.status != _PSYCOPG_CONNECTION_OK:
+                conn.invalidate()
+                raise self.unavailable(exc) from exc
+            raise DBAPIError.instance(claim.execute, row, exc, psycopg.Error) from exc
+        prepared.add(claim.name)
+        return result.ntuples > 0
+
+    def _run_one_message(self, conn: Connection, claim: _ClaimQuery, prepared: set[str], before: str,
+                         row: dict[str, Any]) -> Any:
+        import psycopg
+
+        driver = conn.connection.driver_connection
+        if driver.prepare_threshold is None:
+            fixed, last = [before], claim.literal
+        else:
+            fixed, last = ([before] if claim.name in prepared else [claim.prepare, before]), claim.execute
+        query = "; ".join([*fixed, psycopg.ClientCursor(driver).mogrify(last, row)])
+        return driver.pgconn.exec_(query.encode(driver.info.encoding))
+
+    def _error_of(self, conn: Connection, result: Any, sql: str, row: dict[str, Any],
+                  expected: tuple[str, ...]) -> str:
+        """The SQLSTATE of the error ``result`` carries when it is one of ``expected``; otherwise
+        raise it as psycopg would have."""
+        import psycopg
+        from psycopg import pq
+
+        driver = conn.connection.driver_connection
+        message = (result.error_message or driver.pgconn.error_message).decode(errors="replace").strip()
+        sqlstate = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+        if sqlstate in expected and driver.pgconn.status == _PSYCOPG_CONNECTION_OK:
+            return sqlstate
+        raise (psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.OperationalError)(message)
 
     @functools.cached_property
     def _finish_incoming(self):

@@ -311,34 +311,122 @@ def test_a_claim_alone_commits_a_new_key_and_takes_over_only_what_a_claim_may(st
     assert store.get_incoming("done").status == "handled"
 
 
-def test_a_claim_alone_of_a_new_key_is_one_message_to_postgresql(store: Store):
-    """On PostgreSQL the eager claim of a new key sends one query (INSERT and SET LOCAL
-    synchronous_commit), not BEGIN, SET, INSERT and COMMIT; the pooled connection goes back
-    as it came (not autocommit, the server-side binding cursor)."""
+class ProtocolTrace:
+    """The messages psycopg sends to PostgreSQL on the connections ``store`` opens from now on
+    (libpq's protocol trace)."""
+
+    def __init__(self, store: Store):
+        import psycopg
+
+        store.engine.dispose()
+        self.engine = store.engine
+        self.path = Path(tempfile.mkstemp(suffix=".trace")[1])
+        self.file = self.path.open("w")
+        self.connections: list = []
+
+        def trace(dbapi_connection, _record):
+            dbapi_connection.pgconn.trace(self.file.fileno())
+            dbapi_connection.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+            self.connections.append(dbapi_connection)
+
+        self._trace = trace
+        event.listen(store.engine, "connect", trace)
+
+    def sent(self) -> list[tuple[str, str]]:
+        """(message type, text) of every message sent so far."""
+        self.file.flush()
+        fields = [line.split("\t") for line in self.path.read_text().splitlines() if line.startswith("F\t")]
+        return [(f[2], f[3].strip() if len(f) > 3 else "") for f in fields]
+
+    def close(self) -> None:
+        event.remove(self.engine, "connect", self._trace)
+        for connection in self.connections:
+            if not connection.closed:
+                connection.pgconn.untrace()
+        self.file.close()
+        self.path.unlink()
+
+
+@pytest.fixture
+def protocol(store: Store):
     if not store.is_postgres:
         pytest.skip("PostgreSQL only: SQLite has no round trips")
-    import psycopg
+    trace = ProtocolTrace(store)
+    yield trace
+    trace.close()
 
+
+def test_a_claim_alone_of_a_new_key_is_one_message_to_postgresql(store: Store, protocol: ProtocolTrace):
+    """On PostgreSQL the eager claim of a new key sends one query (SET LOCAL synchronous_commit
+    and the INSERT, prepared with the connection's first claim), not BEGIN, SET, INSERT and
+    COMMIT; the pooled connection goes back between transactions."""
+    assert store.claim_incoming_alone(incoming_row("first", owner=0, claimed_at=utcnow())) is True
+    assert store.claim_incoming_alone(incoming_row("second", owner=0, claimed_at=utcnow())) is True
+    sent = protocol.sent()
+    assert [kind for kind, _ in sent] == ["Query", "Query"], sent
+    (_, first), (_, second) = sent
+    assert first.startswith('"PREPARE celery_outbox_claim_') and "INSERT INTO" in first
+    assert "SET LOCAL synchronous_commit TO OFF; EXECUTE celery_outbox_claim_" in first
+    assert second.startswith('"SET LOCAL synchronous_commit TO OFF; EXECUTE celery_outbox_claim_'), second
+    with store.engine.connect() as conn:
+        assert conn.connection.driver_connection.info.transaction_status == 0, "idle: nothing left open"
+    assert [store.get_incoming(key).status for key in ("first", "second")] == ["running", "running"]
+
+
+def test_an_insert_opening_its_transaction_carries_the_begin(store: Store, protocol: ProtocolTrace):
+    """On PostgreSQL an inbox INSERT that opens its transaction (the optimistic claim) sends
+    BEGIN with it, and the transaction stays open for the body: what follows is in it, and a
+    rollback undoes the claim."""
+    with store.begin() as conn:
+        assert store.insert_incoming(conn, incoming_row("kept")) is True
+        conn.execute(store.tables.incoming.update().where(store.tables.incoming.c.message_id == "kept")
+                     .values(task_name="t.body"))
+    with pytest.raises(RuntimeError), store.begin() as conn:
+        assert store.insert_incoming(conn, incoming_row("undone")) is True
+        raise RuntimeError("the body failed")
+    kinds = [kind for kind, _ in protocol.sent()]
+    queries = [text for kind, text in protocol.sent() if kind == "Query"]
+    assert queries[0].startswith('"PREPARE celery_outbox_claim_') and "; BEGIN; EXECUTE" in queries[0]
+    assert queries[-2].startswith('"BEGIN; EXECUTE celery_outbox_claim_'), queries
+    assert "BEGIN" not in [text.strip('"') for text in queries], "no BEGIN of its own"
+    assert kinds.count("Query") >= 4 and queries[-1] == '"ROLLBACK"', queries
+    assert store.get_incoming("kept").task_name == "t.body"
+    assert store.get_incoming("undone") is None
+
+
+def test_a_claim_recovers_when_its_prepared_statement_is_gone_or_already_there(store: Store):
+    """The claim's prepared statement dropped behind its back (``DEALLOCATE ALL``), or prepared
+    without its knowing: the claim runs anyway, once."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL only: SQLite prepares nothing")
     store.engine.dispose()
-    trace_path = Path(tempfile.mkstemp(suffix=".trace")[1])
-    with trace_path.open("w") as trace:
-        @event.listens_for(store.engine, "connect")
-        def _trace(dbapi_connection, _record):
-            dbapi_connection.pgconn.trace(trace.fileno())
-            dbapi_connection.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+    assert store.claim_incoming_alone(incoming_row("a", owner=0)) is True
+    with store.engine.connect() as conn:
+        conn.exec_driver_sql("DEALLOCATE ALL")
+        conn.commit()
+    assert store.claim_incoming_alone(incoming_row("b", owner=0)) is True
+    with store.engine.connect() as conn:
+        conn.connection.info["celery_outbox_prepared"].clear()
+    with store.begin() as conn:
+        assert store.insert_incoming(conn, incoming_row("c", owner=0)) is True
+        assert store.insert_incoming(conn, incoming_row("c", owner=0)) is False
+    assert all(store.get_incoming(key) is not None for key in "abc")
 
-        assert store.claim_incoming_alone(incoming_row("one-message", owner=0, claimed_at=utcnow())) is True
-        event.remove(store.engine, "connect", _trace)
-        with store.engine.connect() as conn:
-            driver = conn.connection.driver_connection
-            driver.pgconn.untrace()
-            assert (driver.autocommit, driver.cursor_factory) == (False, psycopg.Cursor)
-    sent = [line.split("\t") for line in trace_path.read_text().splitlines() if line.startswith("F\t")]
-    trace_path.unlink()
-    queries = [fields[3] for fields in sent if fields[2] == "Query"]
-    assert [fields[2] for fields in sent if fields[2] != "Query"] == [], "no extended-protocol round trips"
-    assert len(queries) == 1 and "INSERT INTO" in queries[0] and "synchronous_commit TO OFF" in queries[0], queries
-    assert store.get_incoming("one-message").status == "running"
+
+def test_a_claim_sends_its_insert_as_text_when_prepared_statements_are_off(store: Store, protocol: ProtocolTrace):
+    """With psycopg's prepared statements off (``prepare_threshold = None``, as behind a
+    transaction-pooling PgBouncer) the claim prepares nothing."""
+    @event.listens_for(store.engine, "connect")
+    def no_prepared_statements(dbapi_connection, _record):
+        dbapi_connection.prepare_threshold = None
+
+    try:
+        assert store.claim_incoming_alone(incoming_row("text", owner=0)) is True
+    finally:
+        event.remove(store.engine, "connect", no_prepared_statements)
+    (kind, query), = protocol.sent()
+    assert kind == "Query" and query.startswith('"SET LOCAL synchronous_commit TO OFF; INSERT INTO'), query
+    assert store.get_incoming("text").status == "running"
 
 
 def test_duplicates_are_detected_by_error_code(store: Store):
