@@ -146,10 +146,9 @@ def build_engine(database_url: str, options: Mapping[str, Any] | None = None) ->
             "celery-outbox supports postgresql (production) and sqlite (embedded)"
         )
     url = _normalise_postgres(url)
-    kwargs: dict[str, Any] = {}
-    if backend == "postgresql":
-        kwargs["connect_args"] = {"connect_timeout": 5}
-    kwargs.update(options or {})
+    kwargs: dict[str, Any] = dict(options or {})
+    if backend == "postgresql":  # a given connect_args adds to the timeout, or overrides it
+        kwargs["connect_args"] = {"connect_timeout": 5, **kwargs.get("connect_args", {})}
     try:
         engine = create_engine(url, **kwargs)
     except (ArgumentError, NoSuchModuleError, TypeError) as exc:

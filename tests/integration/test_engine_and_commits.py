@@ -71,6 +71,24 @@ def test_an_explicit_pool_pre_ping_is_kept(postgres_url):
         engine.dispose()
 
 
+def test_given_connect_args_keep_the_connect_timeout(postgres_url):
+    """``outbox_engine_options = {"connect_args": {...}}`` adds to the library's connect timeout."""
+    engine = build_engine(postgres_url, {"connect_args": {"prepare_threshold": None}})
+    try:
+        with engine.connect() as conn:
+            driver = conn.connection.driver_connection
+            assert driver.prepare_threshold is None
+            assert driver.info.get_parameters()["connect_timeout"] == "5"
+    finally:
+        engine.dispose()
+    engine = build_engine(postgres_url, {"connect_args": {"connect_timeout": 2}})
+    try:
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.info.get_parameters()["connect_timeout"] == "2"
+    finally:
+        engine.dispose()
+
+
 def synchronous_commit(store: Store, durable: bool) -> str:
     with store.begin(durable=durable) as conn:
         return conn.execute(text("SHOW synchronous_commit")).scalar_one()
