@@ -13,6 +13,10 @@ with no library code: acknowledge late and write the inbox row, in the body's
 transaction (optimistic) or committed before it (eager). No implementation of the
 guarantee can be faster than its floor: a target above the floor's ratio is beyond
 what this machine's database allows.
+
+Each measurement also counts the CPU time spent between the two marks, per task, by the
+worker and its pool, by PostgreSQL and by the broker (from ``/proc``): on a machine whose
+cores all these share, it says where a variant's time goes.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, best
 
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
+CPU_PARTS = ("worker", "PostgreSQL", "broker")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # (variant, task, durable queue?, target ratio against the plain task, its floor)
 OPTIMISTIC_FLOOR = "floor: plain task writing its inbox row in its transaction"
 EAGER_FLOOR = "floor: plain task committing its inbox row first"
@@ -61,6 +67,11 @@ class Run:
         self.outbox.ready()
         self.metadata.create_all(self.outbox.engine)
         self.marks = redis.Redis.from_url(REDIS_URL)
+        self.cpu: dict[tuple[str, bool], list[tuple[float, dict[str, float]]]] = {}
+
+    def cpu_per_task(self, task: str, durable: bool) -> dict[str, float]:
+        """CPU seconds per task, by part, in this variant's fastest measurement."""
+        return max(self.cpu.get((task, durable), [(0.0, {})]), key=lambda sample: sample[0])[1]
 
     def empty_tables(self) -> None:
         """Start a measurement from empty tables: the rows an earlier variant left would slow
@@ -94,14 +105,22 @@ class Run:
             stderr=subprocess.PIPE, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
+            cpu_at_start = None
             while not self.marks.exists(f"{key}:end"):
                 if worker.poll() is not None:
                     raise RuntimeError(f"the benchmark worker exited: {worker.stderr.read().decode()[-2000:]}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the worker did not drain {messages} messages of {task} in 600 s")
+                if cpu_at_start is None and self.marks.exists(f"{key}:start"):
+                    cpu_at_start = cpu_seconds(worker.pid)
                 time.sleep(0.05)
+            cpu_at_end = cpu_seconds(worker.pid)
             started, ended = (float(self.marks.get(f"{key}:{which}")) for which in ("start", "end"))
-            return messages / (ended - started)
+            rate = messages / (ended - started)
+            if cpu_at_start is not None:
+                spent = {part: (cpu_at_end[part] - cpu_at_start[part]) / messages for part in cpu_at_end}
+                self.cpu.setdefault((task, durable), []).append((rate, spent))
+            return rate
         finally:
             worker.send_signal(signal.SIGTERM)
             try:
@@ -116,6 +135,28 @@ class Run:
         drop_store(self.outbox)
 
 
+def cpu_seconds(worker_pid: int) -> dict[str, float]:
+    """CPU time (user + system) spent so far by the worker and its pool (the processes of its
+    session), by PostgreSQL (all its processes) and by the broker (Redis and RabbitMQ)."""
+    spent = dict.fromkeys(CPU_PARTS, 0.0)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry.name}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:  # the process ended meanwhile
+            continue
+        session, ticks = int(fields[3]), int(fields[11]) + int(fields[12])
+        part = ("worker" if session == worker_pid else "PostgreSQL" if name in ("postgres", "postmaster")
+                else "broker" if name in ("redis-server", "beam.smp") else None)
+        if part is not None:
+            spent[part] += ticks / CLOCK_TICKS
+    return spent
+
+
 def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
     messages = options.size(3000, 200)
     results = []
@@ -125,6 +166,7 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
             measures = [functools.partial(run.throughput, task, durable, messages)
                         for _, task, durable, _, _ in VARIANTS]
             rates = dict(zip((variant[0] for variant in VARIANTS), best_of(options.size(2, 1), *measures), strict=True))
+            cpu = {name: run.cpu_per_task(task, durable) for name, task, durable, _, _ in VARIANTS}
         finally:
             run.close()
         print(f"  worker {broker}, {label}: " + ", ".join(f"{name} {rate:.0f}/s" for name, rate in rates.items()),
@@ -132,11 +174,21 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
         plain, late = rates["plain task"], rates["plain task, acks_late"]
         results += [Result("worker", f"{broker}, {name}, {label}", "tasks/s", rates[name], plain,
                            target=None if target is None else (">=", target),
-                           note="" if floor is None else
-                           f"vs plain with acks_late: {rates[name] / late:.2f}; vs its floor: "
-                           f"{rates[name] / rates[floor]:.2f}")
+                           note="; ".join(filter(None, (
+                               floor and f"vs plain with acks_late: {rates[name] / late:.2f}; vs its floor: "
+                                         f"{rates[name] / rates[floor]:.2f}",
+                               cpu_note(cpu[name], cpu["plain task"])))))
                     for name, _, _, target, floor in VARIANTS[1:]]
     return results
+
+
+def cpu_note(spent: dict[str, float], plain: dict[str, float]) -> str:
+    """CPU per task, in microseconds, by part, and how much more than the plain task's."""
+    if not spent or not plain:
+        return ""
+    parts = ", ".join(f"{part} {spent[part] * 1e6:.0f}" for part in CPU_PARTS)
+    more = sum(spent.values()) - sum(plain.values())
+    return f"CPU µs/task: {parts} ({more * 1e6:+.0f} vs plain)"
 
 
 def run(options: Options) -> list[Result]:

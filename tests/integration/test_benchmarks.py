@@ -82,3 +82,26 @@ def test_worker_benchmark_drains_its_queue_through_a_real_worker():
     assert throughput > 0
     assert written == 20  # each body's one write, once
     assert handled == 20
+
+
+def test_worker_benchmark_counts_cpu_of_the_worker_session_postgres_and_the_broker():
+    """``cpu_seconds`` gives the CPU of every process in the worker's session to "worker", and
+    finds PostgreSQL's and the broker's processes."""
+    require("postgres")
+    require("redis")
+    from benchmarks.worker import cpu_seconds
+
+    burner = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nend = time.process_time() + 0.3\n"
+         "while time.process_time() < end: pass\nprint('burnt', flush=True)\nsys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert burner.stdout.readline().strip() == "burnt"
+        spent = cpu_seconds(burner.pid)
+    finally:
+        burner.stdin.close()
+        burner.wait(timeout=30)
+    assert set(spent) == {"worker", "PostgreSQL", "broker"}
+    assert spent["worker"] >= 0.25, spent  # the 0.3 s it burnt, at the clock's 10 ms ticks
+    assert spent["PostgreSQL"] > 0 and spent["broker"] > 0, spent
+    assert cpu_seconds(burner.pid)["worker"] == 0, "an ended session spends nothing"
