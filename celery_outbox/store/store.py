@@ -14,6 +14,8 @@ import base64
 import functools
 import json
 import re
+import select as io_select
+import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -65,6 +67,8 @@ _TUPLES_OK = 2  # ExecStatus.TUPLES_OK
 _PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
 _PG_NO_SUCH_PREPARED = "26000"
 _PG_PREPARED_EXISTS = "42P05"
+# Seconds a claim interrupted by a signal waits for its cancelled query to end
+CANCEL_WAIT = 5.0
 # Per pooled connection: the names of the statements prepared on it by ``_insert_incoming_in_one_message``
 _PREPARED = "celery_outbox_prepared"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
@@ -104,6 +108,43 @@ def _claim_query(statement: Any, dialect: Any, names: tuple[str, ...]) -> _Claim
     name = f"celery_outbox_claim_{zlib.crc32(positional.encode()):08x}"
     arguments = ", ".join(f"%({key})s" for key in order)
     return _ClaimQuery(name, f"PREPARE {name} AS {positional}", f"EXECUTE {name}({arguments})", compiled.string)
+
+
+def _exchange(driver: Any, query: bytes) -> Any:
+    """Send ``query`` (one message, several statements) on psycopg connection ``driver``'s libpq
+    connection and return the result of its last statement. It waits in ``select``, as psycopg
+    does, so a signal handler (Celery's soft time limit) can interrupt a claim that waits for a
+    concurrent claim of the same key; the query is then cancelled and its end awaited, so that
+    a query ending in an implicit COMMIT does not commit after its caller gave up."""
+    pgconn = driver.pgconn
+    pgconn.send_query(query)
+    try:
+        while pgconn.flush():
+            io_select.select([], [pgconn.socket], [])
+        return _last_result(pgconn)
+    except BaseException:
+        if pgconn.status == _PSYCOPG_CONNECTION_OK and pgconn.is_busy():
+            driver.cancel()
+            _last_result(pgconn, timeout=CANCEL_WAIT)
+        raise
+
+
+def _last_result(pgconn: Any, timeout: float | None = None) -> Any:
+    """Wait for the results of the query in flight on ``pgconn``; return the last one (None
+    when ``timeout`` seconds passed first)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    last = None
+    while True:
+        while pgconn.is_busy():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            io_select.select([pgconn.socket], [], [], remaining)
+            pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:
+            return last
+        last = result
 
 
 @functools.lru_cache(maxsize=64)
@@ -658,6 +699,7 @@ class Store:
         as behind a transaction-pooling PgBouncer) the INSERT goes as text."""
         import psycopg
 
+        driver = conn.connection.driver_connection
         claim = _claim_query(self._insert_new_incoming, conn.dialect, tuple(row))
         prepared: set[str] = conn.connection.info.setdefault(_PREPARED, set())
         try:
@@ -665,14 +707,15 @@ class Store:
             if result.status != _TUPLES_OK:  # unless the statement was prepared after all, or is gone: raise
                 sqlstate = self._error_of(conn, result, claim.execute, row,
                                           expected=(_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS))
-                conn.connection.driver_connection.rollback()
+                driver.rollback()
                 (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(claim.name)
                 result = self._run_one_message(conn, claim, prepared, before, row)
                 if result.status != _TUPLES_OK:
                     self._error_of(conn, result, claim.execute, row, expected=())
         except psycopg.Error as exc:  # from libpq or psycopg's quoting itself
-            if conn.connection.driver_connection.pgconn.status != _PSYCOPG_CONNECTION_OK:
-                conn.invalidate()
+            if conn.invalidated or driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
+                if not conn.invalidated:
+                    conn.invalidate()
                 raise self.unavailable(exc) from exc
             raise DBAPIError.instance(claim.execute, row, exc, psycopg.Error) from exc
         prepared.add(claim.name)
@@ -688,7 +731,11 @@ class Store:
         else:
             fixed, last = ([before] if claim.name in prepared else [claim.prepare, before]), claim.execute
         query = "; ".join([*fixed, psycopg.ClientCursor(driver).mogrify(last, row)])
-        return driver.pgconn.exec_(query.encode(driver.info.encoding))
+        try:
+            return _exchange(driver, query.encode(driver.info.encoding))
+        except BaseException:  # a signal (a soft time limit) or a lost connection: the query may still run
+            conn.invalidate()
+            raise
 
     def _error_of(self, conn: Connection, result: Any, sql: str, row: dict[str, Any],
                   expected: tuple[str, ...]) -> str:

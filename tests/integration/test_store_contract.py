@@ -7,6 +7,7 @@ an inbox key is inserted once and a duplicate is detected by error code.
 
 from __future__ import annotations
 
+import signal
 import tempfile
 import threading
 from datetime import timedelta
@@ -411,6 +412,45 @@ def test_a_claim_recovers_when_its_prepared_statement_is_gone_or_already_there(s
         assert store.insert_incoming(conn, incoming_row("c", owner=0)) is True
         assert store.insert_incoming(conn, incoming_row("c", owner=0)) is False
     assert all(store.get_incoming(key) is not None for key in "abc")
+
+
+class SoftTimeLimit(Exception):
+    pass
+
+
+def test_a_claim_waiting_for_a_concurrent_claim_yields_to_a_signal(store: Store):
+    """A claim waiting for a concurrent claim of its key (a row lock) is interrupted by a signal
+    handler that raises, as Celery's soft time limit does; its connection is not reused, and
+    the key is claimed once the first claim rolls back."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL only: SQLite's writers queue on the database lock")
+    holding, release = threading.Event(), threading.Event()
+
+    def first_claim():
+        with store.engine.connect() as conn, conn.begin():
+            store.insert_incoming(conn, incoming_row("contended", owner=0))
+            holding.set()
+            release.wait(30)
+            conn.rollback()
+
+    def soft_time_limit(_signum, _frame):
+        raise SoftTimeLimit()
+
+    first = threading.Thread(target=first_claim)
+    first.start()
+    previous = signal.signal(signal.SIGALRM, soft_time_limit)
+    try:
+        assert holding.wait(10)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(SoftTimeLimit):
+            store.claim_incoming_alone(incoming_row("contended", owner=0))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+        first.join()
+    assert store.get_incoming("contended") is None, "neither claim committed"
+    assert store.claim_incoming_alone(incoming_row("contended", owner=0)) is True
 
 
 def test_a_claim_sends_its_insert_as_text_when_prepared_statements_are_off(store: Store, protocol: ProtocolTrace):
