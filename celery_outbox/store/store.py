@@ -733,7 +733,7 @@ class Store:
         query = "; ".join([*fixed, psycopg.ClientCursor(driver).mogrify(last, row)])
         try:
             return _exchange(driver, query.encode(driver.info.encoding))
-        except BaseException:  # a signal (a soft time limit) or a lost connection: the query may still run
+        except BaseException:  # a signal (a soft time limit) or a lost connection: do not reuse it
             conn.invalidate()
             raise
 
