@@ -633,11 +633,12 @@ class Store:
         A concurrent claim of the same key waits for the first transaction, then
         re-checks these conditions against the committed row.
         """
+        return self.insert_incoming(conn, row) or self._take_over_incoming(conn, row, stale_before)
+
+    def _take_over_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None) -> bool:
+        """The key exists (or a concurrent claim just committed it): a second statement, with a
+        fresh snapshot, decides whether this delivery may take the row over."""
         table = self.tables.incoming
-        if self.insert_incoming(conn, row):
-            return True
-        # The key exists (or a concurrent claim just committed it): a second statement, with a
-        # fresh snapshot, decides whether this delivery may take the row over.
         insert = self._upsert(table).values(**row)
         new = insert.excluded
         same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
@@ -670,25 +671,31 @@ class Store:
         ``INSERT ... ON CONFLICT DO NOTHING`` go as one query, which PostgreSQL runs as one
         implicit transaction. A key that exists already takes ``claim_incoming``'s second
         statement in a transaction of its own; the first wrote nothing."""
+        inserted = None
         if self.is_postgres:
             try:
                 with self.engine.connect() as conn:
-                    if self._at_rest(conn) and self._insert_incoming_in_one_message(
-                            conn, row, "SET LOCAL synchronous_commit TO OFF"):
-                        return True
+                    if self._at_rest(conn):
+                        inserted = self._insert_incoming_in_one_message(
+                            conn, row, "SET LOCAL synchronous_commit TO OFF")
             except OperationalError as exc:
                 raise self.unavailable(exc) from exc
+        if inserted:
+            return True
         with self.begin(durable=False) as conn:
-            return self.claim_incoming(conn, row, stale_before)
+            if inserted is None:  # not sent as one message
+                return self.claim_incoming(conn, row, stale_before)
+            return self._take_over_incoming(conn, row, stale_before)
 
     def _at_rest(self, conn: Connection) -> bool:
         """PostgreSQL: ``conn``'s psycopg connection is between transactions, in the default
         transaction mode: its next statement may open the transaction itself (``BEGIN; ...``),
         as psycopg would have with a BEGIN of its own."""
+        if conn.dialect.driver != "psycopg":
+            return False
         driver = conn.connection.driver_connection
-        return (conn.dialect.driver == "psycopg" and not driver.autocommit
-                and driver.info.transaction_status == _PSYCOPG_IDLE and driver.isolation_level is None
-                and driver.read_only is None and driver.deferrable is None)
+        return (driver.pgconn.transaction_status == _PSYCOPG_IDLE and not driver.autocommit
+                and driver.isolation_level is None and driver.read_only is None and driver.deferrable is None)
 
     def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: str) -> bool:
         """PostgreSQL: ``before`` and the inbox INSERT ... ON CONFLICT DO NOTHING RETURNING, sent as
