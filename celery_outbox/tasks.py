@@ -20,7 +20,7 @@ rejected (eager style: the claim commits before the body) whether or not it is a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from celery import Task
 from sqlalchemy.engine import Connection
@@ -33,6 +33,21 @@ from .outbox import outbox_of
 __all__ = ["IdempotentTask", "InboxTask"]
 
 _STYLES = ("optimistic", "eager")
+
+
+def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], Any]:
+    """The call that runs ``task``'s body behind the inbox: the next ``__call__`` after ``cls``'s.
+
+    Celery's tracer (a worker, or ``apply``) pushes the task and its request before it calls a
+    task with a ``__call__`` of its own. When the next ``__call__`` is Celery's ``Task.__call__``,
+    which would push both again (a copy of the request, built anew), the body runs directly, as
+    Celery runs a task without a ``__call__`` of its own. Called directly (no request pushed),
+    and with a ``__call__`` of another class in between, the next one runs as usual."""
+    call = super(cls, task).__call__
+    if not task.request.called_directly and getattr(call, "__func__", None) is Task.__call__:
+        run = task.run
+        return lambda: run(*args, **kwargs)
+    return lambda: call(*args, **kwargs)
 
 
 class InboxTask(Task):
@@ -49,8 +64,8 @@ class InboxTask(Task):
         queue = delivery_info.get("queue") or delivery_info.get("routing_key")
         if request.called_directly or not outbox.settings.is_durable(queue):
             return super().__call__(*args, **kwargs)
-        return outbox.inbox.run(self, args, kwargs, lambda: super(InboxTask, self).__call__(*args, **kwargs),
-                                style="eager", unit_of_work=False)
+        return outbox.inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
+                                unit_of_work=False)
 
 
 class IdempotentTask(Task):
@@ -90,5 +105,5 @@ class IdempotentTask(Task):
         style = self.idempotency or outbox.settings.idempotency_style
         if style not in _STYLES:
             raise OutboxError(f"{self.name}.idempotency = {style!r} is not valid: expected one of {_STYLES}")
-        return outbox.inbox.run(self, args, kwargs, lambda: super(IdempotentTask, self).__call__(*args, **kwargs),
-                                style=style, unit_of_work=True)
+        return outbox.inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
+                                unit_of_work=True)

@@ -9,7 +9,7 @@ import threading
 import uuid
 
 import pytest
-from celery import Celery, signals
+from celery import Celery, Task, signals
 from celery.contrib.testing.worker import start_worker
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 
@@ -361,3 +361,45 @@ def test_session_outside_the_body_is_a_clear_error(harness):
 def test_idempotent_task_defaults():
     assert IdempotentTask.acks_late is True
     assert IdempotentTask.reject_on_worker_lost is True
+
+
+def test_the_worker_runs_the_body_on_the_request_it_pushed_and_other_calls_still_run(harness):
+    """Under the worker the body runs on the request Celery's tracer pushed, as a plain task's
+    body does (``Task.__call__`` would push a copy of it again); a ``__call__`` of another base
+    class between ``IdempotentTask`` and ``Task`` still runs; a direct call pushes its own request."""
+    seen, audited = [], []
+
+    class Audited(Task):
+        abstract = True
+
+        def __call__(self, *args, **kwargs):
+            audited.append(args)
+            return super().__call__(*args, **kwargs)
+
+    class AuditedIdempotent(IdempotentTask, Audited):
+        abstract = True
+
+    def record(task, note):
+        seen.append((task.name, note, task.request.id, tuple(task.request.args), len(task.request_stack.stack),
+                     harness.app.current_task is task))
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.seen", shared=False)
+    def plain_seen(self, note):
+        record(self, note)
+
+    @harness.app.task(base=AuditedIdempotent, bind=True, name="shop.audited", shared=False)
+    def audited_seen(self, note):
+        record(self, note)
+
+    with harness.worker():
+        plain_seen.apply_async(("queued",), task_id="seen-1")
+        audited_seen.apply_async(("queued",), task_id="seen-2")
+        assert harness.wait_for_states("seen-1", 1) == ["SUCCESS"]
+        assert harness.wait_for_states("seen-2", 1) == ["SUCCESS"]
+    plain_seen("direct")
+    assert seen[:2] == [("shop.seen", "queued", "seen-1", ("queued",), 1, True),
+                        ("shop.audited", "queued", "seen-2", ("queued",), 2, True)]
+    assert seen[2][:4] == ("shop.seen", "direct", None, ("direct",)) and seen[2][4:] == (1, True)
+    assert audited == [("queued",)], "the mixin's __call__ ran for the worker's delivery"
+    assert harness.outbox.store.get_incoming("seen-1").status == "handled"
+    assert harness.outbox.store.get_incoming("seen-2").status == "handled"
