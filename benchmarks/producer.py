@@ -161,7 +161,7 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
             results += [
                 Result("producer", f"{broker}, N={n} in one unit of work, in-memory", "msg/s", memory, baseline),
                 Result("producer", f"{broker}, N={n} in one unit of work, durable", "msg/s", stored, baseline,
-                       target=(">=", 1.0) if n == 100 else None),
+                       target=(">=", 1.0) if n == 100 else None, floor=floor[0] if floor else None),
             ]
             if n == max(BATCHES):
                 statements = statements_alone(outbox, durable, units, n, repeats)
@@ -183,7 +183,7 @@ def _untracked(broker: str, broker_url: str, n: int, units: int, repeats: int) -
               f"floor {floor:.0f}/s", file=sys.stderr)
         mode = ", delivery tracking off"
         return [Result("producer", f"{broker}, N={n} in one unit of work, durable{mode}", "msg/s", stored, baseline,
-                       target=(">=", 1.0)),
+                       target=(">=", 1.0), floor=floor),
                 _floor(broker, n, floor, baseline, statements_alone(outbox, durable, units, n, repeats), mode)]
     finally:
         _tear_down(app, outbox)

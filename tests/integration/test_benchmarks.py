@@ -47,8 +47,13 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
             assert f"{broker}, N={n} in one unit of work, durable" in cases
         assert cases[f"{broker}, N=100 in one unit of work, durable"]["target"] == ">= 1"
         assert cases[f"{broker}, N=100 in one unit of work, durable, delivery tracking off"]["target"] == ">= 1"
-        assert f"{broker}, N=100, floor: in-memory unit then the durable statements" in cases
-        assert f"{broker}, N=100, floor: in-memory unit then the durable statements, delivery tracking off" in cases
+        for mode in ("", ", delivery tracking off"):
+            durable, floor = (cases[f"{broker}, N=100{case}{mode}"] for case in (
+                " in one unit of work, durable", ", floor: in-memory unit then the durable statements"))
+            assert durable["floor"] == floor["ours"], "the durable row carries its floor's measurement"
+            assert abs(durable["floor_ratio"] - floor["ours"] / durable["plain"]) < 1e-9
+            assert abs(durable["of_floor"] - durable["ours"] / floor["ours"]) < 1e-9
+            assert durable["floor_met"] is (durable["floor_ratio"] >= 1)
         relay = [r for r in results if r["benchmark"] == "relay" and r["case"].startswith(broker)]
         assert len(relay) == 1 and relay[0]["target"] == ">= 1"
     cleanup = [r for r in results if r["benchmark"] == "cleanup"]
