@@ -167,7 +167,8 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
         try:
             measures = [functools.partial(run.throughput, task, durable, messages)
                         for _, task, durable, _, _ in VARIANTS]
-            rates = dict(zip((variant[0] for variant in VARIANTS), best_of(options.size(ROUNDS, 1), *measures), strict=True))
+            best = best_of(options.size(ROUNDS, 1), *measures)
+            rates = dict(zip((variant[0] for variant in VARIANTS), best, strict=True))
             cpu = {name: run.cpu_per_task(task, durable) for name, task, durable, _, _ in VARIANTS}
         finally:
             run.close()
