@@ -4,8 +4,9 @@
 measured), then ``outbox.cleanup()`` deletes them in its batches while another process keeps claiming
 new messages the way a worker does (one short transaction per claim, into the same table). Their p99
 is compared with the p99 of the same claims with no cleanup running, in windows right before and right
-after each cleanup (the machine's other load drifts). Three rounds; rows/s is the best of them, the
-p99s pool the claims of all rounds.
+after each cleanup (the machine's other load drifts). Five rounds; rows/s is the best of them, the
+p99s pool the claims of all rounds (the note gives each round's own ratio: on a shared machine one
+round's tail can be another's double).
 
 A second series runs the same claims committing without waiting for the WAL flush: it shows
 where the difference comes from. A claim's commit must flush the log up to its own record, and
@@ -37,7 +38,7 @@ from .common import POSTGRES_URL, Options, Result, drop_store, percentile, uniqu
 
 def run(options: Options) -> list[Result]:
     rows = options.size(1_000_000, 50_000)
-    rounds = options.size(3, 1)
+    rounds = options.size(5, 1)
     window = options.size(3.0, 0.5)  # seconds of claims without cleanup, right before and right after it
     app = Celery(f"bench-cleanup-{uuid.uuid4().hex[:6]}", broker="memory://")
     prefix = unique_prefix()
@@ -58,23 +59,23 @@ def run(options: Options) -> list[Result]:
 
 
 def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool,
-            ) -> tuple[list[float], dict[str, list[float]]]:
+            ) -> tuple[list[float], dict[tuple[str, int], list[float]]]:
     """``rounds`` cleanups of ``rows`` rows, with claims (committing durably or not) running
     during each and in windows right before and after it; the rates, and the claims' latencies by
-    kind of window."""
+    kind of window and round."""
     batch = outbox.settings.cleanup_batch_size
     claims = _Claims(outbox.store.prefix, outbox.settings.keep_after_handling, durable)
     try:
         rates: list[float] = []
         for n in range(1, rounds + 1):
             _load(outbox, rows)
-            with claims.window("without"):
+            with claims.window("without", n):
                 time.sleep(window)
-            with claims.window("during"):
+            with claims.window("during", n):
                 started = time.perf_counter()
                 result = outbox.cleanup(max_batches=rows // batch + 2)
                 seconds = time.perf_counter() - started
-            with claims.window("without"):
+            with claims.window("without", n):
                 time.sleep(window)
             if result.incoming_deleted != rows:
                 raise RuntimeError(f"cleanup deleted {result.incoming_deleted} rows, expected {rows}")
@@ -84,7 +85,7 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
         samples = claims.finish()
     finally:
         claims.close()
-    during, without = samples["during"], samples["without"]
+    during, without = _pooled(samples, "during"), _pooled(samples, "without")
     _progress(f"  claims ({'durable' if durable else 'not waiting for the WAL flush'}) p99 "
               f"{percentile(during, 0.99) * 1000:.2f} ms during cleanup ({len(during)}), "
               f"{percentile(without, 0.99) * 1000:.2f} ms without ({len(without)}); p50 "
@@ -92,12 +93,23 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
     return rates, samples
 
 
-def _p99(case: str, samples: dict[str, list[float]], window: float,
+def _p99(case: str, samples: dict[tuple[str, int], list[float]], window: float,
          target: tuple[str, float] | None = None) -> Result:
-    during, without = samples["during"], samples["without"]
+    """The p99 of all rounds' claims during cleanup against that of all rounds' claims without it;
+    the note gives each round's own ratio."""
+    during, without = _pooled(samples, "during"), _pooled(samples, "without")
+    rounds = sorted(n for kind, n in samples if kind == "during" and samples.get(("without", n)))
+    each = ", ".join(f"{percentile(samples[('during', n)], 0.99) / percentile(samples[('without', n)], 0.99):.2f}"
+                     for n in rounds)
     return Result("cleanup", case, "ms", percentile(during, 0.99) * 1000, plain=percentile(without, 0.99) * 1000,
                   target=target,
-                  note=f"{len(during)} claims during, {len(without)} in {window:g} s right before and after")
+                  note=f"{len(during)} claims during, {len(without)} in {window:g} s right before and after; "
+                       f"each round's ratio: {each}")
+
+
+def _pooled(samples: dict[tuple[str, int], list[float]], kind: str) -> list[float]:
+    """The latencies of every round's windows of ``kind``."""
+    return [latency for (k, _), latencies in samples.items() if k == kind for latency in latencies]
 
 
 def _load(outbox: Outbox, rows: int) -> None:
@@ -124,14 +136,14 @@ class _Claims:
         context = multiprocessing.get_context("spawn")
         self._active, self._stop = context.Event(), context.Event()
         self._samples, sender = context.Pipe(duplex=False)
-        self._windows: list[tuple[str, float, float]] = []
+        self._windows: list[tuple[str, int, float, float]] = []
         self._process = context.Process(target=_claim, name="claims", daemon=True,
                                         args=(prefix, keep_seconds, durable, self._active, self._stop, sender))
         self._process.start()
 
     class _Window:
-        def __init__(self, claims: "_Claims", kind: str) -> None:
-            self.claims, self.kind = claims, kind
+        def __init__(self, claims: "_Claims", kind: str, round_: int) -> None:
+            self.claims, self.kind, self.round = claims, kind, round_
 
         def __enter__(self) -> None:
             self.started = time.monotonic()
@@ -139,25 +151,26 @@ class _Claims:
 
         def __exit__(self, *exc: Any) -> None:
             self.claims._active.clear()
-            self.claims._windows.append((self.kind, self.started, time.monotonic()))
+            self.claims._windows.append((self.kind, self.round, self.started, time.monotonic()))
 
-    def window(self, kind: str) -> "_Claims._Window":
-        return self._Window(self, kind)
+    def window(self, kind: str, round_: int) -> "_Claims._Window":
+        return self._Window(self, kind, round_)
 
-    def finish(self) -> dict[str, list[float]]:
-        """Stop claiming; the latencies of the claims that started inside each kind of window."""
+    def finish(self) -> dict[tuple[str, int], list[float]]:
+        """Stop claiming; the latencies of the claims that started inside each kind of window, by
+        (kind, round)."""
         self._stop.set()
         if not self._samples.poll(60):
             raise RuntimeError("the claims process did not answer")
         samples: list[tuple[float, float]] | str = self._samples.recv()
         if isinstance(samples, str):
             raise RuntimeError(f"the claims process failed: {samples}")
-        kinds: dict[str, list[float]] = {"during": [], "without": []}
+        windows: dict[tuple[str, int], list[float]] = {}
         for started, latency in samples:
-            kind = next((k for k, begin, end in self._windows if begin <= started < end), None)
-            if kind is not None:
-                kinds[kind].append(latency)
-        return kinds
+            key = next(((k, n) for k, n, begin, end in self._windows if begin <= started < end), None)
+            if key is not None:
+                windows.setdefault(key, []).append(latency)
+        return windows
 
     def close(self) -> None:
         self._stop.set()
