@@ -50,6 +50,9 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
         for mode in ("", ", delivery tracking off"):
             durable, floor = (cases[f"{broker}, N=100{case}{mode}"] for case in (
                 " in one unit of work, durable", ", floor: in-memory unit then the durable statements"))
+            if broker == "Redis":  # publishes go out in one pipeline: the interleaved row is no floor there
+                assert (durable["floor"], durable["floor_met"], durable["of_floor"]) == (None, None, None)
+                continue
             assert durable["floor"] == floor["ours"], "the durable row carries its floor's measurement"
             assert abs(durable["floor_ratio"] - floor["ours"] / durable["plain"]) < 1e-9
             assert abs(durable["of_floor"] - durable["ours"] / floor["ours"]) < 1e-9
