@@ -63,7 +63,9 @@ RECORD_COLUMNS = ("message_id", "destination", "task_name", "created_at")
 PG_UNIQUE_VIOLATION = "23505"
 # psycopg.pq values, without importing psycopg for SQLite
 _PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
+_COMMAND_OK = 1  # ExecStatus.COMMAND_OK
 _TUPLES_OK = 2  # ExecStatus.TUPLES_OK
+_PIPELINE_SYNC = 10  # ExecStatus.PIPELINE_SYNC
 _PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
 _PG_NO_SUCH_PREPARED = "26000"
 _PG_PREPARED_EXISTS = "42P05"
@@ -81,14 +83,12 @@ def utcnow() -> datetime:
 
 @dataclass(frozen=True)
 class _ClaimQuery:
-    """The inbox claim's INSERT as a named prepared statement: ``prepare`` creates it on a
-    connection, ``execute`` runs it (``%(name)s`` placeholders, bound by psycopg on the
-    client), ``literal`` is the INSERT itself, for a connection that prepares nothing."""
+    """The inbox claim's INSERT with positional parameters (``$1``, ...): ``statement`` takes the
+    values of ``keys`` in that order; ``name`` is the name it is prepared under on a connection."""
 
     name: str
-    prepare: str
-    execute: str
-    literal: str
+    statement: str
+    keys: tuple[str, ...]
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,34 +105,57 @@ def _claim_query(statement: Any, dialect: Any, names: tuple[str, ...]) -> _Claim
         return f"${order.index(match.group(1)) + 1}"
 
     positional = re.sub(r"%\((\w+)\)s", number, compiled.string).replace("%%", "%")
-    name = f"celery_outbox_claim_{zlib.crc32(positional.encode()):08x}"
-    arguments = ", ".join(f"%({key})s" for key in order)
-    return _ClaimQuery(name, f"PREPARE {name} AS {positional}", f"EXECUTE {name}({arguments})", compiled.string)
+    return _ClaimQuery(f"celery_outbox_claim_{zlib.crc32(positional.encode()):08x}", positional, tuple(order))
 
 
-def _exchange(driver: Any, query: bytes) -> Any:
-    """Send ``query`` (one message, several statements) on psycopg connection ``driver``'s libpq
-    connection and return the result of its last statement. It waits in ``select``, as psycopg
+@functools.cache
+def _pipeline_supported() -> bool:
+    """psycopg's libpq has pipeline mode (libpq 14 and later)."""
+    import psycopg
+
+    return psycopg.Pipeline.is_supported()
+
+
+def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
+    """Queue the queries ``send(pgconn)`` sends on psycopg connection ``driver``'s libpq
+    connection in pipeline mode, then one Sync, all in one network write; return each query's
+    result (``PIPELINE_ABORTED`` for those after an error). It waits in ``select``, as psycopg
     does, so a signal handler (Celery's soft time limit) can interrupt a claim that waits for a
-    concurrent claim of the same key; the query is then cancelled and its end awaited, so that
-    a query ending in an implicit COMMIT does not commit after its caller gave up."""
+    concurrent claim of the same key; the queries are then cancelled and their end awaited, so
+    that a claim ending in COMMIT does not commit after its caller gave up."""
     pgconn = driver.pgconn
-    pgconn.send_query(query)
+    pgconn.enter_pipeline_mode()
     try:
+        send(pgconn)
+        pgconn.pipeline_sync()
         while pgconn.flush():
             io_select.select([], [pgconn.socket], [])
-        return _last_result(pgconn)
+        results = _pipeline_results(pgconn)
     except BaseException:
         if pgconn.status == _PSYCOPG_CONNECTION_OK and pgconn.is_busy():
             driver.cancel()
-            _last_result(pgconn, timeout=CANCEL_WAIT)
+            _pipeline_results(pgconn, timeout=CANCEL_WAIT)
+        try:
+            pgconn.exit_pipeline_mode()
+        except Exception:  # noqa: BLE001 - results left unread: the caller drops the connection
+            pass
         raise
+    pgconn.exit_pipeline_mode()
+    return results
 
 
-def _last_result(pgconn: Any, timeout: float | None = None) -> Any:
-    """Wait for the results of the query in flight on ``pgconn``; return the last one (None
-    when ``timeout`` seconds passed first)."""
+def _first_error(results: list[Any]) -> Any:
+    """The first of a pipeline's ``results`` that is neither COMMAND_OK nor TUPLES_OK (None when
+    all succeeded)."""
+    return next((result for result in results if result is None or result.status not in (_COMMAND_OK, _TUPLES_OK)),
+                None)
+
+
+def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | None:
+    """Wait for the results of the pipeline in flight on ``pgconn`` up to its Sync; return the
+    last result of each query (None when ``timeout`` seconds passed first)."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    results: list[Any] = []
     last = None
     while True:
         while pgconn.is_busy():
@@ -142,9 +165,13 @@ def _last_result(pgconn: Any, timeout: float | None = None) -> Any:
             io_select.select([pgconn.socket], [], [], remaining)
             pgconn.consume_input()
         result = pgconn.get_result()
-        if result is None:
-            return last
-        last = result
+        if result is None:  # the end of one query's results
+            results.append(last)
+            last = None
+        elif result.status == _PIPELINE_SYNC:
+            return results
+        else:
+            last = result
 
 
 @functools.lru_cache(maxsize=64)
@@ -600,7 +627,7 @@ class Store:
         waits for the first transaction and then conflicts.
         """
         if self.is_postgres and self._at_rest(conn):  # its BEGIN goes with it: one round trip
-            return self._insert_incoming_in_one_message(conn, row, "BEGIN")
+            return self._insert_incoming_in_one_message(conn, row, (b"BEGIN",))
         return conn.execute(self._insert_new_incoming, row).first() is not None
 
     def _owner_is_dead(self, table):
@@ -666,18 +693,18 @@ class Store:
         """``claim_incoming`` in a transaction of its own that commits without waiting for the
         WAL flush (``begin(durable=False)``): the eager claim, made durable by the body's commit.
 
-        On PostgreSQL a new key, the common case, costs one message to the server instead of
-        four (BEGIN, SET, INSERT, COMMIT): ``SET LOCAL synchronous_commit TO OFF`` and the
-        ``INSERT ... ON CONFLICT DO NOTHING`` go as one query, which PostgreSQL runs as one
-        implicit transaction. A key that exists already takes ``claim_incoming``'s second
-        statement in a transaction of its own; the first wrote nothing."""
+        On PostgreSQL a new key, the common case, costs one round trip instead of four: BEGIN,
+        ``SET LOCAL synchronous_commit TO OFF``, the ``INSERT ... ON CONFLICT DO NOTHING`` and
+        COMMIT go in one network write (``_insert_incoming_in_one_message``). A key that
+        exists already takes ``claim_incoming``'s second statement in a transaction of its
+        own; the first wrote nothing."""
         inserted = None
         if self.is_postgres:
             try:
                 with self.engine.connect() as conn:
                     if self._at_rest(conn):
                         inserted = self._insert_incoming_in_one_message(
-                            conn, row, "SET LOCAL synchronous_commit TO OFF")
+                            conn, row, (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"), (b"COMMIT",))
             except OperationalError as exc:
                 raise self.unavailable(exc) from exc
         if inserted:
@@ -689,71 +716,88 @@ class Store:
 
     def _at_rest(self, conn: Connection) -> bool:
         """PostgreSQL: ``conn``'s psycopg connection is between transactions, in the default
-        transaction mode: its next statement may open the transaction itself (``BEGIN; ...``),
-        as psycopg would have with a BEGIN of its own."""
+        transaction mode, and its libpq has pipeline mode: its next statements may open the
+        transaction themselves (``BEGIN``, as psycopg would have) and go in one network write."""
         if conn.dialect.driver != "psycopg":
             return False
         driver = conn.connection.driver_connection
         return (driver.pgconn.transaction_status == _PSYCOPG_IDLE and not driver.autocommit
-                and driver.isolation_level is None and driver.read_only is None and driver.deferrable is None)
+                and driver.isolation_level is None and driver.read_only is None and driver.deferrable is None
+                and _pipeline_supported())
 
-    def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: str) -> bool:
-        """PostgreSQL: ``before`` and the inbox INSERT ... ON CONFLICT DO NOTHING RETURNING, sent as
-        one query; True when the row went in. libpq runs the query and returns the last
-        statement's result. The INSERT is a statement prepared once per connection (sent
-        with the first query) and the values are bound on the client by psycopg's own quoting
-        (``mogrify``). With psycopg's prepared statements off (``prepare_threshold = None``,
-        as behind a transaction-pooling PgBouncer) the INSERT goes as text."""
+    def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: tuple[bytes, ...],
+                                        after: tuple[bytes, ...] = ()) -> bool:
+        """PostgreSQL: the statements ``before``, the inbox INSERT ... ON CONFLICT DO NOTHING
+        RETURNING and the statements ``after``, queued in libpq's pipeline mode and sent with
+        one Sync in one network write; True when the row went in. The INSERT is a statement
+        prepared once per connection (its Parse goes with the first claim) and the values travel
+        as parameters, in text. With psycopg's prepared statements off (``prepare_threshold =
+        None``, as behind a transaction-pooling PgBouncer) the INSERT is parsed each time, as an
+        unnamed statement."""
         import psycopg
 
         driver = conn.connection.driver_connection
         claim = _claim_query(self._insert_new_incoming, conn.dialect, tuple(row))
         prepared: set[str] = conn.connection.info.setdefault(_PREPARED, set())
+        where = len(before) + (driver.prepare_threshold is not None and claim.name not in prepared)
         try:
-            result = self._run_one_message(conn, claim, prepared, before, row)
-            if result.status != _TUPLES_OK:  # unless the statement was prepared after all, or is gone: raise
-                sqlstate = self._error_of(conn, result, claim.execute, row,
-                                          expected=(_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS))
+            results = self._run_one_message(conn, claim, prepared, before, after, row)
+            failed = _first_error(results)
+            if failed is not None:  # unless the statement was prepared after all, or is gone: raise
+                sqlstate = self._error_of(conn, failed, expected=(_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS))
                 driver.rollback()
                 (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(claim.name)
-                result = self._run_one_message(conn, claim, prepared, before, row)
-                if result.status != _TUPLES_OK:
-                    self._error_of(conn, result, claim.execute, row, expected=())
-        except psycopg.Error as exc:  # from libpq or psycopg's quoting itself
+                where = len(before) + (driver.prepare_threshold is not None and claim.name not in prepared)
+                results = self._run_one_message(conn, claim, prepared, before, after, row)
+                failed = _first_error(results)
+                if failed is not None:
+                    self._error_of(conn, failed, expected=())
+        except psycopg.Error as exc:  # from libpq or psycopg's adaptation of the values
             if conn.invalidated or driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
                 if not conn.invalidated:
                     conn.invalidate()
                 raise self.unavailable(exc) from exc
-            raise DBAPIError.instance(claim.execute, row, exc, psycopg.Error) from exc
-        prepared.add(claim.name)
-        return result.ntuples > 0
+            raise DBAPIError.instance(claim.statement, row, exc, psycopg.Error) from exc
+        if driver.prepare_threshold is not None:
+            prepared.add(claim.name)
+        return results[where].ntuples > 0
 
-    def _run_one_message(self, conn: Connection, claim: _ClaimQuery, prepared: set[str], before: str,
-                         row: dict[str, Any]) -> Any:
-        import psycopg
+    def _run_one_message(self, conn: Connection, claim: _ClaimQuery, prepared: set[str], before: tuple[bytes, ...],
+                         after: tuple[bytes, ...], row: dict[str, Any]) -> list[Any]:
+        from psycopg.adapt import PyFormat, Transformer
 
         driver = conn.connection.driver_connection
-        if driver.prepare_threshold is None:
-            fixed, last = [before], claim.literal
-        else:
-            fixed, last = ([before] if claim.name in prepared else [claim.prepare, before]), claim.execute
-        query = "; ".join([*fixed, psycopg.ClientCursor(driver).mogrify(last, row)])
+        params = Transformer(driver).dump_sequence([row[key] for key in claim.keys], [PyFormat.TEXT] * len(claim.keys))
+        statement, name = claim.statement.encode(driver.info.encoding), claim.name.encode()
+        unnamed = driver.prepare_threshold is None
+
+        def send(pgconn: Any) -> None:
+            if not unnamed and claim.name not in prepared:
+                pgconn.send_prepare(name, statement)
+            for query in before:
+                pgconn.send_query_params(query, None)
+            if unnamed:
+                pgconn.send_query_params(statement, params)
+            else:
+                pgconn.send_query_prepared(name, params)
+            for query in after:
+                pgconn.send_query_params(query, None)
+
         try:
-            return _exchange(driver, query.encode(driver.info.encoding))
+            return _exchange(driver, send)
         except BaseException:  # a signal (a soft time limit) or a lost connection: do not reuse it
             conn.invalidate()
             raise
 
-    def _error_of(self, conn: Connection, result: Any, sql: str, row: dict[str, Any],
-                  expected: tuple[str, ...]) -> str:
+    def _error_of(self, conn: Connection, result: Any, expected: tuple[str, ...]) -> str:
         """The SQLSTATE of the error ``result`` carries when it is one of ``expected``; otherwise
         raise it as psycopg would have."""
         import psycopg
         from psycopg import pq
 
         driver = conn.connection.driver_connection
-        message = (result.error_message or driver.pgconn.error_message).decode(errors="replace").strip()
-        sqlstate = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+        message = ((result and result.error_message) or driver.pgconn.error_message).decode(errors="replace").strip()
+        sqlstate = ((result and result.error_field(pq.DiagnosticField.SQLSTATE)) or b"").decode()
         if sqlstate in expected and driver.pgconn.status == _PSYCOPG_CONNECTION_OK:
             return sqlstate
         raise (psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.OperationalError)(message)

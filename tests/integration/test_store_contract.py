@@ -7,6 +7,7 @@ an inbox key is inserted once and a duplicate is detected by error code.
 
 from __future__ import annotations
 
+import re
 import signal
 import tempfile
 import threading
@@ -339,6 +340,18 @@ class ProtocolTrace:
         fields = [line.split("\t") for line in self.path.read_text().splitlines() if line.startswith("F\t")]
         return [(f[2], f[3].strip() if len(f) > 3 else "") for f in fields]
 
+    def round_trips(self) -> list[list[tuple[str, str]]]:
+        """The messages sent so far, by round trip: each group is what the client sent before it
+        next read an answer from the server."""
+        self.file.flush()
+        trips: list[list[tuple[str, str]]] = [[]]
+        for f in (line.split("\t") for line in self.path.read_text().splitlines()):
+            if f[0] == "F":
+                trips[-1].append((f[2], f[3].strip() if len(f) > 3 else ""))
+            elif f[0] == "B" and trips[-1]:
+                trips.append([])
+        return [trip for trip in trips if trip]
+
     def close(self) -> None:
         event.remove(self.engine, "connect", self._trace)
         for connection in self.connections:
@@ -357,18 +370,34 @@ def protocol(store: Store):
     trace.close()
 
 
-def test_a_claim_alone_of_a_new_key_is_one_message_to_postgresql(store: Store, protocol: ProtocolTrace):
-    """On PostgreSQL the eager claim of a new key sends one query (SET LOCAL synchronous_commit
-    and the INSERT, prepared with the connection's first claim), not BEGIN, SET, INSERT and
-    COMMIT; the pooled connection goes back between transactions."""
+def _statements(trip: list[tuple[str, str]]) -> list[str]:
+    """What each Parse and Bind of a round trip runs: the text of an unnamed statement it parses,
+    or the name of the prepared statement it binds."""
+    run = []
+    for kind, text in trip:
+        if kind == "Parse":
+            name, statement = re.match(r'"(.*?)" "(.*?)"', text, re.S).groups()
+            run.append(f"PREPARE {name}: {statement}" if name else statement)
+        elif kind == "Bind" and (name := re.match(r'"" "(.+?)"', text)):
+            run.append(f"EXECUTE {name.group(1)}")
+    return run
+
+
+def test_a_claim_alone_of_a_new_key_is_one_round_trip_to_postgresql(store: Store, protocol: ProtocolTrace):
+    """On PostgreSQL the eager claim of a new key is one round trip: BEGIN, SET LOCAL
+    synchronous_commit, the INSERT (prepared with the connection's first claim, its values as
+    parameters) and COMMIT go in one write with one Sync; the pooled connection goes back
+    between transactions."""
     assert store.claim_incoming_alone(incoming_row("first", owner=0, claimed_at=utcnow())) is True
     assert store.claim_incoming_alone(incoming_row("second", owner=0, claimed_at=utcnow())) is True
-    sent = protocol.sent()
-    assert [kind for kind, _ in sent] == ["Query", "Query"], sent
-    (_, first), (_, second) = sent
-    assert first.startswith('"PREPARE celery_outbox_claim_') and "INSERT INTO" in first
-    assert "SET LOCAL synchronous_commit TO OFF; EXECUTE celery_outbox_claim_" in first
-    assert second.startswith('"SET LOCAL synchronous_commit TO OFF; EXECUTE celery_outbox_claim_'), second
+    first, second = protocol.round_trips()
+    assert [kind for kind, _ in first].count("Sync") == 1 and first[-1][0] == "Sync", first
+    prepare, *ran = _statements(first)
+    assert prepare.startswith("PREPARE celery_outbox_claim_") and "INSERT INTO" in prepare, prepare
+    claim = "EXECUTE " + prepare.split(":")[0].removeprefix("PREPARE ")
+    assert ran == ["BEGIN", "SET LOCAL synchronous_commit TO OFF", claim, "COMMIT"], ran
+    assert _statements(second) == ran and second[-1][0] == "Sync", second
+    assert any("'first'" in text for kind, text in first if kind == "Bind"), "the key travels as a parameter"
     with store.engine.connect() as conn:
         assert conn.connection.driver_connection.info.transaction_status == 0, "idle: nothing left open"
     assert [store.get_incoming(key).status for key in ("first", "second")] == ["running", "running"]
@@ -376,8 +405,8 @@ def test_a_claim_alone_of_a_new_key_is_one_message_to_postgresql(store: Store, p
 
 def test_an_insert_opening_its_transaction_carries_the_begin(store: Store, protocol: ProtocolTrace):
     """On PostgreSQL an inbox INSERT that opens its transaction (the optimistic claim) sends
-    BEGIN with it, and the transaction stays open for the body: what follows is in it, and a
-    rollback undoes the claim."""
+    BEGIN with it, in one round trip, and the transaction stays open for the body: what follows
+    is in it, and a rollback undoes the claim."""
     with store.begin() as conn:
         assert store.insert_incoming(conn, incoming_row("kept")) is True
         conn.execute(store.tables.incoming.update().where(store.tables.incoming.c.message_id == "kept")
@@ -385,12 +414,13 @@ def test_an_insert_opening_its_transaction_carries_the_begin(store: Store, proto
     with pytest.raises(RuntimeError), store.begin() as conn:
         assert store.insert_incoming(conn, incoming_row("undone")) is True
         raise RuntimeError("the body failed")
-    kinds = [kind for kind, _ in protocol.sent()]
-    queries = [text for kind, text in protocol.sent() if kind == "Query"]
-    assert queries[0].startswith('"PREPARE celery_outbox_claim_') and "; BEGIN; EXECUTE" in queries[0]
-    assert queries[-2].startswith('"BEGIN; EXECUTE celery_outbox_claim_'), queries
-    assert "BEGIN" not in [text.strip('"') for text in queries], "no BEGIN of its own"
-    assert kinds.count("Query") >= 4 and queries[-1] == '"ROLLBACK"', queries
+    trips = [_statements(trip) or [text for _, text in trip] for trip in protocol.round_trips()]
+    prepare = trips[0][0]
+    claim = "EXECUTE " + prepare.split(":")[0].removeprefix("PREPARE ")
+    assert prepare.startswith("PREPARE celery_outbox_claim_") and trips[0][1:] == ["BEGIN", claim], trips
+    assert ["BEGIN", claim] in trips[1:], trips
+    assert sum(trip.count("BEGIN") for trip in trips) == 2, "no BEGIN of its own"
+    assert trips[-1] == ['"ROLLBACK"'], trips
     assert store.get_incoming("kept").task_name == "t.body"
     assert store.get_incoming("undone") is None
 
@@ -453,20 +483,42 @@ def test_a_claim_waiting_for_a_concurrent_claim_yields_to_a_signal(store: Store)
     assert store.claim_incoming_alone(incoming_row("contended", owner=0)) is True
 
 
-def test_a_claim_sends_its_insert_as_text_when_prepared_statements_are_off(store: Store, protocol: ProtocolTrace):
+def test_a_claim_prepares_nothing_when_prepared_statements_are_off(store: Store, protocol: ProtocolTrace):
     """With psycopg's prepared statements off (``prepare_threshold = None``, as behind a
-    transaction-pooling PgBouncer) the claim prepares nothing."""
+    transaction-pooling PgBouncer) the claim's INSERT goes as an unnamed statement, still in
+    one round trip."""
     @event.listens_for(store.engine, "connect")
     def no_prepared_statements(dbapi_connection, _record):
         dbapi_connection.prepare_threshold = None
 
     try:
         assert store.claim_incoming_alone(incoming_row("text", owner=0)) is True
+        assert store.claim_incoming_alone(incoming_row("text 2", owner=0)) is True
     finally:
         event.remove(store.engine, "connect", no_prepared_statements)
-    (kind, query), = protocol.sent()
-    assert kind == "Query" and query.startswith('"SET LOCAL synchronous_commit TO OFF; INSERT INTO'), query
+    for trip in protocol.round_trips():
+        begin, set_local, insert, commit = _statements(trip)
+        assert (begin, set_local, commit) == ("BEGIN", "SET LOCAL synchronous_commit TO OFF", "COMMIT"), trip
+        assert insert.startswith("INSERT INTO") and "$1" in insert, insert
     assert store.get_incoming("text").status == "running"
+    assert store.get_incoming("text 2").status == "running"
+
+
+def test_a_claim_the_database_rejects_raises_its_error_and_leaves_nothing_open(store: Store):
+    """A claim whose row breaks a constraint raises the database's own error (as SQLAlchemy
+    would have), in both styles; nothing is written and the pooled connection is reused, between
+    transactions."""
+    bad = incoming_row("bad", owner=0, status=None)
+    with pytest.raises(IntegrityError, match="status"):
+        store.claim_incoming_alone(bad)
+    with pytest.raises(IntegrityError, match="status"), store.begin() as conn:
+        store.insert_incoming(conn, bad)
+    assert store.get_incoming("bad") is None
+    assert store.claim_incoming_alone(incoming_row("good", owner=0)) is True
+    if store.is_postgres:
+        with store.engine.connect() as conn:
+            assert conn.connection.driver_connection.info.transaction_status == 0, "idle: nothing left open"
+    assert store.get_incoming("good").status == "running"
 
 
 def test_duplicates_are_detected_by_error_code(store: Store):
