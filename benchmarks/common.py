@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -24,7 +25,12 @@ class Result:
     ``floor``, where the benchmark measures one, is the throughput of the least that any
     implementation of the same guarantee must do (plain Celery plus the database work the
     guarantee needs, written by hand), measured in the same run. A target that the floor
-    itself misses (``floor_met`` False) is beyond what this machine allows."""
+    itself misses (``floor_met`` False) is beyond what this machine allows.
+
+    ``rounds``, where the benchmark measures in rounds, holds each round's (ours, plain, floor),
+    measured side by side; ``ours``, ``plain`` and ``floor`` are then their medians, and each
+    ratio is the median of the rounds' own ratios: a drift of the machine's speed between
+    rounds cancels out of them."""
 
     benchmark: str
     case: str
@@ -34,20 +40,41 @@ class Result:
     target: tuple[str, float] | None = None
     note: str = ""
     floor: float | None = None
+    rounds: list[tuple[float, float, float | None]] | None = None
+
+    @classmethod
+    def of_rounds(cls, benchmark: str, case: str, unit: str, rounds: list[tuple[float, float, float | None]],
+                  **fields: Any) -> "Result":
+        """A row from rounds of (ours, plain, floor) measured side by side: the medians."""
+        floors = [floor for _, _, floor in rounds if floor is not None]
+        return cls(benchmark, case, unit, statistics.median(ours for ours, _, _ in rounds),
+                   plain=statistics.median(plain for _, plain, _ in rounds),
+                   floor=statistics.median(floors) if floors else None, rounds=rounds, **fields)
+
+    def _paired(self, numerator: int, denominator: int) -> float:
+        """The median over the rounds of field ``numerator`` / field ``denominator``."""
+        assert self.rounds
+        return statistics.median(each[numerator] / each[denominator] for each in self.rounds)
 
     @property
     def ratio(self) -> float | None:
-        return None if not self.plain else self.ours / self.plain
+        if not self.plain:
+            return None
+        return self._paired(0, 1) if self.rounds else self.ours / self.plain
 
     @property
     def floor_ratio(self) -> float | None:
         """The floor against plain Celery: the best ratio any implementation could reach here."""
-        return None if not self.plain or self.floor is None else self.floor / self.plain
+        if not self.plain or self.floor is None:
+            return None
+        return self._paired(2, 1) if self.rounds else self.floor / self.plain
 
     @property
     def of_floor(self) -> float | None:
         """Ours against the floor: how close to the least any implementation can do."""
-        return None if not self.floor else self.ours / self.floor
+        if not self.floor:
+            return None
+        return self._paired(0, 2) if self.rounds else self.ours / self.floor
 
     @property
     def met(self) -> bool | None:
@@ -98,15 +125,16 @@ def drop_store(outbox: Any) -> None:
     store.engine.dispose()
 
 
+def in_rounds(repeats: int, *measures: Callable[[], float]) -> list[list[float]]:
+    """``repeats`` rounds in which each of ``measures`` takes its turn: each round's measurements,
+    side by side (a machine whose speed drifts during the run weighs on each of them alike)."""
+    return [[measure() for measure in measures] for _ in range(repeats)]
+
+
 def best_of(repeats: int, *measures: Callable[[], float]) -> list[float]:
     """For each of ``measures``, the best of ``repeats`` throughput measurements (the least disturbed
-    by the rest of the machine). The measures take turns, one round after another, so that a
-    machine whose speed drifts during the run weighs on each of them alike."""
-    best = [0.0] * len(measures)
-    for _ in range(repeats):
-        for index, measure in enumerate(measures):
-            best[index] = max(best[index], measure())
-    return best
+    by the rest of the machine), taken in turns (``in_rounds``)."""
+    return [max(each) for each in zip(*in_rounds(repeats, *measures), strict=True)]
 
 
 def rate(count: int, action: Callable[[], Any]) -> float:

@@ -4,9 +4,11 @@ For each variant and body (no-op, one DB write) the queue is filled first with a
 start mark, M task messages and an end mark; then one real worker (prefork, two
 processes, the same for every variant) drains it. Throughput is M over the time
 between the two marks, as the worker recorded them. Each measurement starts from
-empty tables; the variants take turns, round after round, and each keeps its best
-(neither their order nor a drift of the machine's speed favours one). The ratio compares
-each variant with the plain task running the same body.
+empty tables; the variants take turns, round after round. The ratio compares each variant
+with the plain task running the same body in the same round, and the table gives the median
+of the rounds' ratios (and of their throughputs): the machine's speed drifts by up to 2x
+within minutes, so that a variant's best round and plain Celery's best round, compared, would
+measure the drift.
 
 The two floors are plain tasks that do by hand the least each inbox style must do,
 with no library code: acknowledge late and write the inbox row, in the body's
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -33,11 +36,11 @@ from pathlib import Path
 import redis
 
 from . import worker_app
-from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, best_of, delete_queues, drop_store
+from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store, in_rounds
 
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
-# Turns each variant takes; each keeps its best (single measurements on a shared machine spread by 20 %)
+# Turns each variant takes; the ratios are the medians of the rounds' own (an odd count has a middle)
 ROUNDS = 3
 CPU_PARTS = ("worker", "PostgreSQL", "broker")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -167,22 +170,27 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
         try:
             measures = [functools.partial(run.throughput, task, durable, messages)
                         for _, task, durable, _, _ in VARIANTS]
-            best = best_of(options.size(ROUNDS, 1), *measures)
-            rates = dict(zip((variant[0] for variant in VARIANTS), best, strict=True))
+            names = [variant[0] for variant in VARIANTS]
+            rounds = [dict(zip(names, each, strict=True)) for each in in_rounds(options.size(ROUNDS, 1), *measures)]
             cpu = {name: run.cpu_per_task(task, durable) for name, task, durable, _, _ in VARIANTS}
         finally:
             run.close()
-        print(f"  worker {broker}, {label}: " + ", ".join(f"{name} {rate:.0f}/s" for name, rate in rates.items()),
-              file=sys.stderr)
-        plain, late = rates["plain task"], rates["plain task, acks_late"]
-        results += [Result("worker", f"{broker}, {name}, {label}", "tasks/s", rates[name], plain,
-                           target=None if target is None else (">=", target),
-                           floor=floor and rates[floor],
-                           note="; ".join(filter(None, (
-                               floor and f"vs plain with acks_late: {rates[name] / late:.2f}",
-                               cpu_note(cpu[name], cpu["plain task"])))))
+        for each in rounds:
+            print(f"  worker {broker}, {label}: " + ", ".join(f"{name} {rate:.0f}/s" for name, rate in each.items()),
+                  file=sys.stderr)
+        results += [Result.of_rounds("worker", f"{broker}, {name}, {label}", "tasks/s",
+                                     [(each[name], each["plain task"], floor and each[floor]) for each in rounds],
+                                     target=None if target is None else (">=", target),
+                                     note="; ".join(filter(None, (
+                                         floor and "vs plain with acks_late: " + _median_ratio(
+                                             rounds, name, "plain task, acks_late"),
+                                         cpu_note(cpu[name], cpu["plain task"])))))
                     for name, _, _, target, floor in VARIANTS[1:]]
     return results
+
+
+def _median_ratio(rounds: list[dict[str, float]], name: str, other: str) -> str:
+    return f"{statistics.median(each[name] / each[other] for each in rounds):.2f}"
 
 
 def cpu_note(spent: dict[str, float], plain: dict[str, float]) -> str:

@@ -27,3 +27,26 @@ def test_a_row_with_a_floor_says_whether_the_floor_itself_meets_the_target(floor
     assert table([row]).splitlines()[-1].endswith(
         f"| 0.76 | >= 0.85 (ratio) | **no** (floor {floor / 100:.2f}: {verdict} this machine; "
         f"ours {76.0 / floor:.2f} of it) |")
+
+
+def test_a_row_of_rounds_gives_the_medians_and_pairs_each_ratio_within_its_round():
+    """In the second round the machine ran twice as fast while plain Celery took its turn, and
+    slowed down again for ours: the median of the rounds' own ratios keeps the 0.9 of the other
+    two, while the best of each side, taken from different moments, would report 0.5."""
+    rounds = [(90.0, 100.0, 90.0), (100.0, 200.0, 100.0), (99.0, 110.0, 99.0)]
+    row = Result.of_rounds("worker", "Redis, optimistic", "tasks/s", rounds, target=(">=", 0.85))
+    assert (row.ours, row.plain, row.floor) == (99.0, 110.0, 99.0), "each side's median"
+    assert row.ratio == pytest.approx(0.9) and row.met is True
+    assert row.floor_ratio == pytest.approx(0.9) and row.of_floor == pytest.approx(1.0)
+    assert max(r[0] for r in rounds) / max(r[1] for r in rounds) == 0.5, "what the best of each would say"
+    data = row.as_dict()
+    assert data["rounds"] == rounds and data["ratio"] == pytest.approx(0.9)
+    assert table([row]).splitlines()[-1].endswith("| 0.90 | >= 0.85 (ratio) | yes (floor 0.90: within this "
+                                                  "machine; ours 1.00 of it) |")
+
+
+def test_a_row_of_rounds_without_a_floor_has_none():
+    row = Result.of_rounds("worker", "Redis, plain task, acks_late", "tasks/s",
+                           [(80.0, 100.0, None), (45.0, 50.0, None)])
+    assert (row.floor, row.floor_ratio, row.of_floor) == (None, None, None)
+    assert row.ratio == pytest.approx(0.85)
