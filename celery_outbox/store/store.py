@@ -144,13 +144,6 @@ def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
     return results
 
 
-def _first_error(results: list[Any]) -> Any:
-    """The first of a pipeline's ``results`` that is neither COMMAND_OK nor TUPLES_OK (None when
-    all succeeded)."""
-    return next((result for result in results if result is None or result.status not in (_COMMAND_OK, _TUPLES_OK)),
-                None)
-
-
 def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | None:
     """Wait for the results of the pipeline in flight on ``pgconn`` up to its Sync; return the
     last result of each query (None when ``timeout`` seconds passed first)."""
@@ -739,17 +732,13 @@ class Store:
         driver = conn.connection.driver_connection
         claim = _claim_query(self._insert_new_incoming, conn.dialect, tuple(row))
         prepared: set[str] = conn.connection.info.setdefault(_PREPARED, set())
-        where = len(before) + (driver.prepare_threshold is not None and claim.name not in prepared)
         try:
-            results = self._run_one_message(conn, claim, prepared, before, after, row)
-            failed = _first_error(results)
+            inserted, failed = self._run_one_message(conn, claim, prepared, before, after, row)
             if failed is not None:  # unless the statement was prepared after all, or is gone: raise
                 sqlstate = self._error_of(conn, failed, expected=(_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS))
                 driver.rollback()
                 (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(claim.name)
-                where = len(before) + (driver.prepare_threshold is not None and claim.name not in prepared)
-                results = self._run_one_message(conn, claim, prepared, before, after, row)
-                failed = _first_error(results)
+                inserted, failed = self._run_one_message(conn, claim, prepared, before, after, row)
                 if failed is not None:
                     self._error_of(conn, failed, expected=())
         except psycopg.Error as exc:  # from libpq or psycopg's adaptation of the values
@@ -760,19 +749,22 @@ class Store:
             raise DBAPIError.instance(claim.statement, row, exc, psycopg.Error) from exc
         if driver.prepare_threshold is not None:
             prepared.add(claim.name)
-        return results[where].ntuples > 0
+        return inserted
 
     def _run_one_message(self, conn: Connection, claim: _ClaimQuery, prepared: set[str], before: tuple[bytes, ...],
-                         after: tuple[bytes, ...], row: dict[str, Any]) -> list[Any]:
+                         after: tuple[bytes, ...], row: dict[str, Any]) -> tuple[bool, Any]:
+        """Send the pipeline; (whether the claim's INSERT returned its row, the first result that is
+        an error or None)."""
         from psycopg.adapt import PyFormat, Transformer
 
         driver = conn.connection.driver_connection
         params = Transformer(driver).dump_sequence([row[key] for key in claim.keys], [PyFormat.TEXT] * len(claim.keys))
         statement, name = claim.statement.encode(driver.info.encoding), claim.name.encode()
         unnamed = driver.prepare_threshold is None
+        prepare = not unnamed and claim.name not in prepared
 
         def send(pgconn: Any) -> None:
-            if not unnamed and claim.name not in prepared:
+            if prepare:
                 pgconn.send_prepare(name, statement)
             for query in before:
                 pgconn.send_query_params(query, None)
@@ -784,10 +776,12 @@ class Store:
                 pgconn.send_query_params(query, None)
 
         try:
-            return _exchange(driver, send)
+            results = _exchange(driver, send)
         except BaseException:  # a signal (a soft time limit) or a lost connection: do not reuse it
             conn.invalidate()
             raise
+        failed = next((result for result in results if result.status not in (_COMMAND_OK, _TUPLES_OK)), None)
+        return failed is None and results[len(before) + prepare].ntuples > 0, failed
 
     def _error_of(self, conn: Connection, result: Any, expected: tuple[str, ...]) -> str:
         """The SQLSTATE of the error ``result`` carries when it is one of ``expected``; otherwise
@@ -796,8 +790,8 @@ class Store:
         from psycopg import pq
 
         driver = conn.connection.driver_connection
-        message = ((result and result.error_message) or driver.pgconn.error_message).decode(errors="replace").strip()
-        sqlstate = ((result and result.error_field(pq.DiagnosticField.SQLSTATE)) or b"").decode()
+        message = (result.error_message or driver.pgconn.error_message).decode(errors="replace").strip()
+        sqlstate = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
         if sqlstate in expected and driver.pgconn.status == _PSYCOPG_CONNECTION_OK:
             return sqlstate
         raise (psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.OperationalError)(message)
