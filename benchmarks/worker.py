@@ -41,7 +41,7 @@ from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, dele
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
 # Turns each variant takes; the ratios are the medians of the rounds' own (an odd count has a middle)
-ROUNDS = 3
+ROUNDS = 5
 CPU_PARTS = ("worker", "PostgreSQL", "broker")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # (variant, task, durable queue?, target ratio against the plain task, its floor)
@@ -75,8 +75,10 @@ class Run:
         self.cpu: dict[tuple[str, bool], list[tuple[float, dict[str, float]]]] = {}
 
     def cpu_per_task(self, task: str, durable: bool) -> dict[str, float]:
-        """CPU seconds per task, by part, in this variant's fastest measurement."""
-        return max(self.cpu.get((task, durable), [(0.0, {})]), key=lambda sample: sample[0])[1]
+        """CPU seconds per task, by part, in this variant's median measurement (by throughput),
+        the round its throughput in the table comes from."""
+        samples = sorted(self.cpu.get((task, durable), [(0.0, {})]), key=lambda sample: sample[0])
+        return samples[len(samples) // 2][1]
 
     def empty_tables(self) -> None:
         """Start a measurement from empty tables: the rows an earlier variant left would slow

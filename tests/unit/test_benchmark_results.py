@@ -50,3 +50,13 @@ def test_a_row_of_rounds_without_a_floor_has_none():
                            [(80.0, 100.0, None), (45.0, 50.0, None)])
     assert (row.floor, row.floor_ratio, row.of_floor) == (None, None, None)
     assert row.ratio == pytest.approx(0.85)
+
+
+def test_a_worker_variants_cpu_per_task_comes_from_the_round_of_its_median_throughput():
+    from benchmarks.worker import Run
+
+    run = Run.__new__(Run)  # no services: only the samples the measurements recorded
+    run.cpu = {("bench.optimistic", False): [(500.0, {"worker": 3e-3}), (300.0, {"worker": 1e-3}),
+                                             (400.0, {"worker": 2e-3})]}
+    assert run.cpu_per_task("bench.optimistic", False) == {"worker": 2e-3}
+    assert run.cpu_per_task("bench.plain", False) == {}, "a variant never measured has no CPU to report"
