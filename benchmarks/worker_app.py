@@ -25,11 +25,11 @@ from celery_outbox import IdempotentTask, Outbox
 
 
 def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_queue: str, body: str,
-           marks_url: str) -> tuple[Celery, Outbox, MetaData]:
+           marks_url: str, **settings: Any) -> tuple[Celery, Outbox, MetaData]:
     app = Celery("bench_worker", broker=broker_url, set_as_current=False)
     app.conf.update(task_default_queue=queue, outbox_database_url=database_url, outbox_table_prefix=prefix,
                     outbox_durable_queues=[durable_queue], worker_hijack_root_logger=False,
-                    broker_connection_retry_on_startup=True)
+                    broker_connection_retry_on_startup=True, **settings)
     outbox = Outbox(app)
     metadata = MetaData()
     effects = Table(f"{prefix}effects", metadata, Column("id", Integer, primary_key=True, autoincrement=True),

@@ -8,11 +8,13 @@ real worker.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from sqlalchemy import func, select
+import pytest
+from sqlalchemy import create_engine, func, inspect, select
 
 from tests.services import require
 
@@ -115,3 +117,32 @@ def test_worker_benchmark_counts_cpu_of_the_worker_session_postgres_and_the_brok
     assert spent["worker"] >= 0.25, spent  # the 0.3 s it burnt, at the clock's 10 ms ticks
     assert spent["PostgreSQL"] > 0 and spent["broker"] > 0, spent
     assert cpu_seconds(burner.pid)["worker"] == 0, "an ended session spends nothing"
+
+
+def test_attempt_cost_runs_each_variant_through_celerys_tracer_and_leaves_no_tables():
+    """``python -m benchmarks.attempt`` runs the worker benchmark's tasks in one process, each
+    with its real database work, and drops the tables it made."""
+    require("postgres")
+    from benchmarks import attempt
+    from benchmarks.common import POSTGRES_URL
+
+    engine = create_engine(POSTGRES_URL)
+    try:
+        before = set(inspect(engine).get_table_names())
+        for _, task_name in attempt.VARIANTS:
+            assert attempt.run_tasks(task_name, 3, "write") > 0, task_name
+        assert set(inspect(engine).get_table_names()) == before
+    finally:
+        engine.dispose()
+
+
+def test_attempt_cost_counts_instructions_that_grow_with_the_tasks_run():
+    """Under callgrind, more tasks of the same variant count more instructions: the per-task
+    figure is the difference of two whole-process counts over the difference of their tasks."""
+    require("postgres")
+    from benchmarks import attempt
+
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    fewer, more = (attempt.instructions("bench.optimistic", count, "noop") for count in (1, 6))
+    assert more > fewer > 0
