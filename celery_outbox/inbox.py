@@ -226,43 +226,49 @@ class Inbox:
         node_id = self.outbox.node.id
         if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
             self._store_envelope(delivery, envelope, owner=node_id)
-        else:
-            now = utcnow()
-            with _store_errors():  # committed without waiting for the disk: the body's commit makes it durable
-                if not store.claim_incoming_alone(self._claim_row(delivery, "running", node_id, now),
-                                                  self._stale_before(now)):
-                    raise Duplicate()
-        crashpoint("after_claim")
+
+        def finish(connection: Connection) -> bool:  # False: another node took the claim over, its run counts
+            finished = utcnow()
+            return store.finish_incoming(connection, delivery.message_id, delivery.destination, node_id,
+                                         delivery.attempt, finished, self._keep_until(finished), commit=True)
+
         outcome: BaseException | None = None
-        with self._attempt(task, delivery, unit_of_work) as uow:
+        with self._attempt(task, delivery, unit_of_work, last=finish) as uow:
+            if not envelope:
+                now = utcnow()
+                # committed without waiting for the disk (the body's commit makes it durable), on the
+                # attempt's connection: the body's transaction begins in the same round trip
+                with _store_errors():
+                    if not store.claim_incoming_alone(self._claim_row(delivery, "running", node_id, now),
+                                                      self._stale_before(now), uow.connection_before_begin):
+                        raise Duplicate()
+            crashpoint("after_claim")
             try:
                 result = _call_body(body, uow) if unit_of_work else body()
             except Ignore as ignore:
                 outcome = ignore
-            finished = utcnow()
-            with _store_errors():
-                still_ours = store.finish_incoming(
-                    uow.connection, delivery.message_id, delivery.destination, node_id,
-                    delivery.attempt, finished, self._keep_until(finished))
-            if not still_ours:
-                raise Duplicate()  # another node took the claim over: its run counts
         if outcome is not None:
             raise outcome
         return result
 
     @contextmanager
-    def _attempt(self, task: Any, delivery: Delivery, unit_of_work: bool) -> Iterator[ConnectionUnitOfWork]:
+    def _attempt(self, task: Any, delivery: Delivery, unit_of_work: bool,
+                 last: Callable[[Connection], bool] | None = None) -> Iterator[ConnectionUnitOfWork]:
         """The attempt's transaction: one pooled connection, committed when the block ends (durable
-        messages inserted just before, everything captured published just after) and rolled back
-        on any exception. With ``unit_of_work``, the block's publishes are captured into it. When
-        the attempt failed, how it ended is recorded after the rollback (``_ending``)."""
+        messages inserted just before, then ``last``, the statement the COMMIT may go with;
+        everything captured published just after) and rolled back on any exception, or as a
+        ``Duplicate`` when ``last`` returns False. With ``unit_of_work``, the block's publishes
+        are captured into it. When the attempt failed, how it ended is recorded after the
+        rollback (``_ending``)."""
         with _store_errors():
             uow = ConnectionUnitOfWork(self.outbox)
         with self._ending(task, delivery, uow), uow.opened() if unit_of_work else nullcontext():
             try:
                 yield uow
                 with _store_errors():
-                    uow.commit()
+                    committed = uow.commit(last)
+                if not committed:
+                    raise Duplicate()
             except BaseException:
                 uow.rollback()
                 raise

@@ -201,14 +201,22 @@ class ConnectionUnitOfWork(UnitOfWork):
         return self._connection
 
     @property
+    def connection_before_begin(self) -> Connection | None:
+        """The connection, while SQLAlchemy has begun no transaction on it (None after): for a
+        statement that opens the database transaction itself (the eager claim)."""
+        return self._connection if self._transaction is None else None
+
+    @property
     def session(self) -> Session:
         if self._session is None:
             session = self._session = self.outbox.new_session(bind=self.connection)
             session.info[_SESSION_KEY] = self
         return self._session
 
-    def commit(self) -> None:
-        """Flush the Session, insert the durable messages, commit, then publish."""
+    def commit(self, last: Callable[[Connection], bool] | None = None) -> bool:
+        """Flush the Session, insert the durable messages, run ``last`` (the transaction's last
+        statement, which may send the COMMIT with it), commit, then publish. False, with nothing
+        committed or published, when ``last`` returns False: the caller rolls back."""
         if self._transaction is not None and not self._transaction.is_active:
             raise OutboxError("the task's transaction was rolled back inside its body (self.session.rollback()), "
                               "its inbox claim with it: raise an exception to fail the task instead")
@@ -216,8 +224,11 @@ class ConnectionUnitOfWork(UnitOfWork):
             self._session.flush()
         connection = self.connection
         self._store_durable(connection)
+        if last is not None and not last(connection):
+            return False
         connection.commit()
         self._publish_committed()
+        return True
 
     def rollback(self) -> None:
         """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop

@@ -67,11 +67,13 @@ _COMMAND_OK = 1  # ExecStatus.COMMAND_OK
 _TUPLES_OK = 2  # ExecStatus.TUPLES_OK
 _PIPELINE_SYNC = 10  # ExecStatus.PIPELINE_SYNC
 _PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
+_PSYCOPG_INTRANS = 2  # TransactionStatus.INTRANS
 _PG_NO_SUCH_PREPARED = "26000"
 _PG_PREPARED_EXISTS = "42P05"
+_PG_DIVISION_BY_ZERO = "22012"
 # Seconds a claim interrupted by a signal waits for its cancelled query to end
 CANCEL_WAIT = 5.0
-# Per pooled connection: the names of the statements prepared on it by ``_insert_incoming_in_one_message``
+# Per pooled connection: the names of the statements prepared on it by ``_send_one_message``
 _PREPARED = "celery_outbox_prepared"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
@@ -82,9 +84,10 @@ def utcnow() -> datetime:
 
 
 @dataclass(frozen=True)
-class _ClaimQuery:
-    """The inbox claim's INSERT with positional parameters (``$1``, ...): ``statement`` takes the
-    values of ``keys`` in that order; ``name`` is the name it is prepared under on a connection."""
+class _PipelinedQuery:
+    """A statement with positional parameters (``$1``, ...) for libpq's pipeline mode:
+    ``statement`` takes the values of ``keys`` in that order; ``name`` is the name it is
+    prepared under on a connection."""
 
     name: str
     statement: str
@@ -92,11 +95,12 @@ class _ClaimQuery:
 
 
 @functools.lru_cache(maxsize=16)
-def _claim_query(statement: Any, dialect: Any, names: tuple[str, ...]) -> _ClaimQuery:
-    """PostgreSQL: ``statement`` (the inbox INSERT ... RETURNING) for the columns ``names``."""
+def _pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind: str) -> _PipelinedQuery:
+    """PostgreSQL: ``statement`` (the inbox claim's INSERT, or the eager finish) taking the
+    parameters ``names``, prepared as ``celery_outbox_<kind>_<checksum>``."""
     compiled = statement.compile(dialect=dialect, column_keys=list(names))
-    if set(compiled.binds) != set(names):  # every value must be a plain bound column value
-        raise ValueError(f"cannot send the claim of columns {names} as one message")
+    if set(compiled.binds) != set(names):  # every value must be a plain bound value
+        raise ValueError(f"cannot send the {kind} of parameters {names} as one message")
     order: list[str] = []
 
     def number(match: re.Match) -> str:
@@ -105,7 +109,8 @@ def _claim_query(statement: Any, dialect: Any, names: tuple[str, ...]) -> _Claim
         return f"${order.index(match.group(1)) + 1}"
 
     positional = re.sub(r"%\((\w+)\)s", number, compiled.string).replace("%%", "%")
-    return _ClaimQuery(f"celery_outbox_claim_{zlib.crc32(positional.encode()):08x}", positional, tuple(order))
+    return _PipelinedQuery(f"celery_outbox_{kind}_{zlib.crc32(positional.encode()):08x}", positional,
+                           tuple(order))
 
 
 @functools.cache
@@ -619,7 +624,7 @@ class Store:
         ``INSERT ... ON CONFLICT DO NOTHING``; a concurrent insert of the same key
         waits for the first transaction and then conflicts.
         """
-        if self.is_postgres and self._at_rest(conn):  # its BEGIN goes with it: one round trip
+        if self.is_postgres and self._opening(conn) == (b"BEGIN",):  # its BEGIN goes with it: one round trip
             return self._insert_incoming_in_one_message(conn, row, (b"BEGIN",))
         return conn.execute(self._insert_new_incoming, row).first() is not None
 
@@ -682,22 +687,31 @@ class Store:
         )
         return conn.execute(statement).first() is not None
 
-    def claim_incoming_alone(self, row: dict[str, Any], stale_before: datetime | None = None) -> bool:
+    def claim_incoming_alone(self, row: dict[str, Any], stale_before: datetime | None = None,
+                             then_begin: Connection | None = None) -> bool:
         """``claim_incoming`` in a transaction of its own that commits without waiting for the
         WAL flush (``begin(durable=False)``): the eager claim, made durable by the body's commit.
 
         On PostgreSQL a new key, the common case, costs one round trip instead of four: BEGIN,
         ``SET LOCAL synchronous_commit TO OFF``, the ``INSERT ... ON CONFLICT DO NOTHING`` and
-        COMMIT go in one network write (``_insert_incoming_in_one_message``). A key that
-        exists already takes ``claim_incoming``'s second statement in a transaction of its
-        own; the first wrote nothing."""
+        COMMIT go in one network write (``_insert_incoming_in_one_message``). Given
+        ``then_begin``, a connection between transactions, the claim goes on it and a BEGIN
+        follows the COMMIT in the same write: the body's transaction is open when the claim
+        returns, and the body's first statement does not wait for a BEGIN of its own. A key
+        that exists already takes ``claim_incoming``'s second statement in a transaction of
+        its own; the first wrote nothing."""
         inserted = None
         if self.is_postgres:
             try:
-                with self.engine.connect() as conn:
-                    if self._at_rest(conn):
+                conn = then_begin if then_begin is not None else self.engine.connect()
+                try:
+                    if self._opening(conn) == (b"BEGIN",):
                         inserted = self._insert_incoming_in_one_message(
-                            conn, row, (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"), (b"COMMIT",))
+                            conn, row, (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"),
+                            (b"COMMIT",) if then_begin is None else (b"COMMIT", b"BEGIN"))
+                finally:
+                    if then_begin is None:
+                        conn.close()
             except OperationalError as exc:
                 raise self.unavailable(exc) from exc
         if inserted:
@@ -707,81 +721,113 @@ class Store:
                 return self.claim_incoming(conn, row, stale_before)
             return self._take_over_incoming(conn, row, stale_before)
 
-    def _at_rest(self, conn: Connection) -> bool:
-        """PostgreSQL: ``conn``'s psycopg connection is between transactions, in the default
-        transaction mode, and its libpq has pipeline mode: its next statements may open the
-        transaction themselves (``BEGIN``, as psycopg would have) and go in one network write."""
-        if conn.dialect.driver != "psycopg":
-            return False
+    def _opening(self, conn: Connection) -> tuple[bytes, ...] | None:
+        """PostgreSQL: what statements sent in one message on ``conn`` must start with: ``(b"BEGIN",)``
+        when its psycopg connection is between transactions in the default transaction mode (they
+        open the transaction themselves, as psycopg would have), ``()`` inside a transaction, and
+        None when they cannot go in one message (another driver, a libpq without pipeline mode, a
+        transaction in error, or non-default transaction settings)."""
+        if conn.dialect.driver != "psycopg" or not _pipeline_supported():
+            return None
         driver = conn.connection.driver_connection
-        return (driver.pgconn.transaction_status == _PSYCOPG_IDLE and not driver.autocommit
-                and driver.isolation_level is None and driver.read_only is None and driver.deferrable is None
-                and _pipeline_supported())
+        status = driver.pgconn.transaction_status
+        if status == _PSYCOPG_INTRANS:
+            return ()
+        if (status == _PSYCOPG_IDLE and not driver.autocommit and driver.isolation_level is None
+                and driver.read_only is None and driver.deferrable is None):
+            return (b"BEGIN",)
+        return None
 
     def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: tuple[bytes, ...],
                                         after: tuple[bytes, ...] = ()) -> bool:
         """PostgreSQL: the statements ``before``, the inbox INSERT ... ON CONFLICT DO NOTHING
-        RETURNING and the statements ``after``, queued in libpq's pipeline mode and sent with
-        one Sync in one network write; True when the row went in. The INSERT is a statement
-        prepared once per connection (its Parse goes with the first claim) and the values travel
-        as parameters, in text. With psycopg's prepared statements off (``prepare_threshold =
-        None``, as behind a transaction-pooling PgBouncer) the INSERT is parsed each time, as an
-        unnamed statement."""
+        RETURNING and the statements ``after`` in one message (``_send_one_message``); True when
+        the row went in."""
+        claim = _pipelined_query(self._insert_new_incoming, conn.dialect, tuple(row), "claim")
+        result, _ = self._send_one_message(conn, claim, row, before, after)
+        return result.ntuples > 0
+
+    def _send_one_message(self, conn: Connection, query: _PipelinedQuery, values: dict[str, Any],
+                          before: tuple[bytes, ...], after: tuple[bytes, ...],
+                          tolerate: tuple[str, ...] = ()) -> tuple[Any, str | None]:
+        """PostgreSQL: the statements ``before``, ``query`` with ``values`` and the statements
+        ``after``, queued in libpq's pipeline mode and sent with one Sync in one network write.
+        Returns (``query``'s result, None), or (None, the SQLSTATE) when a statement failed with
+        one of the SQLSTATEs ``tolerate`` names: the transaction is then in error, for the caller
+        to roll back. Any other error is raised as psycopg would have (``StoreUnavailable`` when
+        the connection is lost).
+
+        The values travel as parameters, in text. A message that opens its transaction
+        (``before`` starts with BEGIN) sends ``query`` as a statement prepared once per
+        connection (its Parse goes with its first message); when that statement turns out to
+        be gone (psycopg deallocates every prepared statement on a rollback once it prepared
+        some of its own) or there already, it is put right and the message sent again: nothing
+        but the message itself ran in that transaction. A message inside a transaction could
+        not be sent again, so there ``query`` goes as an unnamed statement, parsed each time, as
+        it does everywhere with psycopg's prepared statements off (``prepare_threshold = None``,
+        as behind a transaction-pooling PgBouncer)."""
         import psycopg
 
         driver = conn.connection.driver_connection
-        claim = _claim_query(self._insert_new_incoming, conn.dialect, tuple(row))
         prepared: set[str] = conn.connection.info.setdefault(_PREPARED, set())
+        in_step = (_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS)
+        opens = before[:1] == (b"BEGIN",)
         try:
-            inserted, failed = self._run_one_message(conn, claim, prepared, before, after, row)
-            if failed is not None:  # unless the statement was prepared after all, or is gone: raise
-                sqlstate = self._error_of(conn, failed, expected=(_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS))
-                driver.rollback()
-                (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(claim.name)
-                inserted, failed = self._run_one_message(conn, claim, prepared, before, after, row)
-                if failed is not None:
-                    self._error_of(conn, failed, expected=())
+            result, failed = self._run_one_message(conn, query, prepared, before, after, values, named=opens)
+            if failed is not None and opens:
+                sqlstate = self._error_of(conn, failed, expected=(*in_step, *tolerate))
+                if sqlstate in in_step:
+                    driver.rollback()
+                    (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(query.name)
+                    result, failed = self._run_one_message(conn, query, prepared, before, after, values,
+                                                           named=True)
+            if failed is not None:
+                return None, self._error_of(conn, failed, expected=tolerate)
         except psycopg.Error as exc:  # from libpq or psycopg's adaptation of the values
             if conn.invalidated or driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
                 if not conn.invalidated:
                     conn.invalidate()
                 raise self.unavailable(exc) from exc
-            raise DBAPIError.instance(claim.statement, row, exc, psycopg.Error) from exc
-        if driver.prepare_threshold is not None:
-            prepared.add(claim.name)
-        return inserted
+            raise DBAPIError.instance(query.statement, values, exc, psycopg.Error) from exc
+        return result, None
 
-    def _run_one_message(self, conn: Connection, claim: _ClaimQuery, prepared: set[str], before: tuple[bytes, ...],
-                         after: tuple[bytes, ...], row: dict[str, Any]) -> tuple[bool, Any]:
-        """Send the pipeline; (whether the claim's INSERT returned its row, the first result that is
-        an error or None)."""
+    def _run_one_message(self, conn: Connection, query: _PipelinedQuery, prepared: set[str],
+                         before: tuple[bytes, ...], after: tuple[bytes, ...], values: dict[str, Any],
+                         named: bool) -> tuple[Any, Any]:
+        """Send the pipeline; (``query``'s result, the first result that is an error or None).
+        ``query`` goes as a prepared statement when ``named`` and psycopg's prepared statements
+        are on; it counts as prepared on the connection once its Parse succeeded, whatever came
+        after."""
         from psycopg.adapt import PyFormat, Transformer
 
         driver = conn.connection.driver_connection
-        params = Transformer(driver).dump_sequence([row[key] for key in claim.keys], [PyFormat.TEXT] * len(claim.keys))
-        statement, name = claim.statement.encode(driver.info.encoding), claim.name.encode()
-        unnamed = driver.prepare_threshold is None
-        prepare = not unnamed and claim.name not in prepared
+        params = Transformer(driver).dump_sequence([values[key] for key in query.keys],
+                                                   [PyFormat.TEXT] * len(query.keys))
+        statement, name = query.statement.encode(driver.info.encoding), query.name.encode()
+        unnamed = not named or driver.prepare_threshold is None
+        prepare = not unnamed and query.name not in prepared
 
         def send(pgconn: Any) -> None:
             if prepare:
                 pgconn.send_prepare(name, statement)
-            for query in before:
-                pgconn.send_query_params(query, None)
+            for each in before:
+                pgconn.send_query_params(each, None)
             if unnamed:
                 pgconn.send_query_params(statement, params)
             else:
                 pgconn.send_query_prepared(name, params)
-            for query in after:
-                pgconn.send_query_params(query, None)
+            for each in after:
+                pgconn.send_query_params(each, None)
 
         try:
             results = _exchange(driver, send)
         except BaseException:  # a signal (a soft time limit) or a lost connection: do not reuse it
             conn.invalidate()
             raise
+        if prepare and results[0].status == _COMMAND_OK:
+            prepared.add(query.name)
         failed = next((result for result in results if result.status not in (_COMMAND_OK, _TUPLES_OK)), None)
-        return failed is None and results[len(before) + prepare].ntuples > 0, failed
+        return results[len(before) + prepare], failed
 
     def _error_of(self, conn: Connection, result: Any, expected: tuple[str, ...]) -> str:
         """The SQLSTATE of the error ``result`` carries when it is one of ``expected``; otherwise
@@ -798,29 +844,51 @@ class Store:
 
     @functools.cached_property
     def _finish_incoming(self):
-        """The UPDATE that marks an eager claim handled, built once (bound parameters)."""
+        """The UPDATE that marks an eager claim handled, built once: its values are the named
+        parameters, its constants written in the statement."""
         table = self.tables.incoming
         return (
             update(table)
             .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
-            .where(table.c.owner == bindparam("claim_owner"), table.c.status == "running")
+            .where(table.c.owner == bindparam("claim_owner"), table.c.status == literal_column("'running'"))
             .where(table.c.nesting == bindparam("claim_nesting"), table.c.replays == bindparam("claim_replays"))
             .where(table.c.retries == bindparam("claim_retries"))
-            .values(status="handled", owner=UNOWNED, handled_at=bindparam("finished_at"),
-                    keep_until=bindparam("finished_keep_until"))
+            .values(status=literal_column("'handled'"), owner=literal_column(str(UNOWNED)),
+                    handled_at=bindparam("finished_at"), keep_until=bindparam("finished_keep_until"))
         )
 
+    @functools.cached_property
+    def _finish_incoming_or_fail(self):
+        """PostgreSQL: ``_finish_incoming`` as a query that fails (division by zero) when it marks
+        no row, so that a COMMIT sent right behind it does not commit a claim no longer ours."""
+        finished = self._finish_incoming.returning(literal_column("1")).cte("finished")
+        return select(literal_column("1") / func.count()).select_from(finished)
+
     def finish_incoming(self, conn: Connection, message_id: str, destination: str, owner: int,
-                        attempt: tuple[int, int, int], now: datetime, keep_until: datetime) -> bool:
+                        attempt: tuple[int, int, int], now: datetime, keep_until: datetime,
+                        commit: bool = False) -> bool:
         """Mark an eagerly claimed row handled, inside the body's transaction; False when
-        the claim is no longer ours (another node took it over). ``attempt`` is
-        (nesting, replays, retries)."""
+        the claim is no longer ours (another node took it over): the caller rolls back.
+        ``attempt`` is (nesting, replays, retries).
+
+        With ``commit``, the last statement of the body's transaction, on PostgreSQL the
+        transaction's COMMIT goes with it in one round trip (and its BEGIN too when the body
+        wrote nothing): the UPDATE is sent as a query that fails when it marks no row, so a claim
+        no longer ours aborts the transaction instead of committing it. The caller's own commit
+        then finds the transaction ended (psycopg sends nothing); it still ends SQLAlchemy's."""
         nesting, replays, retries = attempt
-        return conn.execute(self._finish_incoming, {
+        values = {
             "key_id": message_id, "key_destination": destination, "claim_owner": owner,
             "claim_nesting": nesting, "claim_replays": replays, "claim_retries": retries,
             "finished_at": now, "finished_keep_until": keep_until,
-        }).rowcount == 1
+        }
+        opening = self._opening(conn) if commit and self.is_postgres else None
+        if opening is not None:
+            finish = _pipelined_query(self._finish_incoming_or_fail, conn.dialect, tuple(values), "finish")
+            _, failed = self._send_one_message(conn, finish, values, opening, (b"COMMIT",),
+                                               tolerate=(_PG_DIVISION_BY_ZERO,))
+            return failed is None
+        return conn.execute(self._finish_incoming, values).rowcount == 1
 
     def record_outcome(self, conn: Connection, row: dict[str, Any]) -> None:
         """Record how an attempt ended without committing its effects (``retried`` or

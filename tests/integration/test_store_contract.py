@@ -334,18 +334,26 @@ class ProtocolTrace:
         self._trace = trace
         event.listen(store.engine, "connect", trace)
 
+    def _messages(self) -> list[list[str]]:
+        """The trace's messages, each split into its fields (a statement's own line breaks kept)."""
+        self.file.flush()
+        lines: list[str] = []
+        for line in self.path.read_text().splitlines():
+            if line.startswith(("F\t", "B\t")) or not lines:
+                lines.append(line)
+            else:  # the rest of a statement written over several lines
+                lines[-1] += "\n" + line
+        return [line.split("\t") for line in lines]
+
     def sent(self) -> list[tuple[str, str]]:
         """(message type, text) of every message sent so far."""
-        self.file.flush()
-        fields = [line.split("\t") for line in self.path.read_text().splitlines() if line.startswith("F\t")]
-        return [(f[2], f[3].strip() if len(f) > 3 else "") for f in fields]
+        return [(f[2], f[3].strip() if len(f) > 3 else "") for f in self._messages() if f[0] == "F"]
 
     def round_trips(self) -> list[list[tuple[str, str]]]:
         """The messages sent so far, by round trip: each group is what the client sent before it
         next read an answer from the server."""
-        self.file.flush()
         trips: list[list[tuple[str, str]]] = [[]]
-        for f in (line.split("\t") for line in self.path.read_text().splitlines()):
+        for f in self._messages():
             if f[0] == "F":
                 trips[-1].append((f[2], f[3].strip() if len(f) > 3 else ""))
             elif f[0] == "B" and trips[-1]:
@@ -557,3 +565,114 @@ def test_status_counts_rows_by_status_and_destination(store: Store):
     assert {"status": "handled", "queue": "q", "count": 1} in report["incoming"]
     assert report["oldest_pending_outgoing_age_seconds"] == pytest.approx(30, abs=1)
     assert [n["name"] for n in report["nodes"]] == ["n1"]
+
+
+def _take_over(store: Store, message_id: str, owner: int) -> None:
+    """Another node takes the running claim of ``message_id`` over (as recovery lets it)."""
+    incoming = store.tables.incoming
+    with store.begin() as conn:
+        conn.execute(incoming.update().where(incoming.c.message_id == message_id).values(owner=owner))
+
+
+def test_finishing_an_eager_claim_commits_the_body_with_it(store: Store):
+    """``finish_incoming(commit=True)`` marks the claim handled in the body's transaction; the
+    caller's commit then commits the body's writes with it. A claim another node took over
+    meanwhile is not marked: False, and nothing of that transaction commits (the caller rolls
+    back), on each store."""
+    now = utcnow()
+    for key in ("ours", "lost"):
+        assert store.claim_incoming_alone(incoming_row(key, owner=7, claimed_at=now, keep_until=None)) is True
+    _take_over(store, "lost", owner=8)
+    for key, finished in (("ours", True), ("lost", False)):
+        with store.engine.connect() as conn:
+            conn.begin()
+            store.insert_incoming(conn, incoming_row(f"effect of {key}", status="handled"))
+            assert store.finish_incoming(conn, key, "", 7, (0, 0, 0), now, now + timedelta(1), commit=True) \
+                is finished
+            (conn.commit if finished else conn.rollback)()
+    ours, lost = store.get_incoming("ours"), store.get_incoming("lost")
+    assert (ours.status, ours.owner, as_utc(ours.handled_at)) == ("handled", 0, now)
+    assert store.get_incoming("effect of ours") is not None
+    assert (lost.status, lost.owner, lost.handled_at) == ("running", 8, None), "the other node's claim stands"
+    assert store.get_incoming("effect of lost") is None, "the body's write did not commit"
+
+
+def test_finishing_an_eager_claim_sends_its_commit_with_it_in_one_round_trip(store: Store, protocol: ProtocolTrace):
+    """On PostgreSQL the finish and the COMMIT go with one Sync (and the BEGIN too when the body
+    wrote nothing); the caller's commit sends nothing more. Its values go as parameters; opening
+    its transaction, the finish is prepared once per connection, and inside the body's
+    transaction, which could not be sent again, it goes as an unnamed statement."""
+    now = utcnow()
+    for key in ("quiet", "busy", "again"):
+        assert store.claim_incoming_alone(incoming_row(key, owner=7, claimed_at=now, keep_until=None)) is True
+    claims = len(protocol.round_trips())
+    with store.engine.connect() as conn:
+        for key in ("quiet", "busy", "again"):
+            conn.begin()
+            if key == "busy":
+                store.insert_incoming(conn, incoming_row("effect", status="handled"))
+            assert store.finish_incoming(conn, key, "", 7, (0, 0, 0), now, now + timedelta(1), commit=True)
+            conn.commit()
+    quiet, *busy, again = [_statements(trip) for trip in protocol.round_trips()[claims:]]
+    prepare, *ran = quiet
+    assert prepare.startswith("PREPARE celery_outbox_finish_") and "UPDATE" in prepare, prepare
+    finish = "EXECUTE " + prepare.split(":")[0].removeprefix("PREPARE ")
+    assert ran == ["BEGIN", finish, "COMMIT"], quiet
+    assert busy[-1][0].startswith("WITH finished AS") and busy[-1][1:] == ["COMMIT"], busy
+    assert again == ["BEGIN", finish, "COMMIT"], again
+    assert [store.get_incoming(key).status for key in ("quiet", "busy", "again")] == ["handled"] * 3
+
+
+def test_a_claim_alone_can_open_the_bodys_transaction_in_its_round_trip(store: Store, protocol: ProtocolTrace):
+    """Given the attempt's connection, the eager claim sends a BEGIN after its COMMIT, in the same
+    round trip: the claim is committed (another connection sees it) while the body's transaction
+    is open, and the body's first statement goes without a BEGIN of its own."""
+    now = utcnow()
+    with store.engine.connect() as conn:
+        assert store.claim_incoming_alone(incoming_row("opened", owner=7, claimed_at=now, keep_until=None),
+                                          then_begin=conn) is True
+        assert conn.connection.driver_connection.info.transaction_status == 2, "in a transaction"
+        [claim] = [_statements(trip) for trip in protocol.round_trips()]
+        assert store.get_incoming("opened").status == "running", "committed before the body"
+        seen = len(protocol.round_trips())
+        conn.begin()
+        assert store.insert_incoming(conn, incoming_row("effect", status="handled")) is True
+        assert store.finish_incoming(conn, "opened", "", 7, (0, 0, 0), now, now + timedelta(1), commit=True)
+        conn.commit()
+    body, finish = [_statements(trip) or [text for _, text in trip] for trip in protocol.round_trips()[seen:]]
+    assert claim[1:] == ["BEGIN", "SET LOCAL synchronous_commit TO OFF", claim[0].split(":")[0].replace(
+        "PREPARE", "EXECUTE"), "COMMIT", "BEGIN"], claim
+    assert "BEGIN" not in body and "INSERT INTO" in body[-1], body
+    assert finish[0].startswith("WITH finished AS") and finish[1:] == ["COMMIT"], finish
+    assert (store.get_incoming("opened").status, store.get_incoming("effect").status) == ("handled", "handled")
+
+
+def test_statements_sent_in_one_message_outlive_psycopg_deallocating_them_on_rollback(store: Store):
+    """psycopg answers a rollback with ``DEALLOCATE ALL`` once it prepared statements of its own,
+    taking the claim's prepared statement with them: the next claim prepares it again, and the
+    finish inside the body's transaction, which could not be sent again, never relies on one."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL only: SQLite prepares nothing")
+    store.engine.dispose()
+    now = utcnow()
+    ours = "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'celery_outbox_%%'"
+
+    def attempt(conn, key):
+        assert store.claim_incoming_alone(incoming_row(key, owner=7, claimed_at=now, keep_until=None),
+                                          then_begin=conn) is True
+        conn.begin()
+        assert store.insert_incoming(conn, incoming_row(f"effect of {key}", status="handled")) is True
+        assert store.finish_incoming(conn, key, "", 7, (0, 0, 0), now, now + timedelta(1), commit=True)
+        conn.commit()
+
+    with store.engine.connect() as conn:
+        for _ in range(6):  # psycopg prepares a query it ran five times
+            conn.exec_driver_sql("SELECT 1").scalar_one()
+        conn.commit()
+        attempt(conn, "before")
+        assert conn.exec_driver_sql(ours).scalar_one() >= 1
+        conn.rollback()
+        assert conn.exec_driver_sql(ours).scalar_one() == 0, "psycopg's rollback deallocated them"
+        conn.rollback()
+        attempt(conn, "after")
+    assert [store.get_incoming(key).status for key in ("before", "after", "effect of after")] == ["handled"] * 3

@@ -184,7 +184,10 @@ def test_id_and_destination_runs_one_id_once_per_queue(sqlite_url, table_prefix)
         harness.close()
 
 
-def test_eager_style_commits_the_claim_before_the_body(harness):
+def test_eager_style_commits_the_claim_before_the_body(harness_on_each_store):
+    """The eager claim commits before the body runs (on PostgreSQL the body's transaction opens in
+    the claim's round trip, after its COMMIT): another connection sees it while the body runs."""
+    harness = harness_on_each_store
     seen_during_body = []
 
     @harness.app.task(base=IdempotentTask, bind=True, name="shop.eager", shared=False)
@@ -403,3 +406,28 @@ def test_the_worker_runs_the_body_on_the_request_it_pushed_and_other_calls_still
     assert audited == [("queued",)], "the mixin's __call__ ran for the worker's delivery"
     assert harness.outbox.store.get_incoming("seen-1").status == "handled"
     assert harness.outbox.store.get_incoming("seen-2").status == "handled"
+
+
+def test_an_eager_claim_taken_over_while_the_body_ran_commits_nothing(harness_on_each_store):
+    """Another node took the eager claim over while the body ran (recovery found this node
+    dead): the attempt's finish finds the claim no longer ours, so its writes and its messages
+    roll back and the attempt ends as a duplicate; the other node's run counts."""
+    harness = harness_on_each_store
+    incoming = harness.outbox.store.tables.incoming
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.overtaken", shared=False)
+    def overtaken(self):
+        with harness.outbox.store.begin() as conn:
+            conn.execute(incoming.update().where(incoming.c.message_id == self.request.id).values(owner=424242))
+        self.connection.execute(insert(harness.effects).values(note="overtaken"))
+        harness.app.send_task("shop.sent_by_the_body", queue=harness.other_queue)
+
+    overtaken.idempotency = "eager"
+    with harness.worker():
+        overtaken.apply_async(task_id="overtaken-1")
+        assert harness.wait_for_states("overtaken-1", 1) == ["IGNORED"]
+    assert harness.effect_count() == 0
+    row = harness.outbox.store.get_incoming("overtaken-1")
+    assert (row.status, row.owner) == ("running", 424242)
+    with harness.app.connection_for_read() as connection:
+        assert connection.SimpleQueue(harness.other_queue).qsize() == 0, "the body's message was not published"
