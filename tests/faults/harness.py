@@ -12,7 +12,8 @@ freshly handled payment messages to the queue, as a broker's redelivery would (o
 every fault from outside has fired: a copy held by a worker that is then killed is the
 broker's to give back, after its visibility timeout).
 
-When the producer is done, the run waits for the system to settle and checks:
+When the producer is done, the run waits for the system to settle (two readings in a row, a
+poll apart, find nothing pending) and checks:
 
 * nothing lost: every committed send (an order row, and the receipt its payment
   committed) is handled: it has its effect row;
@@ -20,7 +21,9 @@ When the producer is done, the run waits for the system to settle and checks:
   for an order that was never committed, no dead letters;
 * every redelivered copy was discarded and counted on its inbox row;
 * nothing pending: no outgoing row (unsent, or sent and unacknowledged), no inbox row
-  running or owned by a node.
+  running or owned by a node, no task of a pool process a crash point ended still
+  unanswered by its worker (Celery re-sends it as a new attempt, ``retry_on_worker_lost``,
+  sometimes only after ``worker_lost_wait``: its message is one more outgoing row).
 
 ``Outcome.line()`` is the one line each scenario prints.
 """
@@ -306,6 +309,7 @@ class FaultRun:
                 process.stop()
 
     def _drive(self, deadline: float) -> bool:
+        was_quiet = False
         while time.monotonic() < deadline:
             for process in self.processes.values():
                 process.check()
@@ -314,8 +318,10 @@ class FaultRun:
                 self._faults.pop(0)[1]()
             if not self._faults:  # a copy held by a worker that is then killed would be the broker's to give back
                 self._safely(self._send_copies, None)
-            if self.processes["producer"].finished and not self._faults and self._safely(self._settled, False):
+            quiet = self.processes["producer"].finished and not self._faults and self._safely(self._settled, False)
+            if quiet and was_quiet:  # twice, a poll apart: a pool process that just died has been noticed
                 return True
+            was_quiet = quiet
             time.sleep(0.25)
         return False
 
@@ -352,6 +358,15 @@ class FaultRun:
                 from_row(row, self.shop.app.amqp.queues).publish(producer, retry=False)
                 self._copied[row.message_id] = row.duplicates + 1
 
+    def _lost_tasks_unanswered(self) -> int:
+        """Pool processes of the consuming worker that a crash point ended, less the tasks the worker
+        has answered with ``WorkerLostError`` (re-sent as a new attempt, or failed) so far."""
+        log = self._log("consumer")
+        text = log.read_text(errors="replace") if log.exists() else ""
+        exits = text.count(f"exited with 'exitcode {EXIT_CODE}'")
+        answered = text.count(f"WorkerLostError('Worker exited prematurely: exitcode {EXIT_CODE}")
+        return max(exits - answered, 0)
+
     def _settled(self) -> bool:
         return not self._unsettled(self.outcome(0.0))
 
@@ -386,6 +401,7 @@ class FaultRun:
                     incoming.c.status != "handled")).scalar_one(),
                 "inbox rows owned by a node": conn.execute(select(func.count()).select_from(incoming).where(
                     incoming.c.owner != 0)).scalar_one(),
+                "tasks of crashed pool processes not yet re-sent": self._lost_tasks_unanswered(),
             }
             dead_letters = store.count_dead_letters(conn)
         if not self.processes.get("producer") or not self.processes["producer"].finished:
