@@ -2,8 +2,8 @@
 
 One body, seven ways to run it: a plain Celery task (acknowledged before it runs, Celery's
 default, and after, with ``acks_late``), two floors (plain tasks writing their inbox row by
-hand, the least each ``IdempotentTask`` style must do), an ``IdempotentTask`` in the
-optimistic and in the eager style, and the plain task consumed from a durable queue.
+hand, the least each ``IdempotentTask`` style must do: see ``Floor``), an ``IdempotentTask``
+in the optimistic and in the eager style, and the plain task consumed from a durable queue.
 ``BENCH_BODY`` is ``noop`` or ``write`` (one Core INSERT: through ``self.connection``, in
 the claim's transaction, in an ``IdempotentTask``; in its own transaction on a plain
 SQLAlchemy engine otherwise, as a Celery user without celery-outbox would write it). ``bench.mark`` records when the
@@ -12,14 +12,17 @@ first and the last message of a run were handled, in Redis.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+import weakref
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 import redis
 from celery import Celery
-from sqlalchemy import Column, Integer, MetaData, Table, create_engine, insert, update
+from sqlalchemy import Column, Integer, MetaData, Table, create_engine, insert
+from sqlalchemy.engine import Connection
 
 from celery_outbox import IdempotentTask, Outbox
 
@@ -38,9 +41,12 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
     plain_engine = create_engine(database_url)
     inbox = outbox.store.tables.incoming
 
+    def write(connection: Connection, n: int) -> None:  # the body's one write, the same in every variant
+        connection.execute(insert(effects).values(n=n))
+
     def write_alone(n: int) -> None:
         with plain_engine.begin() as conn:
-            conn.execute(insert(effects).values(n=n))
+            write(conn, n)
 
     @app.task(name="bench.plain", shared=False)
     def plain(n: int) -> None:
@@ -52,45 +58,35 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
         if body == "write":
             write_alone(n)
 
-    def inbox_row(task: Any, status: str) -> dict[str, Any]:
-        now = datetime.now(timezone.utc)
-        return {"message_id": task.request.id, "destination": "", "task_name": task.name,
-                "queue": task.request.delivery_info.get("routing_key") or "", "status": status, "owner": 0,
-                "retries": 0, "nesting": 0, "replays": 0, "received_at": now, "claimed_at": now,
-                "handled_at": now if status == "handled" else None, "keep_until": now + timedelta(days=1)}
+    floors = Floor(database_url, inbox.name)
+
+    def floor_body(n: int) -> Callable[[Connection], None]:
+        return functools.partial(write, n=n) if body == "write" else _nothing
 
     @app.task(name="bench.floor", bind=True, shared=False, acks_late=True)
     def floor(self, n: int) -> None:
         """The least an inbox claimed in the body's transaction costs: acknowledged after it ran,
-        and one more row (the inbox row, by hand) in the body's transaction."""
-        with plain_engine.begin() as conn:
-            conn.execute(insert(inbox), inbox_row(self, "handled"))
-            if body == "write":
-                conn.execute(insert(effects).values(n=n))
+        and one more row (the inbox row) in the body's transaction."""
+        floors.optimistic(self.request.id, self.name, self.request.delivery_info.get("routing_key") or "",
+                          floor_body(n))
 
     @app.task(name="bench.floor_eager", bind=True, shared=False, acks_late=True)
     def floor_eager(self, n: int) -> None:
         """The least an inbox claimed before the body costs: the inbox row committed first (not
         waiting for the disk, as the eager claim does), then marked handled in the body's
         transaction."""
-        with plain_engine.begin() as conn:
-            conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
-            conn.execute(insert(inbox), inbox_row(self, "running"))
-        with plain_engine.begin() as conn:
-            conn.execute(update(inbox).where(inbox.c.message_id == self.request.id, inbox.c.destination == "")
-                         .values(status="handled"))
-            if body == "write":
-                conn.execute(insert(effects).values(n=n))
+        floors.eager(self.request.id, self.name, self.request.delivery_info.get("routing_key") or "",
+                     floor_body(n))
 
     @app.task(base=IdempotentTask, bind=True, name="bench.optimistic", shared=False)
     def optimistic(self, n: int) -> None:
         if body == "write":
-            self.connection.execute(insert(effects).values(n=n))
+            write(self.connection, n)
 
     @app.task(base=IdempotentTask, bind=True, name="bench.eager", shared=False)
     def eager(self, n: int) -> None:
         if body == "write":
-            self.connection.execute(insert(effects).values(n=n))
+            write(self.connection, n)
 
     eager.idempotency = "eager"
 
@@ -99,6 +95,87 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
         marks.set(key, repr(time.time()))
 
     return app, outbox, metadata
+
+
+class Floor:
+    """An inbox by hand, with no library code: the least each style must do, in the fewest round
+    trips. One connection per pool process, in autocommit mode, so that the floor sends its own
+    ``BEGIN`` and ``COMMIT`` in the round trips of its other statements (a psycopg pipeline, one
+    round trip each), with prepared statements. The optimistic style: ``BEGIN`` and the claim in
+    one round trip, the body, ``COMMIT`` (a no-op body: two round trips; one write: three). The
+    eager style: ``BEGIN``, the claim, ``COMMIT`` (not waiting for the disk) and the body's
+    ``BEGIN`` in one round trip, the body, the ``UPDATE`` marking the row handled with ``COMMIT``
+    in one more (two and three). A claim that finds the row there already ends the task (a
+    duplicate). ``body`` gets the SQLAlchemy connection the transaction is on: the same body
+    as every other variant's."""
+
+    COLUMNS = ("message_id", "destination", "task_name", "queue", "status", "owner", "retries", "nesting",
+               "replays", "received_at", "claimed_at", "handled_at", "keep_until")
+
+    def __init__(self, database_url: str, inbox: str):
+        self.engine = create_engine(database_url, isolation_level="AUTOCOMMIT", pool_size=1)
+        self.claim = (f'INSERT INTO "{inbox}" ({", ".join(self.COLUMNS)}) VALUES ({", ".join(["%s"] * 13)}) '
+                      "ON CONFLICT DO NOTHING RETURNING 1")
+        self.finish = (f"UPDATE \"{inbox}\" SET status = 'handled', handled_at = %s, keep_until = %s "
+                       "WHERE message_id = %s AND destination = '' AND status = 'running'")
+        self._connections: dict[int, Connection] = {}
+        self.close = weakref.finalize(self, _close_own, self._connections)  # or when collected
+
+    def _connection(self) -> Connection:
+        """This process's connection, opened after the pool forked it."""
+        conn = self._connections.get(os.getpid())
+        if conn is None:
+            conn = self._connections[os.getpid()] = self.engine.connect()
+        return conn
+
+    def _row(self, message_id: str, task_name: str, queue: str, status: str) -> tuple:
+        now = datetime.now(timezone.utc)
+        handled = status == "handled"
+        return (message_id, "", task_name, queue, status, 0, 0, 0, 0, now, now, now if handled else None,
+                now + timedelta(days=1) if handled else None)
+
+    def optimistic(self, message_id: str, task_name: str, queue: str, body: Callable[[Connection], None]) -> None:
+        conn = self._connection()
+        raw = conn.connection.driver_connection
+        with raw.pipeline():
+            raw.execute("BEGIN")
+            claim = raw.execute(self.claim, self._row(message_id, task_name, queue, "handled"), prepare=True)
+        if claim.fetchone() is None:  # a duplicate
+            raw.execute("ROLLBACK")
+            return
+        body(conn)
+        raw.execute("COMMIT")
+
+    def eager(self, message_id: str, task_name: str, queue: str, body: Callable[[Connection], None]) -> None:
+        conn = self._connection()
+        raw = conn.connection.driver_connection
+        with raw.pipeline():
+            raw.execute("BEGIN")
+            raw.execute("SET LOCAL synchronous_commit TO OFF")
+            claim = raw.execute(self.claim, self._row(message_id, task_name, queue, "running"), prepare=True)
+            raw.execute("COMMIT")
+            raw.execute("BEGIN")
+        if claim.fetchone() is None:  # a duplicate
+            raw.execute("ROLLBACK")
+            return
+        body(conn)
+        now = datetime.now(timezone.utc)
+        with raw.pipeline():
+            finish = raw.execute(self.finish, (now, now + timedelta(days=1), message_id), prepare=True)
+            raw.execute("COMMIT")
+        if finish.rowcount != 1:
+            raise RuntimeError(f"the claim of {message_id} was taken over")
+
+
+def _nothing(connection: Connection) -> None:
+    return None
+
+
+def _close_own(connections: dict[int, Connection]) -> None:
+    """Close this process's floor connection (a forked child's copy of its parent's is not its own)."""
+    conn = connections.pop(os.getpid(), None)
+    if conn is not None:
+        conn.close()
 
 
 if "BENCH_BROKER_URL" in os.environ:

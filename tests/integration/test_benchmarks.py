@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, inspect, select
+from sqlalchemy import create_engine, func, insert, inspect, select
 
 from tests.services import require
 
@@ -73,7 +73,10 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     assert str(report_path) in table
 
 
-def test_worker_benchmark_drains_its_queue_through_a_real_worker():
+@pytest.mark.parametrize("task_name", ["bench.optimistic", "bench.floor", "bench.floor_eager"])
+def test_worker_benchmark_drains_its_queue_through_a_real_worker(task_name):
+    """Each message runs its body once and leaves its inbox row handled: ours, and the floors
+    written by hand."""
     require("postgres")
     require("redis")
     from benchmarks.common import REDIS_URL
@@ -81,19 +84,53 @@ def test_worker_benchmark_drains_its_queue_through_a_real_worker():
 
     run = Run(REDIS_URL, "write")
     try:
-        throughput = run.throughput("bench.optimistic", durable=False, messages=20)
+        throughput = run.throughput(task_name, durable=False, messages=20)
         effects = run.metadata.tables[f"{run.env['BENCH_PREFIX']}effects"]
         inbox = run.outbox.store.tables.incoming
         with run.outbox.engine.connect() as conn:
             written = conn.execute(select(func.count()).select_from(effects)).scalar_one()
             handled = conn.execute(select(func.count()).select_from(inbox)
-                                   .where(inbox.c.task_name == "bench.optimistic", inbox.c.status == "handled")
+                                   .where(inbox.c.task_name == task_name, inbox.c.status == "handled")
                                    ).scalar_one()
     finally:
         run.close()
     assert throughput > 0
     assert written == 20  # each body's one write, once
     assert handled == 20
+
+
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_worker_benchmark_floor_runs_a_redelivered_message_no_second_time(style):
+    """A floor is an inbox too: a second delivery of a message finds its row and runs no body."""
+    require("postgres")
+    from benchmarks import worker_app
+    from benchmarks.common import POSTGRES_URL, REDIS_URL, drop_store, unique_prefix
+
+    prefix = unique_prefix()
+    app, outbox, metadata = worker_app.create(REDIS_URL, POSTGRES_URL, prefix, "bench_q", "bench_dq", "write",
+                                              REDIS_URL)
+    outbox.ready()
+    metadata.create_all(outbox.engine)
+    effects, inbox = metadata.tables[f"{prefix}effects"], outbox.store.tables.incoming
+    floor = worker_app.Floor(POSTGRES_URL, inbox.name)
+
+    def body(n: int):
+        return lambda connection: connection.execute(insert(effects).values(n=n))
+
+    try:
+        run = getattr(floor, style)
+        for n in (1, 2):  # the same message twice, each delivery with its own body's write
+            run("message-1", "bench.floor", "bench_q", body(n))
+        run("message-2", "bench.floor", "bench_q", body(3))
+        with outbox.engine.connect() as conn:
+            written = sorted(conn.execute(select(effects.c.n)).scalars())
+            statuses = dict(conn.execute(select(inbox.c.message_id, inbox.c.status)).all())
+    finally:
+        floor.close()
+        metadata.drop_all(outbox.engine)
+        drop_store(outbox)
+    assert written == [1, 3]
+    assert statuses == {"message-1": "handled", "message-2": "handled"}
 
 
 def test_worker_benchmark_counts_cpu_of_the_worker_session_postgres_and_the_broker():
