@@ -73,8 +73,10 @@ _PG_PREPARED_EXISTS = "42P05"
 _PG_DIVISION_BY_ZERO = "22012"
 # Seconds a claim interrupted by a signal waits for its cancelled query to end
 CANCEL_WAIT = 5.0
-# Per pooled connection: the names of the statements prepared on it by ``_send_one_message``
+# Per pooled connection: the names of the statements prepared on it by ``_send_one_message``, and
+# the statements to prepare before its next message that opens a transaction (None: not followed)
 _PREPARED = "celery_outbox_prepared"
+_TO_PREPARE = "celery_outbox_to_prepare"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
 
@@ -147,6 +149,49 @@ def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
         raise
     pgconn.exit_pipeline_mode()
     return results
+
+
+def _sqlstate(result: Any) -> str:
+    """The SQLSTATE of a libpq result ('' when it carries none)."""
+    from psycopg import pq
+
+    return (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+
+
+def _prepared_statements(conn: Connection) -> tuple[set[str], dict[str, str] | None]:
+    """PostgreSQL: the names of the statements ``_send_one_message`` prepared on ``conn``'s
+    session, and the statements to prepare before its next message that opens a transaction;
+    that dict is None when psycopg's deallocations cannot be followed. They are followed by
+    wrapping the ``clear`` of psycopg's prepared-statement manager on the connection (psycopg
+    calls it on every rollback and every DROP, ALTER, DISCARD ALL or DEALLOCATE ALL it runs,
+    and only then deallocates every prepared statement): our set empties with psycopg's. A
+    statement the set names is then there, unless something else deallocated it (SQL run
+    with psycopg holding no prepared statement of its own): inside a transaction that fails
+    its message, and the name is dropped."""
+    info = conn.connection.info
+    prepared = info.get(_PREPARED)
+    if prepared is None or _TO_PREPARE not in info:
+        prepared = info[_PREPARED] = set()
+        info[_TO_PREPARE] = {} if _forget_when_psycopg_clears(conn.connection.driver_connection, prepared) else None
+    return prepared, info[_TO_PREPARE]
+
+
+def _forget_when_psycopg_clears(driver: Any, prepared: set[str]) -> bool:
+    """Empty ``prepared`` whenever psycopg clears its own prepared statements (False when this
+    psycopg has no such hook)."""
+    manager = getattr(driver, "_prepared", None)
+    clear = getattr(manager, "clear", None)
+    if not callable(clear):
+        return False
+
+    def clear_and_forget() -> Any:
+        deallocating = clear()
+        if deallocating is not False:  # True: psycopg sends DEALLOCATE ALL next (anything else: forget too)
+            prepared.clear()
+        return deallocating
+
+    manager.clear = clear_and_forget
+    return True
 
 
 def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | None:
@@ -763,17 +808,26 @@ class Store:
         be gone (psycopg deallocates every prepared statement on a rollback once it prepared
         some of its own) or there already, it is put right and the message sent again: nothing
         but the message itself ran in that transaction. A message inside a transaction could
-        not be sent again, so there ``query`` goes as an unnamed statement, parsed each time, as
-        it does everywhere with psycopg's prepared statements off (``prepare_threshold = None``,
-        as behind a transaction-pooling PgBouncer)."""
+        not be sent again: there ``query`` goes prepared only when it is known to be (the
+        connection's set of prepared names follows psycopg's deallocations:
+        ``_prepared_statements``); otherwise it goes as an unnamed statement, parsed, and is
+        prepared before the connection's next message that opens a transaction, where a
+        Parse that fails harms nothing. With psycopg's prepared statements off
+        (``prepare_threshold = None``, as behind a transaction-pooling PgBouncer) every
+        statement goes unnamed."""
         import psycopg
 
         driver = conn.connection.driver_connection
-        prepared: set[str] = conn.connection.info.setdefault(_PREPARED, set())
+        prepared, to_prepare = _prepared_statements(conn)
         in_step = (_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS)
         opens = before[:1] == (b"BEGIN",)
         try:
-            result, failed = self._run_one_message(conn, query, prepared, before, after, values, named=opens)
+            if opens and to_prepare:
+                self._prepare_ahead(conn, prepared, to_prepare)
+            named = opens or (to_prepare is not None and query.name in prepared)
+            if not named and to_prepare is not None and driver.prepare_threshold is not None:
+                to_prepare[query.name] = query.statement
+            result, failed = self._run_one_message(conn, query, prepared, before, after, values, named=named)
             if failed is not None and opens:
                 sqlstate = self._error_of(conn, failed, expected=(*in_step, *tolerate))
                 if sqlstate in in_step:
@@ -782,6 +836,8 @@ class Store:
                     result, failed = self._run_one_message(conn, query, prepared, before, after, values,
                                                            named=True)
             if failed is not None:
+                if _sqlstate(failed) == _PG_NO_SUCH_PREPARED:  # gone behind psycopg's back: prepare it anew
+                    prepared.discard(query.name)
                 return None, self._error_of(conn, failed, expected=tolerate)
         except psycopg.Error as exc:  # from libpq or psycopg's adaptation of the values
             if conn.invalidated or driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
@@ -790,6 +846,31 @@ class Store:
                 raise self.unavailable(exc) from exc
             raise DBAPIError.instance(query.statement, values, exc, psycopg.Error) from exc
         return result, None
+
+    def _prepare_ahead(self, conn: Connection, prepared: set[str], to_prepare: dict[str, str]) -> None:
+        """Between transactions, in one round trip: prepare the statements a message inside a
+        transaction sent unnamed (``_send_one_message``). One that exists already counts as
+        prepared; one that failed otherwise is left to go unnamed. Nothing runs in a
+        transaction, so a failed Parse costs nothing else."""
+        driver = conn.connection.driver_connection
+        wanted = list(to_prepare.items())
+        to_prepare.clear()
+        if driver.prepare_threshold is None:
+            return
+        encoding = driver.info.encoding
+
+        def send(pgconn: Any) -> None:
+            for name, statement in wanted:
+                pgconn.send_prepare(name.encode(), statement.encode(encoding))
+
+        try:
+            results = _exchange(driver, send)
+        except BaseException:  # a signal or a lost connection: do not reuse it
+            conn.invalidate()
+            raise
+        for (name, _), result in zip(wanted, results, strict=True):
+            if result.status == _COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
+                prepared.add(name)
 
     def _run_one_message(self, conn: Connection, query: _PipelinedQuery, prepared: set[str],
                          before: tuple[bytes, ...], after: tuple[bytes, ...], values: dict[str, Any],
@@ -833,11 +914,10 @@ class Store:
         """The SQLSTATE of the error ``result`` carries when it is one of ``expected``; otherwise
         raise it as psycopg would have."""
         import psycopg
-        from psycopg import pq
 
         driver = conn.connection.driver_connection
         message = (result.error_message or driver.pgconn.error_message).decode(errors="replace").strip()
-        sqlstate = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+        sqlstate = _sqlstate(result)
         if sqlstate in expected and driver.pgconn.status == _PSYCOPG_CONNECTION_OK:
             return sqlstate
         raise (psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.OperationalError)(message)

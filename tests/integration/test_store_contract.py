@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import event, inspect, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from celery_outbox.store import SCHEMA_VERSION, Store, as_utc, build_engine, is_unique_violation, utcnow
 
@@ -599,9 +599,9 @@ def test_finishing_an_eager_claim_commits_the_body_with_it(store: Store):
 
 def test_finishing_an_eager_claim_sends_its_commit_with_it_in_one_round_trip(store: Store, protocol: ProtocolTrace):
     """On PostgreSQL the finish and the COMMIT go with one Sync (and the BEGIN too when the body
-    wrote nothing); the caller's commit sends nothing more. Its values go as parameters; opening
-    its transaction, the finish is prepared once per connection, and inside the body's
-    transaction, which could not be sent again, it goes as an unnamed statement."""
+    wrote nothing); the caller's commit sends nothing more. Its values go as parameters; the
+    finish is prepared once per connection, with the first message that opens its transaction,
+    and runs prepared inside the body's transaction too once it is."""
     now = utcnow()
     for key in ("quiet", "busy", "again"):
         assert store.claim_incoming_alone(incoming_row(key, owner=7, claimed_at=now, keep_until=None)) is True
@@ -618,7 +618,7 @@ def test_finishing_an_eager_claim_sends_its_commit_with_it_in_one_round_trip(sto
     assert prepare.startswith("PREPARE celery_outbox_finish_") and "UPDATE" in prepare, prepare
     finish = "EXECUTE " + prepare.split(":")[0].removeprefix("PREPARE ")
     assert ran == ["BEGIN", finish, "COMMIT"], quiet
-    assert busy[-1][0].startswith("WITH finished AS") and busy[-1][1:] == ["COMMIT"], busy
+    assert busy[-1] == [finish, "COMMIT"], busy
     assert again == ["BEGIN", finish, "COMMIT"], again
     assert [store.get_incoming(key).status for key in ("quiet", "busy", "again")] == ["handled"] * 3
 
@@ -647,10 +647,37 @@ def test_a_claim_alone_can_open_the_bodys_transaction_in_its_round_trip(store: S
     assert (store.get_incoming("opened").status, store.get_incoming("effect").status) == ("handled", "handled")
 
 
+def test_a_finish_inside_the_bodys_transaction_is_prepared_ahead_for_the_next(store: Store,
+                                                                             protocol: ProtocolTrace):
+    """The first finish inside a body's transaction on a connection goes unnamed (nothing says
+    its statement is there, and a failed message could not be sent again); it is prepared in
+    a round trip of its own before the connection's next claim, between transactions, and from
+    then on runs prepared inside the body's transaction, with its COMMIT."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL only: SQLite prepares nothing")
+    store.engine.dispose()
+    now = utcnow()
+    with store.engine.connect() as conn:
+        for key in ("first", "second", "third"):
+            assert store.claim_incoming_alone(incoming_row(key, owner=7, claimed_at=now, keep_until=None),
+                                              then_begin=conn) is True
+            assert store.finish_incoming(conn, key, "", 7, (0, 0, 0), now, now + timedelta(1), commit=True)
+            conn.commit()
+    trips = [_statements(trip) for trip in protocol.round_trips()]
+    _, first_finish, prepare_ahead, _, second_finish, _, third_finish = trips
+    assert first_finish[0].startswith("WITH finished AS") and first_finish[1:] == ["COMMIT"], first_finish
+    [prepare] = prepare_ahead
+    assert prepare.startswith("PREPARE celery_outbox_finish_") and "WITH finished AS" in prepare, prepare
+    finish = "EXECUTE " + prepare.split(":")[0].removeprefix("PREPARE ")
+    assert second_finish == third_finish == [finish, "COMMIT"], trips
+    assert [store.get_incoming(key).status for key in ("first", "second", "third")] == ["handled"] * 3
+
+
 def test_statements_sent_in_one_message_outlive_psycopg_deallocating_them_on_rollback(store: Store):
     """psycopg answers a rollback with ``DEALLOCATE ALL`` once it prepared statements of its own,
-    taking the claim's prepared statement with them: the next claim prepares it again, and the
-    finish inside the body's transaction, which could not be sent again, never relies on one."""
+    taking ours with them: the next claim prepares its statement again, and the finish inside
+    the body's transaction, which could not be sent again, does not rely on one it had: it goes
+    unnamed once, and is prepared again before the next claim."""
     if not store.is_postgres:
         pytest.skip("PostgreSQL only: SQLite prepares nothing")
     store.engine.dispose()
@@ -670,9 +697,44 @@ def test_statements_sent_in_one_message_outlive_psycopg_deallocating_them_on_rol
             conn.exec_driver_sql("SELECT 1").scalar_one()
         conn.commit()
         attempt(conn, "before")
-        assert conn.exec_driver_sql(ours).scalar_one() >= 1
+        attempt(conn, "before again")  # the finish is prepared by now too
+        assert conn.exec_driver_sql(ours).scalar_one() == 2
         conn.rollback()
         assert conn.exec_driver_sql(ours).scalar_one() == 0, "psycopg's rollback deallocated them"
         conn.rollback()
         attempt(conn, "after")
-    assert [store.get_incoming(key).status for key in ("before", "after", "effect of after")] == ["handled"] * 3
+        attempt(conn, "again")
+        assert conn.exec_driver_sql(ours).scalar_one() == 2, "the claim and the finish, prepared again"
+        conn.rollback()
+    assert [store.get_incoming(key).status for key in ("before", "before again", "after", "again",
+                                                       "effect of again")] == ["handled"] * 5
+
+
+def test_a_finish_whose_statement_vanished_behind_psycopgs_back_fails_and_is_prepared_again(store: Store):
+    """A prepared finish that something other than psycopg deallocated (SQL run on the session
+    while psycopg held no prepared statement of its own) fails inside the body's transaction,
+    which rolls back with nothing marked; the next finish goes unnamed and prepares it again."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL only: SQLite prepares nothing")
+    store.engine.dispose()
+    now = utcnow()
+
+    def attempt(conn, key):
+        assert store.claim_incoming_alone(incoming_row(key, owner=7, claimed_at=now, keep_until=None),
+                                          then_begin=conn) is True
+        assert store.insert_incoming(conn, incoming_row(f"effect of {key}", status="handled")) is True
+        assert store.finish_incoming(conn, key, "", 7, (0, 0, 0), now, now + timedelta(1), commit=True)
+        conn.commit()
+
+    with store.engine.connect() as conn:
+        attempt(conn, "first")
+        attempt(conn, "second")  # the finish runs prepared from here on
+        conn.connection.driver_connection.pgconn.exec_(b"DEALLOCATE ALL")  # psycopg does not see it
+        with pytest.raises(ProgrammingError, match="does not exist"):
+            attempt(conn, "lost")
+        conn.rollback()
+        attempt(conn, "after")
+        attempt(conn, "again")
+    assert [store.get_incoming(key).status for key in ("first", "second", "after", "again")] == ["handled"] * 4
+    assert store.get_incoming("lost").status == "running", "claimed, not marked handled"
+    assert store.get_incoming("effect of lost") is None, "the body's write rolled back"
