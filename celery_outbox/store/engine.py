@@ -125,9 +125,24 @@ def _ping_when_idle(engine: Engine) -> None:
         try:
             engine.dialect.do_ping(dbapi_connection)
         except engine.dialect.loaded_dbapi.Error as exc:
-            if engine.dialect.is_disconnect(exc, dbapi_connection, None):
+            if _lost_connection(engine, exc, dbapi_connection):
                 raise DisconnectionError(str(exc)) from exc  # the pool connects afresh
             raise
+
+
+def _lost_connection(engine: Engine, exc: BaseException, dbapi_connection: Any) -> bool:
+    """Whether a failed ping says the connection is gone: the dialect says so of the error, or
+    of one it was raised while handling (SQLAlchemy's psycopg ping restores the connection's
+    autocommit after a failed query, which on a connection just cut raises a ProgrammingError
+    before libpq has marked it bad), or one of them is an OperationalError."""
+    dbapi = engine.dialect.loaded_dbapi
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, dbapi.OperationalError) or (
+                isinstance(seen, dbapi.Error) and engine.dialect.is_disconnect(seen, dbapi_connection, None)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def build_engine(database_url: str, options: Mapping[str, Any] | None = None) -> Engine:

@@ -54,6 +54,30 @@ def test_an_idle_connection_the_server_dropped_is_replaced_on_checkout(engine, p
     assert pings, "the idle connection was pinged"
 
 
+def test_a_ping_whose_error_hides_the_lost_connection_still_replaces_it(engine, postgres_url, monkeypatch):
+    """On a connection just cut, SQLAlchemy's psycopg ping fails its query, then fails again
+    restoring autocommit, with a ProgrammingError, before libpq marks the connection bad: the
+    error it was raised while handling tells the connection is gone, and the checkout replaces
+    it without an error for the caller."""
+    import psycopg
+
+    monkeypatch.setattr(engine_module, "PING_AFTER_IDLE", 0.0)
+    dropped = backend_pid(engine)
+    real = engine.dialect.do_ping
+
+    def ping_as_on_a_connection_just_cut(dbapi_connection):
+        engine.dialect.do_ping = real
+        try:
+            raise psycopg.OperationalError("connection socket closed")
+        finally:
+            raise psycopg.ProgrammingError("can't change 'autocommit' now: connection in transaction status ACTIVE")
+
+    engine.dialect.do_ping = ping_as_on_a_connection_just_cut
+    terminate(postgres_url, dropped)
+    assert backend_pid(engine) != dropped, "the dropped connection was replaced, the caller saw no error"
+    assert engine.dialect.do_ping is real, "the checkout pinged"
+
+
 def test_a_connection_in_steady_use_is_not_pinged(engine, monkeypatch):
     monkeypatch.setattr(engine_module, "PING_AFTER_IDLE", 3600.0)
     pings = count_pings(engine)
