@@ -60,6 +60,9 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
 
     floors = Floor(database_url, inbox.name)
 
+    def floor_delivery(task: Any) -> tuple[str, str, str]:  # message id, task name, queue
+        return task.request.id, task.name, task.request.delivery_info.get("routing_key") or ""
+
     def floor_body(n: int) -> Callable[[Connection], None]:
         return functools.partial(write, n=n) if body == "write" else _nothing
 
@@ -67,16 +70,14 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
     def floor(self, n: int) -> None:
         """The least an inbox claimed in the body's transaction costs: acknowledged after it ran,
         and one more row (the inbox row) in the body's transaction."""
-        floors.optimistic(self.request.id, self.name, self.request.delivery_info.get("routing_key") or "",
-                          floor_body(n))
+        floors.optimistic(*floor_delivery(self), floor_body(n))
 
     @app.task(name="bench.floor_eager", bind=True, shared=False, acks_late=True)
     def floor_eager(self, n: int) -> None:
         """The least an inbox claimed before the body costs: the inbox row committed first (not
         waiting for the disk, as the eager claim does), then marked handled in the body's
         transaction."""
-        floors.eager(self.request.id, self.name, self.request.delivery_info.get("routing_key") or "",
-                     floor_body(n))
+        floors.eager(*floor_delivery(self), floor_body(n))
 
     @app.task(base=IdempotentTask, bind=True, name="bench.optimistic", shared=False)
     def optimistic(self, n: int) -> None:

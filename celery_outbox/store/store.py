@@ -151,6 +151,16 @@ def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
     return results
 
 
+def _exchange_on(conn: Connection, send: Callable[[Any], None]) -> list[Any]:
+    """``_exchange`` on ``conn``'s psycopg connection; a connection it was interrupted on (a
+    signal such as a soft time limit, or a lost connection) is not reused."""
+    try:
+        return _exchange(conn.connection.driver_connection, send)
+    except BaseException:
+        conn.invalidate()
+        raise
+
+
 def _sqlstate(result: Any) -> str:
     """The SQLSTATE of a libpq result ('' when it carries none)."""
     from psycopg import pq
@@ -170,7 +180,7 @@ def _prepared_statements(conn: Connection) -> tuple[set[str], dict[str, str] | N
     its message, and the name is dropped."""
     info = conn.connection.info
     prepared = info.get(_PREPARED)
-    if prepared is None or _TO_PREPARE not in info:
+    if prepared is None:
         prepared = info[_PREPARED] = set()
         info[_TO_PREPARE] = {} if _forget_when_psycopg_clears(conn.connection.driver_connection, prepared) else None
     return prepared, info[_TO_PREPARE]
@@ -863,11 +873,7 @@ class Store:
             for name, statement in wanted:
                 pgconn.send_prepare(name.encode(), statement.encode(encoding))
 
-        try:
-            results = _exchange(driver, send)
-        except BaseException:  # a signal or a lost connection: do not reuse it
-            conn.invalidate()
-            raise
+        results = _exchange_on(conn, send)
         for (name, _), result in zip(wanted, results, strict=True):
             if result.status == _COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
                 prepared.add(name)
@@ -900,11 +906,7 @@ class Store:
             for each in after:
                 pgconn.send_query_params(each, None)
 
-        try:
-            results = _exchange(driver, send)
-        except BaseException:  # a signal (a soft time limit) or a lost connection: do not reuse it
-            conn.invalidate()
-            raise
+        results = _exchange_on(conn, send)
         if prepare and results[0].status == _COMMAND_OK:
             prepared.add(query.name)
         failed = next((result for result in results if result.status not in (_COMMAND_OK, _TUPLES_OK)), None)

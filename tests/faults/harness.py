@@ -196,6 +196,10 @@ class FaultRun:
     def _log(self, name: str) -> Path:
         return self.tmp_path / f"{name}.log"
 
+    def _log_text(self, name: str) -> str:
+        log = self._log(name)
+        return log.read_text(errors="replace") if log.exists() else ""
+
     def _worker(self, name: str, queue: str, concurrency: int) -> Callable[[], subprocess.Popen]:
         def start() -> subprocess.Popen:
             worker = WorkerProcess("tests.apps.fault_app", self.env, concurrency=concurrency, queues=[queue],
@@ -270,9 +274,7 @@ class FaultRun:
     def redelivered(self) -> int:
         """Sent messages that delivery tracking published again (the recover results in the
         maintenance worker's log)."""
-        log = self._log("maintenance")
-        text = log.read_text(errors="replace") if log.exists() else ""
-        return sum(int(count) for count in re.findall(r"'redelivered': (\d+)", text))
+        return sum(int(count) for count in re.findall(r"'redelivered': (\d+)", self._log_text("maintenance")))
 
     def at_progress(self, share: float, fault: Callable[[], None]) -> "FaultRun":
         """Inject ``fault`` once ``share`` of the orders have been paid."""
@@ -361,8 +363,7 @@ class FaultRun:
     def _lost_tasks_unanswered(self) -> int:
         """Pool processes of the consuming worker that a crash point ended, less the tasks the worker
         has answered with ``WorkerLostError`` (re-sent as a new attempt, or failed) so far."""
-        log = self._log("consumer")
-        text = log.read_text(errors="replace") if log.exists() else ""
+        text = self._log_text("consumer")
         exits = text.count(f"exited with 'exitcode {EXIT_CODE}'")
         answered = text.count(f"WorkerLostError('Worker exited prematurely: exitcode {EXIT_CODE}")
         return max(exits - answered, 0)
