@@ -1,17 +1,21 @@
 """Cleanup: how fast it deletes handled inbox rows, and what it costs the inbox inserts running meanwhile.
 
-1 M handled rows whose ``keep_until`` passed are loaded straight into the inbox table (setup, not
-measured), then ``outbox.cleanup()`` deletes them in its batches while another process keeps claiming
-new messages the way a worker does (one short transaction per claim, into the same table). Their p99
-is compared with the p99 of the same claims with no cleanup running, in windows right before and right
-after each cleanup (the machine's other load drifts). Five rounds; rows/s is their median, and the
-p99 ratio the median of the rounds' own ratios (on a shared machine one round's tail can be
-another's double; the note gives each round's).
+1 M handled rows whose ``keep_until`` passed are loaded straight into the inbox table, vacuumed and
+checkpointed (setup, not measured). In production these rows were written a day before and their
+pages are on disk; without the checkpoint, the one that the load's 500 MB of WAL sets off writes
+those pages while the cleanup runs. Then ``outbox.cleanup()`` deletes them in its batches while
+another process keeps claiming new messages the way a worker does (one short transaction per claim,
+into the same table). Their p99 is compared with the p99 of the same claims with no cleanup running,
+in windows right before and right after each cleanup (the machine's other load drifts). Five rounds;
+rows/s is their median, and the p99 ratio the median of the rounds' own ratios (on a shared machine
+one round's tail can be another's double; the note gives each round's).
 
-A second series runs the same claims committing without waiting for the WAL flush: it shows
-where the difference comes from. A claim's commit must flush the log up to its own record, and
-so every record the cleanup wrote before it (about 110 bytes a deleted row): the claims pay for
-flushing the deletes.
+A second series runs the same claims committing without waiting for the WAL flush: it shows where
+the difference comes from. A claim's commit must flush the log up to its own record, and so every
+record the cleanup wrote before it: per deleted row a row-lock record and a delete record (54 bytes
+each), and per heap page first touched since the last checkpoint an 8 kB page image (about 170 bytes
+a row). The claims pay for flushing the deletes: a claim whose commit falls inside a cleanup
+statement waits in ``fdatasync`` until that statement ends.
 
 The claims run in a process of their own, as a worker's do: a thread next to the cleanup would measure
 Python's GIL hand-over (up to its 5 ms switch interval whenever both threads want it), not the database.
@@ -115,7 +119,9 @@ def _pooled(samples: dict[tuple[str, int], list[float]], kind: str) -> list[floa
 
 
 def _load(outbox: Outbox, rows: int) -> None:
-    """``rows`` handled rows, random task ids (Celery's uuid4), ``keep_until`` over a day that ended 20 h ago."""
+    """``rows`` handled rows, random task ids (Celery's uuid4), ``keep_until`` over a day that ended 20 h ago;
+    vacuumed and checkpointed, as rows written a day before are (the checkpoint needs a superuser or
+    ``pg_checkpoint``)."""
     table = outbox.store.tables.incoming.name
     with outbox.store.engine.begin() as conn:
         conn.execute(text(f"""
@@ -127,7 +133,9 @@ def _load(outbox: Outbox, rows: int) -> None:
                   FROM generate_series(1, :rows) AS g) AS s
         """), {"rows": rows})
     with outbox.store.engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").execute(text(f"VACUUM ANALYZE {table}"))
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.execute(text(f"VACUUM ANALYZE {table}"))
+        conn.execute(text("CHECKPOINT"))
 
 
 class _Claims:
