@@ -679,7 +679,7 @@ class Store:
         ``INSERT ... ON CONFLICT DO NOTHING``; a concurrent insert of the same key
         waits for the first transaction and then conflicts.
         """
-        if self.is_postgres and self._opening(conn) == (b"BEGIN",):  # its BEGIN goes with it: one round trip
+        if self.is_postgres and self._can_open_in_one_message(conn):  # its BEGIN goes with it: one round trip
             return self._insert_incoming_in_one_message(conn, row, (b"BEGIN",))
         return conn.execute(self._insert_new_incoming, row).first() is not None
 
@@ -760,7 +760,7 @@ class Store:
             try:
                 conn = then_begin if then_begin is not None else self.engine.connect()
                 try:
-                    if self._opening(conn) == (b"BEGIN",):
+                    if self._can_open_in_one_message(conn):
                         inserted = self._insert_incoming_in_one_message(
                             conn, row, (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"),
                             (b"COMMIT",) if then_begin is None else (b"COMMIT", b"BEGIN"))
@@ -775,6 +775,10 @@ class Store:
             if inserted is None:  # not sent as one message
                 return self.claim_incoming(conn, row, stale_before)
             return self._take_over_incoming(conn, row, stale_before)
+
+    def _can_open_in_one_message(self, conn: Connection) -> bool:
+        """PostgreSQL: ``conn`` is between transactions, and a message sent on it may open its own."""
+        return self._opening(conn) == (b"BEGIN",)
 
     def _opening(self, conn: Connection) -> tuple[bytes, ...] | None:
         """PostgreSQL: what statements sent in one message on ``conn`` must start with: ``(b"BEGIN",)``
