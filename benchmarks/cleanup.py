@@ -15,7 +15,8 @@ the difference comes from. A claim's commit must flush the log up to its own rec
 record the cleanup wrote before it: per deleted row a row-lock record and a delete record (54 bytes
 each), and per heap page first touched since the last checkpoint an 8 kB page image (about 170 bytes
 a row). The claims pay for flushing the deletes: a claim whose commit falls inside a cleanup
-statement waits in ``fdatasync`` until that statement ends.
+batch can wait in ``fdatasync`` until the batch ends, the more so while the cleanup writes out the
+pages it deleted from to make room in ``shared_buffers``.
 
 The claims run in a process of their own, as a worker's do: a thread next to the cleanup would measure
 Python's GIL hand-over (up to its 5 ms switch interval whenever both threads want it), not the database.
