@@ -51,14 +51,16 @@ def run(options: Options) -> list[Result]:
     outbox = Outbox(app, database_url=POSTGRES_URL, table_prefix=prefix)
     try:
         outbox.ready()
-        rates, samples = _rounds(outbox, rows, rounds, window, durable=True)
-        _, flushless = _rounds(outbox, rows, rounds, window, durable=False)
+        rates, samples, written = _rounds(outbox, rows, rounds, window, durable=True)
+        _, flushless, _ = _rounds(outbox, rows, rounds, window, durable=False)
         spread = f"median of {rounds}: {', '.join(f'{r:,.0f}' for r in rates)}" if rounds > 1 else ""
         return [
             Result("cleanup", "delete 1 M handled inbox rows", "rows/s", statistics.median(rates),
                    target=(">=", 100_000),
                    note=f"{rows:,} rows" if options.quick else spread),
-            _p99("p99 of concurrent inbox inserts, during cleanup vs without", samples, window, target=("<=", 2.0)),
+            _p99("p99 of concurrent inbox inserts, during cleanup vs without", samples, window, target=("<=", 2.0),
+                 extra=f"shared_buffers {_setting(outbox, 'shared_buffers')}; pages written out by backends "
+                       f"during each cleanup: {', '.join(f'{n:,}' for n in written)}"),
             _p99("the same inserts committing without waiting for the WAL flush", flushless, window),
         ]
     finally:
@@ -66,22 +68,26 @@ def run(options: Options) -> list[Result]:
 
 
 def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool,
-            ) -> tuple[list[float], dict[tuple[str, int], list[float]]]:
+            ) -> tuple[list[float], dict[tuple[str, int], list[float]], list[int]]:
     """``rounds`` cleanups of ``rows`` rows, with claims (committing durably or not) running
-    during each and in windows right before and after it; the rates, and the claims' latencies by
-    kind of window and round."""
+    during each and in windows right before and after it; the rates, the claims' latencies by
+    kind of window and round, and the pages backends wrote out during each cleanup (to make room
+    in ``shared_buffers``: the write-out the claims' flushes wait behind)."""
     batch = outbox.settings.cleanup_batch_size
     claims = _Claims(outbox.store.prefix, outbox.settings.keep_after_handling, durable)
     try:
         rates: list[float] = []
+        written: list[int] = []
         for n in range(1, rounds + 1):
             _load(outbox, rows)
             with claims.window("without", n):
                 time.sleep(window)
+            before = _pages_written_by_backends(outbox)
             with claims.window("during", n):
                 started = time.perf_counter()
                 result = outbox.cleanup(max_batches=rows // batch + 2)
                 seconds = time.perf_counter() - started
+            written.append(_pages_written_by_backends(outbox) - before)
             with claims.window("without", n):
                 time.sleep(window)
             if result.incoming_deleted != rows:
@@ -97,13 +103,24 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
               f"{percentile(during, 0.99) * 1000:.2f} ms during cleanup ({len(during)}), "
               f"{percentile(without, 0.99) * 1000:.2f} ms without ({len(without)}); p50 "
               f"{percentile(during, 0.5) * 1000:.2f} / {percentile(without, 0.5) * 1000:.2f} ms")
-    return rates, samples
+    return rates, samples, written
+
+
+def _pages_written_by_backends(outbox: Outbox) -> int:
+    """Buffers the server's backends have written out themselves since its statistics were reset."""
+    with outbox.store.engine.connect() as conn:
+        return conn.execute(text("SELECT buffers_backend FROM pg_stat_bgwriter")).scalar_one()
+
+
+def _setting(outbox: Outbox, name: str) -> str:
+    with outbox.store.engine.connect() as conn:
+        return conn.execute(text("SELECT current_setting(:name)"), {"name": name}).scalar_one()
 
 
 def _p99(case: str, samples: dict[tuple[str, int], list[float]], window: float,
-         target: tuple[str, float] | None = None) -> Result:
+         target: tuple[str, float] | None = None, extra: str = "") -> Result:
     """Each round's p99 of the claims during cleanup against that of its claims without it (right
-    before and after): the medians, and the median of the rounds' ratios."""
+    before and after): the medians, and the median of the rounds' ratios; ``extra`` ends the note."""
     rounds = sorted(n for kind, n in samples if kind == "during" and samples.get(("without", n)))
     p99s = [(percentile(samples[("during", n)], 0.99) * 1000, percentile(samples[("without", n)], 0.99) * 1000, None)
             for n in rounds]
@@ -111,7 +128,7 @@ def _p99(case: str, samples: dict[tuple[str, int], list[float]], window: float,
     return Result.of_rounds("cleanup", case, "ms", p99s, target=target,
                             note=f"{len(_pooled(samples, 'during'))} claims during, "
                                  f"{len(_pooled(samples, 'without'))} in {window:g} s right before and after; "
-                                 f"each round's ratio: {each}")
+                                 f"each round's ratio: {each}" + (f"; {extra}" if extra else ""))
 
 
 def _pooled(samples: dict[tuple[str, int], list[float]], kind: str) -> list[float]:

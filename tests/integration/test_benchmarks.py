@@ -8,6 +8,7 @@ real worker.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,12 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     cleanup = [r for r in results if r["benchmark"] == "cleanup"]
     assert [(r["unit"], r["target"]) for r in cleanup] == [("rows/s", ">= 100000"), ("ms", "<= 2"), ("ms", None)]
     for p99 in cleanup[1:]:  # --quick runs one round: its own ratio is the pooled one
-        assert p99["note"].endswith(f"each round's ratio: {p99['ratio']:.2f}"), p99["note"]
+        assert f"each round's ratio: {p99['ratio']:.2f}" in p99["note"], p99["note"]
+    written = re.search(r"; shared_buffers (\S+); pages written out by backends during each cleanup: ([\d,]+)$",
+                        cleanup[1]["note"])
+    assert written, cleanup[1]["note"]
+    assert written.group(1)[0].isdigit(), "the server's shared_buffers, as it says it"
+    assert not cleanup[2]["note"].endswith(written.group(0)), "only the durable claims' row says it"
 
     table = completed.stdout
     assert "| benchmark | case | celery-outbox | plain Celery | ratio | target | met |" in table
