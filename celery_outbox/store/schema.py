@@ -14,10 +14,11 @@
 The inbox's ``owner`` holds the node id of an eager claim; ``0`` means unowned.
 Outgoing rows have no owner: a publisher locks them inside its transaction
 (``FOR UPDATE SKIP LOCKED``), and the database frees the lock if it dies. Every predicate a poller or a
-cleaner runs has its index: unowned incoming rows, handled rows by
-``keep_until``, unsent outgoing rows, scheduled and sent-but-unacknowledged ones (these two partial
-indexes, each holding only the rows its poller looks for), stale claims by ``claimed_at``, envelopes
-due for recovery.
+cleaner runs has its index: ended incoming rows by ``keep_until``; running incoming rows by owner,
+by ``claimed_at`` (stale claims) and by ``recover_after`` (envelopes due for recovery); unsent
+outgoing rows; scheduled and sent-but-unacknowledged ones. All but ``keep_until`` and the relay's are
+partial indexes, each holding only the rows its poller looks for, so that the common write (a handled
+claim, an unscheduled message) adds no entry to them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from sqlalchemy import (
 
 __all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED"]
 
-SCHEMA_VERSION = 2  # 2: the outgoing table's redelivery and scheduling indexes are partial
+# 2: the outgoing table's redelivery and scheduling indexes are partial; 3: so are the inbox's
+# indexes of claims (owner, claimed_at, recover_after): they hold running rows only
+SCHEMA_VERSION = 3
 UNOWNED = 0
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for 10^8 rows.
@@ -107,11 +110,17 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         _timestamp("keep_until", nullable=True),  # never NULL once status is handled, retried or dead
         # durable queues: when recovery may re-publish the stored envelope of an unowned running row
         _timestamp("recover_after", nullable=True),
-        Index(f"ix_{p}incoming_owner_status", "owner", "status"),
-        Index(f"ix_{p}incoming_keep_until", "keep_until"),
-        Index(f"ix_{p}incoming_status_claimed", "status", "claimed_at"),
-        Index(f"ix_{p}incoming_recover_after", "recover_after"),
+        Index(f"ix_{p}incoming_keep_until", "keep_until"),  # cleanup: ended rows by expiry
     )
+    # The pollers of claims (dead and orphan owners, stale claims, envelopes due for recovery) look
+    # for running rows only; a handled row, nearly every row of the table, has no entry in these
+    # partial indexes: a claim inserts into the primary key and ``keep_until`` only. A query reaches
+    # them by stating ``status = 'running'`` as a constant (``Store``'s ``_running``). An owner other
+    # than ``UNOWNED`` is only ever on a running row: every end of a claim sets it back.
+    running = incoming.c.status == "running"
+    _partial_index(f"ix_{p}incoming_running_owner", incoming.c.owner, running)
+    _partial_index(f"ix_{p}incoming_running_claimed", incoming.c.claimed_at, running)
+    _partial_index(f"ix_{p}incoming_running_recover_after", incoming.c.recover_after, running)
 
     outgoing = Table(
         f"{p}outgoing", md,

@@ -4,11 +4,16 @@ A backlog (the broker was down, or it lost its messages) piles up faster than au
 analyzes the outgoing table. On such stale statistics the planner estimates a handful of
 rows and reads and sorts every matching row for each batch. The relay's and delivery
 tracking's batch queries must walk their index instead and stop at the batch's limit.
+
+The inbox's pollers of claims must reach its few running rows through the partial indexes
+that hold only those, in a prepared statement's generic plan too, never reading the handled
+rows that make up nearly all of an inbox.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 
 import pytest
@@ -17,7 +22,7 @@ from sqlalchemy import event
 from celery_outbox.store import Store, build_engine, utcnow
 
 from ..conftest import drop_store
-from .test_store_contract import outgoing_row
+from .test_store_contract import incoming_row, outgoing_row
 
 BACKLOG, LIMIT = 20_000, 500
 BODY = os.urandom(1500)  # a task message of a usual size, incompressible
@@ -157,3 +162,75 @@ def test_taking_rows_for_a_publish_never_scans_the_table_in_a_generic_plan(stale
     scans = [node["Node Type"] for node in nodes(plan) if "Scan" in node["Node Type"]
              and node.get("Relation Name") == table]
     assert scans and "Seq Scan" not in scans, plan
+
+
+# -- the inbox's pollers of claims ------------------------------------------------------------------
+
+HANDLED = 20_000
+
+
+@pytest.fixture
+def busy_inbox(postgres_url, table_prefix):
+    """An analyzed inbox of many handled rows and a few running ones: a claim owned by a node,
+    stale, and an unowned envelope due for recovery."""
+    store = Store(build_engine(postgres_url), table_prefix)
+    store.migrate()
+    now = utcnow()
+    node = store.register_node("busy", "host", 1)
+    with store.begin() as conn:
+        conn.execute(store.tables.incoming.insert(), [
+            incoming_row(f"handled{n}", status="handled", claimed_at=now, keep_until=now + timedelta(days=1))
+            for n in range(HANDLED)])
+        store.insert_incoming(conn, incoming_row("owned", owner=node, claimed_at=now - timedelta(hours=2)))
+        store.insert_incoming(conn, incoming_row("due", recover_after=now - timedelta(seconds=1)))
+        conn.exec_driver_sql(f"ANALYZE {store.tables.incoming.name}")
+    yield store, node
+    drop_store(store)
+    store.engine.dispose()
+
+
+def generic_plan(store: Store, statement: str) -> dict:
+    """The plan PostgreSQL makes for ``statement`` (psycopg's ``%(name)s`` placeholders) prepared,
+    without its parameters' values: the generic plan a statement psycopg prepared may run."""
+    names: dict[str, int] = {}
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.setdefault(m.group(1), len(names) + 1)}", statement)
+    raw = store.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(f"PREPARE generic AS {numbered.replace('%%', '%')}")
+        arguments = f"({', '.join(['NULL'] * len(names))})" if names else ""
+        cursor.execute(f"EXPLAIN (FORMAT JSON) EXECUTE generic{arguments}")
+        return cursor.fetchone()[0][0]["Plan"]
+    finally:
+        raw.rollback()
+        raw.cursor().execute("DEALLOCATE ALL")  # a prepared statement outlives its transaction
+        raw.close()
+
+
+def test_the_claim_pollers_reach_running_rows_through_partial_indexes_in_a_generic_plan(busy_inbox):
+    """Every query of the inbox's claims (dead and orphan owners, stale claims, envelopes due for
+    recovery, a node's shutdown) states ``status = 'running'`` as a constant, so that a prepared
+    statement's generic plan still walks the partial index of running rows and never reads the
+    handled rows, nearly all of an inbox. (An UPDATE may also look the rows it changes up by
+    primary key.)"""
+    store, node = busy_inbox
+    incoming = store.tables.incoming.name
+    now = utcnow()
+    calls = {
+        "recover": lambda conn: store.lock_recoverable_incoming(conn, now, 10),
+        "release stale": lambda conn: store.release_stale_incoming(conn, now - timedelta(hours=1), 10, now),
+        "release owned": lambda conn: store.release_owned(conn, [node], 10, now),
+        "dead owners": store.dead_owners,
+        "forget nodes": store.forget_released_nodes,
+        "deregister": lambda conn: store.deregister_node(node),
+    }
+    partial = {ix.name for ix in store.tables.incoming.indexes if ix.dialect_options["postgresql"]["where"] is not None}
+    for name, call in calls.items():
+        statements = [statement for statement, _ in statements_of(store, call, expect=None) if incoming in statement]
+        assert statements, name
+        for statement in statements:
+            plan = generic_plan(store, statement)
+            assert not [node for node in nodes(plan) if node["Node Type"] == "Seq Scan"
+                        and node["Relation Name"] == incoming], (name, statement, plan)
+            assert {node.get("Index Name") for node in nodes(plan)} & partial, (name, statement, plan)

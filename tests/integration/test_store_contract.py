@@ -96,6 +96,60 @@ def test_migrate_upgrades_version_1_outgoing_indexes_to_partial_ones(store: Stor
     assert store.migrate().version_before == SCHEMA_VERSION
 
 
+def test_migrate_upgrades_version_2_inbox_indexes_to_partial_ones_of_running_rows(store: Store):
+    """A store made by version 2 (full indexes of the inbox's owner, claim time and recovery time)
+    gets partial indexes of running rows in their place, and the claim pollers still find their rows."""
+    prefix, incoming = store.prefix, store.tables.incoming.name
+    new_names = {f"ix_{prefix}incoming_running_{name}" for name in ("owner", "claimed", "recover_after")}
+    old_names = {f"ix_{prefix}incoming_{name}" for name in ("owner_status", "status_claimed", "recover_after")}
+    now = utcnow()
+    with store.begin() as conn:
+        for name in new_names:
+            conn.exec_driver_sql(f'DROP INDEX "{name}"')
+        conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}incoming_owner_status" ON {incoming} (owner, status)')
+        conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}incoming_status_claimed" ON {incoming} (status, claimed_at)')
+        conn.exec_driver_sql(f'CREATE INDEX "ix_{prefix}incoming_recover_after" ON {incoming} (recover_after)')
+        conn.execute(store.tables.schema.update().values(version=2))
+        store.insert_incoming(conn, incoming_row("stale", owner=7, claimed_at=now - timedelta(hours=2)))
+        store.insert_incoming(conn, incoming_row("due", recover_after=now - timedelta(seconds=1)))
+        store.insert_incoming(conn, incoming_row("handled", status="handled", recover_after=now - timedelta(1),
+                                                 keep_until=now + timedelta(days=1)))
+
+    result = store.migrate()
+
+    assert (result.version_before, result.version_after) == (2, SCHEMA_VERSION)
+    indexes = {ix["name"] for ix in inspect(store.engine).get_indexes(incoming)}
+    assert new_names <= indexes and not old_names & indexes
+    with store.begin() as conn:
+        assert [r.message_id for r in store.lock_recoverable_incoming(conn, now, 10)] == ["due"]
+        assert store.dead_owners(conn) == [7], "an owner with no node row"
+        assert store.release_stale_incoming(conn, now - timedelta(hours=1), 10, now) == 1
+    assert store.get_incoming("stale").owner == 0
+    assert store.migrate().version_before == SCHEMA_VERSION
+
+
+def test_the_inbox_indexes_of_claims_hold_running_rows_only(store: Store):
+    """A handled claim, nearly every inbox row, is in the primary key and the cleanup's ``keep_until``
+    index and in no index of claims: each of those is partial, of running rows."""
+    table = store.tables.incoming
+    claims = [ix for ix in table.indexes if ix.name != f"ix_{store.prefix}incoming_keep_until"]
+    assert sorted(ix.name for ix in claims) == sorted(
+        f"ix_{store.prefix}incoming_running_{name}" for name in ("claimed", "owner", "recover_after"))
+    if store.is_postgres:
+        with store.begin() as conn:
+            definitions = dict(conn.exec_driver_sql(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = %(table)s", {"table": table.name}).all())
+        where = "WHERE ((status)::text = 'running'::text)"
+    else:
+        with store.begin() as conn:
+            definitions = dict(conn.exec_driver_sql(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table.name,)).all())
+        where = "WHERE status = 'running'"
+    for index in claims:
+        assert definitions[index.name].endswith(where), definitions[index.name]
+    assert "WHERE" not in definitions[f"ix_{store.prefix}incoming_keep_until"]
+
+
 def test_concurrent_migrations_both_succeed(database_url, table_prefix):
     stores = [Store(build_engine(database_url), table_prefix) for _ in range(4)]
     errors: list[BaseException] = []
