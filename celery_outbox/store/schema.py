@@ -36,6 +36,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    literal_column,
 )
 
 __all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED"]
@@ -56,6 +57,14 @@ def _timestamp(name: str, **kwargs) -> Column:
 def _partial_index(name: str, column: Column, where) -> Index:
     """An index of ``column`` over the rows matching ``where`` only (PostgreSQL and SQLite)."""
     return Index(name, column, postgresql_where=where, sqlite_where=where)
+
+
+def is_running(incoming: Table):
+    """``status = 'running'``: the predicate of the inbox's partial indexes, written as a constant.
+    A query states it in these very words to reach them: a prepared statement's generic plan (and
+    SQLite's planner) can use a partial index only when the query states its predicate literally,
+    not as a parameter."""
+    return incoming.c.status == literal_column("'running'")
 
 
 def _envelope_columns() -> list[Column]:
@@ -115,12 +124,11 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
     # The pollers of claims (dead and orphan owners, stale claims, envelopes due for recovery) look
     # for running rows only; a handled row, nearly every row of the table, has no entry in these
     # partial indexes: a claim inserts into the primary key and ``keep_until`` only. A query reaches
-    # them by stating ``status = 'running'`` as a constant (``Store``'s ``_running``). An owner other
-    # than ``UNOWNED`` is only ever on a running row: every end of a claim sets it back.
-    running = incoming.c.status == "running"
-    _partial_index(f"ix_{p}incoming_running_owner", incoming.c.owner, running)
-    _partial_index(f"ix_{p}incoming_running_claimed", incoming.c.claimed_at, running)
-    _partial_index(f"ix_{p}incoming_running_recover_after", incoming.c.recover_after, running)
+    # them by stating ``is_running`` as its predicate. An owner other than ``UNOWNED`` is only ever
+    # on a running row: every end of a claim sets it back.
+    _partial_index(f"ix_{p}incoming_running_owner", incoming.c.owner, is_running(incoming))
+    _partial_index(f"ix_{p}incoming_running_claimed", incoming.c.claimed_at, is_running(incoming))
+    _partial_index(f"ix_{p}incoming_running_recover_after", incoming.c.recover_after, is_running(incoming))
 
     outgoing = Table(
         f"{p}outgoing", md,

@@ -28,7 +28,6 @@ from sqlalchemy import (
     LargeBinary,
     Row,
     String,
-    Table,
     Text,
     and_,
     bindparam,
@@ -49,7 +48,7 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 
 from ..errors import StoreUnavailable
 from .engine import redact, safe_url
-from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables
+from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables, is_running
 
 __all__ = ["Store", "MigrationResult", "is_unique_violation", "utcnow"]
 
@@ -937,7 +936,7 @@ class Store:
         return (
             update(table)
             .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
-            .where(table.c.owner == bindparam("claim_owner"), _running(table))
+            .where(table.c.owner == bindparam("claim_owner"), is_running(table))
             .where(table.c.nesting == bindparam("claim_nesting"), table.c.replays == bindparam("claim_replays"))
             .where(table.c.retries == bindparam("claim_retries"))
             .values(status=literal_column("'handled'"), owner=literal_column(str(UNOWNED)),
@@ -1014,7 +1013,7 @@ class Store:
     def release_stale_incoming(self, conn: Connection, claimed_before: datetime, limit: int, now: datetime) -> int:
         """Release up to ``limit`` running rows claimed before ``claimed_before`` (opt-in stale time)."""
         table = self.tables.incoming
-        return self._release_incoming(conn, _running(table) & (table.c.owner != UNOWNED)
+        return self._release_incoming(conn, is_running(table) & (table.c.owner != UNOWNED)
                                       & (table.c.claimed_at < claimed_before), limit, now)
 
     def _release_incoming(self, conn: Connection, where, limit: int, now: datetime) -> int:
@@ -1038,7 +1037,7 @@ class Store:
         table = self.tables.incoming
         query = (
             select(table)
-            .where(_running(table), table.c.owner == UNOWNED, table.c.recover_after <= now)
+            .where(is_running(table), table.c.owner == UNOWNED, table.c.recover_after <= now)
             .order_by(table.c.recover_after)
             .limit(limit)
         )
@@ -1164,7 +1163,7 @@ class Store:
         t = self.tables
         now = utcnow()
         with self.begin() as conn:
-            conn.execute(update(t.incoming).where(_running(t.incoming), t.incoming.c.owner == node_id)
+            conn.execute(update(t.incoming).where(is_running(t.incoming), t.incoming.c.owner == node_id)
                          .values(owner=UNOWNED, recover_after=now))
             conn.execute(delete(t.nodes).where(t.nodes.c.id == node_id))
 
@@ -1212,7 +1211,7 @@ class Store:
         incoming = t.incoming
         no_node = ~select(t.nodes.c.id).where(t.nodes.c.id == incoming.c.owner).correlate(incoming).exists()
         declared.update(conn.execute(
-            select(incoming.c.owner).where(_running(incoming), incoming.c.owner != UNOWNED).where(no_node).distinct()
+            select(incoming.c.owner).where(is_running(incoming), incoming.c.owner != UNOWNED).where(no_node).distinct()
         ).scalars())
         return sorted(declared)
 
@@ -1225,7 +1224,8 @@ class Store:
         if not owners:
             return 0
         table = self.tables.incoming
-        return self._release_incoming(conn, _running(table) & self._owner_predicate(table.c.owner, owners), limit, now)
+        owned = is_running(table) & self._owner_predicate(table.c.owner, owners)
+        return self._release_incoming(conn, owned, limit, now)
 
     def _owner_predicate(self, column, owners: Sequence[int]):
         if self.is_postgres:
@@ -1235,7 +1235,7 @@ class Store:
     def forget_released_nodes(self, conn: Connection) -> int:
         """Delete dead node rows that own nothing any more."""
         t = self.tables
-        owns = (select(t.incoming.c.owner).where(_running(t.incoming), t.incoming.c.owner == t.nodes.c.id)
+        owns = (select(t.incoming.c.owner).where(is_running(t.incoming), t.incoming.c.owner == t.nodes.c.id)
                 .correlate(t.nodes).exists())
         return conn.execute(delete(t.nodes).where(t.nodes.c.dead_at.is_not(None)).where(~owns)).rowcount
 
@@ -1268,7 +1268,7 @@ class Store:
                        func.coalesce(func.sum(t.incoming.c.recoveries), 0))
             ).one()
             oldest_incoming = as_utc(conn.execute(
-                select(func.min(t.incoming.c.received_at)).where(_running(t.incoming))
+                select(func.min(t.incoming.c.received_at)).where(is_running(t.incoming))
             ).scalar())
             nodes = [
                 {
@@ -1301,13 +1301,6 @@ def _later_attempt(new, table):
     ) | (
         (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (new.retries > table.c.retries)
     )
-
-
-def _running(incoming: Table):
-    """``status = 'running'``, the predicate of the inbox's partial indexes, written as a constant: a
-    prepared statement's generic plan (and SQLite's planner) can use a partial index only when the
-    query states its predicate literally, not as a parameter."""
-    return incoming.c.status == literal_column("'running'")
 
 
 def _grouped_counts(conn: Connection, first, second, names: tuple[str, str]) -> list[dict[str, Any]]:
