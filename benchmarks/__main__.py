@@ -13,7 +13,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from .common import Options, Result, machine, table
+from .common import Options, Result, machine, table, verdicts
 
 BENCHMARKS = ("producer", "worker", "relay", "cleanup", "audit")
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.json, "w") as handle:
         json.dump(report, handle, indent=2)
     print(table(results))
+    print(f"\n{verdicts(results)}")
     print(f"\nmachine: {report['machine']}\nwritten to {args.json}")
     return 0
 

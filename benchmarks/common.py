@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 POSTGRES_URL = os.environ.get("CELERY_OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
 RABBITMQ_URL = os.environ.get("CELERY_OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 _OPERATORS: dict[str, Callable[[float, float], bool]] = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
+# The least confidence with which the table states a verdict; where the rounds' interval at this
+# confidence straddles the target, the verdict is "undecided"
+CONFIDENCE = 0.9
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A confidence interval of the median of the distribution ``values`` were drawn from, assuming
+    nothing of its shape: the k-th smallest and the k-th largest value, for the largest k whose interval
+    covers that median with at least ``confidence``. Each value falls on either side of the median
+    with probability one half, so the interval misses it only when fewer than k values fall on one
+    side: probability 2 P(Binomial(n, 1/2) < k). None when there are too few values to reach
+    ``confidence`` (at 0.9: fewer than five; five give the lowest to the highest, at 0.94)."""
+    ordered, n = sorted(values), len(values)
+    chosen = None
+    for k in range(1, n // 2 + 1):
+        if 1 - 2 * sum(math.comb(n, below) for below in range(k)) / 2**n < confidence:
+            break
+        chosen = k
+    return None if chosen is None else (ordered[chosen - 1], ordered[n - chosen])
 
 
 @dataclass
@@ -28,9 +48,12 @@ class Result:
     itself misses (``floor_met`` False) is beyond what this machine allows.
 
     ``rounds``, where the benchmark measures in rounds, holds each round's (ours, plain, floor),
-    measured side by side; ``ours``, ``plain`` and ``floor`` are then their medians, and each
-    ratio is the median of the rounds' own ratios: a drift of the machine's speed between
-    rounds cancels out of them."""
+    measured side by side (plain and floor None where there are none); ``ours``, ``plain`` and
+    ``floor`` are then their medians, and each ratio is the median of the rounds' own ratios: a
+    drift of the machine's speed between rounds cancels out of them. The rounds also give each
+    ratio a confidence interval (``median_interval``), and the verdict on a target is decided only
+    where that interval lies wholly on one side of it: a difference smaller than the rounds'
+    spread is the host's noise, not a measurement."""
 
     benchmark: str
     case: str
@@ -40,21 +63,45 @@ class Result:
     target: tuple[str, float] | None = None
     note: str = ""
     floor: float | None = None
-    rounds: list[tuple[float, float, float | None]] | None = None
+    rounds: list[tuple[float, float | None, float | None]] | None = None
 
     @classmethod
-    def of_rounds(cls, benchmark: str, case: str, unit: str, rounds: list[tuple[float, float, float | None]],
-                  **fields: Any) -> "Result":
+    def of_rounds(cls, benchmark: str, case: str, unit: str,
+                  rounds: list[tuple[float, float | None, float | None]], **fields: Any) -> "Result":
         """A row from rounds of (ours, plain, floor) measured side by side: the medians."""
+        plains = [plain for _, plain, _ in rounds if plain is not None]
         floors = [floor for _, _, floor in rounds if floor is not None]
         return cls(benchmark, case, unit, statistics.median(ours for ours, _, _ in rounds),
-                   plain=statistics.median(plain for _, plain, _ in rounds),
+                   plain=statistics.median(plains) if plains else None,
                    floor=statistics.median(floors) if floors else None, rounds=rounds, **fields)
+
+    def _per_round(self, numerator: int, denominator: int | None = None) -> list[float]:
+        """Field ``numerator`` of each round, divided by field ``denominator``."""
+        assert self.rounds
+        return [each[numerator] / (1.0 if denominator is None else each[denominator]) for each in self.rounds]
 
     def _paired(self, numerator: int, denominator: int) -> float:
         """The median over the rounds of field ``numerator`` / field ``denominator``."""
-        assert self.rounds
-        return statistics.median(each[numerator] / each[denominator] for each in self.rounds)
+        return statistics.median(self._per_round(numerator, denominator))
+
+    def _interval(self, numerator: int, denominator: int | None, present: bool) -> tuple[float, float] | None:
+        if not self.rounds or not present:
+            return None
+        return median_interval(self._per_round(numerator, denominator))
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The confidence interval of what the target applies to (the ratio, or ours alone without
+        plain Celery), from the rounds; None without rounds enough."""
+        return self._interval(0, 1 if self.plain else None, True)
+
+    @property
+    def floor_interval(self) -> tuple[float, float] | None:
+        return self._interval(2, 1, bool(self.plain) and self.floor is not None)
+
+    @property
+    def of_floor_interval(self) -> tuple[float, float] | None:
+        return self._interval(0, 2, bool(self.floor))
 
     @property
     def ratio(self) -> float | None:
@@ -94,10 +141,41 @@ class Result:
         assert self.target is not None
         return measured is not None and _OPERATORS[self.target[0]](measured, self.target[1])
 
+    def _decided(self, met: bool | None, interval: tuple[float, float] | None) -> bool | None:
+        """``met`` where the interval agrees at both ends (or there is none), else None: undecided."""
+        if met is None or interval is None:
+            return met
+        low, high = (self._meets(end) for end in interval)
+        return low if low == high else None
+
+    @property
+    def verdict(self) -> str | None:
+        """On the target: "yes", "no", or "undecided" where the rounds' interval straddles it
+        (None without a target). A row without rounds is judged by its one measurement."""
+        decided = self._decided(self.met, self.interval)
+        return None if self.target is None else {True: "yes", False: "no", None: "undecided"}[decided]
+
+    @property
+    def floor_verdict(self) -> str | None:
+        """Whether the floor meets the target: "within" this machine, "beyond" it, or "undecided"."""
+        decided = self._decided(self.floor_met, self.floor_interval)
+        return None if self.floor_met is None else {True: "within", False: "beyond", None: "undecided"}[decided]
+
+    @property
+    def at_floor(self) -> bool | None:
+        """Whether ours is at its floor within the host's noise: the interval of ours / floor reaches
+        1 (without rounds enough for an interval, the one measurement does; None without a floor)."""
+        if self.of_floor is None:
+            return None
+        interval = self.of_floor_interval
+        return (self.of_floor if interval is None else interval[1]) >= 1.0
+
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(ratio=self.ratio, met=self.met, floor_ratio=self.floor_ratio, floor_met=self.floor_met,
-                    of_floor=self.of_floor,
+                    of_floor=self.of_floor, verdict=self.verdict, interval=self.interval,
+                    floor_verdict=self.floor_verdict, floor_interval=self.floor_interval,
+                    of_floor_interval=self.of_floor_interval, at_floor=self.at_floor,
                     target=None if self.target is None else f"{self.target[0]} {self.target[1]:g}")
         return data
 
@@ -129,12 +207,6 @@ def in_rounds(repeats: int, *measures: Callable[[], float]) -> list[list[float]]
     """``repeats`` rounds in which each of ``measures`` takes its turn: each round's measurements,
     side by side (a machine whose speed drifts during the run weighs on each of them alike)."""
     return [[measure() for measure in measures] for _ in range(repeats)]
-
-
-def best_of(repeats: int, *measures: Callable[[], float]) -> list[float]:
-    """For each of ``measures``, the best of ``repeats`` throughput measurements (the least disturbed
-    by the rest of the machine), taken in turns (``in_rounds``)."""
-    return [max(each) for each in zip(*in_rounds(repeats, *measures), strict=True)]
 
 
 def rate(count: int, action: Callable[[], Any]) -> float:
@@ -198,13 +270,48 @@ def table(results: list[Result]) -> str:
         plain = "" if r.plain is None else f"{_number(r.plain)} {r.unit}"
         ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
         target = "" if r.target is None else f"{r.target[0]} {r.target[1]:g}" + (" (ratio)" if r.plain else "")
-        met = {None: "", True: "yes", False: "**no**"}[r.met]
-        if r.floor_met is not None:  # what any implementation could reach here
-            met += f" (floor {r.floor_ratio:.2f}: {'within' if r.floor_met else 'beyond'} this machine; " \
-                   f"ours {r.of_floor:.2f} of it)"
+        met = {None: "", "yes": "yes", "no": "**no**", "undecided": "undecided"}[r.verdict]
+        if r.verdict is not None and r.interval is not None:
+            met += f", {_span(r.interval)}"
+        if r.floor_verdict is not None:  # what any implementation could reach here
+            at_floor = "" if r.of_floor_interval is None else ": at its floor" if r.at_floor else ": below its floor"
+            met += f" (floor {r.floor_ratio:.2f}{_spanned(r.floor_interval)}: {_WHERE[r.floor_verdict]}; " \
+                   f"ours {r.of_floor:.2f} of it{_spanned(r.of_floor_interval)}{at_floor})"
         case = r.case + (f" ({r.note})" if r.note else "")
         lines.append(f"| {r.benchmark} | {case} | {_number(r.ours)} {r.unit} | {plain} | {ratio} | {target} | {met} |")
     return "\n".join(lines)
+
+
+def verdicts(results: list[Result]) -> str:
+    """What the table says of the targets, in a few lines: which hold, which miss where their floor
+    misses too (no implementation can meet them on this machine), and which the host's noise leaves
+    undecided."""
+    rows = [r for r in results if r.verdict is not None]
+    groups = {
+        "met": [r for r in rows if r.verdict == "yes"],
+        "beyond this machine (missed or undecided; the floor misses too), ours at its floor":
+            [r for r in rows if r.verdict != "yes" and r.floor_verdict == "beyond" and r.at_floor],
+        "beyond this machine (missed or undecided; the floor misses too), ours below its floor":
+            [r for r in rows if r.verdict != "yes" and r.floor_verdict == "beyond" and not r.at_floor],
+        "undecided (the rounds straddle the target)":
+            [r for r in rows if r.verdict == "undecided" and r.floor_verdict != "beyond"],
+        "missed": [r for r in rows if r.verdict == "no" and r.floor_verdict != "beyond"],
+    }
+    lines = [f"{len(rows)} targets, judged at {CONFIDENCE:.0%} confidence or more where a row has rounds enough:"]
+    lines += [f"- {label}: {len(group)}" + "".join(f"\n  - {r.benchmark}, {r.case}" for r in group)
+              for label, group in groups.items() if group]
+    return "\n".join(lines)
+
+
+_WHERE = {"within": "within this machine", "beyond": "beyond this machine", "undecided": "undecided here"}
+
+
+def _span(interval: tuple[float, float]) -> str:
+    return f"{interval[0]:.2f}–{interval[1]:.2f}"
+
+
+def _spanned(interval: tuple[float, float] | None) -> str:
+    return "" if interval is None else f", {_span(interval)}"
 
 
 def _number(value: float) -> str:

@@ -47,9 +47,9 @@ from .common import (
     REDIS_URL,
     Options,
     Result,
-    best_of,
     delete_queues,
     drop_store,
+    in_rounds,
     rate,
     unique_prefix,
 )
@@ -161,19 +161,22 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
         results = []
         for n in BATCHES:
             units = max(20, options.size(3000, 200) // n)
-            baseline, memory, stored, *floor = _rates(outbox, plain, durable, units, n, repeats,
-                                                      floor=n == max(BATCHES))
-            print(f"  producer {broker} N={n}: plain {baseline:.0f}/s, in-memory {memory:.0f}/s, "
-                  f"durable {stored:.0f}/s" + (f", floor {floor[0]:.0f}/s" if floor else ""), file=sys.stderr)
+            rounds = _rates(outbox, plain, durable, units, n, repeats, floor=n == max(BATCHES))
+            for each in rounds:
+                print(f"  producer {broker} N={n}: plain {each[0]:.0f}/s, in-memory {each[1]:.0f}/s, "
+                      f"durable {each[2]:.0f}/s" + (f", floor {each[3]:.0f}/s" if n == max(BATCHES) else ""),
+                      file=sys.stderr)
+            floored = n == max(BATCHES) and not batches_publishes(app)
             results += [
-                Result("producer", f"{broker}, N={n} in one unit of work, in-memory", "msg/s", memory, baseline),
-                Result("producer", f"{broker}, N={n} in one unit of work, durable", "msg/s", stored, baseline,
-                       target=(">=", 1.0) if n == 100 else None,
-                       floor=floor[0] if floor and not batches_publishes(app) else None),
+                Result.of_rounds("producer", f"{broker}, N={n} in one unit of work, in-memory", "msg/s",
+                                 [(each[1], each[0], None) for each in rounds]),
+                Result.of_rounds("producer", f"{broker}, N={n} in one unit of work, durable", "msg/s",
+                                 [(each[2], each[0], each[3] if floored else None) for each in rounds],
+                                 target=(">=", 1.0) if n == 100 else None),
             ]
             if n == max(BATCHES):
                 statements = statements_alone(outbox, durable, units, n, repeats)
-                results.append(_floor(broker, n, floor[0], baseline, statements))
+                results.append(_floor(broker, n, rounds, statements))
                 results += _untracked(broker, broker_url, n, units, repeats)
         return results
     finally:
@@ -186,13 +189,15 @@ def _untracked(broker: str, broker_url: str, n: int, units: int, repeats: int) -
     app, outbox, plain, durable = build(broker_url, tracking=False)
     try:
         _warm_up(outbox, plain, durable)
-        baseline, _, stored, floor = _rates(outbox, plain, durable, units, n, repeats, floor=True)
-        print(f"  producer {broker} N={n}, delivery tracking off: plain {baseline:.0f}/s, durable {stored:.0f}/s, "
-              f"floor {floor:.0f}/s", file=sys.stderr)
-        mode = ", delivery tracking off"
-        return [Result("producer", f"{broker}, N={n} in one unit of work, durable{mode}", "msg/s", stored, baseline,
-                       target=(">=", 1.0), floor=None if batches_publishes(app) else floor),
-                _floor(broker, n, floor, baseline, statements_alone(outbox, durable, units, n, repeats), mode)]
+        rounds = _rates(outbox, plain, durable, units, n, repeats, floor=True)
+        for baseline, _, stored, floor in rounds:
+            print(f"  producer {broker} N={n}, delivery tracking off: plain {baseline:.0f}/s, "
+                  f"durable {stored:.0f}/s, floor {floor:.0f}/s", file=sys.stderr)
+        mode, floored = ", delivery tracking off", not batches_publishes(app)
+        return [Result.of_rounds("producer", f"{broker}, N={n} in one unit of work, durable{mode}", "msg/s",
+                                 [(each[2], each[0], each[3] if floored else None) for each in rounds],
+                                 target=(">=", 1.0)),
+                _floor(broker, n, rounds, statements_alone(outbox, durable, units, n, repeats), mode)]
     finally:
         _tear_down(app, outbox)
 
@@ -205,21 +210,23 @@ def _warm_up(outbox: Outbox, plain: Any, durable: Any) -> None:
 
 
 def _rates(outbox: Outbox, plain: Any, durable: Any, units: int, n: int, repeats: int,
-           floor: bool = False) -> list[float]:
-    """Messages per second, the best of ``repeats`` rounds: plain Celery, the in-memory unit of work, the
-    durable one and, with ``floor``, the durable unit's floor (``interleaved``)."""
+           floor: bool = False) -> list[list[float]]:
+    """Messages per second in each of ``repeats`` rounds, side by side: plain Celery, the in-memory
+    unit of work, the durable one and, with ``floor``, the durable unit's floor (``interleaved``)."""
     messages = units * n
     measures = [partial(send, plain, units, n, None), partial(send, plain, units, n, outbox),
                 partial(send, durable, units, n, outbox)]
     if floor:
         measures.append(interleaved(outbox, plain, durable, units, n))
-    return best_of(repeats, *(partial(rate, messages, measure) for measure in measures))
+    return in_rounds(repeats, *(partial(rate, messages, measure) for measure in measures))
 
 
-def _floor(broker: str, n: int, floor: float, baseline: float, statements: float, mode: str = "") -> Result:
-    """The durable unit's floor, with the time its statements take alone in the note."""
-    return Result("producer", f"{broker}, N={n}, floor: in-memory unit then the durable statements{mode}", "msg/s",
-                  floor, baseline, note=f"statements alone {statements * 1e3:.2f} ms per unit of work")
+def _floor(broker: str, n: int, rounds: list[list[float]], statements: float, mode: str = "") -> Result:
+    """The durable unit's floor against plain Celery in each round, with the time its statements
+    take alone in the note."""
+    return Result.of_rounds("producer", f"{broker}, N={n}, floor: in-memory unit then the durable statements{mode}",
+                            "msg/s", [(each[3], each[0], None) for each in rounds],
+                            note=f"statements alone {statements * 1e3:.2f} ms per unit of work")
 
 
 def _tear_down(app: Celery, outbox: Outbox) -> None:

@@ -1,14 +1,16 @@
 """Worker throughput: a plain task vs ``IdempotentTask`` (optimistic, eager) vs a durable-queue task.
 
-For each variant and body (no-op, one DB write) the queue is filled first with a
-start mark, M task messages and an end mark; then one real worker (prefork, two
-processes, the same for every variant) drains it. Throughput is M over the time
-between the two marks, as the worker recorded them. Each measurement starts from
-empty tables; the variants take turns, round after round. The ratio compares each variant
-with the plain task running the same body in the same round, and the table gives the median
-of the rounds' ratios (and of their throughputs): the machine's speed drifts by up to 2x
-within minutes, so that a variant's best round and plain Celery's best round, compared, would
-measure the drift.
+One real worker (prefork, two processes, the same for every variant) drains one queue filled
+beforehand with blocks of messages: a start mark, B messages of one variant's task, an end
+mark, and so for each variant in turn, round after round (in one round the variants go in order,
+in the next in reverse, so that a drift of the machine's speed during a round weighs on each
+alike). A block's throughput is B over the time between its marks, as the worker recorded them;
+the ratio compares each variant with the plain task's block of the same round, taken seconds
+apart, and the table gives the median of the rounds' ratios (and of their throughputs) with
+its confidence interval. The machine's speed drifts by up to 2x within minutes: variants
+measured a minute apart, each by a worker of its own, gave ratios that ranged from 0.6 to 1.4
+between two tasks that differ only in when the ack goes. The tables start empty and grow by
+every block, alike for each variant as they take turns.
 
 The two floors are plain tasks that do by hand the least each inbox style must do,
 with no library code: acknowledge late and write the inbox row, in the body's
@@ -16,14 +18,18 @@ transaction (optimistic) or committed before it (eager). No implementation of th
 guarantee can be faster than its floor: a target above the floor's ratio is beyond
 what this machine's database allows.
 
-Each measurement also counts the CPU time spent between the two marks, per task, by the
-worker and its pool, by PostgreSQL and by the broker (from ``/proc``): on a machine whose
-cores all these share, it says where a variant's time goes.
+The durable-queue task is consumed from another queue, and a worker draining two queues
+interleaves them: it is measured in rounds of its own, each a worker draining the durable
+queue and then one draining the plain task's messages.
+
+Each block also counts the CPU time it took, per task, of the worker and its pool, of
+PostgreSQL and of the broker (``benchmarks.cpu``, read by the marks): on a machine whose cores
+all these share, it says where a variant's time goes.
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import os
 import signal
 import statistics
@@ -31,35 +37,46 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from pathlib import Path
 
 import redis
 
 from . import worker_app
-from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store, in_rounds
+from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store
+from .cpu import CPU_PARTS
 
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
-# Turns each variant takes; the ratios are the medians of the rounds' own (an odd count has a middle)
-ROUNDS = 5
-CPU_PARTS = ("worker", "PostgreSQL", "broker")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# (variant, task, durable queue?, target ratio against the plain task, its floor)
+# Rounds of blocks of messages: twenty give each ratio an interval at 96% confidence (the
+# sixth lowest to the sixth highest round's)
+ROUNDS = 20
+BLOCK = 500
+# Messages of each variant the worker runs before the first block: its pool's connections and
+# prepared statements are made there, not in a measured block
+WARM_UP = 200
+# Rounds of the durable-queue task, each two workers of their own
+DURABLE_ROUNDS = 5
+DURABLE_MESSAGES = 3000
+# (variant, task, target ratio against the plain task, its floor)
+PLAIN = "plain task"
 OPTIMISTIC_FLOOR = "floor: plain task writing its inbox row in its transaction"
 EAGER_FLOOR = "floor: plain task committing its inbox row first"
 VARIANTS = (
-    ("plain task", "bench.plain", False, None, None),
-    ("plain task, acks_late", "bench.plain_late", False, None, None),
-    (OPTIMISTIC_FLOOR, "bench.floor", False, None, None),
-    (EAGER_FLOOR, "bench.floor_eager", False, None, None),
-    ("IdempotentTask optimistic", "bench.optimistic", False, 0.85, OPTIMISTIC_FLOOR),
-    ("IdempotentTask eager", "bench.eager", False, 0.75, EAGER_FLOOR),
-    ("durable-queue task", "bench.plain", True, None, None),
+    (PLAIN, "bench.plain", None, None),
+    ("plain task, acks_late", "bench.plain_late", None, None),
+    (OPTIMISTIC_FLOOR, "bench.floor", None, None),
+    (EAGER_FLOOR, "bench.floor_eager", None, None),
+    ("IdempotentTask optimistic", "bench.optimistic", 0.85, OPTIMISTIC_FLOOR),
+    ("IdempotentTask eager", "bench.eager", 0.75, EAGER_FLOOR),
 )
+DURABLE = "durable-queue task"
+
+Block = dict[str, float | dict[str, float]]  # a block's throughput ("rate") and CPU seconds per task ("cpu")
 
 
 class Run:
-    """One worker draining one pre-filled queue."""
+    """One worker's queues, tables and marks, for one broker and one body."""
 
     def __init__(self, broker_url: str, body: str):
         suffix = uuid.uuid4().hex[:8]
@@ -72,38 +89,60 @@ class Run:
         self.outbox.ready()
         self.metadata.create_all(self.outbox.engine)
         self.marks = redis.Redis.from_url(REDIS_URL)
-        self.cpu: dict[tuple[str, bool], list[tuple[float, dict[str, float]]]] = {}
-
-    def cpu_per_task(self, task: str, durable: bool) -> dict[str, float]:
-        """CPU seconds per task, by part, in this variant's median measurement (by throughput),
-        the round its throughput in the table comes from."""
-        samples = sorted(self.cpu.get((task, durable), [(0.0, {})]), key=lambda sample: sample[0])
-        return samples[len(samples) // 2][1]
 
     def empty_tables(self) -> None:
-        """Start a measurement from empty tables: the rows an earlier variant left would slow
-        the next one's inserts (a bigger index, autovacuum at work) and favour whoever ran first."""
+        """Start from empty tables: the rows an earlier run left would slow this one's inserts (a
+        bigger index, autovacuum at work)."""
         tables = self.outbox.store.tables
         names = [table.name for table in (tables.incoming, tables.outgoing, *self.metadata.sorted_tables)]
         with self.outbox.engine.begin() as conn:
             conn.exec_driver_sql(f"TRUNCATE {', '.join(names)}")
 
-    def throughput(self, task: str, durable: bool, messages: int) -> float:
+    def blocks(self, tasks: list[str], rounds: int, block: int, warm_up: int = WARM_UP) -> list[dict[str, Block]]:
+        """Each round's block of each of ``tasks``, drained by one worker from one queue: the
+        rounds in the order they ran, each mapping a task to its block's throughput and CPU."""
         self.empty_tables()
-        queue = self.env["BENCH_DURABLE_QUEUE" if durable else "BENCH_QUEUE"]
-        key = f"bench:{uuid.uuid4().hex}"
-        send = self.app.send_task
-        if durable:
-            with self.outbox.transaction():  # one INSERT, then published in order
-                send("bench.mark", (f"{key}:start",), queue=queue)
-                for n in range(messages):
-                    send(task, (n,), queue=queue)
-                send("bench.mark", (f"{key}:end",), queue=queue)
-        else:
-            send("bench.mark", (f"{key}:start",), queue=queue)
-            for n in range(messages):
+        queue, send = self.env["BENCH_QUEUE"], self.app.send_task
+        for task in tasks:
+            for n in range(warm_up):
                 send(task, (n,), queue=queue)
-            send("bench.mark", (f"{key}:end",), queue=queue)
+        key = f"bench:{uuid.uuid4().hex}"
+        for number in range(rounds):
+            for task in tasks if number % 2 == 0 else tasks[::-1]:
+                send("bench.mark", (f"{key}:{number}:{task}:start",), queue=queue)
+                for n in range(block):
+                    send(task, (n,), queue=queue)
+                send("bench.mark", (f"{key}:{number}:{task}:end",), queue=queue)
+        last = tasks[-1] if (rounds - 1) % 2 == 0 else tasks[0]
+        self._drain(queue, f"{key}:{rounds - 1}:{last}:end", rounds * len(tasks) * block)
+        return [{task: self._block(f"{key}:{number}:{task}", block) for task in tasks} for number in range(rounds)]
+
+    def durable_round(self, messages: int) -> dict[str, Block]:
+        """The plain task drained from the durable queue (stored and relayed by the outbox), then
+        from the plain queue, each by a worker of its own, from empty tables."""
+        measured = {}
+        self.empty_tables()
+        for durable in (True, False):
+            queue = self.env["BENCH_DURABLE_QUEUE" if durable else "BENCH_QUEUE"]
+            key = f"bench:{uuid.uuid4().hex}"
+            with self.outbox.transaction() if durable else nullcontext():  # one INSERT, then published in order
+                self.app.send_task("bench.mark", (f"{key}:start",), queue=queue)
+                for n in range(messages):
+                    self.app.send_task("bench.plain", (n,), queue=queue)
+                self.app.send_task("bench.mark", (f"{key}:end",), queue=queue)
+            self._drain(queue, f"{key}:end", messages)
+            measured[DURABLE if durable else PLAIN] = self._block(key, messages)
+        return measured
+
+    def _block(self, key: str, messages: int) -> Block:
+        """A block's throughput and CPU per task, from its marks (which are then deleted)."""
+        start, end = (json.loads(self.marks.get(f"{key}:{which}")) for which in ("start", "end"))
+        self.marks.delete(f"{key}:start", f"{key}:end")
+        return {"rate": messages / (end["time"] - start["time"]),
+                "cpu": {part: (end["cpu"][part] - start["cpu"][part]) / messages for part in CPU_PARTS}}
+
+    def _drain(self, queue: str, last_mark: str, messages: int) -> None:
+        """Start a worker on ``queue`` and stop it once it has recorded ``last_mark``."""
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "benchmarks.worker_app", "worker", "-P", "prefork",
              "-c", str(CONCURRENCY), "-Q", queue, "--without-heartbeat", "--without-gossip", "--without-mingle",
@@ -111,30 +150,20 @@ class Run:
             env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env), cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, start_new_session=True)
         try:
-            deadline = time.monotonic() + 600
-            cpu_at_start = None
-            while not self.marks.exists(f"{key}:end"):
+            limit = 60 + messages / 20  # twenty tasks a second: far slower than any variant
+            deadline = time.monotonic() + limit
+            while not self.marks.exists(last_mark):
                 if worker.poll() is not None:
                     raise RuntimeError(f"the benchmark worker exited: {worker.stderr.read().decode()[-2000:]}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the worker did not drain {messages} messages of {task} in 600 s")
-                if cpu_at_start is None and self.marks.exists(f"{key}:start"):
-                    cpu_at_start = cpu_seconds(worker.pid)
+                    raise RuntimeError(f"the worker did not drain {messages} messages from {queue} in {limit:.0f} s")
                 time.sleep(0.05)
-            cpu_at_end = cpu_seconds(worker.pid)
-            started, ended = (float(self.marks.get(f"{key}:{which}")) for which in ("start", "end"))
-            rate = messages / (ended - started)
-            if cpu_at_start is not None:
-                spent = {part: (cpu_at_end[part] - cpu_at_start[part]) / messages for part in cpu_at_end}
-                self.cpu.setdefault((task, durable), []).append((rate, spent))
-            return rate
         finally:
             worker.send_signal(signal.SIGTERM)
             try:
                 worker.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)
-            self.marks.delete(f"{key}:start", f"{key}:end")
 
     def close(self) -> None:
         delete_queues(self.app, (self.env["BENCH_QUEUE"], self.env["BENCH_DURABLE_QUEUE"]))
@@ -142,57 +171,46 @@ class Run:
         drop_store(self.outbox)
 
 
-def cpu_seconds(worker_pid: int) -> dict[str, float]:
-    """CPU time (user + system) spent so far by the worker and its pool (the processes of its
-    session), by PostgreSQL (all its processes) and by the broker (Redis and RabbitMQ)."""
-    spent = dict.fromkeys(CPU_PARTS, 0.0)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry.name}/comm") as comm:
-                name = comm.read().strip()
-        except OSError:  # the process ended meanwhile
-            continue
-        session, ticks = int(fields[3]), int(fields[11]) + int(fields[12])
-        part = ("worker" if session == worker_pid else "PostgreSQL" if name in ("postgres", "postmaster")
-                else "broker" if name in ("redis-server", "beam.smp") else None)
-        if part is not None:
-            spent[part] += ticks / CLOCK_TICKS
-    return spent
+def median_cpu(blocks: list[Block]) -> dict[str, float]:
+    """The CPU per task of the block of median throughput: the round the table's throughput comes from."""
+    ordered = sorted(blocks, key=lambda each: each["rate"])
+    return ordered[len(ordered) // 2]["cpu"] if ordered else {}
 
 
 def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
-    messages = options.size(3000, 200)
+    rounds, block = options.size(ROUNDS, 2), options.size(BLOCK, 20)
+    durable_rounds, durable_messages = options.size(DURABLE_ROUNDS, 1), options.size(DURABLE_MESSAGES, 100)
     results = []
     for body, label in (("noop", "no-op body"), ("write", "one DB write")):
         run = Run(broker_url, body)
         try:
-            measures = [functools.partial(run.throughput, task, durable, messages)
-                        for _, task, durable, _, _ in VARIANTS]
-            names = [variant[0] for variant in VARIANTS]
-            rounds = [dict(zip(names, each, strict=True)) for each in in_rounds(options.size(ROUNDS, 1), *measures)]
-            cpu = {name: run.cpu_per_task(task, durable) for name, task, durable, _, _ in VARIANTS}
+            measured = run.blocks([task for _, task, _, _ in VARIANTS], rounds, block)
+            durable = [run.durable_round(durable_messages) for _ in range(durable_rounds)]
         finally:
             run.close()
-        for each in rounds:
-            print(f"  worker {broker}, {label}: " + ", ".join(f"{name} {rate:.0f}/s" for name, rate in each.items()),
-                  file=sys.stderr)
-        results += [Result.of_rounds("worker", f"{broker}, {name}, {label}", "tasks/s",
-                                     [(each[name], each["plain task"], floor and each[floor]) for each in rounds],
-                                     target=None if target is None else (">=", target),
-                                     note="; ".join(filter(None, (
-                                         floor and "vs plain with acks_late: " + _median_ratio(
-                                             rounds, name, "plain task, acks_late"),
-                                         cpu_note(cpu[name], cpu["plain task"])))))
-                    for name, _, _, target, floor in VARIANTS[1:]]
+        names = {task: name for name, task, _, _ in VARIANTS}
+        by_name = [{names[task]: each for task, each in blocks.items()} for blocks in measured]
+        for blocks in by_name:
+            print(f"  worker {broker}, {label}: " + ", ".join(f"{name} {each['rate']:.0f}/s"
+                                                             for name, each in blocks.items()), file=sys.stderr)
+        results += [_row(broker, label, name, by_name, target, floor) for name, _, target, floor in VARIANTS[1:]]
+        results.append(_row(broker, label, DURABLE, durable, None, None))
     return results
 
 
-def _median_ratio(rounds: list[dict[str, float]], name: str, other: str) -> str:
-    return f"{statistics.median(each[name] / each[other] for each in rounds):.2f}"
+def _row(broker: str, label: str, name: str, rounds: list[dict[str, Block]], target: float | None,
+         floor: str | None) -> Result:
+    """A variant's row: its rounds against the plain task's and its floor's of the same round."""
+    rates = [(each[name]["rate"], each[PLAIN]["rate"], floor and each[floor]["rate"]) for each in rounds]
+    cpu = cpu_note(median_cpu([each[name] for each in rounds]), median_cpu([each[PLAIN] for each in rounds]))
+    against_late = floor and "vs plain with acks_late: " + _median_ratio(rounds, name, "plain task, acks_late")
+    return Result.of_rounds("worker", f"{broker}, {name}, {label}", "tasks/s", rates,
+                            target=None if target is None else (">=", target),
+                            note="; ".join(filter(None, (against_late, cpu))))
+
+
+def _median_ratio(rounds: list[dict[str, Block]], name: str, other: str) -> str:
+    return f"{statistics.median(each[name]['rate'] / each[other]['rate'] for each in rounds):.2f}"
 
 
 def cpu_note(spent: dict[str, float], plain: dict[str, float]) -> str:

@@ -6,13 +6,15 @@ hand, the least each ``IdempotentTask`` style must do: see ``Floor``), an ``Idem
 in the optimistic and in the eager style, and the plain task consumed from a durable queue.
 ``BENCH_BODY`` is ``noop`` or ``write`` (one Core INSERT: through ``self.connection``, in
 the claim's transaction, in an ``IdempotentTask``; in its own transaction on a plain
-SQLAlchemy engine otherwise, as a Celery user without celery-outbox would write it). ``bench.mark`` records when the
-first and the last message of a run were handled, in Redis.
+SQLAlchemy engine otherwise, as a Celery user without celery-outbox would write it).
+``bench.mark`` records in Redis when a block of messages began and ended, and the CPU spent by
+then.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 import weakref
@@ -24,6 +26,7 @@ from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, Table, create_engine, insert
 from sqlalchemy.engine import Connection
 
+from benchmarks.cpu import cpu_seconds
 from celery_outbox import IdempotentTask, Outbox
 
 
@@ -93,7 +96,15 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
 
     @app.task(name="bench.mark", shared=False)
     def mark(key: str) -> None:
-        marks.set(key, repr(time.time()))
+        """Record when a block of messages began (``...:start``) or ended, and the CPU spent so far
+        (read before the time at a start, after it at an end: the reading falls outside the block)."""
+        if key.endswith(":start"):
+            cpu = cpu_seconds(os.getsid(0))
+            now = time.time()
+        else:
+            now = time.time()
+            cpu = cpu_seconds(os.getsid(0))
+        marks.set(key, json.dumps({"time": now, "cpu": cpu}))
 
     return app, outbox, metadata
 

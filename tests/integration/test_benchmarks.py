@@ -1,8 +1,8 @@
 """The benchmark command runs, measures each pair in one run and writes its table and JSON.
 
 Small sizes (``--quick``): these tests check that the benchmarks work, never how fast anything is.
-The worker benchmark's full run starts 28 workers; here its harness drains one queue through one
-real worker.
+The worker benchmark's full run drains tens of thousands of messages through 24 workers; here its
+harness drains a few blocks through real workers.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
         if result["plain"] is not None:  # both sides measured in this run
             assert result["plain"] > 0 and result["ours"] > 0
             assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
-        if result["target"] is not None:
+        if result["target"] is not None:  # --quick measures one round: no interval, the round decides
             assert isinstance(result["met"], bool)
+            assert result["interval"] is None and result["verdict"] == ("yes" if result["met"] else "no")
 
     cases = {r["case"]: r for r in results}
     for broker in ("Redis", "RabbitMQ"):
@@ -77,32 +78,64 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     assert sum(line.startswith("| producer |") for line in table.splitlines()) == sum(
         r["benchmark"] == "producer" for r in results)
     assert str(report_path) in table
+    targets = sum(r["target"] is not None for r in results)
+    assert f"\n{targets} targets, judged at 90% confidence or more where a row has rounds enough:\n" in table
 
 
-@pytest.mark.parametrize("task_name", ["bench.optimistic", "bench.floor", "bench.floor_eager"])
-def test_worker_benchmark_drains_its_queue_through_a_real_worker(task_name):
-    """Each message runs its body once and leaves its inbox row handled: ours, and the floors
-    written by hand."""
+def test_worker_benchmark_drains_blocks_of_each_variant_through_one_real_worker():
+    """One worker drains the blocks of every variant in turn: each message runs its body once, the
+    inbox rows of ours and of the floors written by hand end handled, and each block has its
+    throughput and the CPU it took, by part."""
     require("postgres")
     require("redis")
     from benchmarks.common import REDIS_URL
+    from benchmarks.cpu import CPU_PARTS
     from benchmarks.worker import Run
 
+    tasks = ["bench.plain", "bench.optimistic", "bench.floor", "bench.floor_eager"]
     run = Run(REDIS_URL, "write")
     try:
-        throughput = run.throughput(task_name, durable=False, messages=20)
+        rounds = run.blocks(tasks, rounds=2, block=10, warm_up=3)
         effects = run.metadata.tables[f"{run.env['BENCH_PREFIX']}effects"]
         inbox = run.outbox.store.tables.incoming
         with run.outbox.engine.connect() as conn:
             written = conn.execute(select(func.count()).select_from(effects)).scalar_one()
-            handled = conn.execute(select(func.count()).select_from(inbox)
-                                   .where(inbox.c.task_name == task_name, inbox.c.status == "handled")
-                                   ).scalar_one()
+            handled = dict(conn.execute(select(inbox.c.task_name, func.count()).where(inbox.c.status == "handled")
+                                        .group_by(inbox.c.task_name)).all())
+            others = conn.execute(select(func.count()).select_from(inbox).where(inbox.c.status != "handled")
+                                  ).scalar_one()
+        leftover = list(run.marks.scan_iter("bench:*"))
     finally:
         run.close()
-    assert throughput > 0
-    assert written == 20  # each body's one write, once
-    assert handled == 20
+    assert written == len(tasks) * (3 + 2 * 10), "each body's one write, once"
+    assert handled == {task: 3 + 2 * 10 for task in tasks[1:]} and others == 0
+    assert [sorted(each) for each in rounds] == [sorted(tasks)] * 2
+    for each in rounds:
+        for block in each.values():
+            assert block["rate"] > 0 and set(block["cpu"]) == set(CPU_PARTS)
+            assert all(spent >= 0 for spent in block["cpu"].values())
+    assert leftover == [], "the marks are read once and deleted"
+
+
+def test_worker_benchmark_measures_the_durable_queue_beside_the_plain_one():
+    """A durable round: the plain task's messages stored by the outbox and relayed to the durable
+    queue, drained by one worker, then the same through the plain queue by another."""
+    require("postgres")
+    require("redis")
+    from benchmarks.common import REDIS_URL
+    from benchmarks.worker import DURABLE, PLAIN, Run
+
+    run = Run(REDIS_URL, "write")
+    try:
+        measured = run.durable_round(15)
+        effects = run.metadata.tables[f"{run.env['BENCH_PREFIX']}effects"]
+        with run.outbox.engine.connect() as conn:
+            written = conn.execute(select(func.count()).select_from(effects)).scalar_one()
+    finally:
+        run.close()
+    assert set(measured) == {DURABLE, PLAIN}
+    assert all(block["rate"] > 0 for block in measured.values())
+    assert written == 2 * 15, "each queue's messages ran once each"
 
 
 @pytest.mark.parametrize("style", ["optimistic", "eager"])
@@ -144,7 +177,7 @@ def test_worker_benchmark_counts_cpu_of_the_worker_session_postgres_and_the_brok
     finds PostgreSQL's and the broker's processes."""
     require("postgres")
     require("redis")
-    from benchmarks.worker import cpu_seconds
+    from benchmarks.cpu import cpu_seconds
 
     burner = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nend = time.process_time() + 0.3\n"

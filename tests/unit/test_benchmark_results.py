@@ -3,6 +3,8 @@ any implementation of the guarantee must do, measured in the same run) could mee
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from benchmarks.common import Result, table
@@ -53,10 +55,110 @@ def test_a_row_of_rounds_without_a_floor_has_none():
 
 
 def test_a_worker_variants_cpu_per_task_comes_from_the_round_of_its_median_throughput():
-    from benchmarks.worker import Run
+    from benchmarks.worker import median_cpu
 
-    run = Run.__new__(Run)  # no services: only the samples the measurements recorded
-    run.cpu = {("bench.optimistic", False): [(500.0, {"worker": 3e-3}), (300.0, {"worker": 1e-3}),
-                                             (400.0, {"worker": 2e-3})]}
-    assert run.cpu_per_task("bench.optimistic", False) == {"worker": 2e-3}
-    assert run.cpu_per_task("bench.plain", False) == {}, "a variant never measured has no CPU to report"
+    blocks = [{"rate": 500.0, "cpu": {"worker": 3e-3}}, {"rate": 300.0, "cpu": {"worker": 1e-3}},
+              {"rate": 400.0, "cpu": {"worker": 2e-3}}]
+    assert median_cpu(blocks) == {"worker": 2e-3}
+    assert median_cpu([]) == {}, "a variant never measured has no CPU to report"
+
+
+@pytest.mark.parametrize(("count", "k", "coverage"), [(5, 1, 1 - 2 / 32), (12, 3, 1 - 2 * 79 / 4096),
+                                                     (20, 6, 1 - 2 * 21700 / 2**20)])
+def test_the_median_interval_is_the_widest_pair_of_order_statistics_the_confidence_needs(count, k, coverage):
+    """Between the k-th lowest and the k-th highest of n values lies the median with probability
+    1 - 2 P(Binomial(n, 1/2) < k): the interval takes the largest k that keeps it at 0.9 or more."""
+    from benchmarks.common import median_interval
+
+    values = [float(v) for v in reversed(range(count))]  # any order
+    assert median_interval(values) == (k - 1, count - k)
+    assert coverage >= 0.9
+    assert median_interval(values, confidence=coverage + 1e-9) == ((k - 2, count - k + 1) if k > 1 else None)
+
+
+def test_too_few_rounds_give_no_interval_and_the_one_measurement_decides():
+    from benchmarks.common import median_interval
+
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None, "four values cover the median with 0.875 only"
+    row = Result.of_rounds("producer", "Redis, durable", "msg/s", [(90.0, 100.0, None)] * 4, target=(">=", 0.85))
+    assert row.interval is None and row.verdict == "yes"
+    assert table([row]).splitlines()[-1].endswith("| 0.90 | >= 0.85 (ratio) | yes |")
+
+
+def _rounds(ratios: list[float], floors: list[float] | None = None) -> list[tuple[float, float, float | None]]:
+    """Rounds with plain Celery at 100 and ours (and the floor) at the given ratios."""
+    return [(100.0 * ratio, 100.0, None if floors is None else 100.0 * floor)
+            for ratio, floor in zip(ratios, floors or ratios, strict=True)]
+
+
+@pytest.mark.parametrize(("ratios", "verdict"), [
+    ([0.86, 0.87, 0.88, 0.90, 0.95], "yes"),
+    ([0.70, 0.75, 0.80, 0.82, 0.84], "no"),
+    ([0.80, 0.83, 0.84, 0.86, 0.90], "undecided"),  # the median misses, the highest round meets it
+    ([0.84, 0.86, 0.87, 0.88, 0.95], "undecided"),  # the median meets it, the lowest round misses
+])
+def test_a_verdict_is_decided_only_where_the_rounds_interval_lies_on_one_side_of_the_target(ratios, verdict):
+    row = Result.of_rounds("worker", "Redis, optimistic", "tasks/s", _rounds(ratios), target=(">=", 0.85))
+    assert row.interval == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
+    assert row.verdict == verdict
+    assert row.met is (statistics.median(ratios) >= 0.85), "met stays the median's own"
+    cell = {"yes": "yes", "no": "**no**", "undecided": "undecided"}[verdict]
+    assert table([row]).splitlines()[-1].endswith(f"| {cell}, {min(ratios):.2f}–{max(ratios):.2f} |")
+    assert row.as_dict()["verdict"] == verdict
+
+
+def test_a_target_on_ours_alone_is_judged_on_the_interval_of_ours():
+    row = Result.of_rounds("cleanup", "delete 1 M handled inbox rows", "rows/s",
+                           [(rate, None, None) for rate in (95e3, 120e3, 125e3, 130e3, 140e3)],
+                           target=(">=", 100_000))
+    assert (row.plain, row.ratio, row.ours) == (None, None, 125e3)
+    assert row.interval == (95e3, 140e3) and row.met is True and row.verdict == "undecided"
+
+
+@pytest.mark.parametrize(("floors", "of_floor", "floor_verdict", "at_floor", "words"), [
+    ([0.70, 0.72, 0.74, 0.75, 0.80], [0.95, 1.0, 1.0, 1.02, 1.03], "beyond", True,
+     "(floor 0.74, 0.70–0.80: beyond this machine; ours 1.00 of it, 0.95–1.03: at its floor)"),
+    ([0.80, 0.84, 0.86, 0.88, 0.90], [0.9, 0.95, 0.97, 1.0, 1.01], "undecided", True,
+     "(floor 0.86, 0.80–0.90: undecided here; ours 0.97 of it, 0.90–1.01: at its floor)"),
+    ([0.90, 0.92, 0.95, 0.98, 0.99], [0.8, 0.82, 0.85, 0.9, 0.95], "within", False,
+     "(floor 0.95, 0.90–0.99: within this machine; ours 0.85 of it, 0.80–0.95: below its floor)"),
+])
+def test_a_floor_is_judged_by_its_own_interval_and_ours_against_it(floors, of_floor, floor_verdict, at_floor,
+                                                                   words):
+    """A floor's own interval says whether any implementation can meet the target here; that of
+    ours / floor, whether ours is at its floor within the host's noise or measurably below it."""
+    row = Result.of_rounds("worker", "RabbitMQ, optimistic", "tasks/s",
+                           [(100 * f * o, 100.0, 100 * f) for f, o in zip(floors, of_floor, strict=True)],
+                           target=(">=", 0.85))
+    assert row.floor_interval == (pytest.approx(min(floors)), pytest.approx(max(floors)))
+    assert row.of_floor_interval == (pytest.approx(min(of_floor)), pytest.approx(max(of_floor)))
+    assert row.floor_verdict == floor_verdict
+    assert row.at_floor is at_floor
+    assert table([row]).splitlines()[-1].endswith(f"{words} |")
+    data = row.as_dict()
+    assert (data["floor_verdict"], data["at_floor"]) == (floor_verdict, at_floor)
+    assert data["floor_interval"] == row.floor_interval
+
+
+def test_the_verdicts_sort_every_target_into_one_group():
+    from benchmarks.common import verdicts
+
+    met = Result.of_rounds("relay", "Redis", "msg/s", _rounds([1.2] * 5), target=(">=", 1.0))
+    beyond = Result.of_rounds("worker", "Redis, eager", "tasks/s", _rounds([0.6] * 5, [0.6] * 5), target=(">=", 0.75))
+    below = Result.of_rounds("worker", "Redis, optimistic", "tasks/s", _rounds([0.5] * 5, [0.6] * 5),
+                             target=(">=", 0.85))
+    undecided = Result.of_rounds("cleanup", "p99", "ms", _rounds([1.5, 1.8, 2.0, 2.2, 2.5]), target=("<=", 2.0))
+    missed = Result.of_rounds("worker", "RabbitMQ, optimistic", "tasks/s", _rounds([0.7] * 5, [0.9] * 5),
+                              target=(">=", 0.85))
+    untargeted = Result("producer", "Redis, N=1", "msg/s", 10.0, plain=20.0)
+    lines = verdicts([met, beyond, below, undecided, missed, untargeted]).splitlines()
+    assert lines[0].startswith("5 targets")
+    assert lines[1:] == [
+        "- met: 1", "  - relay, Redis",
+        "- beyond this machine (missed or undecided; the floor misses too), ours at its floor: 1",
+        "  - worker, Redis, eager",
+        "- beyond this machine (missed or undecided; the floor misses too), ours below its floor: 1",
+        "  - worker, Redis, optimistic",
+        "- undecided (the rounds straddle the target): 1", "  - cleanup, p99",
+        "- missed: 1", "  - worker, RabbitMQ, optimistic",
+    ]
