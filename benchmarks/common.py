@@ -272,7 +272,7 @@ def table(results: list[Result]) -> str:
         target = "" if r.target is None else f"{r.target[0]} {r.target[1]:g}" + (" (ratio)" if r.plain else "")
         met = {None: "", "yes": "yes", "no": "**no**", "undecided": "undecided"}[r.verdict]
         if r.verdict is not None and r.interval is not None:
-            met += f", {_span(r.interval)}"
+            met += f", {_span(r.interval, ratio=r.plain is not None)}"
         if r.floor_verdict is not None:  # what any implementation could reach here
             at_floor = "" if r.of_floor_interval is None else ": at its floor" if r.at_floor else ": below its floor"
             met += f" (floor {r.floor_ratio:.2f}{_spanned(r.floor_interval)}: {_WHERE[r.floor_verdict]}; " \
@@ -306,8 +306,9 @@ def verdicts(results: list[Result]) -> str:
 _WHERE = {"within": "within this machine", "beyond": "beyond this machine", "undecided": "undecided here"}
 
 
-def _span(interval: tuple[float, float]) -> str:
-    return f"{interval[0]:.2f}–{interval[1]:.2f}"
+def _span(interval: tuple[float, float], ratio: bool = True) -> str:
+    low, high = (f"{end:.2f}" if ratio else _number(end) for end in interval)
+    return f"{low}–{high}"
 
 
 def _spanned(interval: tuple[float, float] | None) -> str:

@@ -113,6 +113,7 @@ def test_a_target_on_ours_alone_is_judged_on_the_interval_of_ours():
                            target=(">=", 100_000))
     assert (row.plain, row.ratio, row.ours) == (None, None, 125e3)
     assert row.interval == (95e3, 140e3) and row.met is True and row.verdict == "undecided"
+    assert table([row]).splitlines()[-1].endswith("| >= 100000 | undecided, 95,000–140,000 |")
 
 
 @pytest.mark.parametrize(("floors", "of_floor", "floor_verdict", "at_floor", "words"), [
