@@ -184,7 +184,7 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
     for body, label in (("noop", "no-op body"), ("write", "one DB write")):
         run = Run(broker_url, body)
         try:
-            measured = run.blocks([task for _, task, _, _ in VARIANTS], rounds, block)
+            measured = run.blocks([task for _, task, _, _ in VARIANTS], rounds, block, options.size(WARM_UP, 10))
             durable = [run.durable_round(durable_messages) for _ in range(durable_rounds)]
         finally:
             run.close()
