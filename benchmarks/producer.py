@@ -166,13 +166,10 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
                 print(f"  producer {broker} N={n}: plain {each[0]:.0f}/s, in-memory {each[1]:.0f}/s, "
                       f"durable {each[2]:.0f}/s" + (f", floor {each[3]:.0f}/s" if n == max(BATCHES) else ""),
                       file=sys.stderr)
-            floored = n == max(BATCHES) and not batches_publishes(app)
             results += [
                 Result.of_rounds("producer", f"{broker}, N={n} in one unit of work, in-memory", "msg/s",
                                  [(each[1], each[0], None) for each in rounds]),
-                Result.of_rounds("producer", f"{broker}, N={n} in one unit of work, durable", "msg/s",
-                                 [(each[2], each[0], each[3] if floored else None) for each in rounds],
-                                 target=(">=", 1.0) if n == 100 else None),
+                _durable(broker, n, rounds, floored=n == max(BATCHES) and not batches_publishes(app)),
             ]
             if n == max(BATCHES):
                 statements = statements_alone(outbox, durable, units, n, repeats)
@@ -193,10 +190,8 @@ def _untracked(broker: str, broker_url: str, n: int, units: int, repeats: int) -
         for baseline, _, stored, floor in rounds:
             print(f"  producer {broker} N={n}, delivery tracking off: plain {baseline:.0f}/s, "
                   f"durable {stored:.0f}/s, floor {floor:.0f}/s", file=sys.stderr)
-        mode, floored = ", delivery tracking off", not batches_publishes(app)
-        return [Result.of_rounds("producer", f"{broker}, N={n} in one unit of work, durable{mode}", "msg/s",
-                                 [(each[2], each[0], each[3] if floored else None) for each in rounds],
-                                 target=(">=", 1.0)),
+        mode = ", delivery tracking off"
+        return [_durable(broker, n, rounds, floored=not batches_publishes(app), mode=mode),
                 _floor(broker, n, rounds, statements_alone(outbox, durable, units, n, repeats), mode)]
     finally:
         _tear_down(app, outbox)
@@ -219,6 +214,14 @@ def _rates(outbox: Outbox, plain: Any, durable: Any, units: int, n: int, repeats
     if floor:
         measures.append(interleaved(outbox, plain, durable, units, n))
     return in_rounds(repeats, *(partial(rate, messages, measure) for measure in measures))
+
+
+def _durable(broker: str, n: int, rounds: list[list[float]], floored: bool, mode: str = "") -> Result:
+    """The durable unit of work against plain Celery in each round (the target at N = 100), with
+    the floor of the same round where ``floored``."""
+    return Result.of_rounds("producer", f"{broker}, N={n} in one unit of work, durable{mode}", "msg/s",
+                            [(each[2], each[0], each[3] if floored else None) for each in rounds],
+                            target=(">=", 1.0) if n == 100 else None)
 
 
 def _floor(broker: str, n: int, rounds: list[list[float]], statements: float, mode: str = "") -> Result:

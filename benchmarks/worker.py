@@ -108,12 +108,9 @@ class Run:
                 send(task, (n,), queue=queue)
         key = f"bench:{uuid.uuid4().hex}"
         for number in range(rounds):
-            for task in tasks if number % 2 == 0 else tasks[::-1]:
-                send("bench.mark", (f"{key}:{number}:{task}:start",), queue=queue)
-                for n in range(block):
-                    send(task, (n,), queue=queue)
-                send("bench.mark", (f"{key}:{number}:{task}:end",), queue=queue)
-        last = tasks[-1] if (rounds - 1) % 2 == 0 else tasks[0]
+            for task in _in_turn(tasks, number):
+                self._fill(queue, f"{key}:{number}:{task}", task, block)
+        last = _in_turn(tasks, rounds - 1)[-1]
         self._drain(queue, f"{key}:{rounds - 1}:{last}:end", rounds * len(tasks) * block)
         return [{task: self._block(f"{key}:{number}:{task}", block) for task in tasks} for number in range(rounds)]
 
@@ -126,13 +123,18 @@ class Run:
             queue = self.env["BENCH_DURABLE_QUEUE" if durable else "BENCH_QUEUE"]
             key = f"bench:{uuid.uuid4().hex}"
             with self.outbox.transaction() if durable else nullcontext():  # one INSERT, then published in order
-                self.app.send_task("bench.mark", (f"{key}:start",), queue=queue)
-                for n in range(messages):
-                    self.app.send_task("bench.plain", (n,), queue=queue)
-                self.app.send_task("bench.mark", (f"{key}:end",), queue=queue)
+                self._fill(queue, key, "bench.plain", messages)
             self._drain(queue, f"{key}:end", messages)
             measured[DURABLE if durable else PLAIN] = self._block(key, messages)
         return measured
+
+    def _fill(self, queue: str, key: str, task: str, messages: int) -> None:
+        """Send a block: the start mark ``key:start``, ``messages`` messages of ``task``, the end mark."""
+        send = self.app.send_task
+        send("bench.mark", (f"{key}:start",), queue=queue)
+        for n in range(messages):
+            send(task, (n,), queue=queue)
+        send("bench.mark", (f"{key}:end",), queue=queue)
 
     def _block(self, key: str, messages: int) -> Block:
         """A block's throughput and CPU per task, from its marks (which are then deleted)."""
@@ -169,6 +171,11 @@ class Run:
         delete_queues(self.app, (self.env["BENCH_QUEUE"], self.env["BENCH_DURABLE_QUEUE"]))
         self.metadata.drop_all(self.outbox.engine)
         drop_store(self.outbox)
+
+
+def _in_turn(tasks: list[str], number: int) -> list[str]:
+    """The order of round ``number``: as given, and reversed every other round."""
+    return tasks if number % 2 == 0 else tasks[::-1]
 
 
 def median_cpu(blocks: list[Block]) -> dict[str, float]:
