@@ -10,6 +10,13 @@ in windows right before and right after each cleanup (the machine's other load d
 rows/s is their median, and the p99 ratio the median of the rounds' own ratios (on a shared machine
 one round's tail can be another's double; the note gives each round's).
 
+Each round of that series also runs the floor: the gentlest deletion that meets the rate target,
+written by hand with no library code (``_floor_cleanup``): plain ``DELETE`` statements of 500
+rows, no row locks, each its own transaction not waiting for the WAL flush, one every 5 ms,
+exactly 100 k rows/s. Its rows are loaded anew and it runs with claims in windows of its own; its
+p99 is set against the same windows without cleanup as ours. Where the floor misses the p99
+target too, no cleanup that deletes rows this fast can meet it on this machine.
+
 A second series runs the same claims committing without waiting for the WAL flush: it shows where
 the difference comes from. A claim's commit must flush the log up to its own record, and so every
 record the cleanup wrote before it: per deleted row a row-lock record and a delete record (54 bytes
@@ -28,7 +35,7 @@ import multiprocessing
 import sys
 import time
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery import Celery
@@ -40,6 +47,10 @@ from celery_outbox.store.schema import UNOWNED
 
 from .common import POSTGRES_URL, Options, Result, drop_store, percentile, unique_prefix
 
+# The floor's pace: the rate target, in batches of 500 rows, one every 5 ms
+FLOOR_RATE = 100_000
+FLOOR_BATCH = 500
+
 
 def run(options: Options) -> list[Result]:
     rows = options.size(1_000_000, 50_000)
@@ -50,15 +61,16 @@ def run(options: Options) -> list[Result]:
     outbox = Outbox(app, database_url=POSTGRES_URL, table_prefix=prefix)
     try:
         outbox.ready()
-        rates, samples, written = _rounds(outbox, rows, rounds, window, durable=True)
-        _, flushless, _ = _rounds(outbox, rows, rounds, window, durable=False)
+        rates, samples, written = _rounds(outbox, rows, rounds, window, durable=True, floor=True)
+        _, flushless, _ = _rounds(outbox, rows, rounds, window, durable=False, floor=False)
         spread = f"median of {rounds}: {', '.join(f'{r:,.0f}' for r in rates)}" if rounds > 1 else ""
         return [
             Result.of_rounds("cleanup", "delete 1 M handled inbox rows", "rows/s",
                              [(rate, None, None) for rate in rates], target=(">=", 100_000),
                              note=f"{rows:,} rows" if options.quick else spread),
             _p99("p99 of concurrent inbox inserts, during cleanup vs without", samples, window, target=("<=", 2.0),
-                 extra=f"shared_buffers {_setting(outbox, 'shared_buffers')}; pages written out by backends "
+                 extra=f"floor: hand-written DELETEs of {FLOOR_BATCH} rows paced at {FLOOR_RATE:,} rows/s; "
+                       f"shared_buffers {_setting(outbox, 'shared_buffers')}; pages written out by backends "
                        f"during each cleanup: {', '.join(f'{n:,}' for n in written)}"),
             _p99("the same inserts committing without waiting for the WAL flush", flushless, window),
         ]
@@ -66,12 +78,13 @@ def run(options: Options) -> list[Result]:
         drop_store(outbox)
 
 
-def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool,
+def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool, floor: bool,
             ) -> tuple[list[float], dict[tuple[str, int], list[float]], list[int]]:
     """``rounds`` cleanups of ``rows`` rows, with claims (committing durably or not) running
-    during each and in windows right before and after it; the rates, the claims' latencies by
-    kind of window and round, and the pages backends wrote out during each cleanup (to make room
-    in ``shared_buffers``: the write-out the claims' flushes wait behind)."""
+    during each and in windows right before and after it, and with ``floor`` the floor's
+    cleanup of as many rows after each, likewise; the rates, the claims' latencies by kind of
+    window ("during", "floor", "without") and round, and the pages backends wrote out during each
+    of ours (to make room in ``shared_buffers``: the write-out the claims' flushes wait behind)."""
     batch = outbox.settings.cleanup_batch_size
     claims = _Claims(outbox.store.prefix, outbox.settings.keep_after_handling, durable)
     try:
@@ -94,6 +107,18 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
             rates.append(rows / seconds)
             _progress(f"  round {n}/{rounds}: {rows:,} rows in {seconds:.2f}s ({rows / seconds:,.0f} rows/s, "
                       f"{result.batches} batches of {batch})")
+            if floor:
+                _load(outbox, rows)
+                with claims.window("without", n):
+                    time.sleep(window)
+                with claims.window("floor", n):
+                    deleted, seconds = _floor_cleanup(outbox)
+                with claims.window("without", n):
+                    time.sleep(window)
+                if deleted != rows:
+                    raise RuntimeError(f"the floor's cleanup deleted {deleted} rows, expected {rows}")
+                _progress(f"  round {n}/{rounds}, floor: {rows:,} rows in {seconds:.2f}s "
+                          f"({rows / seconds:,.0f} rows/s)")
         samples = claims.finish()
     finally:
         claims.close()
@@ -103,6 +128,33 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
               f"{percentile(without, 0.99) * 1000:.2f} ms without ({len(without)}); p50 "
               f"{percentile(during, 0.5) * 1000:.2f} / {percentile(without, 0.5) * 1000:.2f} ms")
     return rates, samples, written
+
+
+def _floor_cleanup(outbox: Outbox) -> tuple[int, float]:
+    """The floor: delete the inbox's expired rows by hand, as gently as the rate target allows.
+    ``DELETE`` statements of ``FLOOR_BATCH`` rows each, oldest first from where the batch before
+    ended (as ours, so that no batch wades through the index entries of the rows deleted before
+    it), with no row locks, each in its own transaction that does not wait for the WAL flush,
+    started on a schedule of exactly ``FLOOR_RATE`` rows a second. Returns the rows deleted and
+    the seconds it took."""
+    table = outbox.store.tables.incoming.name
+    batch = text(f"""
+        WITH gone AS (DELETE FROM {table} WHERE ctid = ANY(ARRAY(
+            SELECT ctid FROM {table} WHERE keep_until < now() AND keep_until >= :after
+            ORDER BY keep_until LIMIT :limit)) RETURNING keep_until)
+        SELECT count(*), max(keep_until) FROM gone
+    """)
+    after, deleted = datetime(1, 1, 1, tzinfo=timezone.utc), 0
+    with outbox.store.engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.execute(text("SET synchronous_commit TO off"))
+        started = time.monotonic()
+        while True:
+            count, last = conn.execute(batch, {"after": after, "limit": FLOOR_BATCH}).one()
+            deleted, after = deleted + count, last or after
+            if count < FLOOR_BATCH:
+                return deleted, time.monotonic() - started
+            time.sleep(max(0.0, started + deleted / FLOOR_RATE - time.monotonic()))
 
 
 def _pages_written_by_backends(outbox: Outbox) -> int:
@@ -118,16 +170,25 @@ def _setting(outbox: Outbox, name: str) -> str:
 
 def _p99(case: str, samples: dict[tuple[str, int], list[float]], window: float,
          target: tuple[str, float] | None = None, extra: str = "") -> Result:
-    """Each round's p99 of the claims during cleanup against that of its claims without it (right
-    before and after): the medians, and the median of the rounds' ratios; ``extra`` ends the note."""
+    """Each round's p99 of the claims during cleanup (and during the floor's, where it ran) against
+    that of its claims without it (right before and after each): the medians, and the median of the
+    rounds' ratios; ``extra`` ends the note."""
     rounds = sorted(n for kind, n in samples if kind == "during" and samples.get(("without", n)))
-    p99s = [(percentile(samples[("during", n)], 0.99) * 1000, percentile(samples[("without", n)], 0.99) * 1000, None)
+    p99s = [(_p99_ms(samples, "during", n), _p99_ms(samples, "without", n), _p99_ms(samples, "floor", n))
             for n in rounds]
     each = ", ".join(f"{during / without:.2f}" for during, without, _ in p99s)
+    floors = ", ".join(f"{floor / without:.2f}" for _, without, floor in p99s if floor is not None)
     return Result.of_rounds("cleanup", case, "ms", p99s, target=target,
                             note=f"{len(_pooled(samples, 'during'))} claims during, "
                                  f"{len(_pooled(samples, 'without'))} in {window:g} s right before and after; "
-                                 f"each round's ratio: {each}" + (f"; {extra}" if extra else ""))
+                                 f"each round's ratio: {each}" + (f"; the floor's: {floors}" if floors else "")
+                                 + (f"; {extra}" if extra else ""))
+
+
+def _p99_ms(samples: dict[tuple[str, int], list[float]], kind: str, round_: int) -> float | None:
+    """The p99 of round ``round_``'s claims in windows of ``kind``, in ms (None where there were none)."""
+    latencies = samples.get((kind, round_))
+    return percentile(latencies, 0.99) * 1000 if latencies else None
 
 
 def _pooled(samples: dict[tuple[str, int], list[float]], kind: str) -> list[float]:

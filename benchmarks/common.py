@@ -164,11 +164,13 @@ class Result:
     @property
     def at_floor(self) -> bool | None:
         """Whether ours is at its floor within the host's noise: the interval of ours / floor reaches
-        1 (without rounds enough for an interval, the one measurement does; None without a floor)."""
+        1 or beyond it on the target's side (without rounds enough for an interval, the one
+        measurement does; None without a floor)."""
         if self.of_floor is None:
             return None
-        interval = self.of_floor_interval
-        return (self.of_floor if interval is None else interval[1]) >= 1.0
+        interval = self.of_floor_interval or (self.of_floor, self.of_floor)
+        higher_is_better = self.target is None or self.target[0] == ">="
+        return interval[1] >= 1.0 if higher_is_better else interval[0] <= 1.0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -274,7 +276,7 @@ def table(results: list[Result]) -> str:
         if r.verdict is not None and r.interval is not None:
             met += f", {_span(r.interval, ratio=r.plain is not None)}"
         if r.floor_verdict is not None:  # what any implementation could reach here
-            at_floor = "" if r.of_floor_interval is None else ": at its floor" if r.at_floor else ": below its floor"
+            at_floor = "" if r.of_floor_interval is None else ": at its floor" if r.at_floor else ": short of its floor"
             met += f" (floor {r.floor_ratio:.2f}{_spanned(r.floor_interval)}: {_WHERE[r.floor_verdict]}; " \
                    f"ours {r.of_floor:.2f} of it{_spanned(r.of_floor_interval)}{at_floor})"
         case = r.case + (f" ({r.note})" if r.note else "")
@@ -291,7 +293,7 @@ def verdicts(results: list[Result]) -> str:
         "met": [r for r in rows if r.verdict == "yes"],
         "beyond this machine (missed or undecided; the floor misses too), ours at its floor":
             [r for r in rows if r.verdict != "yes" and r.floor_verdict == "beyond" and r.at_floor],
-        "beyond this machine (missed or undecided; the floor misses too), ours below its floor":
+        "beyond this machine (missed or undecided; the floor misses too), ours short of its floor":
             [r for r in rows if r.verdict != "yes" and r.floor_verdict == "beyond" and not r.at_floor],
         "undecided (the rounds straddle the target)":
             [r for r in rows if r.verdict == "undecided" and r.floor_verdict != "beyond"],

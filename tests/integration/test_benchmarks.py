@@ -72,6 +72,12 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     assert written, cleanup[1]["note"]
     assert written.group(1)[0].isdigit(), "the server's shared_buffers, as it says it"
     assert not cleanup[2]["note"].endswith(written.group(0)), "only the durable claims' row says it"
+    durable_claims, flushless = cleanup[1], cleanup[2]
+    assert durable_claims["floor"] > 0, "the floor's cleanup ran beside ours, with claims of its own"
+    assert abs(durable_claims["floor_ratio"] - durable_claims["floor"] / durable_claims["plain"]) < 1e-9
+    assert f"the floor's: {durable_claims['floor_ratio']:.2f}" in durable_claims["note"]
+    assert isinstance(durable_claims["at_floor"], bool)
+    assert flushless["floor"] is None and "floor" not in flushless["note"]
 
     table = completed.stdout
     assert "| benchmark | case | celery-outbox | plain Celery | ratio | target | met |" in table
@@ -80,6 +86,36 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     assert str(report_path) in table
     targets = sum(r["target"] is not None for r in results)
     assert f"\n{targets} targets, judged at 90% confidence or more where a row has rounds enough:\n" in table
+
+
+def test_cleanup_floor_deletes_every_expired_row_and_nothing_else():
+    """The hand-written cleanup the p99 target is set against deletes exactly what ours would."""
+    require("postgres")
+    from celery import Celery
+
+    from benchmarks.cleanup import FLOOR_BATCH, _floor_cleanup, _load
+    from benchmarks.common import POSTGRES_URL, drop_store, unique_prefix
+    from celery_outbox import Outbox
+    from celery_outbox.store import utcnow
+
+    outbox = Outbox(Celery("floor-cleanup", broker="memory://", set_as_current=False), database_url=POSTGRES_URL,
+                    table_prefix=unique_prefix())
+    try:
+        outbox.ready()
+        expired = 2 * FLOOR_BATCH + 7  # two full batches and a short one
+        _load(outbox, expired)
+        incoming = outbox.store.tables.incoming
+        now = utcnow()
+        with outbox.store.begin() as conn:
+            conn.execute(insert(incoming).values(
+                message_id="kept", destination="", task_name="t", queue="celery", status="handled", owner=0,
+                received_at=now, claimed_at=now, handled_at=now, keep_until=now.replace(year=now.year + 1)))
+        deleted, seconds = _floor_cleanup(outbox)
+        assert deleted == expired and seconds > 0
+        with outbox.store.engine.connect() as conn:
+            assert conn.execute(select(incoming.c.message_id)).scalars().all() == ["kept"]
+    finally:
+        drop_store(outbox)
 
 
 def test_worker_benchmark_drains_blocks_of_each_variant_through_one_real_worker():

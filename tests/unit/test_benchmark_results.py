@@ -136,7 +136,7 @@ def test_a_target_on_ours_alone_is_judged_on_the_interval_of_ours():
     ([0.80, 0.84, 0.86, 0.88, 0.90], [0.9, 0.95, 0.97, 1.0, 1.01], "undecided", True,
      "(floor 0.86, 0.80–0.90: undecided here; ours 0.97 of it, 0.90–1.01: at its floor)"),
     ([0.90, 0.92, 0.95, 0.98, 0.99], [0.8, 0.82, 0.85, 0.9, 0.95], "within", False,
-     "(floor 0.95, 0.90–0.99: within this machine; ours 0.85 of it, 0.80–0.95: below its floor)"),
+     "(floor 0.95, 0.90–0.99: within this machine; ours 0.85 of it, 0.80–0.95: short of its floor)"),
 ])
 def test_a_floor_is_judged_by_its_own_interval_and_ours_against_it(floors, of_floor, floor_verdict, at_floor,
                                                                    words):
@@ -153,6 +153,18 @@ def test_a_floor_is_judged_by_its_own_interval_and_ours_against_it(floors, of_fl
     data = row.as_dict()
     assert (data["floor_verdict"], data["at_floor"]) == (floor_verdict, at_floor)
     assert data["floor_interval"] == row.floor_interval
+
+
+@pytest.mark.parametrize(("ours", "at_floor"), [((1.7, 1.8, 2.0, 2.2, 2.4), True), ((3.6, 3.8, 4.0, 4.4, 4.6), False)])
+def test_a_latency_floor_counts_ours_at_it_when_ours_is_not_measurably_slower(ours, at_floor):
+    """With a target on the lower side (a p99 ratio), ours is at its floor when the interval of
+    ours / floor reaches 1 from below, and beyond, where ours is the better of the two."""
+    floors = (2.6, 2.8, 3.0, 3.2, 3.4)
+    row = Result.of_rounds("cleanup", "p99", "ms", [(o, 1.0, f) for o, f in zip(ours, floors, strict=True)],
+                           target=("<=", 2.0))
+    assert row.floor_verdict == "beyond"
+    assert row.at_floor is at_floor
+    assert table([row]).splitlines()[-1].endswith(": at its floor) |" if at_floor else ": short of its floor) |")
 
 
 def test_the_verdicts_sort_every_target_into_one_group():
@@ -172,7 +184,7 @@ def test_the_verdicts_sort_every_target_into_one_group():
         "- met: 1", "  - relay, Redis",
         "- beyond this machine (missed or undecided; the floor misses too), ours at its floor: 1",
         "  - worker, Redis, eager",
-        "- beyond this machine (missed or undecided; the floor misses too), ours below its floor: 1",
+        "- beyond this machine (missed or undecided; the floor misses too), ours short of its floor: 1",
         "  - worker, Redis, optimistic",
         "- undecided (the rounds straddle the target): 1", "  - cleanup, p99",
         "- missed: 1", "  - worker, RabbitMQ, optimistic",
