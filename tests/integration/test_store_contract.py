@@ -440,7 +440,7 @@ def _statements(trip: list[tuple[str, str]]) -> list[str]:
         if kind == "Parse":
             name, statement = re.match(r'"(.*?)" "(.*?)"', text, re.S).groups()
             run.append(f"PREPARE {name}: {statement}" if name else statement)
-        elif kind == "Bind" and (name := re.match(r'"" "(.+?)"', text)):
+        elif kind == "Bind" and (name := re.match(r'"" "([^"]+)"', text)):  # not '"" ""': unnamed
             run.append(f"EXECUTE {name.group(1)}")
     return run
 
