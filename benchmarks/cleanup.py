@@ -150,13 +150,16 @@ def _floor_cleanup(outbox: Outbox) -> tuple[int, float]:
     with outbox.store.engine.connect() as conn:
         conn = conn.execution_options(isolation_level="AUTOCOMMIT")
         conn.execute(text("SET synchronous_commit TO off"))
-        started = time.monotonic()
-        while True:
-            count, last = conn.execute(batch, {"after": after, "limit": FLOOR_BATCH}).one()
-            deleted, after = deleted + count, last or after
-            if count < FLOOR_BATCH:
-                return deleted, time.monotonic() - started
-            time.sleep(max(0.0, started + deleted / FLOOR_RATE - time.monotonic()))
+        try:
+            started = time.monotonic()
+            while True:
+                count, last = conn.execute(batch, {"after": after, "limit": FLOOR_BATCH}).one()
+                deleted, after = deleted + count, last or after
+                if count < FLOOR_BATCH:
+                    return deleted, time.monotonic() - started
+                time.sleep(max(0.0, started + deleted / FLOOR_RATE - time.monotonic()))
+        finally:  # the session goes back to the pool: its later commits wait for the flush again
+            conn.execute(text("RESET synchronous_commit"))
 
 
 def _pages_written_by_backends(outbox: Outbox) -> int:

@@ -114,6 +114,13 @@ def test_cleanup_floor_deletes_every_expired_row_and_nothing_else():
         assert deleted == expired and seconds > 0
         with outbox.store.engine.connect() as conn:
             assert conn.execute(select(incoming.c.message_id)).scalars().all() == ["kept"]
+        pooled = [outbox.store.engine.connect() for _ in range(outbox.store.engine.pool.checkedin())]
+        try:
+            assert [conn.exec_driver_sql("SHOW synchronous_commit").scalar_one() for conn in pooled] == \
+                ["on"] * len(pooled), "the floor's connection went back to the pool committing durably again"
+        finally:
+            for conn in pooled:
+                conn.close()
     finally:
         drop_store(outbox)
 
