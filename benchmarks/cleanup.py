@@ -37,8 +37,9 @@ import multiprocessing
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Iterator
 
 from celery import Celery
 from sqlalchemy import text
@@ -93,30 +94,21 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
         rates: list[float] = []
         written: list[int] = []
         for n in range(1, rounds + 1):
-            _load(outbox, rows)
-            with claims.window("without", n):
-                time.sleep(window)
-            before = _pages_written_by_backends(outbox)
-            with claims.window("during", n):
-                started = time.perf_counter()
-                result = outbox.cleanup(max_batches=rows // batch + 2)
-                seconds = time.perf_counter() - started
-            written.append(_pages_written_by_backends(outbox) - before)
-            with claims.window("without", n):
-                time.sleep(window)
+            with _loaded_between_quiet_windows(outbox, rows, claims, n, window):
+                before = _pages_written_by_backends(outbox)
+                with claims.window("during", n):
+                    started = time.perf_counter()
+                    result = outbox.cleanup(max_batches=rows // batch + 2)
+                    seconds = time.perf_counter() - started
+                written.append(_pages_written_by_backends(outbox) - before)
             if result.incoming_deleted != rows:
                 raise RuntimeError(f"cleanup deleted {result.incoming_deleted} rows, expected {rows}")
             rates.append(rows / seconds)
             _progress(f"  round {n}/{rounds}: {rows:,} rows in {seconds:.2f}s ({rows / seconds:,.0f} rows/s, "
                       f"{result.batches} batches of {batch})")
             if floor:
-                _load(outbox, rows)
-                with claims.window("without", n):
-                    time.sleep(window)
-                with claims.window("floor", n):
+                with _loaded_between_quiet_windows(outbox, rows, claims, n, window), claims.window("floor", n):
                     deleted, seconds = _floor_cleanup(outbox)
-                with claims.window("without", n):
-                    time.sleep(window)
                 if deleted != rows:
                     raise RuntimeError(f"the floor's cleanup deleted {deleted} rows, expected {rows}")
                 _progress(f"  round {n}/{rounds}, floor: {rows:,} rows in {seconds:.2f}s "
@@ -130,6 +122,19 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
               f"{percentile(without, 0.99) * 1000:.2f} ms without ({len(without)}); p50 "
               f"{percentile(during, 0.5) * 1000:.2f} / {percentile(without, 0.5) * 1000:.2f} ms")
     return rates, samples, written
+
+
+@contextmanager
+def _loaded_between_quiet_windows(outbox: Outbox, rows: int, claims: "_Claims", round_: int,
+                                  window: float) -> Iterator[None]:
+    """``rows`` expired rows loaded, then claims for ``window`` seconds with no cleanup; the block
+    (a cleanup in a window of its own); then claims for ``window`` seconds again."""
+    _load(outbox, rows)
+    with claims.window("without", round_):
+        time.sleep(window)
+    yield
+    with claims.window("without", round_):
+        time.sleep(window)
 
 
 def _floor_cleanup(outbox: Outbox) -> tuple[int, float]:
