@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 
-CPU_PARTS = ("worker", "PostgreSQL", "broker")
+CPU_PARTS = ("worker", "pool", "PostgreSQL", "broker")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(worker_session: int) -> dict[str, float]:
-    """CPU time (user + system) spent so far by the worker and its pool (the processes of session
-    ``worker_session``), by PostgreSQL (all its processes) and by the broker (Redis and RabbitMQ).
+    """CPU time (user + system) spent so far by the worker's main process (the leader of session
+    ``worker_session``: it receives and acknowledges the messages), by its pool (the session's
+    other processes: they run the tasks), by PostgreSQL (all its processes) and by the broker
+    (Redis and RabbitMQ).
     One pass over ``/proc``: about a millisecond with a hundred processes."""
     spent = dict.fromkeys(CPU_PARTS, 0.0)
     for entry in os.scandir("/proc"):
@@ -24,8 +26,11 @@ def cpu_seconds(worker_session: int) -> dict[str, float]:
         except OSError:  # the process ended meanwhile
             continue
         session, ticks = int(fields[3]), int(fields[11]) + int(fields[12])
-        part = ("worker" if session == worker_session else "PostgreSQL" if name in ("postgres", "postmaster")
-                else "broker" if name in ("redis-server", "beam.smp") else None)
+        if session == worker_session:
+            part = "worker" if int(entry.name) == session else "pool"
+        else:
+            part = ("PostgreSQL" if name in ("postgres", "postmaster")
+                    else "broker" if name in ("redis-server", "beam.smp") else None)
         if part is not None:
             spent[part] += ticks / CLOCK_TICKS
     return spent

@@ -22,7 +22,7 @@ The durable-queue task is consumed from another queue, and a worker draining two
 interleaves them: it is measured in rounds of its own, each a worker draining the durable
 queue and then one draining the plain task's messages.
 
-Each block also counts the CPU time it took, per task, of the worker and its pool, of
+Each block also counts the CPU time it took, per task, of the worker's main process, of its pool, of
 PostgreSQL and of the broker (``benchmarks.cpu``, read by the marks): on a machine whose cores
 all these share, it says where a variant's time goes.
 """
