@@ -9,7 +9,9 @@ import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
+
+T = TypeVar("T")
 
 POSTGRES_URL = os.environ.get("CELERY_OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
@@ -206,9 +208,19 @@ def drop_store(outbox: Any) -> None:
 
 
 def in_rounds(repeats: int, *measures: Callable[[], float]) -> list[list[float]]:
-    """``repeats`` rounds in which each of ``measures`` takes its turn: each round's measurements,
-    side by side (a machine whose speed drifts during the run weighs on each of them alike)."""
-    return [[measure() for measure in measures] for _ in range(repeats)]
+    """``repeats`` rounds in which each of ``measures`` takes its turn, in order in one round and in
+    reverse in the next (``in_turn``): each round's measurements, side by side, in the order given
+    (a machine whose speed drifts during the run weighs on each of them alike)."""
+    rounds = []
+    for number in range(repeats):
+        measured = {index: measures[index]() for index in in_turn(range(len(measures)), number)}
+        rounds.append([measured[index] for index in range(len(measures))])
+    return rounds
+
+
+def in_turn(items: Sequence[T], number: int) -> list[T]:
+    """The order of round ``number``: as given, and reversed every other round."""
+    return list(items) if number % 2 == 0 else list(items)[::-1]
 
 
 def rate(count: int, action: Callable[[], Any]) -> float:

@@ -43,7 +43,7 @@ from pathlib import Path
 import redis
 
 from . import worker_app
-from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store
+from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store, in_turn
 from .cpu import CPU_PARTS
 
 ROOT = Path(__file__).parents[1]
@@ -111,9 +111,9 @@ class Run:
                 send(task, (n,), queue=queue)
         key = f"bench:{uuid.uuid4().hex}"
         for number in range(rounds):
-            for task in _in_turn(tasks, number):
+            for task in in_turn(tasks, number):
                 self._fill(queue, f"{key}:{number}:{task}", task, block)
-        last = _in_turn(tasks, rounds - 1)[-1]
+        last = in_turn(tasks, rounds - 1)[-1]
         self._drain(queue, f"{key}:{rounds - 1}:{last}:end", rounds * len(tasks) * block)
         return [{task: self._block(f"{key}:{number}:{task}", block) for task in tasks} for number in range(rounds)]
 
@@ -174,11 +174,6 @@ class Run:
         delete_queues(self.app, (self.env["BENCH_QUEUE"], self.env["BENCH_DURABLE_QUEUE"]))
         self.metadata.drop_all(self.outbox.engine)
         drop_store(self.outbox)
-
-
-def _in_turn(tasks: list[str], number: int) -> list[str]:
-    """The order of round ``number``: as given, and reversed every other round."""
-    return tasks if number % 2 == 0 else tasks[::-1]
 
 
 def mean_cpu(blocks: list[Block]) -> dict[str, float]:

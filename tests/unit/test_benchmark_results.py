@@ -189,3 +189,20 @@ def test_the_verdicts_sort_every_target_into_one_group():
         "- undecided (the rounds straddle the target): 1", "  - cleanup, p99",
         "- missed: 1", "  - worker, RabbitMQ, optimistic",
     ]
+
+
+def test_rounds_take_turns_forward_then_backward_and_report_in_the_order_given():
+    from benchmarks.common import in_rounds
+
+    calls: list[str] = []
+
+    def measure(name: str, value: float):
+        def run() -> float:
+            calls.append(name)
+            return value + len(calls) / 100
+        return run
+
+    rounds = in_rounds(3, measure("a", 1.0), measure("b", 2.0), measure("c", 3.0))
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert rounds == [pytest.approx([1.01, 2.02, 3.03]), pytest.approx([1.06, 2.05, 3.04]),
+                      pytest.approx([1.07, 2.08, 3.09])]
