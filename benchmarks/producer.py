@@ -55,6 +55,11 @@ from .common import (
 )
 
 BATCHES = (1, 10, 100)
+# Rounds and messages per way and round: N = 100, the target's, in twenty rounds of 2,000 messages
+# (its interval the 6th to the 15th round's ratio; five rounds give only the lowest to the
+# highest); the rest in five rounds of 3,000 (N = 1, durable, takes 20 s a round)
+ROUNDS = {1: 5, 10: 5, 100: 20}
+MESSAGES = {1: 3000, 10: 3000, 100: 2000}
 
 
 def build(broker_url: str, tracking: bool = True) -> tuple[Celery, Outbox, Any, Any]:
@@ -155,12 +160,11 @@ def batches_publishes(app: Celery) -> bool:
 
 def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
     app, outbox, plain, durable = build(broker_url)
-    repeats = options.size(5, 1)
     try:
         _warm_up(outbox, plain, durable)
         results = []
         for n in BATCHES:
-            units = max(20, options.size(3000, 200) // n)
+            repeats, units = options.size(ROUNDS[n], 1), max(20, options.size(MESSAGES[n], 200) // n)
             rounds = _rates(outbox, plain, durable, units, n, repeats, floor=n == max(BATCHES))
             for each in rounds:
                 print(f"  producer {broker} N={n}: plain {each[0]:.0f}/s, in-memory {each[1]:.0f}/s, "
