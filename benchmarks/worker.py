@@ -48,9 +48,10 @@ from .cpu import CPU_PARTS
 
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
-# Rounds of blocks of messages: twenty give each ratio an interval at 96% confidence (the
-# sixth lowest to the sixth highest round's)
-ROUNDS = 20
+# Rounds of blocks of messages: thirty give each ratio an interval at 90% confidence from the
+# 11th to the 20th round's (twenty gave the 6th to the 15th, at 96%: a third wider, and the
+# floors' intervals straddled the one-write targets on a noisy host)
+ROUNDS = 30
 # Messages in a block, by broker: half a second or more of the fastest variant (the plain task
 # runs some 1,000 a second on Redis, 3,000 on RabbitMQ); RabbitMQ's blocks of 500, 0.17 s each,
 # gave plain vs plain acks_late an interval of 0.67 to 1.16
@@ -178,7 +179,7 @@ class Run:
 
 def mean_cpu(blocks: list[Block]) -> dict[str, float]:
     """The CPU per task, by part, over all of a variant's blocks: a block's reading counts clock
-    ticks of 10 ms, 20 µs a task in a block of 500; the mean of twenty resolves about 1 µs."""
+    ticks of 10 ms, 20 µs a task in a block of 500; the mean of thirty resolves better than 1 µs."""
     if not blocks:
         return {}
     return {part: statistics.fmean(each["cpu"][part] for each in blocks) for part in CPU_PARTS}
