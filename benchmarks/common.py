@@ -298,8 +298,8 @@ def table(results: list[Result]) -> str:
 
 def verdicts(results: list[Result]) -> str:
     """What the table says of the targets, in a few lines: which hold, which miss where their floor
-    misses too (no implementation can meet them on this machine), and which the host's noise leaves
-    undecided."""
+    misses too (no implementation can meet them on this machine), which the host's noise leaves
+    undecided, and which miss: at a floor that the host's noise leaves undecided, or not."""
     rows = [r for r in results if r.verdict is not None]
     groups = {
         "met": [r for r in rows if r.verdict == "yes"],
@@ -309,7 +309,10 @@ def verdicts(results: list[Result]) -> str:
             [r for r in rows if r.verdict != "yes" and r.floor_verdict == "beyond" and not r.at_floor],
         "undecided (the rounds straddle the target)":
             [r for r in rows if r.verdict == "undecided" and r.floor_verdict != "beyond"],
-        "missed": [r for r in rows if r.verdict == "no" and r.floor_verdict != "beyond"],
+        "missed, ours at its floor (whether the floor meets the target, this host cannot tell)":
+            [r for r in rows if r.verdict == "no" and r.floor_verdict == "undecided" and r.at_floor],
+        "missed": [r for r in rows if r.verdict == "no" and r.floor_verdict != "beyond"
+                   and not (r.floor_verdict == "undecided" and r.at_floor)],
     }
     lines = [f"{len(rows)} targets, judged at {CONFIDENCE:.0%} confidence or more where a row has rounds enough:"]
     lines += [f"- {label}: {len(group)}" + "".join(f"\n  - {r.benchmark}, {r.case}" for r in group)

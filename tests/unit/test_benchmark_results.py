@@ -177,9 +177,11 @@ def test_the_verdicts_sort_every_target_into_one_group():
     undecided = Result.of_rounds("cleanup", "p99", "ms", _rounds([1.5, 1.8, 2.0, 2.2, 2.5]), target=("<=", 2.0))
     missed = Result.of_rounds("worker", "RabbitMQ, optimistic", "tasks/s", _rounds([0.7] * 5, [0.9] * 5),
                               target=(">=", 0.85))
+    at_undecided_floor = Result.of_rounds("producer", "RabbitMQ, N=100", "msg/s",
+                                          _rounds([0.8] * 5, [0.8, 0.82, 0.85, 0.88, 0.9]), target=(">=", 0.85))
     untargeted = Result("producer", "Redis, N=1", "msg/s", 10.0, plain=20.0)
-    lines = verdicts([met, beyond, below, undecided, missed, untargeted]).splitlines()
-    assert lines[0].startswith("5 targets")
+    lines = verdicts([met, beyond, below, undecided, missed, at_undecided_floor, untargeted]).splitlines()
+    assert lines[0].startswith("6 targets")
     assert lines[1:] == [
         "- met: 1", "  - relay, Redis",
         "- beyond this machine (missed or undecided; the floor misses too), ours at its floor: 1",
@@ -187,6 +189,8 @@ def test_the_verdicts_sort_every_target_into_one_group():
         "- beyond this machine (missed or undecided; the floor misses too), ours short of its floor: 1",
         "  - worker, Redis, optimistic",
         "- undecided (the rounds straddle the target): 1", "  - cleanup, p99",
+        "- missed, ours at its floor (whether the floor meets the target, this host cannot tell): 1",
+        "  - producer, RabbitMQ, N=100",
         "- missed: 1", "  - worker, RabbitMQ, optimistic",
     ]
 
