@@ -1,4 +1,5 @@
 """``python -m benchmarks [NAME ...] [--quick] [--json PATH]``: run the benchmarks, print the table.
+``python -m benchmarks --report PATH``: print the table of a run from its JSON again.
 
 Each benchmark measures celery-outbox and plain Celery in the same run, on the same
 services, and reports throughputs and their ratio; the table says which targets hold.
@@ -24,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that they run, not how fast")
     parser.add_argument("--json", default="benchmarks/results.json", help="where to write the results")
+    parser.add_argument("--report", metavar="PATH", help="run nothing: print the table and summary of the results "
+                        "written to PATH by an earlier run")
     args = parser.parse_args(argv)
+    if args.report:
+        return report(args.report)
     options = Options(quick=args.quick)
     results: list[Result] = []
     started = datetime.now(timezone.utc)
@@ -34,14 +39,33 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"benchmarks.{name}")
         results.extend(module.run(options))
         print(f"benchmark {name}: {time.monotonic() - began:.0f}s", file=sys.stderr, flush=True)
-    report = {"started": started.isoformat(timespec="seconds"), "quick": args.quick, "machine": machine(),
-              "results": [result.as_dict() for result in results]}
+    written = {"started": started.isoformat(timespec="seconds"), "quick": args.quick, "machine": machine(),
+               "results": [result.as_dict() for result in results]}
     with open(args.json, "w") as handle:
-        json.dump(report, handle, indent=2)
+        json.dump(written, handle, indent=2)
+    _print(results, written["machine"])
+    print(f"written to {args.json}")
+    return 0
+
+
+def report(path: str) -> int:
+    """Print the table and summary of the results at ``path``, as the run that wrote them did."""
+    try:
+        with open(path) as handle:
+            written = json.load(handle)
+        results = [Result.from_dict(row) for row in written["results"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"python -m benchmarks --report: cannot read the results in {path}: {exc!r}", file=sys.stderr)
+        return 2
+    print(f"run of {written.get('started', 'an unknown time')}" + (" (--quick)" if written.get("quick") else ""))
+    _print(results, written.get("machine", {}))
+    return 0
+
+
+def _print(results: list[Result], machine_described: dict) -> None:
     print(table(results))
     print(f"\n{verdicts(results)}")
-    print(f"\nmachine: {report['machine']}\nwritten to {args.json}")
-    return 0
+    print(f"\nmachine: {machine_described}")
 
 
 if __name__ == "__main__":

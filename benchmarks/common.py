@@ -174,6 +174,18 @@ class Result:
         higher_is_better = self.target is None or self.target[0] == ">="
         return interval[1] >= 1.0 if higher_is_better else interval[0] <= 1.0
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Result":
+        """The row ``as_dict`` wrote (its derived fields are computed again, not read)."""
+        target = data.get("target")
+        if target is not None:
+            operator, value = target.split()
+            target = (operator, float(value))
+        rounds = data.get("rounds")
+        return cls(data["benchmark"], data["case"], data["unit"], data["ours"], plain=data.get("plain"),
+                   target=target, note=data.get("note", ""), floor=data.get("floor"),
+                   rounds=None if rounds is None else [tuple(each) for each in rounds])
+
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(ratio=self.ratio, met=self.met, floor_ratio=self.floor_ratio, floor_met=self.floor_met,

@@ -87,6 +87,13 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     targets = sum(r["target"] is not None for r in results)
     assert f"\n{targets} targets, judged at 90% confidence or more where a row has rounds enough:\n" in table
 
+    reprinted = subprocess.run([sys.executable, "-m", "benchmarks", "--report", str(report_path)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert reprinted.returncode == 0, reprinted.stderr
+    heading, again = reprinted.stdout.split("\n", 1)
+    assert heading == f"run of {report['started']} (--quick)"
+    assert again == table.replace(f"written to {report_path}\n", ""), "the same table and summary, from the JSON"
+
 
 def test_cleanup_floor_deletes_every_expired_row_and_nothing_else():
     """The hand-written cleanup the p99 target is set against deletes exactly what ours would."""

@@ -3,6 +3,7 @@ any implementation of the guarantee must do, measured in the same run) could mee
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -210,3 +211,16 @@ def test_rounds_take_turns_forward_then_backward_and_report_in_the_order_given()
     assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert rounds == [pytest.approx([1.01, 2.02, 3.03]), pytest.approx([1.06, 2.05, 3.04]),
                       pytest.approx([1.07, 2.08, 3.09])]
+
+
+def test_a_row_read_back_from_its_json_is_the_row_that_was_written():
+    from benchmarks.common import verdicts
+
+    rounds = _rounds([0.8, 0.82, 0.86, 0.9, 0.91], [0.85] * 5)
+    rows = [Result.of_rounds("worker", "Redis, optimistic", "tasks/s", rounds, target=(">=", 0.85),
+                             note="CPU µs/task: worker 1"),
+            Result.of_rounds("cleanup", "delete 1 M", "rows/s", [(1e5, None, None)] * 5, target=(">=", 100_000)),
+            Result("audit", "1 M", "envelopes/s", 2e4)]
+    again = [Result.from_dict(json.loads(json.dumps(row.as_dict()))) for row in rows]
+    assert again == rows
+    assert table(again) == table(rows) and verdicts(again) == verdicts(rows)
