@@ -333,8 +333,15 @@ class Store:
         """Create missing tables and indexes and upgrade to ``SCHEMA_VERSION``.
 
         Idempotent; on PostgreSQL two concurrent runs serialise on an advisory
-        transaction lock, on SQLite on the database's write lock.
+        transaction lock, on SQLite on the database's write lock. Every process that gets
+        ready migrates (each new pool process, say), so a current schema is told from the
+        catalog alone, with no DDL: ``CREATE INDEX IF NOT EXISTS`` takes a SHARE lock on its
+        table even when the index exists, which waits for the tasks writing to it and
+        deadlocks with their transactions.
         """
+        with self.begin() as conn:
+            if self._schema_is_current(conn):
+                return MigrationResult(version_before=SCHEMA_VERSION)
         result = MigrationResult()
         with self.begin() as conn:
             if self.is_postgres:
@@ -357,6 +364,22 @@ class Store:
                     update(schema).where(schema.c.id == 1).values(version=SCHEMA_VERSION, migrated_at=utcnow())
                 )
         return result
+
+    def _schema_is_current(self, conn: Connection) -> bool:
+        """Every table and index exists and the recorded version is ``SCHEMA_VERSION`` (read from
+        the catalog: no lock on the tables)."""
+        inspector = inspect(conn)
+        existing = set(inspector.get_table_names())
+        if any(table.name not in existing for table in self.tables.all()):
+            return False
+        schema = self.tables.schema
+        if conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar() != SCHEMA_VERSION:
+            return False
+        for table in self.tables.all():
+            found = {index["name"] for index in inspector.get_indexes(table.name)}
+            if not {index.name for index in table.indexes} <= found:
+                return False
+        return True
 
     def schema_version(self) -> int | None:
         """The version ``migrate`` recorded, or None when the tables do not exist."""

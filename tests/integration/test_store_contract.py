@@ -792,3 +792,41 @@ def test_a_finish_whose_statement_vanished_behind_psycopgs_back_fails_and_is_pre
     assert [store.get_incoming(key).status for key in ("first", "second", "after", "again")] == ["handled"] * 4
     assert store.get_incoming("lost").status == "running", "claimed, not marked handled"
     assert store.get_incoming("effect of lost") is None, "the body's write rolled back"
+
+
+def test_migrate_on_a_current_schema_runs_no_ddl(store: Store):
+    """Every process that gets ready migrates (each new pool process): on a current schema that
+    is a read of the catalog, not one DDL statement."""
+    log = StatementLog(store.engine)
+    try:
+        result = store.migrate()
+    finally:
+        log.close()
+    assert result.created_tables == [] and result.version_before == SCHEMA_VERSION
+    assert log.of("CREATE") == [] and log.of("ALTER") == [] and log.of("DROP") == []
+
+
+def test_migrate_on_a_current_schema_neither_waits_for_nor_blocks_writers(store: Store):
+    """``CREATE INDEX IF NOT EXISTS`` takes a SHARE lock on its table even when the index exists:
+    a migrate run by a new pool process waited for the transactions writing to the inbox, and a
+    task's transaction deadlocked with it. On a current schema migrate takes no such lock."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL only: SQLite has no table locks")
+    finished, errors = threading.Event(), []
+
+    def migrate() -> None:
+        try:
+            store.migrate()
+        except BaseException as exc:  # noqa: BLE001 - the assertion below reports it
+            errors.append(exc)
+        finished.set()
+
+    migrating = threading.Thread(target=migrate)
+    with store.engine.connect() as writer, writer.begin() as held:
+        writer.execute(store.tables.incoming.insert().values(**incoming_row("held-by-a-writer")))
+        migrating.start()
+        migrated_meanwhile = finished.wait(timeout=20)
+        held.rollback()
+    migrating.join(timeout=60)
+    assert errors == []
+    assert migrated_meanwhile, "migrate waited for a transaction writing to the inbox"
