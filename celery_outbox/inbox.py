@@ -222,8 +222,30 @@ class Inbox:
 
     def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                    envelope: dict[str, Any]) -> Any:
-        store = self.outbox.store
         node_id = self.outbox.node.id
+        try:
+            return self._run_eager_claimed(task, delivery, body, unit_of_work, envelope, node_id)
+        except _StoreDown:
+            self._release_after_store_error(delivery, node_id)
+            raise
+
+    def _release_after_store_error(self, delivery: Delivery, node_id: int) -> None:
+        """The attempt failed on a store error (a deadlock, a dropped connection) after its claim
+        may have committed: release the claim, in a transaction of its own, so that the copy
+        the broker redelivers takes it over instead of meeting this live node's claim as a
+        duplicate. Best effort: with the database down the release fails too, and the claim waits
+        for this node to be declared dead, like every claim of a node that loses the database."""
+        try:
+            with self.outbox.store.begin() as conn:
+                self.outbox.store.release_claim(conn, delivery.message_id, delivery.destination, node_id,
+                                                delivery.attempt, utcnow())
+        except Exception as error:  # noqa: BLE001 - best effort: recovery releases it with the node
+            logger.warning("celery-outbox: could not release the claim of %s[%s] after a store error: %s",
+                           delivery.task_name, delivery.message_id, error)
+
+    def _run_eager_claimed(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
+                           envelope: dict[str, Any], node_id: int) -> Any:
+        store = self.outbox.store
         if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
             self._store_envelope(delivery, envelope, owner=node_id)
 

@@ -1250,6 +1250,18 @@ class Store:
         owned = is_running(table) & self._owner_predicate(table.c.owner, owners)
         return self._release_incoming(conn, owned, limit, now)
 
+    def release_claim(self, conn: Connection, message_id: str, destination: str, owner: int,
+                      attempt: tuple[int, int, int], now: datetime) -> int:
+        """Release ``owner``'s running claim of this attempt (nesting, replays, retries) of the
+        message, so that a redelivered copy takes it over; returns how many rows (0: the claim
+        was not there, not ours, or already ended). Due for recovery at once, as ``release_owned``."""
+        table = self.tables.incoming
+        nesting, replays, retries = attempt
+        ours = (is_running(table) & (table.c.message_id == message_id) & (table.c.destination == destination)
+                & (table.c.owner == owner) & (table.c.nesting == nesting) & (table.c.replays == replays)
+                & (table.c.retries == retries))
+        return self._release_incoming(conn, ours, 1, now)
+
     def _owner_predicate(self, column, owners: Sequence[int]):
         if self.is_postgres:
             return column == func.any(bindparam("owners", list(owners), type_=postgresql.ARRAY(Integer)))

@@ -431,3 +431,41 @@ def test_an_eager_claim_taken_over_while_the_body_ran_commits_nothing(harness_on
     assert (row.status, row.owner) == ("running", 424242)
     with harness.app.connection_for_read() as connection:
         assert connection.SimpleQueue(harness.other_queue).qsize() == 0, "the body's message was not published"
+
+
+def test_a_store_error_after_an_eager_claim_releases_it_and_the_redelivered_copy_runs(harness_on_each_store,
+                                                                                     monkeypatch):
+    """The eager finish fails on a store error while the database stays up (a deadlock, seen in a
+    crash drill): the attempt rolls back, the message goes back to the broker, and the claim is
+    released, so the redelivered copy runs instead of meeting this live node's claim as a
+    duplicate; its effects are written once."""
+    from sqlalchemy.exc import OperationalError
+
+    harness = harness_on_each_store
+    store = harness.outbox.store
+    finish = store.finish_incoming
+    failures = []
+
+    def finish_failing_once(*args, **kwargs):
+        if not failures:
+            failures.append("deadlock detected")
+            raise OperationalError("UPDATE ...", {}, Exception("deadlock detected"))
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "finish_incoming", finish_failing_once)
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.eager_once", shared=False)
+    def eager_once(self, note):
+        harness.runs.append((self.request.id, self.request.retries))
+        self.connection.execute(insert(harness.effects).values(note=note))
+
+    eager_once.idempotency = "eager"
+    with harness.worker():
+        eager_once.apply_async(("paid",), task_id="eager-store-error")
+        states = harness.wait_for_states("eager-store-error", 2, timeout=30)
+    assert failures == ["deadlock detected"]
+    assert states[-1] == "SUCCESS" and "IGNORED" not in states, states
+    assert harness.runs == [("eager-store-error", 0)] * 2, "the body ran again on the redelivered copy"
+    assert harness.effect_count() == 1, "the failed attempt's write rolled back"
+    row = store.get_incoming("eager-store-error")
+    assert (row.status, row.owner, row.duplicates) == ("handled", 0, 0)
