@@ -346,15 +346,13 @@ class Store:
         with self.begin() as conn:
             if self.is_postgres:
                 conn.execute(select(func.pg_advisory_xact_lock(self._advisory_key())))
-            existing = set(inspect(conn).get_table_names())
+            result.created_tables = self._missing_tables(conn)
             for table in self.tables.all():
-                if table.name not in existing:
-                    result.created_tables.append(table.name)
                 conn.execute(CreateTable(table, if_not_exists=True))
                 for index in sorted(table.indexes, key=lambda i: i.name or ""):
                     conn.execute(CreateIndex(index, if_not_exists=True))
             schema = self.tables.schema
-            result.version_before = conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
+            result.version_before = self._recorded_version(conn)
             if result.version_before is None:
                 conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION, migrated_at=utcnow()))
             elif result.version_before != SCHEMA_VERSION:
@@ -368,13 +366,9 @@ class Store:
     def _schema_is_current(self, conn: Connection) -> bool:
         """Every table and index exists and the recorded version is ``SCHEMA_VERSION`` (read from
         the catalog: no lock on the tables)."""
+        if self._missing_tables(conn) or self._recorded_version(conn) != SCHEMA_VERSION:
+            return False
         inspector = inspect(conn)
-        existing = set(inspector.get_table_names())
-        if any(table.name not in existing for table in self.tables.all()):
-            return False
-        schema = self.tables.schema
-        if conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar() != SCHEMA_VERSION:
-            return False
         for table in self.tables.all():
             found = {index["name"] for index in inspector.get_indexes(table.name)}
             if not {index.name for index in table.indexes} <= found:
@@ -386,12 +380,20 @@ class Store:
         with self.begin() as conn:
             if self.tables.schema.name not in inspect(conn).get_table_names():
                 return None
-            return conn.execute(select(self.tables.schema.c.version)).scalar()
+            return self._recorded_version(conn)
 
     def missing_tables(self) -> list[str]:
         with self.begin() as conn:
-            existing = set(inspect(conn).get_table_names())
+            return self._missing_tables(conn)
+
+    def _missing_tables(self, conn: Connection) -> list[str]:
+        existing = set(inspect(conn).get_table_names())
         return [t.name for t in self.tables.all() if t.name not in existing]
+
+    def _recorded_version(self, conn: Connection) -> int | None:
+        """The version in the schema table (which must exist); None before the first migrate."""
+        schema = self.tables.schema
+        return conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
 
     # -- outgoing ------------------------------------------------------------------------------
 
