@@ -244,6 +244,12 @@ class OutboxSettings:
     def is_durable(self, queue: str | None) -> bool:
         return queue is not None and queue in self.durable_queues
 
+    def silent_before(self, now: datetime) -> datetime:
+        """A node with no heartbeat since this instant, whose liveness lock is free (PostgreSQL),
+        is dead: three heartbeats missed (at most ``node_stale_after``). A live node whose
+        liveness connection dropped keeps heartbeating, so the lock alone never condemns it."""
+        return now - timedelta(seconds=min(3 * self.node_heartbeat_interval, self.node_stale_after))
+
     def first_redelivery(self, now: datetime) -> datetime | None:
         """When a message sent ``now`` is published again if no inbox has acknowledged it; None
         without delivery tracking."""

@@ -156,6 +156,7 @@ def detect_dead_nodes(outbox: "Outbox") -> list[int]:
             stale_before=now - timedelta(seconds=settings.node_stale_after),
             checks_needed=settings.node_stale_checks,
             counted_before=now - timedelta(seconds=settings.recover_interval / 2),
+            silent_before=settings.silent_before(now),
         )
     for node_id in dead:
         logger.warning("celery-outbox: node %d declared dead; its claims are released", node_id)

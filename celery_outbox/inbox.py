@@ -9,18 +9,34 @@ Transaction boundaries, by idempotency style:
   together. Effects exactly once. A concurrent copy waits for the first
   transaction and is then discarded.
 * ``eager`` (``idempotency = "eager"``, and every plain task consumed from a
-  durable queue): the claim commits before the body; a concurrent copy is
-  discarded at once. The row is marked handled in the body's transaction. A
-  claim whose owner died (or older than ``outbox_inbox_stale_time``) can be
-  taken over.
+  durable queue): the claim commits before the body; a concurrent copy never
+  runs beside it (it goes back to the broker until the claim ends). The row is
+  marked handled in the body's transaction. A claim whose owner died (or older
+  than ``outbox_inbox_stale_time``) can be taken over.
 
 For durable queues the full envelope is stored and committed before the body runs
 (unowned for the optimistic style, already claimed for the eager one), so recovery
 can re-publish it. An attempt that ends in a retry is recorded
 as ``retried``; one that fails for good as ``dead``, with a dead letter. A
-duplicate is acked, counted, logged at INFO, signalled and ends IGNORED. A claim
-that fails because the database is down is not acked: the message is rejected
-back to the broker and comes again.
+duplicate (the attempt already handled or ended) is acked, counted, logged at
+INFO, signalled and ends IGNORED.
+
+The claim rule: a claim never outlives the attempt that holds the message.
+
+* A copy that meets a running claim of the same attempt whose owner is alive (it
+  may still finish) is not a duplicate yet: it goes back to the broker after a
+  back-off, until that claim is handled (then it is discarded) or released (then
+  it runs).
+* An attempt whose claim was taken from it (its node was declared dead) rolls
+  back and sends its message back to the broker; it never acks it as a duplicate.
+* Every store outage (see ``store.outage``), in the claim, the body's own
+  statements, the finish or the record of the outcome, sends the message back to
+  the broker: nothing is acked, nothing is recorded as a failure. An eager claim
+  that committed is released first; when the database cannot be reached for that
+  either, the node's heartbeat thread releases it once it can.
+* ``Reject(requeue=True)`` from the body releases the claim before the message
+  goes back; ``Reject(requeue=False)`` ends it, like a failure without a dead
+  letter (the broker dead-letters or drops the message, as in plain Celery).
 """
 
 from __future__ import annotations
@@ -37,16 +53,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.serialization import dumps
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from .crashpoints import crashpoint
 from .envelope import header_count, json_text
-from .errors import StoreUnavailable
 from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
 from .relay import REDELIVERY_HEADER
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
+from .store.outage import is_outage
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -78,7 +94,15 @@ def current_connection() -> Connection | None:
 
 
 class Duplicate(Exception):
-    """The delivery was already claimed or handled: discard it."""
+    """The delivery was already handled or ended: discard it."""
+
+
+class InFlight(Exception):
+    """The delivery is claimed by a running attempt that may still finish: hand it back."""
+
+
+class ClaimLost(Exception):
+    """The attempt's claim was taken over while its body ran: roll back and hand the message back."""
 
 
 @dataclass(frozen=True)
@@ -96,13 +120,17 @@ class Delivery:
 
     @classmethod
     def from_request(cls, task: Any, identity: str) -> "Delivery":
-        request = task.request
+        return cls.from_context(task.name, task.request, identity)
+
+    @classmethod
+    def from_context(cls, task_name: str, request: Any, identity: str) -> "Delivery":
+        """The delivery a task's request context (``task.request``, or a worker Request's context) names."""
         delivery_info = request.delivery_info or {}
         queue = delivery_info.get("queue") or delivery_info.get("routing_key") or ""
         return cls(
             message_id=str(request.id),
             destination=queue if identity == "id_and_destination" else "",
-            task_name=task.name,
+            task_name=task_name,
             queue=queue,
             retries=int(request.retries or 0),
             nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
@@ -171,6 +199,16 @@ class Inbox:
         except Duplicate:
             self._discard(delivery)
             raise Ignore() from None
+        except InFlight:
+            logger.info("celery-outbox: %s[%s] from %r is claimed by an attempt still running; the copy goes "
+                        "back to the broker", delivery.task_name, delivery.message_id, delivery.queue)
+            time.sleep(REQUEUE_BACKOFF)
+            raise Reject("claimed by an attempt still running", requeue=True) from None
+        except ClaimLost:
+            logger.warning("celery-outbox: the claim of %s[%s] was taken over while its body ran (its node was "
+                           "declared dead); its writes rolled back and the message goes back to the broker",
+                           delivery.task_name, delivery.message_id)
+            raise Reject("claim taken over", requeue=True) from None
         except _StoreDown as down:
             logger.warning(
                 "celery-outbox: cannot claim %s[%s] from %r, the message store is unavailable; "
@@ -201,16 +239,24 @@ class Inbox:
         stale = self.outbox.settings.inbox_stale_time
         return None if stale is None else now - timedelta(seconds=stale)
 
+    def _not_claimed(self, conn: Connection, delivery: Delivery) -> Exception:
+        """Why a claim failed: ``InFlight`` when a running claim of this attempt may still finish,
+        else ``Duplicate``."""
+        with _store_errors():
+            in_flight = self.outbox.store.claim_in_flight(conn, delivery.message_id, delivery.destination,
+                                                          delivery.attempt)
+        return InFlight() if in_flight else Duplicate()
+
     def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any]) -> Any:
         store = self.outbox.store
         outcome: BaseException | None = None
         with self._attempt(task, delivery, unit_of_work=True) as uow:
             now = utcnow()
             with _store_errors():
-                claimed = store.claim_incoming(uow.connection, self._claim_row(
-                    delivery, "handled", UNOWNED, now), self._stale_before(now))
+                claimed = store.claim_incoming(uow.connection, self._claim_row(delivery, "handled", UNOWNED, now),
+                                               self._stale_before(now), self.outbox.settings.silent_before(now))
             if not claimed:
-                raise Duplicate()
+                raise self._not_claimed(uow.connection, delivery)
             crashpoint("after_claim")
             try:
                 result = _call_body(body, uow)
@@ -226,22 +272,27 @@ class Inbox:
         try:
             return self._run_eager_claimed(task, delivery, body, unit_of_work, envelope, node_id)
         except _StoreDown:
-            self._release_after_store_error(delivery, node_id)
+            self._release_claim(delivery, node_id)
+            raise
+        except Reject as reject:
+            if reject.requeue:
+                self._release_claim(delivery, node_id)
             raise
 
-    def _release_after_store_error(self, delivery: Delivery, node_id: int) -> None:
-        """The attempt failed on a store error (a deadlock, a dropped connection) after its claim
-        may have committed: release the claim, in a transaction of its own, so that the copy
-        the broker redelivers takes it over instead of meeting this live node's claim as a
-        duplicate. Best effort: with the database down the release fails too, and the claim waits
-        for this node to be declared dead, like every claim of a node that loses the database."""
+    def _release_claim(self, delivery: Delivery, node_id: int) -> None:
+        """The attempt ends without finishing its eager claim, and its message goes back to the
+        broker (a store outage, ``Reject(requeue=True)``): release the claim, in a transaction of
+        its own, so that the copy takes it over instead of meeting it running. When the database
+        cannot be reached for that either, the node's heartbeat thread releases it later; until
+        then a copy goes back to the broker again."""
         try:
             with self.outbox.store.begin() as conn:
                 self.outbox.store.release_claim(conn, delivery.message_id, delivery.destination, node_id,
                                                 delivery.attempt, utcnow())
-        except Exception as error:  # noqa: BLE001 - best effort: recovery releases it with the node
-            logger.warning("celery-outbox: could not release the claim of %s[%s] after a store error: %s",
-                           delivery.task_name, delivery.message_id, error)
+        except Exception as error:  # noqa: BLE001 - the node's heartbeat thread tries again
+            logger.warning("celery-outbox: could not release the claim of %s[%s] (the node releases it when the "
+                           "database answers): %s", delivery.task_name, delivery.message_id, error)
+            self.outbox.node.release_later(delivery.message_id, delivery.destination, delivery.attempt)
 
     def _run_eager_claimed(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                            envelope: dict[str, Any], node_id: int) -> Any:
@@ -249,7 +300,7 @@ class Inbox:
         if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
             self._store_envelope(delivery, envelope, owner=node_id)
 
-        def finish(connection: Connection) -> bool:  # False: another node took the claim over, its run counts
+        def finish(connection: Connection) -> bool:  # False: another node took the claim over
             finished = utcnow()
             return store.finish_incoming(connection, delivery.message_id, delivery.destination, node_id,
                                          delivery.attempt, finished, self._keep_until(finished), commit=True)
@@ -261,9 +312,12 @@ class Inbox:
                 # committed without waiting for the disk (the body's commit makes it durable), on the
                 # attempt's connection: the body's transaction begins in the same round trip
                 with _store_errors():
-                    if not store.claim_incoming_alone(self._claim_row(delivery, "running", node_id, now),
-                                                      self._stale_before(now), uow.connection_before_begin):
-                        raise Duplicate()
+                    claimed = store.claim_incoming_alone(self._claim_row(delivery, "running", node_id, now),
+                                                         self._stale_before(now), uow.connection_before_begin,
+                                                         self.outbox.settings.silent_before(now))
+                if not claimed:
+                    with _store_errors(), store.begin(durable=False) as conn:
+                        raise self._not_claimed(conn, delivery)
             crashpoint("after_claim")
             try:
                 result = _call_body(body, uow) if unit_of_work else body()
@@ -278,8 +332,8 @@ class Inbox:
                  last: Callable[[Connection], bool] | None = None) -> Iterator[ConnectionUnitOfWork]:
         """The attempt's transaction: one pooled connection, committed when the block ends (durable
         messages inserted just before, then ``last``, the statement the COMMIT may go with;
-        everything captured published just after) and rolled back on any exception, or as a
-        ``Duplicate`` when ``last`` returns False. With ``unit_of_work``, the block's publishes
+        everything captured published just after) and rolled back on any exception, or as
+        ``ClaimLost`` when ``last`` returns False. With ``unit_of_work``, the block's publishes
         are captured into it. When the attempt failed, how it ended is recorded after the
         rollback (``_ending``)."""
         with _store_errors():
@@ -290,22 +344,30 @@ class Inbox:
                 with _store_errors():
                     committed = uow.commit(last)
                 if not committed:
-                    raise Duplicate()
+                    raise ClaimLost()
             except BaseException:
                 uow.rollback()
                 raise
 
     @contextmanager
     def _ending(self, task: Any, delivery: Delivery, uow: ConnectionUnitOfWork) -> Iterator[None]:
-        """Record how an attempt ended when its transaction rolled back; close its connection."""
+        """Record how an attempt ended when its transaction rolled back; close its connection.
+        An exception of the body that is a store outage, or that left the attempt's connection
+        unusable, is an outage: the message goes back, nothing is recorded."""
         try:
             yield
-        except (Duplicate, _StoreDown, Reject):
+        except (Duplicate, InFlight, ClaimLost, _StoreDown):
+            raise
+        except Reject as reject:
+            if not reject.requeue:
+                self._record(task, delivery, "dead")
             raise
         except Retry:
             self._record(task, delivery, "retried")
             raise
         except Exception as exc:
+            if is_outage(exc) or uow.connection_lost():
+                raise _StoreDown(exc) from exc
             self._record(task, delivery, "dead", exc)
             raise
         finally:
@@ -338,12 +400,14 @@ class Inbox:
         if owner == UNOWNED:
             del row["claimed_at"]  # nobody has claimed it yet
         with _store_errors(), store.begin(durable=False) as conn:  # the body's commit makes it durable
-            if not store.claim_incoming(conn, row, self._stale_before(now)):
-                raise Duplicate()
+            if not store.claim_incoming(conn, row, self._stale_before(now), self.outbox.settings.silent_before(now)):
+                raise self._not_claimed(conn, delivery)
             self._acknowledge(conn, delivery)  # the inbox has the message now: the sender's row can go
 
     def _record(self, task: Any, delivery: Delivery, status: str, exc: BaseException | None = None) -> None:
-        """After a rollback: remember that this attempt ended (retried, or dead with a dead letter)."""
+        """After a rollback: remember that this attempt ended (retried, or dead, with a dead letter
+        when it failed). A dead attempt whose record meets a store outage is an outage: its
+        message goes back to the broker rather than be acked with no dead letter."""
         store = self.outbox.store
         now = utcnow()
         row = self._claim_row(delivery, status, UNOWNED, now)
@@ -354,8 +418,23 @@ class Inbox:
                 if exc is not None:
                     store.insert_dead_letters(conn, [dead_letter_row(task, delivery, "failed", exc, now)])
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
+            if status == "dead" and is_outage(error, transient=True):
+                raise _StoreDown(error) from error
             logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
                          delivery.task_name, delivery.message_id, status, error)
+
+    def end_lost_worker_attempt(self, delivery: Delivery, dead_letter: dict[str, Any]) -> None:
+        """The worker's pool process died running this attempt once too often (Celery re-sends a
+        lost attempt only up to ``max_retries``): end the attempt as ``dead`` and keep its message
+        in dead letters, in one transaction, before Celery acks it. Raises on a store error: the
+        message must then go back to the broker instead."""
+        store = self.outbox.store
+        now = utcnow()
+        row = self._claim_row(delivery, "dead", UNOWNED, now)
+        row.update(keep_until=self._keep_until(now), handled_at=now)
+        with store.begin() as conn:
+            store.record_outcome(conn, row)
+            store.insert_dead_letters(conn, [dead_letter])
 
     def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
         """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""
@@ -403,11 +482,7 @@ class _store_errors:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None:
             return False
-        if isinstance(exc, StoreUnavailable) or (isinstance(exc, DBAPIError) and exc.connection_invalidated):
-            raise _StoreDown(exc) from exc
-        from sqlalchemy.exc import InterfaceError, OperationalError
-
-        if isinstance(exc, (OperationalError, InterfaceError)):
+        if isinstance(exc, (OperationalError, InterfaceError)) or is_outage(exc, transient=True):
             raise _StoreDown(exc) from exc
         return False
 

@@ -11,8 +11,16 @@ Liveness, two ways:
   declares a node dead after ``outbox_node_stale_checks`` stale checks;
 * on PostgreSQL the node also holds a session-level advisory lock on a dedicated
   connection for its whole life. The database drops it the instant the process
-  dies, so a claim of a killed process is known dead at once, even while its
-  worker's parent process keeps heartbeating.
+  dies, so a killed process is known dead as soon as its heartbeat falls silent
+  (three intervals), even while its worker's parent process keeps heartbeating.
+  A liveness connection that drops while the process lives (a failover, the
+  server's ``idle_session_timeout``, a pooler recycling it) is re-established by
+  the heartbeat thread and the lock taken again; the heartbeat goes on meanwhile,
+  so the node is never declared dead for the lock alone.
+
+The heartbeat thread also releases the claims an attempt could not release itself
+because the database was unreachable (``release_later``): until then a copy of
+their message meets a running claim and goes back to the broker.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ import socket
 import threading
 import uuid
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .store import utcnow
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -42,6 +53,15 @@ def node_lock_key(node_id: int, table_prefix: str) -> int:
     return (node_lock_namespace(table_prefix) << 32) | (node_id & 0xFFFFFFFF)
 
 
+@dataclass(frozen=True)
+class PendingRelease:
+    """A claim of this node that its attempt could not release: the key and the attempt."""
+
+    message_id: str
+    destination: str
+    attempt: tuple[int, int, int]
+
+
 class Node:
     """This process's node; ``Node.id`` registers it on first use."""
 
@@ -54,6 +74,8 @@ class Node:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._liveness_connection: Any = None
+        self._lock_key: int | None = None
+        self._pending_releases: dict[PendingRelease, int] = {}  # the claim -> the node id that owns it
 
     @property
     def id(self) -> int:
@@ -83,12 +105,15 @@ class Node:
         hostname = socket.gethostname()
         pid = os.getpid()
         name = f"{hostname}:{pid}:{uuid.uuid4().hex[:12]}"
+        self._pending_releases = {}
         if store.is_postgres:
             self._liveness_connection = store.engine.connect()
             node_id = store.register_node(name, hostname, pid, conn=self._liveness_connection,
                                           lock_key=lambda new_id: node_lock_key(new_id, store.prefix))
+            self._lock_key = node_lock_key(node_id, store.prefix)
         else:
             node_id = store.register_node(name, hostname, pid)
+            self._lock_key = None
         self._id, self._pid, self._name = node_id, pid, name
         interval = self.outbox.settings.node_heartbeat_interval
         self._thread = threading.Thread(target=self._beat, args=(node_id, interval, self._stop),
@@ -109,6 +134,70 @@ class Node:
                     return
             except Exception as exc:  # noqa: BLE001 - the heartbeat thread must outlive a database blip
                 logger.warning("celery-outbox: heartbeat of node %d failed: %s", node_id, exc)
+                continue
+            self._keep_liveness(node_id, stop)
+            self._release_pending(node_id)
+
+    def _keep_liveness(self, node_id: int, stop: threading.Event) -> None:
+        """Check the liveness connection with one round trip; when the server ended its session,
+        connect again and take the liveness lock again (later beats try again while it fails).
+        Only this thread uses the connection once the node is registered."""
+        if self._lock_key is None:
+            return
+        store = self.outbox.store
+        connection = self._liveness_connection
+        try:
+            if connection is None:
+                raise ConnectionError("no liveness connection")
+            store.ping_liveness(connection)
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure means the session and its lock are gone
+            logger.warning("celery-outbox: the liveness connection of node %d was lost (%s); connecting again",
+                           node_id, exc)
+        with self._lock:
+            if self._id == node_id:
+                self._drop_liveness()
+        try:
+            connection = store.engine.connect()
+        except Exception as exc:  # noqa: BLE001 - the database is away: the next beat tries again
+            logger.warning("celery-outbox: node %d cannot reconnect its liveness connection: %s", node_id, exc)
+            return
+        try:
+            held = store.hold_liveness_lock(connection, self._lock_key)
+        except Exception as exc:  # noqa: BLE001 - as above
+            logger.warning("celery-outbox: node %d cannot take its liveness lock again: %s", node_id, exc)
+            held = False
+        with self._lock:
+            if held and self._id == node_id and not stop.is_set():
+                self._liveness_connection = connection
+                logger.info("celery-outbox: node %d holds its liveness lock again", node_id)
+                return
+        connection.invalidate()  # not back to the pool: it may hold the lock
+        connection.close()
+
+    def release_later(self, message_id: str, destination: str, attempt: tuple[int, int, int]) -> None:
+        """Remember a claim of this node that its attempt could not release (the database was
+        unreachable): the heartbeat thread releases it as soon as the database answers."""
+        with self._lock:
+            if self.registered():
+                assert self._id is not None
+                self._pending_releases[PendingRelease(message_id, destination, attempt)] = self._id
+
+    def _release_pending(self, node_id: int) -> None:
+        with self._lock:
+            pending = [claim for claim, owner in self._pending_releases.items() if owner == node_id]
+        store = self.outbox.store
+        for claim in pending:
+            try:
+                with store.begin() as conn:
+                    store.release_claim(conn, claim.message_id, claim.destination, node_id, claim.attempt, utcnow())
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                logger.warning("celery-outbox: node %d could not release the claim of %s yet: %s", node_id,
+                               claim.message_id, exc)
+                return
+            with self._lock:
+                self._pending_releases.pop(claim, None)
+            logger.info("celery-outbox: node %d released the claim of %s", node_id, claim.message_id)
 
     def deregister(self) -> None:
         """Stop the heartbeat, release everything this node owns and delete its row."""

@@ -46,6 +46,10 @@ __all__ = ["Outbox"]
 logger = logging.getLogger("celery_outbox")
 
 _APP_ATTRIBUTE = "_celery_outbox"
+# Pools whose tasks share one process, and so one engine
+THREADED_POOL_MODULES = ("celery.concurrency.thread", "celery.concurrency.gevent", "celery.concurrency.eventlet")
+# Connections a node holds beside its tasks': the heartbeat's, and the liveness lock's (PostgreSQL)
+NODE_CONNECTIONS = 2
 
 
 class Outbox:
@@ -126,12 +130,45 @@ class Outbox:
         app = getattr(sender, "app", None)
         if app is not None and app is not self.app:
             return
+        if sender is not None and hasattr(sender, "pool_cls"):
+            self._size_engine_for(sender)
         try:
             self.ready()
         except OutboxError as exc:
             logger.critical("celery-outbox: %s", exc)
             raise SystemExit(f"celery-outbox cannot start: {exc}") from None
         check_dedupe_window(self)
+
+    def _size_engine_for(self, worker: Any) -> None:
+        """A worker whose pool runs its tasks in threads or greenlets of one process (threads,
+        gevent, eventlet) shares one engine among them: size its pool from the concurrency, so
+        that every task can hold its attempt's connection and record its outcome on a second
+        one, beside the node's heartbeat and liveness connections. An engine given to
+        ``Outbox(app, engine=...)`` or a ``pool_size`` in ``outbox_engine_options`` is the user's:
+        a warning says when it is smaller."""
+        concurrency = threaded_concurrency(worker)
+        if concurrency is None:
+            return
+        settings, store = self.settings, self.store
+        wanted = {"pool_size": concurrency + NODE_CONNECTIONS, "max_overflow": concurrency}
+        pool_size = getattr(store.engine.pool, "size", lambda: None)()
+        if self._given_engine is not None or "pool_size" in settings.engine_options:
+            if pool_size is not None and pool_size < wanted["pool_size"]:
+                logger.warning("celery-outbox: the engine's pool holds %d connections and the worker runs %d tasks "
+                               "at once: give it pool_size=%d or more", pool_size, concurrency, wanted["pool_size"])
+            return
+        if pool_size is None or pool_size >= wanted["pool_size"]:
+            return
+        with self._lock:
+            old = store.engine
+            engine = build_engine(settings.database_url, {**settings.engine_options, **wanted})
+            self._store = Store(engine, settings.table_prefix)
+            assert self._sessionmaker is not None
+            self._sessionmaker.configure(bind=engine)
+            self._ready = False
+        old.dispose()
+        logger.info("celery-outbox: engine pool sized for %d concurrent tasks (pool_size %d, max_overflow %d)",
+                    concurrency, wanted["pool_size"], wanted["max_overflow"])
 
     def _on_after_configure(self, sender: Celery | None = None, **_: Any) -> None:
         if sender is self.app:
@@ -258,6 +295,24 @@ class Outbox:
     def status(self) -> dict[str, Any]:
         """Counts, ages and nodes (what ``celery -A proj outbox status`` prints)."""
         return self.ready().store.status()
+
+
+def threaded_concurrency(worker: Any) -> int | None:
+    """The number of tasks a worker runs at once in one process (threads, gevent, eventlet
+    pools); None for a pool of processes (prefork: each has its own engine) or solo."""
+    from celery import concurrency
+
+    pool = worker.pool_cls
+    if isinstance(pool, str):  # an alias or "module:Class": read, not imported
+        module = concurrency.ALIASES.get(pool, pool).split(":", 1)[0]
+    else:
+        module = getattr(pool, "__module__", "")
+    if module not in THREADED_POOL_MODULES:
+        return None
+    count = worker.concurrency
+    if not isinstance(count, int) or count <= 0:
+        count = os.cpu_count() or 1
+    return count
 
 
 def _install_task_base(app: Celery) -> None:

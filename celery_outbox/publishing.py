@@ -230,6 +230,11 @@ class ConnectionUnitOfWork(UnitOfWork):
         self._publish_committed()
         return True
 
+    def connection_lost(self) -> bool:
+        """Whether the attempt's connection was invalidated or closed under it (the server ended
+        its session): its transaction cannot commit, whatever the body made of the error."""
+        return self._connection.invalidated or self._connection.closed
+
     def rollback(self) -> None:
         """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop
         what was captured."""

@@ -12,6 +12,12 @@ of what the body sent; rolled back on an exception or a retry.
 (``retry_on_worker_lost`` on Celery 5.7+, ``reject_on_worker_lost`` before): the
 inbox tells the re-sent attempt from a duplicate.
 
+Celery re-sends a lost attempt only while its retries are below ``max_retries``; past
+that cap it acks the message as failed. ``OutboxRequest`` (the worker's request
+class of both bases) first ends such an attempt as a dead letter (reason
+``worker_lost``), or, when the store cannot take it, hands the message back to the
+broker: never a silent ack.
+
 ``InboxTask`` is the base ``Outbox(app)`` installs as the app's task class: a task
 consumed from a durable queue gets its envelope stored and its duplicates
 rejected (eager style: the claim commits before the body) whether or not it is an
@@ -20,17 +26,24 @@ rejected (eager style: the claim commits before the body) whether or not it is a
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
+from billiard.einfo import ExceptionInfo
 from celery import Task
+from celery.exceptions import WorkerLostError
+from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from .errors import OutboxError
-from .inbox import current_connection, current_session
+from .inbox import Delivery, current_connection, current_session, dead_letter_row
 from .outbox import outbox_of
+from .store import utcnow
 
-__all__ = ["IdempotentTask", "InboxTask"]
+__all__ = ["IdempotentTask", "InboxTask", "OutboxRequest"]
+
+logger = logging.getLogger("celery_outbox.tasks")
 
 _STYLES = ("optimistic", "eager")
 
@@ -50,19 +63,63 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
     return lambda: call(*args, **kwargs)
 
 
+class OutboxRequest(Request):
+    """The worker's request (in the worker's main process): a pool process lost running an
+    inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it."""
+
+    def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        if self._lost_past_the_cap(exc_info.exception) and not self._dead_lettered(exc_info.exception):
+            self.reject(requeue=True)  # the store could not take the dead letter: the message comes back
+            return
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def _lost_past_the_cap(self, exc: BaseException) -> bool:
+        task = self.task
+        if not (isinstance(exc, WorkerLostError) and task.acks_late and task.retry_on_worker_lost):
+            return False
+        outbox = getattr(task.app, "_celery_outbox", None)
+        if outbox is None or not (isinstance(task, IdempotentTask)
+                                  or outbox.settings.is_durable(_queue_of(self.delivery_info))):
+            return False
+        return task.max_retries is not None and (self._context.retries or 0) >= task.max_retries
+
+    def _dead_lettered(self, exc: BaseException) -> bool:
+        """Write the dead letter; False (logged) when the store cannot take it."""
+        task, context = self.task, self._context
+        outbox = outbox_of(task.app)
+        delivery = Delivery.from_context(task.name, context, outbox.settings.message_identity)
+        task.request_stack.push(context)
+        try:
+            dead_letter = dead_letter_row(task, delivery, "worker_lost", exc, utcnow())
+            outbox.inbox.end_lost_worker_attempt(delivery, dead_letter)
+        except Exception as error:  # noqa: BLE001 - without a dead letter the message must not be acked
+            logger.error("celery-outbox: cannot dead-letter %s[%s], lost with its worker process %d times; the "
+                         "message goes back to the broker: %s", task.name, self.id, (context.retries or 0) + 1, error)
+            return False
+        finally:
+            task.request_stack.pop()
+        logger.error("celery-outbox: %s[%s] lost its worker process %d times (max_retries %s); dead-lettered "
+                     "(reason worker_lost)", task.name, self.id, (context.retries or 0) + 1, task.max_retries)
+        return True
+
+
+def _queue_of(delivery_info: dict[str, Any] | None) -> str | None:
+    delivery_info = delivery_info or {}
+    return delivery_info.get("queue") or delivery_info.get("routing_key")
+
+
 class InboxTask(Task):
     """Plain Celery, except for deliveries from durable queues, which go through the inbox."""
 
     abstract = True
+    Request = "celery_outbox.tasks:OutboxRequest"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         outbox = getattr(self.app, "_celery_outbox", None)
         if outbox is None:
             return super().__call__(*args, **kwargs)
         request = self.request
-        delivery_info = request.delivery_info or {}
-        queue = delivery_info.get("queue") or delivery_info.get("routing_key")
-        if request.called_directly or not outbox.settings.is_durable(queue):
+        if request.called_directly or not outbox.settings.is_durable(_queue_of(request.delivery_info)):
             return super().__call__(*args, **kwargs)
         return outbox.inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
                                 unit_of_work=False)
@@ -72,6 +129,7 @@ class IdempotentTask(Task):
     """A task whose effects happen once per message, however often the broker delivers it."""
 
     abstract = True
+    Request = "celery_outbox.tasks:OutboxRequest"
     acks_late = True
     reject_on_worker_lost = True
     retry_on_worker_lost = True  # Celery >= 5.7: re-send as a new attempt when the process dies

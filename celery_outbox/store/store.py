@@ -31,8 +31,10 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
+    case,
     cast,
     delete,
+    false,
     func,
     inspect,
     literal_column,
@@ -708,17 +710,27 @@ class Store:
             return self._insert_incoming_in_one_message(conn, row, (b"BEGIN",))
         return conn.execute(self._insert_new_incoming, row).first() is not None
 
-    def _owner_is_dead(self, table):
-        """SQL: the row's owner node is gone (declared dead or deregistered) or, on
-        PostgreSQL, its process no longer holds its advisory liveness lock."""
+    def _owner_is_dead(self, table, silent_before: datetime | None):
+        """SQL: the row's owner node is gone (declared dead or deregistered) or, on PostgreSQL,
+        silent (no heartbeat since ``silent_before``) with its advisory liveness lock free: its
+        process is gone. A live node whose liveness connection dropped keeps heartbeating while
+        it takes its lock again, so it is never taken for dead."""
         nodes = self.tables.nodes
         gone = ~select(nodes.c.id).where(nodes.c.id == table.c.owner, nodes.c.dead_at.is_(None)) \
             .correlate(table).exists()
-        if not self.is_postgres:
+        if not self.is_postgres or silent_before is None:
             return gone
-        return gone | self._liveness_lock_free(table.c.owner)
+        silent = select(nodes.c.id).where(nodes.c.id == table.c.owner, nodes.c.heartbeat_at < silent_before) \
+            .correlate(table).exists()
+        return gone | self._silent_and_unlocked(silent, table.c.owner)
 
-    def claim_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None = None) -> bool:
+    def _silent_and_unlocked(self, silent, node_id_column):
+        """SQL: ``silent`` and the node's liveness lock free, the lock tried only for a silent node
+        (trying it takes it for the rest of the transaction)."""
+        return case((silent, self._liveness_lock_free(node_id_column)), else_=false())
+
+    def claim_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None = None,
+                       silent_before: datetime | None = None) -> bool:
         """Claim a received message for one attempt; False when it is a duplicate.
 
         ``row`` carries the key, the attempt (``nesting``, ``retries``), the new
@@ -732,15 +744,17 @@ class Store:
         * a later attempt of a row that ended in a retry or is still running (a retry,
           or Celery re-sending the task of a lost worker process);
         * a dead-letter replay (greater ``replays``) of a row that ended dead;
-        * the same attempt of a running row whose owner is unowned (released), dead,
-          or claimed before ``stale_before``: a recovery, not a duplicate.
+        * the same attempt of a running row whose owner is unowned (released), dead (see
+          ``_owner_is_dead``: silent since ``silent_before`` and unlocked counts), or claimed
+          before ``stale_before``: a recovery, not a duplicate.
 
         A concurrent claim of the same key waits for the first transaction, then
         re-checks these conditions against the committed row.
         """
-        return self.insert_incoming(conn, row) or self._take_over_incoming(conn, row, stale_before)
+        return self.insert_incoming(conn, row) or self._take_over_incoming(conn, row, stale_before, silent_before)
 
-    def _take_over_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None) -> bool:
+    def _take_over_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None,
+                            silent_before: datetime | None) -> bool:
         """The key exists (or a concurrent claim just committed it): a second statement, with a
         fresh snapshot, decides whether this delivery may take the row over."""
         table = self.tables.incoming
@@ -748,7 +762,7 @@ class Store:
         new = insert.excluded
         same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
             new.retries == table.c.retries)
-        free = (table.c.owner == UNOWNED) | self._owner_is_dead(table)
+        free = (table.c.owner == UNOWNED) | self._owner_is_dead(table, silent_before)
         if stale_before is not None:
             free = free | (table.c.claimed_at < stale_before)
         claimable = (
@@ -768,7 +782,7 @@ class Store:
         return conn.execute(statement).first() is not None
 
     def claim_incoming_alone(self, row: dict[str, Any], stale_before: datetime | None = None,
-                             then_begin: Connection | None = None) -> bool:
+                             then_begin: Connection | None = None, silent_before: datetime | None = None) -> bool:
         """``claim_incoming`` in a transaction of its own that commits without waiting for the
         WAL flush (``begin(durable=False)``): the eager claim, made durable by the body's commit.
 
@@ -798,8 +812,8 @@ class Store:
             return True
         with self.begin(durable=False) as conn:
             if inserted is None:  # not sent as one message
-                return self.claim_incoming(conn, row, stale_before)
-            return self._take_over_incoming(conn, row, stale_before)
+                return self.claim_incoming(conn, row, stale_before, silent_before)
+            return self._take_over_incoming(conn, row, stale_before, silent_before)
 
     def _can_open_in_one_message(self, conn: Connection) -> bool:
         """PostgreSQL: ``conn`` is between transactions, and a message sent on it may open its own."""
@@ -1017,6 +1031,19 @@ class Store:
             where=not_older & (table.c.status != "handled"),
         ))
 
+    def claim_in_flight(self, conn: Connection, message_id: str, destination: str,
+                        attempt: tuple[int, int, int]) -> bool:
+        """Whether the message's row is a running claim of this very attempt (nesting, replays,
+        retries): after a claim that failed, its owner is alive and may still finish it, so a
+        copy of it is not a duplicate yet."""
+        table = self.tables.incoming
+        nesting, replays, retries = attempt
+        return conn.execute(
+            select(table.c.message_id).where(
+                table.c.message_id == message_id, table.c.destination == destination, is_running(table),
+                table.c.nesting == nesting, table.c.replays == replays, table.c.retries == retries)
+        ).first() is not None
+
     def count_duplicate(self, conn: Connection, message_id: str, destination: str) -> None:
         table = self.tables.incoming
         conn.execute(
@@ -1183,6 +1210,18 @@ class Store:
                 .values(heartbeat_at=now or utcnow(), stale_checks=0, checked_at=None)
             ).rowcount == 1
 
+    def hold_liveness_lock(self, conn: Connection, lock_key: int) -> bool:
+        """Take the node's session-level liveness lock on ``conn`` (PostgreSQL), outside any
+        transaction; False when another session holds it now."""
+        with conn.begin():
+            return bool(conn.execute(select(func.pg_try_advisory_lock(lock_key))).scalar_one())
+
+    def ping_liveness(self, conn: Connection) -> None:
+        """One round trip on the node's liveness connection, outside any transaction: raises
+        when the server ended its session (and with it the session's liveness lock)."""
+        with conn.begin():
+            conn.execute(select(literal_column("1")))
+
     def deregister_node(self, node_id: int) -> None:
         """Release every inbox claim the node owns and delete it."""
         t = self.tables
@@ -1193,14 +1232,16 @@ class Store:
             conn.execute(delete(t.nodes).where(t.nodes.c.id == node_id))
 
     def check_nodes(self, conn: Connection, now: datetime, stale_before: datetime, checks_needed: int,
-                    counted_before: datetime) -> list[int]:
+                    counted_before: datetime, silent_before: datetime | None = None) -> list[int]:
         """One stale check of every live node; returns the ids it declared dead.
 
         A node whose heartbeat is older than ``stale_before`` gets one more stale check,
         at most one per check period (a check counted before ``counted_before``), so
         two recover runs at once do not count twice. A node is declared dead when it
-        reaches ``checks_needed`` consecutive checks or, on PostgreSQL, at once when its
-        process no longer holds its liveness lock. A heartbeat resets the count.
+        reaches ``checks_needed`` consecutive checks or, on PostgreSQL, as soon as it is
+        silent (no heartbeat since ``silent_before``) and its process no longer holds its
+        liveness lock. A heartbeat resets the count. A node whose liveness connection
+        dropped keeps heartbeating and is never declared dead for the lock alone.
         """
         table = self.tables.nodes
         conn.execute(
@@ -1210,8 +1251,8 @@ class Store:
             .values(stale_checks=table.c.stale_checks + 1, checked_at=now)
         )
         dead = table.c.stale_checks >= checks_needed
-        if self.is_postgres:
-            dead = dead | self._liveness_lock_free(table.c.id)
+        if self.is_postgres and silent_before is not None:
+            dead = dead | self._silent_and_unlocked(table.c.heartbeat_at < silent_before, table.c.id)
         candidates = select(table.c.id).where(table.c.dead_at.is_(None)).where(dead)
         if self.is_postgres:
             candidates = candidates.with_for_update(skip_locked=True)

@@ -408,29 +408,33 @@ def test_the_worker_runs_the_body_on_the_request_it_pushed_and_other_calls_still
     assert harness.outbox.store.get_incoming("seen-2").status == "handled"
 
 
-def test_an_eager_claim_taken_over_while_the_body_ran_commits_nothing(harness_on_each_store):
+def test_an_eager_claim_taken_over_while_the_body_ran_commits_nothing_and_sends_the_message_back(
+        harness_on_each_store):
     """Another node took the eager claim over while the body ran (recovery found this node
     dead): the attempt's finish finds the claim no longer ours, so its writes and its messages
-    roll back and the attempt ends as a duplicate; the other node's run counts."""
+    roll back, and the message goes back to the broker (never acked as a duplicate). The copy
+    finds the claim's owner gone, takes it over and runs: the effect and the message once."""
     harness = harness_on_each_store
     incoming = harness.outbox.store.tables.incoming
 
     @harness.app.task(base=IdempotentTask, bind=True, name="shop.overtaken", shared=False)
     def overtaken(self):
-        with harness.outbox.store.begin() as conn:
-            conn.execute(incoming.update().where(incoming.c.message_id == self.request.id).values(owner=424242))
+        harness.runs.append((self.request.id, self.request.retries))
+        if len(harness.runs) == 1:
+            with harness.outbox.store.begin() as conn:
+                conn.execute(incoming.update().where(incoming.c.message_id == self.request.id).values(owner=424242))
         self.connection.execute(insert(harness.effects).values(note="overtaken"))
         harness.app.send_task("shop.sent_by_the_body", queue=harness.other_queue)
 
     overtaken.idempotency = "eager"
     with harness.worker():
         overtaken.apply_async(task_id="overtaken-1")
-        assert harness.wait_for_states("overtaken-1", 1) == ["IGNORED"]
-    assert harness.effect_count() == 0
+        assert harness.wait_for_states("overtaken-1", 2) == ["REJECTED", "SUCCESS"]
+    assert harness.effect_count() == 1, "the overtaken attempt's write rolled back, the copy's committed"
     row = harness.outbox.store.get_incoming("overtaken-1")
-    assert (row.status, row.owner) == ("running", 424242)
+    assert (row.status, row.owner, row.duplicates) == ("handled", 0, 0)
     with harness.app.connection_for_read() as connection:
-        assert connection.SimpleQueue(harness.other_queue).qsize() == 0, "the body's message was not published"
+        assert connection.SimpleQueue(harness.other_queue).qsize() == 1, "only the copy's message was published"
 
 
 def test_a_store_error_after_an_eager_claim_releases_it_and_the_redelivered_copy_runs(harness_on_each_store,
