@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from billiard.einfo import ExceptionInfo
+from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
 from celery import Task
 from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
@@ -68,7 +68,9 @@ class OutboxRequest(Request):
     inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it."""
 
     def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
-        if self._lost_past_the_cap(exc_info.exception) and not self._dead_lettered(exc_info.exception):
+        exc = exc_info.exception
+        exc = getattr(exc, "exc", exc) if isinstance(exc, ExceptionWithTraceback) else exc
+        if self._lost_past_the_cap(exc) and not self._dead_lettered(exc):
             self.reject(requeue=True)  # the store could not take the dead letter: the message comes back
             return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)

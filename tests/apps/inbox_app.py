@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -90,6 +91,13 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
         return order_id
 
+    @app.task(base=IdempotentTask, bind=True, name="inbox.doomed", shared=False, max_retries=1,
+              default_retry_delay=0)
+    def doomed(self, order_id: str) -> None:
+        """Kills its own pool process every time: Celery re-sends it up to ``max_retries``."""
+        record(order_id, "body")
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def on_prerun(sender=None, task_id=None, **_):
         if sender is not None and sender.app is app:
             record(task_id, "prerun")
@@ -121,7 +129,8 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
             return conn.execute(select(effects).where(effects.c.order_id == order_id)).all()
 
     return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, pay=pay, pay_eager=pay_eager, flaky=flaky,
-                           fragile=fragile, events=event_rows, effects=effect_rows, disconnect=disconnect)
+                           fragile=fragile, doomed=doomed, events=event_rows, effects=effect_rows,
+                           disconnect=disconnect)
 
 
 if "TEST_BROKER_URL" in os.environ:

@@ -194,3 +194,27 @@ def test_warm_shutdown_leaves_no_rows_owned_by_the_stopped_node(scenario, pool):
         owned = conn.execute(select(func.count()).select_from(store.tables.incoming)
                              .where(store.tables.incoming.c.owner != 0)).scalar_one()
     assert owned == 0
+
+
+def test_a_task_that_kills_its_pool_process_past_the_cap_ends_as_a_dead_letter(broker_url, postgres_url,
+                                                                               table_prefix, tmp_path):
+    """Celery re-sends an attempt whose pool process died (``retry_on_worker_lost``) only while its
+    retries are below ``max_retries``; past that it acks the message as failed. The inbox first
+    ends it as a dead letter (reason ``worker_lost``): replayable, never a silent ack. (Redis
+    gives no unacked message back during the test: each attempt is delivered once.)"""
+    scenario = Scenario(broker_url, postgres_url, table_prefix, tmp_path, visibility_timeout=3600)
+    try:
+        scenario.worker(pool="prefork", concurrency=1)
+        scenario.shop.doomed.apply_async(("doomed-1",), task_id="doomed-1")
+        store = scenario.shop.outbox.store
+        wait_until(lambda: store.count_dead_letters() == 1, timeout=90, message="the worker_lost dead letter")
+        (letter,) = store.list_dead_letters(store.dead_letter_filter())
+        assert (letter.message_id, letter.reason, letter.task_name) == ("doomed-1", "worker_lost", "inbox.doomed")
+        assert letter.retries == 1
+        assert store.get_dead_letter(letter.id).body, "the envelope is kept for a replay"
+        row = store.get_incoming("doomed-1")
+        assert (row.status, row.owner) == ("dead", 0)
+        bodies = [e for e in scenario.shop.events("doomed-1") if e.kind == "body"]
+        assert len(bodies) == 2, "attempt 0 and its one re-send"
+    finally:
+        scenario.close()

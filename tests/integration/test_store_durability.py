@@ -24,10 +24,11 @@ def dead_letter(n: int, **extra):
     return row
 
 
-def check(store: Store, now, stale_after=30, checks=3, period=0):
+def check(store: Store, now, stale_after=30, checks=3, period=0, silent_after=3):
     with store.begin() as conn:
         return store.check_nodes(conn, now, stale_before=now - timedelta(seconds=stale_after),
-                                 checks_needed=checks, counted_before=now - timedelta(seconds=period))
+                                 checks_needed=checks, counted_before=now - timedelta(seconds=period),
+                                 silent_before=now - timedelta(seconds=silent_after))
 
 
 class LiveNode:
@@ -96,7 +97,10 @@ def test_two_checks_in_one_period_count_once(store: Store):
         node.die()
 
 
-def test_postgres_declares_a_node_dead_at_once_when_its_process_is_gone(store: Store):
+def test_postgres_declares_a_node_dead_once_silent_when_its_process_is_gone(store: Store):
+    """The liveness lock free and the heartbeat silent (three intervals): dead at the first check,
+    with no stale checks counted. The lock free alone (a dropped liveness connection of a live,
+    heartbeating node) declares nothing."""
     if not store.is_postgres:
         pytest.skip("the liveness lock is PostgreSQL's; SQLite nodes die by stale heartbeats only")
     node = LiveNode(store, "killed")
@@ -104,7 +108,11 @@ def test_postgres_declares_a_node_dead_at_once_when_its_process_is_gone(store: S
     try:
         assert check(store, utcnow()) == [], "fresh heartbeats, locks held"
         node.die()
-        assert check(store, utcnow()) == [node.id], "no stale checks needed: its lock is free"
+        assert check(store, utcnow()) == [], "its lock is free but it heartbeats: not dead"
+        now = utcnow()
+        set_heartbeat(store, node.id, now - timedelta(seconds=5))
+        set_heartbeat(store, alive.id, now - timedelta(seconds=5))
+        assert check(store, now) == [node.id], "silent and unlocked: no stale checks needed"
     finally:
         alive.die()
 
@@ -463,3 +471,36 @@ def test_rows_taken_to_delete_keep_what_records_their_sends(store: Store):
                                        sent.c.sent_at).order_by(sent.c.message_id)).all()
     assert [tuple(row[:3]) for row in recorded] == [("m1", "q1", "t.add"), ("m2", "q2", "t.add")]
     assert all(row.created_at is not None and row.sent_at is not None for row in recorded)
+
+
+def test_a_running_claim_of_a_heartbeating_node_is_in_flight_not_taken_over(store: Store):
+    """A copy of the same attempt meets the running claim of a node that heartbeats: not claimable,
+    and ``claim_in_flight`` says so (the copy goes back to the broker), even when the node's
+    liveness lock is free (its liveness connection dropped). Once the node is also silent, on
+    PostgreSQL, its process is gone: the copy takes the claim over."""
+    node = LiveNode(store, "owner")
+    try:
+        now = utcnow()
+        with store.begin() as conn:
+            store.insert_incoming(conn, incoming_row("busy", owner=node.id, claimed_at=now))
+        node.die()  # the liveness lock is free; the heartbeat is fresh
+        copy = incoming_row("busy", owner=node.id + 1000, claimed_at=now)
+        silent_before = now - timedelta(seconds=3)
+        with store.begin() as conn:
+            assert store.claim_incoming(conn, dict(copy), silent_before=silent_before) is False
+            assert store.claim_in_flight(conn, "busy", "", (0, 0, 0)) is True
+            assert store.claim_in_flight(conn, "busy", "", (0, 0, 1)) is False, "another attempt"
+            assert store.claim_in_flight(conn, "nothing", "", (0, 0, 0)) is False
+        assert store.get_incoming("busy").owner == node.id
+        set_heartbeat(store, node.id, now - timedelta(seconds=10))
+        with store.begin() as conn:
+            taken = store.claim_incoming(conn, dict(copy), silent_before=utcnow() - timedelta(seconds=3))
+        assert taken is store.is_postgres, "PostgreSQL knows the process is gone; SQLite waits for recovery"
+    finally:
+        node.die()
+
+
+def test_a_handled_row_is_not_in_flight(store: Store):
+    with store.begin() as conn:
+        store.insert_incoming(conn, incoming_row("done", status="handled", keep_until=utcnow()))
+        assert store.claim_in_flight(conn, "done", "", (0, 0, 0)) is False
