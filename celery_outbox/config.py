@@ -25,6 +25,7 @@ from datetime import datetime, timedelta
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigurationError
+from .store.engine import masked_options, safe_url
 
 __all__ = ["OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
 
@@ -52,7 +53,20 @@ class Setting:
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigurationError:
-    return ConfigurationError(f"setting {key} = {value!r} is not valid: {allowed}")
+    return ConfigurationError(f"setting {key} = {_shown(key, value)} is not valid: {allowed}")
+
+
+def _shown(key: str, value: Any) -> str:
+    """A value as an error shows it: the database URL and the engine options with their secrets masked
+    (a value of the wrong type by its type alone, since any of it may be a secret)."""
+    name = key.lower()
+    if name.endswith("database_url") and isinstance(value, str) and value.strip():
+        return repr(safe_url(value))
+    if name.endswith("engine_options") and isinstance(value, Mapping):
+        return repr(masked_options(value))
+    if name.endswith(("database_url", "engine_options")) and not (isinstance(value, str) and not value.strip()):
+        return f"<a {type(value).__name__}, not shown>"
+    return repr(value)
 
 
 def _string(key: str, value: Any) -> str:
@@ -335,7 +349,8 @@ def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overr
         value = conf[key]
         if name in found and found[name][1] != value:
             raise ConfigurationError(
-                f"setting {found[name][0]} = {found[name][1]!r} and {key} = {value!r} disagree: give it once"
+                f"setting {found[name][0]} = {_shown(key, found[name][1])} and {key} = {_shown(key, value)} "
+                "disagree: give it once"
             )
         found[name] = (key, value)
     for name, value in overrides.items():

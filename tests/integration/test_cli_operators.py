@@ -6,6 +6,7 @@ from __future__ import annotations
 from celery_outbox.store import Store, build_engine, utcnow
 
 from ..conftest import drop_store
+from ..services import free_port, require
 from .test_cli_schema import run
 
 HOSTILE = "\x1b[2J\rfake\x00"
@@ -53,3 +54,45 @@ def test_a_duration_too_long_is_a_usage_error(sqlite_url, table_prefix):
         result = run("dead-letters", *option, url=sqlite_url, prefix=table_prefix)
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and "Invalid value" in result.stderr
+
+
+SECRETS = ("userinfo-s3cret", "query-s3cret", "keypass-s3cret")
+
+
+def secret_url(port: int) -> str:
+    return (f"postgresql+psycopg://postgres:{SECRETS[0]}@127.0.0.1:{port}/test"
+            f"?password={SECRETS[1]}&sslpassword={SECRETS[2]}&sslmode=prefer")
+
+
+def assert_no_secret(result) -> None:
+    for secret in SECRETS:
+        assert secret not in result.stdout + result.stderr, f"{secret} printed by {result.args[-1]}"
+
+
+def test_no_password_of_the_url_is_printed_when_the_database_is_down(table_prefix):
+    url = secret_url(free_port())
+    for command in (["migrate"], ["status"], ["recover"], ["dead-letters", "list"]):
+        result = run(*command, url=url, prefix=table_prefix)
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        assert "cannot use the message store at postgresql+psycopg://postgres:***@127.0.0.1" in result.stderr
+        assert "password=***" in result.stderr and "sslpassword=***" in result.stderr
+        assert_no_secret(result)
+
+
+def test_no_password_of_the_url_is_printed_when_the_database_is_up(table_prefix):
+    require("postgres")
+    url = secret_url(5432)
+    store = Store(build_engine(url), table_prefix)
+    try:
+        outputs = {}
+        for command in (["migrate"], ["status"], ["status", "--json"], ["recover"], ["cleanup"],
+                        ["dead-letters", "list"]):
+            result = run(*command, url=url, prefix=table_prefix)
+            assert result.returncode == 0, result.stderr
+            assert_no_secret(result)
+            outputs[" ".join(command)] = result.stdout
+        shown = "postgresql+psycopg://postgres:***@127.0.0.1:5432/test?password=***&sslmode=prefer&sslpassword=***"
+        assert f"store: {shown}" in outputs["migrate"] and f"store: {shown}" in outputs["status"]
+    finally:
+        drop_store(store)
