@@ -279,7 +279,8 @@ def show_dead_letter(box: Outbox, dead_letter_id: int) -> None:
 @_with_outbox
 def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_all: bool, task, queue, exception,
                         reason, since) -> None:
-    """Re-publish dead letters through the outbox as a new attempt of the same task id."""
+    """Re-publish dead letters through the outbox as a new attempt of the same task id, routed by the
+    task's current route. A malformed letter is refused with its reason (exit code 1)."""
     filters = dict(task=task, queue=queue, exception=exception, reason=reason, since=since)
     if bool(dead_letter_ids) == replay_all:
         raise click.UsageError("give dead letter ids, or --all (with optional filters), not both")
@@ -294,7 +295,11 @@ def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_al
         raise click.ClickException(f"no dead letter with id {missing}; nothing replayed")
     with click.progressbar(length=total, label="replaying", file=click.get_text_stream("stderr")) as bar:
         replayed = replay(box, which, progress=bar.update)
-    click.echo(f"replayed {len(replayed)} dead letter(s)")
+    click.echo(f"replayed {len(replayed.message_ids)} dead letter(s)")
+    for letter_id, reason in replayed.refused:
+        click.echo(f"refused dead letter {letter_id}: {printable(reason)}", err=True)
+    if replayed.refused:
+        raise SystemExit(1)
 
 
 @dead_letters.command(name="purge")
