@@ -5,7 +5,7 @@ tables under the default prefix, for Alembic autogenerate.
 """
 
 from .config import OutboxSettings
-from .errors import ConfigurationError, OutboxError, StoreUnavailable
+from .errors import ConfigurationError, IncompatibleSchema, OutboxError, StoreUnavailable
 from .outbox import Outbox
 from .store import build_tables
 from .tasks import IdempotentTask
@@ -15,6 +15,7 @@ metadata = build_tables().metadata
 __all__ = [
     "ConfigurationError",
     "IdempotentTask",
+    "IncompatibleSchema",
     "Outbox",
     "OutboxError",
     "OutboxSettings",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import unicodedata
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
@@ -20,7 +21,21 @@ from .errors import OutboxError
 from .outbox import Outbox, outbox_of
 from .store import as_utc, utcnow
 
-__all__ = ["outbox"]
+__all__ = ["outbox", "printable"]
+
+_UNPRINTABLE = {"Cc", "Cf", "Zl", "Zp"}  # controls, format characters, line and paragraph separators
+
+
+def printable(value: Any, newlines: bool = False) -> str:
+    """``value`` as text safe for a terminal: control and format characters (ANSI escapes, ``\\r``,
+    NUL, bidirectional overrides) written as Python escapes, so text taken from a message cannot move
+    the cursor, clear the screen or hide what is printed. ``newlines=True`` keeps line breaks (a
+    traceback)."""
+    return "".join(
+        char if (char == "\n" and newlines) or unicodedata.category(char) not in _UNPRINTABLE
+        else char.encode("unicode_escape").decode("ascii")
+        for char in str(value)
+    )
 
 
 def _with_outbox(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -38,7 +53,7 @@ def _with_outbox(command: Callable[..., Any]) -> Callable[..., Any]:
                 box = Outbox(app)
             return command(box, *args, **kwargs)
         except OutboxError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(printable(exc, newlines=True)) from None
 
     return wrapper
 
@@ -66,7 +81,7 @@ def migrate(box: Outbox) -> None:
 def relay(box: Outbox, max_batches: int | None) -> None:
     """Publish outgoing rows that were committed but not published (one pass)."""
     result = box.relay(max_batches)
-    click.echo(str(result))
+    click.echo(printable(result, newlines=True))
     if result.broker_error:
         raise SystemExit(1)
 
@@ -81,7 +96,8 @@ def _maintenance_pass(command: Callable[..., Any]) -> Callable[..., Any]:
     @_with_outbox
     def run(box: Outbox, max_batches: int | None, as_json: bool) -> None:
         result = command(box, max_batches)
-        click.echo(json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else str(result))
+        text = json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else printable(result, newlines=True)
+        click.echo(text)
         if result.as_dict().get("broker_error"):
             raise SystemExit(1)
 
@@ -117,10 +133,11 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> list[s
     lines = [f"{title}:"]
     if not rows:
         return lines + ["  (empty)"]
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    cells = [[printable(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(columns)]
     lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in rows:
-        lines.append("  " + "  ".join(str(row[c]).ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for line in cells:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
     return lines
 
 
@@ -158,7 +175,10 @@ class Age(click.ParamType):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(value))
         if not match:
             self.fail(f"{value!r} is not a duration; write e.g. 90s, 15m, 2h, 7d", param, ctx)
-        return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
+        try:
+            return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
+        except OverflowError:
+            self.fail(f"{value!r} is longer than a timedelta can hold", param, ctx)
 
 
 class Since(click.ParamType):
@@ -171,6 +191,8 @@ class Since(click.ParamType):
             return value
         try:
             return utcnow() - Age().convert(value, param, ctx)
+        except OverflowError:
+            self.fail(f"{value!r} reaches back before the year 1", param, ctx)
         except click.BadParameter:
             pass
         try:
@@ -237,17 +259,17 @@ def show_dead_letter(box: Outbox, dead_letter_id: int) -> None:
         raise click.ClickException(f"no dead letter with id {dead_letter_id}")
     for key in ("id", "message_id", "task_name", "queue", "destination", "reason", "retries", "nesting",
                 "replays", "exchange", "routing_key", "content_type", "content_encoding"):
-        click.echo(f"{key}: {getattr(row, key)}")
+        click.echo(f"{key}: {printable(getattr(row, key))}")
     click.echo(f"failed_at: {as_utc(row.failed_at)}")
     click.echo(f"replay_count: {row.replay_count}  replayed_at: {as_utc(row.replayed_at)}")
-    click.echo(f"headers: {row.headers}")
+    click.echo(f"headers: {printable(row.headers)}")
     body = bytes(row.body or b"")
     text = body.decode(row.content_encoding if row.content_encoding not in (None, "binary") else "utf-8",
                        errors="replace")
-    click.echo(f"body ({len(body)} bytes): {text[:4000]}")
-    click.echo(f"exception: {row.exception_type}: {row.exception_message}")
+    click.echo(f"body ({len(body)} bytes): {printable(text[:4000])}")
+    click.echo(f"exception: {printable(row.exception_type)}: {printable(row.exception_message)}")
     if row.traceback:
-        click.echo(row.traceback.rstrip())
+        click.echo(printable(row.traceback.rstrip(), newlines=True))
 
 
 @dead_letters.command(name="replay")
@@ -257,7 +279,8 @@ def show_dead_letter(box: Outbox, dead_letter_id: int) -> None:
 @_with_outbox
 def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_all: bool, task, queue, exception,
                         reason, since) -> None:
-    """Re-publish dead letters through the outbox as a new attempt of the same task id."""
+    """Re-publish dead letters through the outbox as a new attempt of the same task id, routed by the
+    task's current route. A malformed letter is refused with its reason (exit code 1)."""
     filters = dict(task=task, queue=queue, exception=exception, reason=reason, since=since)
     if bool(dead_letter_ids) == replay_all:
         raise click.UsageError("give dead letter ids, or --all (with optional filters), not both")
@@ -272,7 +295,11 @@ def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_al
         raise click.ClickException(f"no dead letter with id {missing}; nothing replayed")
     with click.progressbar(length=total, label="replaying", file=click.get_text_stream("stderr")) as bar:
         replayed = replay(box, which, progress=bar.update)
-    click.echo(f"replayed {len(replayed)} dead letter(s)")
+    click.echo(f"replayed {len(replayed.message_ids)} dead letter(s)")
+    for letter_id, reason in replayed.refused:
+        click.echo(f"refused dead letter {letter_id}: {printable(reason)}", err=True)
+    if replayed.refused:
+        raise SystemExit(1)
 
 
 @dead_letters.command(name="purge")

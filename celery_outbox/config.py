@@ -9,26 +9,33 @@ Every setting can be written in the three spellings Celery users know:
 
 ``read_settings`` is called once by ``Outbox(app)``; a bad value raises
 ``ConfigurationError`` naming the setting, the value and what is allowed, and an
-unknown ``outbox_*`` key is an error with a did-you-mean. Nothing is read at
-import time.
+unknown ``outbox_*`` key, or one of our settings spelt with a wrong prefix
+(``OUTBOX_...``, ``celery_outbox_...``), is an error with a did-you-mean. Nothing
+is read at import time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Mapping
 
 from .errors import ConfigurationError
+from .store.engine import masked_options, safe_url
 
 __all__ = ["OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_PREFIX_LENGTH = 32  # leaves room for the longest table and index suffix under PostgreSQL's 63 bytes
 DEFAULT_DATABASE_URL = "sqlite:///celery_outbox.sqlite3"
+MAX_SECONDS = 100 * 365 * 86400.0  # a duration added to now stays far inside datetime's range
+MAX_FACTOR = 1000.0
+MISSPELT_CUTOFF = 0.8  # how close the rest of an "outbox" key must be to a setting name to be ours
+MAX_INT = 2**31 - 1  # a PostgreSQL integer: counts and limits are compared with one in SQL
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,20 @@ class Setting:
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigurationError:
-    return ConfigurationError(f"setting {key} = {value!r} is not valid: {allowed}")
+    return ConfigurationError(f"setting {key} = {_shown(key, value)} is not valid: {allowed}")
+
+
+def _shown(key: str, value: Any) -> str:
+    """A value as an error shows it: the database URL and the engine options with their secrets masked
+    (a value of the wrong type by its type alone, since any of it may be a secret)."""
+    name = key.lower()
+    if name.endswith("database_url") and isinstance(value, str) and value.strip():
+        return repr(safe_url(value))
+    if name.endswith("engine_options") and isinstance(value, Mapping):
+        return repr(masked_options(value))
+    if name.endswith(("database_url", "engine_options")) and not (isinstance(value, str) and not value.strip()):
+        return f"<a {type(value).__name__}, not shown>"
+    return repr(value)
 
 
 def _string(key: str, value: Any) -> str:
@@ -93,18 +113,31 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
     return parse
 
 
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a number or not finite (``inf``, ``NaN``,
+    an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _seconds(key: str, value: Any) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _fail(key, value, "expected a positive number of seconds or a datetime.timedelta")
-    return float(value)
+    seconds = _finite(value.total_seconds() if isinstance(value, timedelta) else value)
+    if seconds is None or not 0 < seconds <= MAX_SECONDS:
+        raise _fail(key, value, f"expected a finite positive number of seconds, at most {MAX_SECONDS:.0f} "
+                                "(100 years), or a datetime.timedelta")
+    return seconds
 
 
 def _non_negative_number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _fail(key, value, "expected a number, 0 or more")
-    return float(value)
+    number = _finite(value)
+    if number is None or not 0 <= number <= MAX_FACTOR:
+        raise _fail(key, value, f"expected a finite number from 0 to {MAX_FACTOR:.0f}")
+    return number
 
 
 def _optional_seconds(key: str, value: Any) -> float | None:
@@ -112,8 +145,8 @@ def _optional_seconds(key: str, value: Any) -> float | None:
 
 
 def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _fail(key, value, "expected a positive whole number")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_INT:
+        raise _fail(key, value, f"expected a positive whole number, at most {MAX_INT}")
     return value
 
 
@@ -274,28 +307,56 @@ def _setting_name(key: str, namespace: str) -> str | None:
     return None
 
 
+def _misspelt(key: str, namespace: str) -> str | None:
+    """The right spelling of the setting that a key with a wrong prefix or case names (``OUTBOX_...``,
+    ``celery_outbox_...``, ``CELERY_OUTBOX_lower``), or None when the key does not name one of ours.
+
+    Only keys containing "outbox" are looked at, and the part after it must be one of our setting
+    names or very close to one (``MYAPP_OUTBOX_ENABLED`` is left alone)."""
+    lowered = key.lower()
+    if "outbox" not in lowered:
+        return None
+    rest = lowered.split("outbox", 1)[1].lstrip("_")
+    close = difflib.get_close_matches(rest, list(_BY_NAME), n=1, cutoff=MISSPELT_CUTOFF)
+    if not close:
+        return None
+    return f"outbox_{close[0]}" if key == lowered else f"{namespace}_OUTBOX_{close[0].upper()}"
+
+
+def _unknown(key: str, name: str) -> ConfigurationError:
+    close = difflib.get_close_matches(name, list(_BY_NAME), n=1)
+    hint = f"; did you mean {_spelled_like(key, close[0])}?" if close else ""
+    known = ", ".join(s.key for s in SETTINGS)
+    return ConfigurationError(f"unknown setting {key}{hint} (known settings: {known})")
+
+
 def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overrides: Any) -> OutboxSettings:
     """Read and validate every ``outbox_*`` setting of a Celery ``app.conf``.
 
     ``overrides`` (lowercase names without the ``outbox_`` prefix) win over ``conf``.
     Raises ``ConfigurationError`` for an unknown key, a bad value, or one setting
-    given twice with different values.
+    given twice with different values. A key that names one of our settings with a
+    wrong prefix or case (``OUTBOX_DURABLE_QUEUES``, ``celery_outbox_durable_queues``)
+    is an error too, with a did-you-mean, not a warning: the setting it meant would
+    silently keep its default (a queue meant to be durable would not be).
     """
     namespace = (namespace or "CELERY").upper()
     found: dict[str, tuple[str, Any]] = {}
     for key in list(conf.keys()):
         name = _setting_name(key, namespace)
         if name is None:
+            right = _misspelt(key, namespace)
+            if right is not None:
+                raise ConfigurationError(
+                    f"setting {key} is not a spelling celery-outbox reads; did you mean {right}?")
             continue
         if name not in _BY_NAME:
-            close = difflib.get_close_matches(name, list(_BY_NAME), n=1)
-            hint = f"; did you mean {_spelled_like(key, close[0])}?" if close else ""
-            known = ", ".join(s.key for s in SETTINGS)
-            raise ConfigurationError(f"unknown setting {key}{hint} (known settings: {known})")
+            raise _unknown(key, name)
         value = conf[key]
         if name in found and found[name][1] != value:
             raise ConfigurationError(
-                f"setting {found[name][0]} = {found[name][1]!r} and {key} = {value!r} disagree: give it once"
+                f"setting {found[name][0]} = {_shown(key, found[name][1])} and {key} = {_shown(key, value)} "
+                "disagree: give it once"
             )
         found[name] = (key, value)
     for name, value in overrides.items():

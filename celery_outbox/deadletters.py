@@ -7,16 +7,22 @@ each dead letter (``replay_count``, ``replayed_at``); after the commit they are
 published. The replayed message keeps its task id and carries the replay number
 (header ``celery_outbox_replay``) as part of its attempt, so the inbox runs it
 again instead of discarding it as a duplicate of the attempt that died. Replaying
-one letter twice at once runs it once.
+one letter twice at once runs it once. A letter is checked as the consumer guard
+checks a new message (a malformed one is refused, not re-published), and a letter
+of a task this app knows goes where the app routes that task now, not where the
+stored envelope was routed when it failed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable
 
-from .envelope import from_row
+from kombu.serialization import loads
+
+from .envelope import OutgoingMessage, from_row
+from .guard import malformed_reason
 from .inbox import REPLAY_HEADER
 from .publishing import current_unit_of_work
 from .store import utcnow
@@ -24,7 +30,7 @@ from .store import utcnow
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["DeadLetterFilter", "purge", "replay"]
+__all__ = ["DeadLetterFilter", "Replayed", "purge", "replay"]
 
 REPLAY_BATCH = 200
 
@@ -47,13 +53,22 @@ class DeadLetterFilter:
             since=self.since, failed_before=self.failed_before)
 
 
+@dataclass
+class Replayed:
+    """What a replay did: the message ids re-published, and the dead letters refused with the reason."""
+
+    message_ids: list[str] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)
+
+
 def replay(outbox: "Outbox", which: DeadLetterFilter,
-           progress: Callable[[int], None] | None = None) -> list[str]:
-    """Re-publish the matching dead letters through the outbox; returns the replayed message ids."""
+           progress: Callable[[int], None] | None = None) -> Replayed:
+    """Re-publish the matching dead letters through the outbox, each checked as the consumer guard
+    checks a new message and routed by its task's current route; a malformed letter is refused
+    (left as it is, with the reason in ``Replayed.refused``), never re-published."""
     store = outbox.ready().store
     where = which.where(store)
-    queues = outbox.app.amqp.queues
-    replayed: list[str] = []
+    result = Replayed()
     last_id = 0
     while True:
         with outbox.transaction() as session:
@@ -62,18 +77,39 @@ def replay(outbox: "Outbox", which: DeadLetterFilter,
             if not rows:
                 break
             last_id = rows[-1].id
+            messages, taken = [], []
+            for row in rows:
+                message = _replay_message(row, outbox.app)
+                if isinstance(message, str):
+                    result.refused.append((row.id, message))
+                else:
+                    messages.append(message)
+                    taken.append(row)
             uow = current_unit_of_work()
             assert uow is not None
-            uow.add([_replay_message(row, queues) for row in rows])
-            store.mark_replayed(conn, [row.id for row in rows], utcnow())
-        replayed.extend(row.message_id for row in rows)
+            uow.add(messages)
+            store.mark_replayed(conn, [row.id for row in taken], utcnow())
+        result.message_ids.extend(row.message_id for row in taken)
         if progress is not None:
             progress(len(rows))
-    return replayed
+    return result
 
 
-def _replay_message(row: Any, queues: Any):
-    message = from_row(row, queues)
+def _replay_message(row: Any, app: Any) -> OutgoingMessage | str:
+    """The message a dead letter replays as, or the reason it cannot be replayed."""
+    try:
+        message = from_row(row, app.amqp.queues)
+    except ValueError as exc:  # headers or properties that are not JSON
+        return f"the stored envelope cannot be read: {exc}"
+    verdict = malformed_reason(message.headers, app.tasks)
+    if verdict is not None and verdict[0] != "unknown_task":
+        return verdict[1]
+    try:
+        body = loads(message.body, message.content_type, message.content_encoding, accept=None)
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is the letter's fault
+        return f"body cannot be decoded ({message.content_type}): {exc}"
+    if verdict is None:
+        _route_now(message, app, body)
     message.row_id = None
     message.headers[REPLAY_HEADER] = (row.replays or 0) + (row.replay_count or 0) + 1
     # a replay is a new attempt, sent now: no broker ETA, no expiry of the original
@@ -81,6 +117,26 @@ def _replay_message(row: Any, queues: Any):
     message.headers["expires"] = None
     message.deliver_at = message.expires_at = None
     return message
+
+
+def _route_now(message: OutgoingMessage, app: Any, body: Any) -> None:
+    """Give a message of a registered task the exchange, routing key and queue that the app's
+    routing (``task_routes``, routers, the default queue) gives its task now, as Celery's sender
+    resolves them."""
+    args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and len(body) == 3 else ((), {})
+    route = app.amqp.router.route({}, message.task_name, args, kwargs)
+    queue = route["queue"]
+    exchange, routing_key = route.get("exchange"), route.get("routing_key")
+    exchange_type = getattr(exchange, "type", None) or queue.exchange.type or "direct"
+    if (not exchange or not routing_key) and exchange_type == "direct":
+        exchange, routing_key = "", queue.name
+    elif exchange is None:
+        exchange = queue.exchange.name or app.amqp.default_exchange.name
+        routing_key = routing_key or queue.routing_key or app.conf.task_default_routing_key
+    message.exchange = getattr(exchange, "name", exchange) or ""
+    message.routing_key = routing_key or ""
+    message.destination = queue.name
+    message.sending["declare"] = [queue]
 
 
 def purge(outbox: "Outbox", which: DeadLetterFilter, batch_size: int | None = None,

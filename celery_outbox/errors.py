@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["OutboxError", "ConfigurationError", "StoreUnavailable"]
+__all__ = ["OutboxError", "ConfigurationError", "IncompatibleSchema", "StoreUnavailable"]
 
 
 class OutboxError(Exception):
@@ -19,3 +19,8 @@ class ConfigurationError(OutboxError, ValueError):
 
 class StoreUnavailable(OutboxError):
     """The message store cannot be reached or used (database down, driver missing)."""
+
+
+class IncompatibleSchema(OutboxError):
+    """The store's tables carry a schema version newer than this release's: a newer
+    celery-outbox migrated them. Nothing is changed in the store; upgrade this process."""

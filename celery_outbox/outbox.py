@@ -215,8 +215,9 @@ class Outbox:
 
     def ready(self) -> "Outbox":
         """Check the database answers and its tables exist (creating them when
-        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable`` or
-        ``ConfigurationError`` with one clear message. Safe to call often."""
+        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable``,
+        ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with one clear
+        message. Safe to call often."""
         if self._ready:
             return self
         with self._lock:
@@ -232,6 +233,7 @@ class Outbox:
                         f"the message store at {store.describe()} has no tables {', '.join(missing)} and "
                         "outbox_auto_create_schema is off: run 'celery -A <your app> outbox migrate'"
                     )
+                store.refuse_newer_schema()
             self._ready = True
         return self
 

@@ -10,6 +10,10 @@ The exit code is 0 only when every invariant holds.
 Runs on embedded defaults (SQLite and a filesystem broker: no server).
 ``--database-url`` and ``--broker-url`` run the same demo on PostgreSQL with Redis
 or RabbitMQ.
+
+The demo deletes only what it made: a ``--data-dir`` holding files but not its marker
+file, or a database whose shop or outbox tables already hold rows, is refused unless
+``--reset`` is given.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+MARKER = ".celery-outbox-demo"  # in a data folder the demo made: the only kind it deletes without --reset
 
 # Timings that make a demo last a minute, not a day: beat every second, a dead node noticed
 # within seconds, a lost message redelivered after five.
@@ -57,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-dir", help="where the demo keeps its files (default: a new temporary directory)")
     parser.add_argument("--settle-timeout", type=float, default=180.0, help="seconds to wait for the system to settle")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--reset", action="store_true", help="delete a --data-dir the demo did not make and empty "
+                        "a database whose shop or outbox tables hold rows (refused without it)")
     parser.add_argument("--no-audit", action="store_true", help="skip the delivery audit (Spark) at the end")
     args = parser.parse_args(argv)
     if args.short:
@@ -122,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="celery-outbox-demo-")).resolve()
     if args.data_dir and data_dir.exists():
+        if not (args.reset or (data_dir / MARKER).exists() or not any(data_dir.iterdir())):
+            return refuse(f"{data_dir} holds files the demo did not make; give another --data-dir, or --reset "
+                          "to delete it")
         shutil.rmtree(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / MARKER).write_text("made by the celery-outbox demo: it deletes this folder on its next run\n")
     env = dict(os.environ, **DEMO_ENVIRONMENT, SHOP_DATA_DIR=str(data_dir),
                SHOP_CANCEL_UNPAID_AFTER=str(args.cancel_after), PYTHONPATH=str(ROOT))
     audit = not args.no_audit and audit_available()
@@ -145,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     from example_project.shop.web import api, create_tables
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request is noise here
+    holding = tables_with_rows(outbox)
+    if holding and not args.reset:
+        return refuse(f"the database at {outbox.store.describe()} already holds rows in {', '.join(holding)}; "
+                      "the demo deletes its tables: use another database, or --reset to empty them")
     reset_tables(outbox)
     create_tables()
     server = make_server("127.0.0.1", 0, api, threaded=True)
@@ -227,6 +242,24 @@ def run_audit(outbox: Any, env: dict[str, str], data_dir: Path) -> dict[str, Any
         result.update({key: audited[key] for key in ("sent", "handled", "lost", "duplicates_discarded")},
                       latency_p99_seconds=audited["latency_seconds"]["p99"])
     return result
+
+
+def refuse(reason: str) -> int:
+    print(f"demo: refused: {reason}", file=sys.stderr)
+    return 2
+
+
+def tables_with_rows(outbox: Any) -> list[str]:
+    """The shop's and the outbox's tables that exist and hold rows (the schema version row aside)."""
+    from sqlalchemy import func, inspect, select
+
+    from example_project.shop.models import Base
+
+    existing = set(inspect(outbox.engine).get_table_names())
+    tables = [t for t in [*Base.metadata.sorted_tables, *outbox.store.tables.all()]
+              if t.name in existing and t is not outbox.store.tables.schema]
+    with outbox.engine.connect() as conn:
+        return [t.name for t in tables if conn.execute(select(func.count()).select_from(t)).scalar()]
 
 
 def reset_tables(outbox: Any) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS, archive_schema, filesystem
 from celery_outbox.audit.report import render_report
+from celery_outbox.store.engine import is_secret_name, safe_url
 
 __all__ = ["AuditInputError", "AuditOptions", "main", "run_audit"]
 
@@ -113,20 +114,45 @@ def check_archive(path: str) -> dict[str, list[str]]:
     return files
 
 
+# libpq connection parameters and the PostgreSQL JDBC driver's property for each
+_JDBC_PROPERTIES = {"user": "user", "password": "password", "sslmode": "sslmode", "sslrootcert": "sslrootcert",
+                    "sslcert": "sslcert", "sslkey": "sslkey", "sslpassword": "sslpassword",
+                    "application_name": "ApplicationName", "connect_timeout": "connectTimeout",
+                    "options": "options"}
+
+
 def jdbc_url_of(url: str) -> tuple[str, dict[str, str]]:
-    """A JDBC URL and connection properties from a JDBC URL or an SQLAlchemy PostgreSQL URL."""
+    """A JDBC URL and connection properties from a JDBC URL or an SQLAlchemy PostgreSQL URL.
+
+    The SQLAlchemy URL's user, password and query parameters (TLS: ``sslmode``, ``sslrootcert``,
+    ``sslcert``, ``sslkey``, ``sslpassword``...) become properties, so the JDBC URL holds no secret;
+    a parameter JDBC cannot carry is refused, never dropped (a dropped ``sslmode`` would connect
+    without TLS)."""
     properties = {"driver": "org.postgresql.Driver"}
     if url.startswith("jdbc:"):
         return url, properties
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise AuditInputError(f"--jdbc-url {safe_url(url)} is not a database URL ({type(exc).__name__})") from None
     if parsed.get_backend_name() != "postgresql":
         raise AuditInputError(f"--jdbc-url must name PostgreSQL, not {parsed.get_backend_name()!r}")
+    unsupported = sorted(name for name in parsed.query if name not in _JDBC_PROPERTIES)
+    repeated = sorted(name for name, value in parsed.query.items() if not isinstance(value, str))
+    if unsupported or repeated:
+        raise AuditInputError(
+            f"--jdbc-url {safe_url(parsed)}: the connection parameter(s) {', '.join(unsupported + repeated)} "
+            "cannot be carried into a JDBC URL; give a jdbc:postgresql:// URL with the equivalent driver "
+            "properties instead")
     if parsed.username:
         properties["user"] = parsed.username
     if parsed.password:
         properties["password"] = str(parsed.password)
+    for name, value in parsed.query.items():
+        properties[_JDBC_PROPERTIES[name]] = value
     return f"jdbc:postgresql://{parsed.host or 'localhost'}:{parsed.port or 5432}/{parsed.database}", properties
 
 
@@ -208,6 +234,8 @@ class Inputs:
         except Exception as exc:  # noqa: BLE001 - Spark wraps the driver's error; its first line says it
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             reason = reason.split("on the operation: ")[-1].split(" SQLSTATE")[0]
+            for secret in (value for name, value in properties.items() if is_secret_name(name) and value):
+                reason = reason.replace(secret, "***")
             raise AuditInputError(f"cannot read the live table {table} at {url.split('?')[0]}: {reason[:300]}") \
                 from None
 

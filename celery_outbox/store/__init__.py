@@ -1,6 +1,6 @@
 """The message store: tables (one MetaData per prefix) and the only SQL of celery-outbox."""
 
-from .engine import build_engine, redact, safe_url
+from .engine import build_engine, masked_options, redact, safe_url
 from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables
 from .store import MigrationResult, Store, as_utc, is_unique_violation, utcnow
 
@@ -14,6 +14,7 @@ __all__ = [
     "build_engine",
     "build_tables",
     "is_unique_violation",
+    "masked_options",
     "redact",
     "safe_url",
     "utcnow",

@@ -14,6 +14,7 @@ driver is reported as such.
 from __future__ import annotations
 
 import importlib.util
+import re
 import sqlite3
 import time
 from typing import Any, Mapping
@@ -24,31 +25,59 @@ from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 
 from ..errors import ConfigurationError
 
-__all__ = ["build_engine", "safe_url", "redact"]
+__all__ = ["build_engine", "is_secret_name", "masked_options", "safe_url", "redact"]
+
+MASK = "***"
+_QUOTED_MASK = "%2A%2A%2A"  # the mask as a URL's query renders it
+_SECRET_NAME = re.compile(r"pass|secret|token", re.IGNORECASE)
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PING_AFTER_IDLE = 0.05  # seconds a pooled connection may sit idle before it is pinged on checkout
 _IDLE_SINCE = "celery_outbox_idle_since"
 
 
+def is_secret_name(name: Any) -> bool:
+    """Whether a connection parameter or engine option of this name holds a secret
+    (``password``, ``sslpassword``, ``passfile``, a token...)."""
+    return isinstance(name, str) and _SECRET_NAME.search(name) is not None
+
+
 def safe_url(url: str | URL) -> str:
-    """The URL as text with its password masked: the only form that reaches output or logs."""
+    """The URL as text with its password and every secret query parameter (``password``,
+    ``sslpassword``...) masked: the only form that reaches output or logs."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        query = {name: MASK if is_secret_name(name) else value for name, value in parsed.query.items()}
+        return parsed.set(query=query).render_as_string(hide_password=True).replace(_QUOTED_MASK, MASK)
     except (ArgumentError, ValueError, TypeError):
         return "<unparseable URL>"
 
 
-def redact(text: str, url: str | URL | None) -> str:
-    """``text`` with the URL's password, if any, replaced by ``***``."""
-    if url is None:
-        return text
+def masked_options(options: Any) -> Any:
+    """Engine options (``connect_args`` and the like) with the value of every secret-named key masked."""
+    if isinstance(options, Mapping):
+        return {key: MASK if is_secret_name(key) else masked_options(value) for key, value in options.items()}
+    return options
+
+
+def _secrets(url: str | URL | None) -> list[str]:
     try:
-        password = make_url(url).password
+        parsed = make_url(url) if url is not None else None
     except (ArgumentError, ValueError, TypeError):
-        return text
-    if password:
-        text = text.replace(str(password), "***")
+        return []
+    if parsed is None:
+        return []
+    found = [str(parsed.password)] if parsed.password else []
+    for name, value in parsed.query.items():
+        if is_secret_name(name):
+            found += [value] if isinstance(value, str) else list(value)
+    return [secret for secret in found if secret]
+
+
+def redact(text: str, url: str | URL | None) -> str:
+    """``text`` with the URL's password and secret query parameters, if any, replaced by ``***``."""
+    for secret in sorted(_secrets(url), key=len, reverse=True):
+        text = text.replace(secret, MASK)
     return text
 
 

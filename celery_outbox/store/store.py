@@ -48,7 +48,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from ..errors import StoreUnavailable
+from ..errors import IncompatibleSchema, StoreUnavailable
 from .engine import redact, safe_url
 from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables, is_running
 
@@ -340,6 +340,9 @@ class Store:
         catalog alone, with no DDL: ``CREATE INDEX IF NOT EXISTS`` takes a SHARE lock on its
         table even when the index exists, which waits for the tasks writing to it and
         deadlocks with their transactions.
+
+        A schema recorded with a version newer than ``SCHEMA_VERSION`` (migrated by a newer
+        release) raises ``IncompatibleSchema`` before any DDL: the version is never written down.
         """
         with self.begin() as conn:
             if self._schema_is_current(conn):
@@ -349,12 +352,14 @@ class Store:
             if self.is_postgres:
                 conn.execute(select(func.pg_advisory_xact_lock(self._advisory_key())))
             result.created_tables = self._missing_tables(conn)
+            if self.tables.schema.name not in result.created_tables:
+                result.version_before = self._recorded_version(conn)
+                self._refuse_newer_schema(result.version_before)
             for table in self.tables.all():
                 conn.execute(CreateTable(table, if_not_exists=True))
                 for index in sorted(table.indexes, key=lambda i: i.name or ""):
                     conn.execute(CreateIndex(index, if_not_exists=True))
             schema = self.tables.schema
-            result.version_before = self._recorded_version(conn)
             if result.version_before is None:
                 conn.execute(schema.insert().values(id=1, version=SCHEMA_VERSION, migrated_at=utcnow()))
             elif result.version_before != SCHEMA_VERSION:
@@ -387,6 +392,18 @@ class Store:
     def missing_tables(self) -> list[str]:
         with self.begin() as conn:
             return self._missing_tables(conn)
+
+    def refuse_newer_schema(self) -> None:
+        """Raise ``IncompatibleSchema`` when the recorded schema version is newer than this code's."""
+        self._refuse_newer_schema(self.schema_version())
+
+    def _refuse_newer_schema(self, recorded: int | None) -> None:
+        if recorded is not None and recorded > SCHEMA_VERSION:
+            raise IncompatibleSchema(
+                f"the message store at {self.describe()} has schema version {recorded}, newer than "
+                f"version {SCHEMA_VERSION} of this celery-outbox: a newer release migrated it; upgrade "
+                "celery-outbox here (nothing was changed in the store)"
+            )
 
     def _missing_tables(self, conn: Connection) -> list[str]:
         existing = set(inspect(conn).get_table_names())

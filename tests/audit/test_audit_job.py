@@ -11,7 +11,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from celery_outbox.audit.archive import ParquetArchiver
-from celery_outbox.audit.job import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_LOST, AuditOptions, main, run_audit
+from celery_outbox.audit.job import (
+    EXIT_BAD_INPUT,
+    EXIT_CLEAN,
+    EXIT_LOST,
+    AuditInputError,
+    AuditOptions,
+    jdbc_url_of,
+    main,
+    run_audit,
+)
 
 from .conftest import JDBC_JAR
 
@@ -209,3 +218,20 @@ def test_the_cli_starts_spark_with_the_driver_memory_and_partitions_given(spark,
     facts = json.loads((tmp_path / "out" / "summary.json").read_text())["spark"]
     assert facts["master"] == "local[1]" and facts["shuffle_partitions"] == 3
     assert 400 < facts["driver_max_heap_mib"] <= 640, facts
+
+
+def test_the_jdbc_url_keeps_the_tls_parameters_as_properties_and_holds_no_secret():
+    url, properties = jdbc_url_of("postgresql+psycopg://app:pw-one@db.example:5433/shop?sslmode=verify-full"
+                                  "&sslrootcert=/ca.pem&sslcert=/c.pem&sslkey=/k.pk8&sslpassword=pw-two")
+    assert url == "jdbc:postgresql://db.example:5433/shop"
+    assert properties == {"driver": "org.postgresql.Driver", "user": "app", "password": "pw-one",
+                          "sslmode": "verify-full", "sslrootcert": "/ca.pem", "sslcert": "/c.pem",
+                          "sslkey": "/k.pk8", "sslpassword": "pw-two"}
+
+
+def test_a_parameter_jdbc_cannot_carry_is_refused_by_name_without_the_password():
+    with pytest.raises(AuditInputError) as error:
+        jdbc_url_of("postgresql://app:pw-one@h/shop?sslmode=require&target_session_attrs=read-write&password=pw-two")
+    message = str(error.value)
+    assert "target_session_attrs cannot be carried" in message
+    assert "pw-" not in message

@@ -61,5 +61,55 @@ def test_the_demo_on_embedded_defaults_ends_with_a_clean_audit(tmp_path):
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_the_demo_on_postgresql(tmp_path, broker):
-    summary = run_demo(tmp_path, "--database-url", require("postgres"), "--broker-url", require(broker), "--no-audit")
+    summary = run_demo(tmp_path, "--database-url", require("postgres"), "--broker-url", require(broker), "--no-audit",
+                       "--reset")
     assert_settled_exactly_once(summary)
+
+
+def demo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "example_project.demo", "--short", "--json", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_demo_refuses_a_data_folder_it_did_not_make(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    result = demo("--data-dir", str(mine))
+    assert result.returncode == 2, result.stderr
+    assert f"{mine} holds files the demo did not make" in result.stderr and "--reset" in result.stderr
+    assert (mine / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.fixture
+def own_database():
+    """A PostgreSQL database of its own, dropped afterwards."""
+    import uuid
+
+    import psycopg
+
+    url = require("postgres")
+    name = f"demo_{uuid.uuid4().hex[:8]}"
+    admin = url.replace("postgresql+psycopg", "postgresql")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield url.rsplit("/", 1)[0] + f"/{name}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_the_demo_refuses_a_database_whose_tables_hold_rows(tmp_path, own_database):
+    from sqlalchemy import create_engine, text
+
+    from celery_outbox.store import Store, build_engine
+
+    store = Store(build_engine(own_database))
+    store.migrate()
+    store.register_node("someone else's worker", "h", 1)
+    result = demo("--data-dir", str(tmp_path / "demo"), "--database-url", own_database, "--broker-url",
+                  require("redis"), "--no-audit")
+    assert result.returncode == 2, result.stderr
+    assert f"already holds rows in {store.tables.nodes.name}" in result.stderr and "--reset" in result.stderr
+    with create_engine(own_database).connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {store.tables.nodes.name}")).scalar() == 1
+    store.engine.dispose()

@@ -15,9 +15,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from celery import Celery
 from sqlalchemy import event, inspect, select
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
+from celery_outbox import IncompatibleSchema, Outbox
 from celery_outbox.store import SCHEMA_VERSION, Store, as_utc, build_engine, is_unique_violation, utcnow
 
 from ..conftest import drop_store
@@ -804,6 +806,29 @@ def test_migrate_on_a_current_schema_runs_no_ddl(store: Store):
         log.close()
     assert result.created_tables == [] and result.version_before == SCHEMA_VERSION
     assert log.of("CREATE") == [] and log.of("ALTER") == [] and log.of("DROP") == []
+
+
+def test_code_meeting_a_newer_schema_refuses_and_leaves_its_version(store: Store):
+    """A schema a newer release migrated is refused, by ``migrate`` and by an outbox that gets ready
+    without migrating, with a message naming both versions; the recorded version is not rewritten
+    and no DDL runs."""
+    newer = SCHEMA_VERSION + 1
+    with store.begin() as conn:
+        conn.execute(store.tables.schema.update().values(version=newer))
+    log = StatementLog(store.engine)
+    try:
+        with pytest.raises(IncompatibleSchema, match=f"schema version {newer}, newer than version {SCHEMA_VERSION}"):
+            store.migrate()
+    finally:
+        log.close()
+    assert store.schema_version() == newer
+    assert log.of("CREATE") == [] and log.of("UPDATE") == [] and log.of("DROP") == []
+    for auto_create_schema in (True, False):
+        app = Celery("newer", broker="memory://", set_as_current=False)
+        outbox = Outbox(app, engine=store.engine, table_prefix=store.prefix, auto_create_schema=auto_create_schema)
+        with pytest.raises(IncompatibleSchema, match="upgrade celery-outbox"):
+            outbox.ready()
+    assert store.schema_version() == newer
 
 
 def test_migrate_on_a_current_schema_neither_waits_for_nor_blocks_writers(store: Store):

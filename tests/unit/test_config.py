@@ -87,7 +87,16 @@ def test_unknown_setting_is_an_error_with_a_did_you_mean():
         ("outbox_durable_queues", ["ok", ""], "non-empty string"),
         ("outbox_auto_create_schema", "maybe", "True or False"),
         ("outbox_database_url", "", "non-empty string"),
-        ("outbox_engine_options", "pool_size=5", "dict"),
+        ("outbox_keep_after_handling", float("inf"), "finite positive number of seconds"),
+        ("outbox_node_heartbeat_interval", float("nan"), "finite positive number of seconds"),
+        ("outbox_inbox_stale_time", float("inf"), "finite positive number of seconds"),
+        ("outbox_keep_after_handling", 10**400, "finite positive number of seconds"),
+        ("outbox_keep_after_handling", 1e15, "at most 3153600000"),
+        ("outbox_dead_letter_retention", timedelta.max, "at most 3153600000"),
+        ("outbox_cleanup_rest", float("inf"), "finite number from 0 to 1000"),
+        ("outbox_cleanup_rest", float("nan"), "finite number from 0 to 1000"),
+        ("outbox_cleanup_rest", 10**400, "finite number from 0 to 1000"),
+        ("outbox_relay_batch_size", 2**31, "at most 2147483647"),
     ],
 )
 def test_bad_values_name_the_setting_the_value_and_what_is_allowed(key, value, allowed):
@@ -95,6 +104,38 @@ def test_bad_values_name_the_setting_the_value_and_what_is_allowed(key, value, a
         settings_of(app_with(**{key: value}))
     message = str(error.value)
     assert key in message and repr(value) in message and allowed in message
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_no_number_setting_accepts_a_non_finite_value(value):
+    numeric = [s.key for s in SETTINGS if isinstance(s.default, (int, float)) and not isinstance(s.default, bool)
+               or s.key.endswith(("_time", "_retention", "_after"))]
+    assert len(numeric) >= 15
+    for key in numeric:
+        with pytest.raises(ConfigurationError, match=key):
+            settings_of(app_with(**{key: value}))
+
+
+@pytest.mark.parametrize(
+    "conf, namespace, right",
+    [
+        ({"OUTBOX_DURABLE_QUEUES": ["x"]}, None, "CELERY_OUTBOX_DURABLE_QUEUES"),
+        ({"celery_outbox_durable_queues": ["x"]}, None, "outbox_durable_queues"),
+        ({"Outbox_Durabel_Queues": ["x"]}, None, "CELERY_OUTBOX_DURABLE_QUEUES"),
+        ({"CELERY_OUTBOX_durable_queues": ["x"]}, None, "CELERY_OUTBOX_DURABLE_QUEUES"),
+        ({"CELERY_OUTBOX_TABLE_PREFIX": "shop_"}, "TASKS", "TASKS_OUTBOX_TABLE_PREFIX"),
+        ({"outbox_durabel_queues": ["x"]}, None, "outbox_durable_queues"),
+        ({"CELERY_OUTBOX_DURABLE_QUEUE": ["x"]}, None, "CELERY_OUTBOX_DURABLE_QUEUES"),
+    ],
+)
+def test_a_setting_with_a_wrong_prefix_is_an_error_naming_the_right_spelling(conf, namespace, right):
+    with pytest.raises(ConfigurationError, match=f"did you mean {right}\\?"):
+        read_settings(conf, namespace=namespace)
+
+
+def test_other_keys_mentioning_outbox_are_left_alone():
+    conf = {"MYAPP_OUTBOX_ENABLED": True, "OUTBOX_SOMETHING_ELSE": 1, "shop_outbox_url": "x", "outbox": 1}
+    assert read_settings(conf) == OutboxSettings()
 
 
 def test_a_setting_given_twice_with_different_values_is_an_error():
@@ -122,3 +163,23 @@ def test_every_setting_is_documented_in_the_readme():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     for setting in SETTINGS:
         assert f"`{setting.key}`" in readme, f"README.md does not document {setting.key}"
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"outbox_database_url": "postgresql+psycopg://u:pw-one@h/db?sslpassword=pw-two",
+         "CELERY_OUTBOX_DATABASE_URL": "postgresql+psycopg://u:pw-three@h/db?password=pw-four"},
+        {"outbox_engine_options": {"connect_args": {"password": "pw-one"}},
+         "CELERY_OUTBOX_ENGINE_OPTIONS": {"connect_args": {"sslpassword": "pw-two"}}},
+        {"outbox_engine_options": "pool_size=5 password=pw-one"},
+        {"outbox_engine_options": [("connect_args", {"password": "pw-one"})]},
+        {"outbox_database_url": b"postgresql+psycopg://u:pw-one@h/db"},
+    ],
+)
+def test_errors_about_the_store_settings_print_no_secret(conf):
+    with pytest.raises(ConfigurationError) as error:
+        read_settings(conf)
+    message = str(error.value)
+    assert "pw-" not in message
+    assert "outbox_database_url" in message.lower() or "outbox_engine_options" in message.lower()
