@@ -198,7 +198,9 @@ class ThrowawayPostgres(_Throwaway):
     ``start()``. As root, every server program runs as ``postgres`` through ``runuser``.
     """
 
-    def __init__(self):
+    def __init__(self, **server_settings: str):
+        """``server_settings``: more ``postgres -c name=value`` settings (``idle_session_timeout="1s"``)."""
+        self.server_settings = server_settings
         self.bindir = _postgres_bindir()
         if self.bindir is None:
             _unavailable("PostgreSQL server binaries (initdb, postgres, pg_ctl) are not installed")
@@ -263,7 +265,7 @@ class ThrowawayPostgres(_Throwaway):
         if first:
             self._initdb()
         settings = {"listen_addresses": "127.0.0.1", "port": str(self.port), "unix_socket_directories": str(self.data),
-                    "max_connections": "200", "shared_buffers": "16MB"}
+                    "max_connections": "200", "shared_buffers": "16MB", **self.server_settings}
         options = [arg for name, value in settings.items() for arg in ("-c", f"{name}={value}")]
         self._spawn(self._command("postgres", "-D", str(self.data), *options), cwd=self.dir)
         self._await_answer(self._answers, timeout=60, what=f"PostgreSQL on port {self.port} to accept connections")
@@ -283,6 +285,10 @@ class ThrowawayPostgres(_Throwaway):
             raise self._failure(f"pg_ctl stop -m {mode} failed:\n{result.stdout}\n{result.stderr}")
         self.process.wait(timeout=30)
         self.process = self.postmaster = None
+
+    def count_log(self, text: str) -> int:
+        """How many times the server's own log says ``text``."""
+        return self.log.read_text(errors="replace").count(text) if self.log and self.log.exists() else 0
 
     def kill(self) -> None:
         """SIGKILL the postmaster, as a crash does; returns once its children have noticed and exited,

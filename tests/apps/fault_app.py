@@ -14,17 +14,23 @@ with ``create(...)`` to read the tables.
   effect and send the order's receipt from their unit of work; ``fault.receipt``
   (optimistic) writes a ``receipt`` effect. Effects carry no unique key: a second
   run of a body would show as a second row.
+* FAULT_TRICKS (comma-separated) makes the first delivery of some payments misbehave
+  the way Celery allows: ``reject`` raises ``Reject(requeue=True)`` (every 7th order,
+  from the 4th), ``worker_lost`` kills its own pool process (every 7th, from the 6th),
+  which Celery answers by sending the task again (``retry_on_worker_lost``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from types import SimpleNamespace
 
 from celery import Celery
+from celery.exceptions import Reject
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
@@ -34,7 +40,7 @@ ORDER_ID = "order-{}"
 
 
 def create(broker_url: str, database_url: str, prefix: str, queue: str, maintenance_queue: str,
-           visibility_timeout: float = 3, body_seconds: float = 0.0, **conf) -> SimpleNamespace:
+           visibility_timeout: float = 3, body_seconds: float = 0.0, tricks: str = "", **conf) -> SimpleNamespace:
     app = Celery("fault_app", broker=broker_url, set_as_current=False)
     app.conf.update(
         task_default_queue=maintenance_queue,
@@ -58,7 +64,26 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
                     Column("order_id", String(64), nullable=False), Column("kind", String(16), nullable=False),
                     Column("pid", Integer, nullable=False))
 
+    tricked = Table(f"{prefix}tricked", metadata, Column("order_id", String(64), primary_key=True))
+    enabled_tricks = {name for name in tricks.split(",") if name}
+
+    def first_trick(order_id: str, trick: str) -> bool:
+        """Whether ``trick`` is on for this order and not played yet (recorded in a transaction of its own)."""
+        number = int(order_id.rsplit("-", 1)[1])
+        if trick not in enabled_tricks or number % 7 != {"reject": 3, "worker_lost": 5}[trick]:
+            return False
+        try:
+            with outbox.engine.begin() as conn:
+                conn.execute(insert(tricked).values(order_id=order_id))
+        except IntegrityError:
+            return False
+        return True
+
     def pay_body(task, order_id: str) -> None:
+        if first_trick(order_id, "reject"):
+            raise Reject("the fault drill's first delivery", requeue=True)
+        if first_trick(order_id, "worker_lost"):
+            os.kill(os.getpid(), signal.SIGKILL)
         task.session.execute(insert(effects).values(order_id=order_id, kind="payment", pid=os.getpid()))
         if body_seconds:
             time.sleep(body_seconds)  # a payment that takes a while: faults find bodies running
@@ -129,7 +154,7 @@ if "FAULT_BROKER_URL" in os.environ:
     shop = create(os.environ["FAULT_BROKER_URL"], os.environ["FAULT_DATABASE_URL"], os.environ["FAULT_PREFIX"],
                   os.environ["FAULT_QUEUE"], os.environ["FAULT_MAINTENANCE_QUEUE"],
                   float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", 3)), float(os.environ.get("FAULT_BODY_SECONDS", 0)),
-                  **json.loads(os.environ.get("FAULT_CONF", "{}")))
+                  os.environ.get("FAULT_TRICKS", ""), **json.loads(os.environ.get("FAULT_CONF", "{}")))
     app = shop.app
 
 if __name__ == "__main__":

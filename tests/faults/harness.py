@@ -96,7 +96,7 @@ class Outcome:
     copies_uncounted: int = 0
 
     def line(self) -> str:
-        return (f"fault scenario {self.scenario}: messages {self.messages}, kills {self.kills}, lost {self.lost}, "
+        return (f"fault scenario {self.scenario}: messages {self.messages}, faults {self.kills}, lost {self.lost}, "
                 f"duplicate effects {self.duplicate_effects}, discarded {self.discarded}, recovered {self.recovered}, "
                 f"seconds {self.seconds:.1f}")
 
@@ -164,22 +164,24 @@ class FaultRun:
 
     def __init__(self, scenario: str, tmp_path: Path, broker_url: str, database_url: str, *, orders: int = 150,
                  crashpoint: str | None = None, pace: float = 0.01, visibility_timeout: float = 3,
-                 body_seconds: float = 0.0, producer_broker_url: str | None = None, copies: int = 15, **conf):
+                 body_seconds: float = 0.0, producer_broker_url: str | None = None, copies: int = 15,
+                 pool: str = "prefork", tricks: str = "", **conf):
         suffix = uuid.uuid4().hex[:8]
         self.scenario, self.tmp_path, self.orders, self.pace, self.copies = scenario, tmp_path, orders, pace, copies
+        self.pool = pool
         self.prefix = f"f{suffix}_"
         settings = {**FAST_MAINTENANCE, **conf}
         self.env = {
             "FAULT_BROKER_URL": broker_url, "FAULT_DATABASE_URL": database_url, "FAULT_PREFIX": self.prefix,
             "FAULT_QUEUE": f"fault_{suffix}", "FAULT_MAINTENANCE_QUEUE": f"fault_maintenance_{suffix}",
             "FAULT_VISIBILITY_TIMEOUT": str(visibility_timeout), "FAULT_BODY_SECONDS": str(body_seconds),
-            "FAULT_CONF": json.dumps(settings),
+            "FAULT_CONF": json.dumps(settings), "FAULT_TRICKS": tricks,
         }
         if crashpoint:
             self.env[ENVIRONMENT_VARIABLE] = crashpoint
         self.producer_env = dict(self.env, FAULT_BROKER_URL=producer_broker_url or broker_url)
         self.shop = fault_app.create(broker_url, database_url, self.prefix, self.env["FAULT_QUEUE"],
-                                     self.env["FAULT_MAINTENANCE_QUEUE"], visibility_timeout, **settings)
+                                     self.env["FAULT_MAINTENANCE_QUEUE"], visibility_timeout, tricks=tricks, **settings)
         self.shop.outbox.ready()
         self.shop.metadata.create_all(self.shop.outbox.engine)
         self.processes: dict[str, Supervised] = {}
@@ -187,6 +189,7 @@ class FaultRun:
         self._faults: list[tuple[float, Callable[[], None]]] = []
         self._copied: dict[str, int] = {}
         self._conditions: list[tuple[str, Callable[[], bool]]] = []
+        self.played = 0  # tricks played (FAULT_TRICKS), read when the run settles
         with self.shop.app.connection_for_write() as connection:  # not connected: only its error types
             self._service_errors = (SQLAlchemyError, OSError, KombuError, *connection.connection_errors,
                                     *connection.channel_errors)
@@ -200,23 +203,34 @@ class FaultRun:
         log = self._log(name)
         return log.read_text(errors="replace") if log.exists() else ""
 
-    def _worker(self, name: str, queue: str, concurrency: int) -> Callable[[], subprocess.Popen]:
+    def application_name(self, role: str) -> str:
+        """The PostgreSQL ``application_name`` of a role's connections (``PGAPPNAME``): a drill finds
+        the connections of one kind by it."""
+        return f"{self.prefix}{role}"
+
+    def _worker(self, name: str, queue: str, concurrency: int, pool: str = "prefork") -> Callable[[], subprocess.Popen]:
         def start() -> subprocess.Popen:
-            worker = WorkerProcess("tests.apps.fault_app", self.env, concurrency=concurrency, queues=[queue],
+            env = dict(self.env, PGAPPNAME=self.application_name(name))
+            worker = WorkerProcess("tests.apps.fault_app", env, pool=pool, concurrency=concurrency, queues=[queue],
                                    log_path=self._log(name)).start()
             return worker.process
 
         return start
 
     def _beat(self) -> subprocess.Popen:
-        return BeatProcess("tests.apps.fault_app", self.env, log_path=self._log("beat")).start().process
+        env = dict(self.env, PGAPPNAME=self.application_name("beat"))
+        return BeatProcess("tests.apps.fault_app", env, log_path=self._log("beat")).start().process
 
     def _producer(self) -> subprocess.Popen:
         log = open(self._log("producer"), "ab")
         return subprocess.Popen(
             [sys.executable, "-m", "tests.apps.fault_app", "produce", str(self.orders), str(self.pace)],
-            env=dict(os.environ, PYTHONPATH=str(ROOT), **self.producer_env), cwd=ROOT, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            env=dict(os.environ, PYTHONPATH=str(ROOT), PGAPPNAME=self.application_name("producer"),
+                     **self.producer_env), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def count_fault(self) -> None:
+        """One fault fired from outside (a connection terminated, an outage begun)."""
+        self.external_kills += 1
 
     def kill_consumer(self) -> None:
         """SIGKILL the consuming worker and its children (no cleanup, no ack) and start a new one."""
@@ -276,6 +290,12 @@ class FaultRun:
         maintenance worker's log)."""
         return sum(int(count) for count in re.findall(r"'redelivered': (\d+)", self._log_text("maintenance")))
 
+    def tricks_played(self) -> int:
+        """First deliveries that misbehaved on purpose (``FAULT_TRICKS``)."""
+        tricked = self.shop.metadata.tables[f"{self.prefix}tricked"]
+        with self.shop.outbox.engine.begin() as conn:
+            return conn.execute(select(func.count()).select_from(tricked)).scalar_one()
+
     def at_progress(self, share: float, fault: Callable[[], None]) -> "FaultRun":
         """Inject ``fault`` once ``share`` of the orders have been paid."""
         self._faults.append((share, fault))
@@ -293,14 +313,16 @@ class FaultRun:
         started = time.monotonic()
         try:
             self.processes = {
-                "consumer": Supervised("the consuming worker", self._worker("consumer", self.env["FAULT_QUEUE"], 2),
-                                       self._log("consumer")),
+                "consumer": Supervised("the consuming worker", self._worker(
+                    "consumer", self.env["FAULT_QUEUE"], 2 if self.pool == "prefork" else 4, self.pool),
+                    self._log("consumer")),
                 "maintenance": Supervised("the maintenance worker", self._worker(
                     "maintenance", self.env["FAULT_MAINTENANCE_QUEUE"], 1), self._log("maintenance")),
                 "beat": Supervised("celery beat", self._beat),
                 "producer": Supervised("the producer", self._producer),
             }
             settled = self._drive(started + SETTLE_TIMEOUT)
+            self.played = self._safely(self.tricks_played, 0)
             outcome = self.outcome(time.monotonic() - started)
             if not settled:
                 raise AssertionError(f"{outcome.line()}\nthe system did not settle in {SETTLE_TIMEOUT:.0f}s: "
@@ -364,9 +386,11 @@ class FaultRun:
         """Pool processes of the consuming worker that a crash point ended, less the tasks the worker
         has answered with ``WorkerLostError`` (re-sent as a new attempt, or failed) so far."""
         text = self._log_text("consumer")
-        exits = text.count(f"exited with 'exitcode {EXIT_CODE}'")
-        answered = text.count(f"WorkerLostError('Worker exited prematurely: exitcode {EXIT_CODE}")
-        return max(exits - answered, 0)
+        unanswered = 0
+        for status in (f"exitcode {EXIT_CODE}", "signal 9 (SIGKILL)"):  # a crash point; a body that kills itself
+            exits = text.count(f"exited with '{status}'")
+            unanswered += max(exits - text.count(f"WorkerLostError('Worker exited prematurely: {status}"), 0)
+        return unanswered
 
     def _settled(self) -> bool:
         return not self._unsettled(self.outcome(0.0))
@@ -426,11 +450,13 @@ class FaultRun:
         )
 
     def kills(self) -> int:
-        """Processes a crash point ended (each says so in its log), processes a known crash of Celery
-        ended, and processes the run SIGKILLed."""
+        """The faults of the run: processes a crash point ended (each says so in its log), processes a
+        known crash of Celery ended, processes the run SIGKILLed, faults fired from outside
+        (``count_fault``) and deliveries that misbehaved on purpose (``FAULT_TRICKS``)."""
         fired = sum(path.read_text(errors="replace").count("celery-outbox: crash point")
                     for path in self.tmp_path.glob("*.log"))
-        return fired + sum(process.known_crashes for process in self.processes.values()) + self.external_kills
+        return (fired + sum(process.known_crashes for process in self.processes.values()) + self.external_kills
+                + self.played)
 
     def close(self) -> None:
         try:
@@ -444,12 +470,15 @@ class FaultRun:
             self.shop.outbox.engine.dispose()
 
 
-def play(run: FaultRun, capsys) -> Outcome:
-    """Run a scenario, drop its tables, and print its line (past pytest's capture)."""
+def play(run: FaultRun, capsys, more_faults: Callable[[], int] | None = None) -> Outcome:
+    """Run a scenario, drop its tables, and print its line (past pytest's capture); ``more_faults``
+    counts faults the run could not see (a server's own doing, read from its log)."""
     try:
         outcome = run.run()
     finally:
         run.close()
+    if more_faults is not None:
+        outcome.kills += more_faults()
     with capsys.disabled():
         print(f"\n{outcome.line()}")
     return outcome

@@ -1,0 +1,117 @@
+"""Connection faults under load: nothing lost, nothing done twice, nothing left pending.
+
+The shop of tests/apps/fault_app.py runs with real producer, worker (prefork, and threads),
+maintenance and beat processes (see ``harness``) on real PostgreSQL and Redis, its payment
+queue durable, its payments in both idempotency styles (optimistic, and eager every third),
+while the database's connections fail:
+
+* every kind of connection (a task's, a node's liveness one, the relay's, the producer's)
+  terminated at random moments (``pg_terminate_backend``);
+* the database refusing every connection for 10 s (a proxy that cuts and refuses), then back;
+* the server ending idle sessions (``idle_session_timeout``), as poolers and cloud databases do:
+  every pooled connection and every liveness connection is cut between two uses;
+* bodies that raise ``Reject(requeue=True)`` and pool processes lost mid-body
+  (``retry_on_worker_lost``), in each style.
+
+A PostgreSQL restart mid-run (the failover case) is in test_service_restarts.py. Each prints the
+drills' one line (messages, faults, lost, duplicate effects, discarded, seconds); the invariants
+are those of ``harness.assert_invariants``.
+"""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import urlsplit
+
+import pytest
+
+from ..services import TcpProxy, require
+from ..throwaway import ThrowawayPostgres
+from .chaos import KINDS, ConnectionKiller
+from .harness import FaultRun, assert_invariants, play
+
+OUTAGE_SECONDS = 10.0
+
+
+@pytest.fixture
+def redis_url():
+    return require("redis")
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool):
+    """From a tenth of the orders paid to nine tenths (about 6 s), one session of the next kind in
+    turn is terminated every 0.05 to 0.25 s. Every kind is hit; claims, bodies, finishes, releases and
+    heartbeats that lose their connection send the message back or try again, never ack it away."""
+    database_url = require("postgres")
+    run = FaultRun(f"connections terminated at random ({pool})", tmp_path, redis_url, database_url,
+                   orders=150, pace=0.05, body_seconds=0.02, pool=pool)
+    killer = ConnectionKiller(database_url, {role: run.application_name(role)
+                                             for role in ("consumer", "maintenance", "producer")}, run.count_fault,
+                              interval=(0.05, 0.25))
+    run.at_progress(0.1, killer.start).at_progress(0.9, killer.stop)
+    try:
+        outcome = play(run, capsys)
+    finally:
+        killer.stop()
+    with capsys.disabled():
+        print(f"  terminated by kind: {dict(killer.killed)}")
+    assert set(killer.killed) >= {"task", "liveness", "producer"}, f"kinds never hit: {killer.killed}"
+    assert outcome.kills >= 20, outcome.line()
+    assert_invariants(outcome)
+    assert set(KINDS) >= set(killer.killed)
+
+
+def test_database_refusing_connections_for_ten_seconds(redis_url, tmp_path, capsys):
+    """Every process reaches PostgreSQL through a proxy that, at 40% of the orders paid, cuts every
+    connection and refuses new ones for 10 s. Claims go back to the broker, the producer tries its
+    order again, the nodes keep their claims (their heartbeats resume) or lose them to recovery,
+    and every effect still commits once."""
+    database_url = require("postgres")
+    target = urlsplit(database_url.replace("+psycopg", ""))
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 5432).start()
+    proxied = database_url.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
+    run = FaultRun("database refusing connections for 10 s", tmp_path, redis_url, proxied, orders=120,
+                   body_seconds=0.02)
+    outage_over = threading.Event()
+
+    def outage() -> None:
+        proxy.stop()
+        run.count_fault()
+        threading.Timer(OUTAGE_SECONDS, lambda: (proxy.start(), outage_over.set())).start()
+
+    run.at_progress(0.4, outage)
+    run.settles_when("the database answering again", outage_over.is_set)
+    try:
+        outcome = play(run, capsys)
+    finally:
+        proxy.stop()
+    assert outage_over.is_set()
+    assert_invariants(outcome)
+
+
+def test_server_ending_idle_sessions(redis_url, tmp_path, capsys):
+    """``idle_session_timeout = 300ms``: every connection idle for longer is ended by the server,
+    the liveness connections between two heartbeats among them. Pooled connections are pinged
+    and replaced, liveness connections taken again; no node is declared dead for it."""
+    with ThrowawayPostgres(idle_session_timeout="300ms") as postgres:
+        run = FaultRun("idle_session_timeout 300ms", tmp_path, redis_url, postgres.url, orders=120)
+        ended = "terminating connection due to idle-session timeout"
+        outcome = play(run, capsys, more_faults=lambda: postgres.count_log(ended))
+        assert postgres.count_log(ended) > 0, f"{outcome.line()}: the server ended no idle session"
+        assert_invariants(outcome)
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_reject_requeue_and_lost_pool_processes(redis_url, tmp_path, capsys, pool):
+    """The first delivery of every 7th payment raises ``Reject(requeue=True)`` and of another 7th
+    kills its own pool process (threads: only the rejects), in both styles: each comes back and
+    commits once."""
+    database_url = require("postgres")
+    tricks = "reject,worker_lost" if pool == "prefork" else "reject"
+    run = FaultRun(f"Reject(requeue=True) and lost pool processes ({pool})", tmp_path, redis_url, database_url,
+                   orders=105, pool=pool, tricks=tricks)
+    outcome = play(run, capsys)
+    played = run.played
+    assert played >= 15 if pool == "prefork" else played >= 10, f"{outcome.line()}: {played} tricks played"
+    assert_invariants(outcome)
