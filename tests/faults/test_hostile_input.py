@@ -20,13 +20,25 @@ GOOD_BODY = '[["x"], {}, {}]'
 HANDED_BACK = "handing it back to the broker"
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
+def started(broker: str, tmp_path_factory) -> Scenario:
     from ..conftest import unique_prefix
     from ..services import require
 
-    scenario = Scenario(require("redis"), require("postgres"), unique_prefix(), tmp_path_factory.mktemp("hostile"))
+    scenario = Scenario(require(broker), require("postgres"), unique_prefix(), tmp_path_factory.mktemp("hostile"))
     scenario.worker(queues=[scenario.env["TEST_QUEUE"], scenario.env["TEST_OTHER_QUEUE"]])
+    return scenario
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    scenario = started("redis", tmp_path_factory)
+    yield scenario
+    scenario.close()
+
+
+@pytest.fixture(scope="module")
+def rabbitmq_scenario(tmp_path_factory):
+    scenario = started("rabbitmq", tmp_path_factory)
     yield scenario
     scenario.close()
 
@@ -90,6 +102,14 @@ def test_envelopes_kombu_cannot_read_are_dead_lettered_and_the_worker_lives(scen
 
 
 def test_nul_bytes_and_ids_the_store_cannot_hold_are_dead_lettered_and_good_ones_run(scenario):
+    nul_bytes_and_long_ids_among_good_messages(scenario)
+
+
+def test_nul_bytes_and_ids_the_store_cannot_hold_on_rabbitmq(rabbitmq_scenario):
+    nul_bytes_and_long_ids_among_good_messages(rabbitmq_scenario)
+
+
+def nul_bytes_and_long_ids_among_good_messages(scenario) -> None:
     shop, store = scenario.shop, scenario.shop.outbox.store
     durable, plain = scenario.env["TEST_OTHER_QUEUE"], scenario.env["TEST_QUEUE"]
     bad = [  # (queue, headers, content type, reason)
