@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .broker import BoundQueues, connect_quickly, connection_errors
 from .crashpoints import crashpoint
+from .dead_letter_rows import DeadLetterReason, dead_letter_row
 from .envelope import from_row
 from .relay import RelayResult, redeliver, relay
 from .store import utcnow
@@ -270,15 +271,14 @@ def _give_up(outbox: "Outbox", conn: Any, rows: Sequence[Any], now: datetime) ->
     store, settings = outbox.store, outbox.settings
     keep_until = now + timedelta(seconds=settings.keep_after_handling)
     store.mark_incoming_dead(conn, [(row.message_id, row.destination) for row in rows], now, keep_until)
-    store.insert_dead_letters(conn, [{
-        "message_id": row.message_id, "destination": row.destination, "task_name": row.task_name,
-        "queue": row.queue, "reason": "worker_lost", "exception_type": None,
-        "exception_message": f"the worker running it was lost {row.recoveries} time(s); recovery gave up",
-        "retries": row.retries, "nesting": row.nesting, "replays": row.replays, "failed_at": now,
-        "exchange": row.exchange, "routing_key": row.routing_key, "body": row.body,
-        "content_type": row.content_type, "content_encoding": row.content_encoding,
-        "headers": row.headers, "properties": row.properties,
-    } for row in rows])
+    store.insert_dead_letters(conn, [dead_letter_row(
+        reason=DeadLetterReason.WORKER_LOST, failed_at=now, message_id=row.message_id, destination=row.destination,
+        task_name=row.task_name, queue=row.queue,
+        description=f"the worker running it was lost {row.recoveries} time(s); recovery gave up",
+        retries=row.retries, nesting=row.nesting, replays=row.replays, exchange=row.exchange,
+        routing_key=row.routing_key, body=row.body, content_type=row.content_type,
+        content_encoding=row.content_encoding, headers=row.headers, properties=row.properties,
+    ) for row in rows])
     for row in rows:
         logger.error("celery-outbox: %s[%s] was recovered %d time(s) and never finished; dead-lettered",
                      row.task_name, row.message_id, row.recoveries)

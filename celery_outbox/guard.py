@@ -1,88 +1,137 @@
 """The consumer guard: a malformed message is dead-lettered and acked, never fatal.
 
-A worker consumer bootstep that ``Outbox(app)`` installs. It looks at each task
-message before Celery does. A message with no id, with headers of the wrong
-types, for an unknown task, or (on a durable queue) with a body that cannot be
-decoded is written to dead letters with the reason and acked; the messages around
-it are unaffected. Plain Celery drops such messages or, for a missing id,
-restarts its consumer until the worker gives up.
+A worker consumer step that ``Outbox(app)`` installs. It looks at each task message
+before Celery does. A message whose broker envelope is not one kombu can read (on
+Redis: headers that are not a mapping, a missing delivery tag...), with no id, with
+headers of the wrong types, for an unknown task, with an id or name the store
+cannot hold (on a durable queue or for an ``IdempotentTask``), or (on a durable
+queue) with a body that cannot be decoded into ``(args, kwargs, embed)`` is written
+to dead letters with the reason and acked; the messages around it are unaffected.
+Plain Celery drops such messages, or stops the worker.
 
-Transaction boundary: the dead letter commits before the ack; if the store cannot
-be reached the message is handed back to the broker (not acked) instead.
+Transaction boundary: the dead letter commits, in a transaction of its own, before
+the ack. If the store cannot be reached the message is not acked: it is handed back
+to the broker after a back-off, from the consumer's timer; nothing sleeps in the
+consumer.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from datetime import datetime
+import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from celery import bootsteps
-from kombu.utils import json as kombu_json
+from kombu.transport import virtual
 
+from .dead_letter_rows import ID_SIZE, DeadLetterReason, dead_letter_row, is_storable_id, stored_text
 from .inbox import REQUEUE_BACKOFF
-from .store import utcnow
+from .store import is_content_error, utcnow
 
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["MessageGuard", "malformed_reason"]
+__all__ = ["MessageGuard", "body_reason", "dead_letter_row_of", "malformed_reason", "sound_envelope",
+           "store_limits_reason", "tolerate_any_envelope"]
 
 logger = logging.getLogger("celery_outbox.guard")
 
 _OPTIONAL_STRINGS = ("root_id", "parent_id", "group", "eta", "expires", "shadow", "argsrepr", "kwargsrepr",
                      "origin", "lang")
 _OPTIONAL_INTEGERS = ("retries", "replaced_task_nesting", "group_index")
+_STORED_INTEGER_MAX = 2**31 - 1  # the store's attempt columns (retries, nesting)
+_MALFORMED = DeadLetterReason.MALFORMED
 
 
-def malformed_reason(headers: Any, known_tasks: Any) -> tuple[str, str] | None:
+def malformed_reason(headers: Any, known_tasks: Any) -> tuple[DeadLetterReason, str] | None:
     """(reason, description) when a protocol-2 task message cannot be run as is, else None."""
     if not isinstance(headers, dict):
-        return "malformed", f"headers are a {type(headers).__name__}, not a mapping"
+        return _MALFORMED, f"headers are a {type(headers).__name__}, not a mapping"
     task = headers.get("task")
     if not isinstance(task, str) or not task:
-        return "malformed", f"header 'task' is {task!r}: a task name is required"
+        return _MALFORMED, f"header 'task' is {_shown(task)}: a task name is required"
     message_id = headers.get("id")
     if not isinstance(message_id, str) or not message_id:
-        return "malformed", f"header 'id' is {message_id!r}: a task id is required"
+        return _MALFORMED, f"header 'id' is {_shown(message_id)}: a task id is required"
     for name in _OPTIONAL_STRINGS:
         value = headers.get(name)
         if value is not None and not isinstance(value, str):
-            return "malformed", f"header {name!r} is {value!r}: expected a string or null"
+            return _MALFORMED, f"header {name!r} is {_shown(value)}: expected a string or null"
     for name in _OPTIONAL_INTEGERS:
         value = headers.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            return "malformed", f"header {name!r} is {value!r}: expected a whole number or null"
+            return _MALFORMED, f"header {name!r} is {_shown(value)}: expected a whole number or null"
     timelimit = headers.get("timelimit")
     if timelimit is not None and (not isinstance(timelimit, (list, tuple)) or len(timelimit) != 2
                                   or any(t is not None and not isinstance(t, (int, float)) for t in timelimit)):
-        return "malformed", f"header 'timelimit' is {timelimit!r}: expected [soft, hard] seconds or nulls"
+        return _MALFORMED, f"header 'timelimit' is {_shown(timelimit)}: expected [soft, hard] seconds or nulls"
     if task not in known_tasks:
-        return "unknown_task", f"task {task!r} is not registered in this worker"
+        return DeadLetterReason.UNKNOWN_TASK, f"task {_shown(task)} is not registered in this worker"
     return None
 
 
-def _text(value: Any, limit: int = 255) -> str:
-    return value[:limit] if isinstance(value, str) else ""
+def store_limits_reason(headers: dict[str, Any]) -> tuple[DeadLetterReason, str] | None:
+    """(reason, description) when the store cannot record the attempt of a message whose headers
+    passed ``malformed_reason`` (its id or task name too long or not storable text, a count
+    beyond the store's columns), else None. Applies to messages that go through the inbox."""
+    for name in ("id", "task"):
+        value = headers[name]
+        if len(value) > ID_SIZE:
+            return _MALFORMED, f"header {name!r} is {len(value)} characters, the store holds at most {ID_SIZE}"
+        if not is_storable_id(value):
+            return _MALFORMED, f"header {name!r} is {_shown(value)}: NUL bytes and lone surrogates cannot be stored"
+    for name in ("retries", "replaced_task_nesting"):
+        value = headers.get(name)
+        if value is not None and value > _STORED_INTEGER_MAX:
+            return _MALFORMED, f"header {name!r} is {value}: the store holds at most {_STORED_INTEGER_MAX}"
+    return None
 
 
-def _dead_letter(message: Any, reason: str, description: str, now: datetime) -> dict[str, Any]:
-    headers = message.headers if isinstance(message.headers, dict) else {}
-    delivery_info = message.delivery_info or {}
-    queue = delivery_info.get("routing_key") or ""
-    body = message.body
-    if isinstance(body, str):
-        body = body.encode("utf-8", "replace")
-    return {
-        "message_id": _text(headers.get("id")), "destination": "", "task_name": _text(headers.get("task")),
-        "queue": _text(queue), "reason": reason, "exception_type": "MalformedMessage" if reason == "malformed"
-        else "NotRegistered", "exception_message": description[:4000], "traceback": None,
-        "exchange": _text(delivery_info.get("exchange")), "routing_key": _text(queue), "body": body,
-        "content_type": _text(message.content_type, 128), "content_encoding": _text(message.content_encoding, 64),
-        "headers": kombu_json.dumps(message.headers, default=repr) if message.headers is not None else None,
-        "properties": kombu_json.dumps(message.properties, default=repr), "failed_at": now,
-    }
+def body_reason(message: Any) -> tuple[DeadLetterReason, str] | None:
+    """(reason, description) when the body of a protocol-2 message does not decode into
+    ``(args, kwargs, embed)``: a list, a mapping with string keys, a mapping or null."""
+    try:
+        body = message.decode()
+    except Exception as exc:  # noqa: BLE001 - any failure to decode is the message's fault
+        return _MALFORMED, f"body cannot be decoded ({_shown(message.content_type)}): {_shown(exc)}"
+    if not isinstance(body, (list, tuple)) or len(body) != 3:
+        return _MALFORMED, f"body is {_shown(body)}: expected [args, kwargs, embed]"
+    args, kwargs, embed = body
+    if not isinstance(args, (list, tuple)):
+        return _MALFORMED, f"body's args are {_shown(args)}: expected a list"
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        return _MALFORMED, f"body's kwargs are {_shown(kwargs)}: expected a mapping with string keys"
+    if embed is not None and not isinstance(embed, dict):
+        return _MALFORMED, f"body's embed is {_shown(embed)}: expected a mapping or null"
+    return None
+
+
+def _shown(value: Any, size: int = 200) -> str:
+    """A value in a description: its repr, cut to ``size`` characters."""
+    text = stored_text(value if not isinstance(value, str) else repr(value))
+    return text if len(text) <= size else f"{text[:size]}... ({len(text)} characters)"
+
+
+def dead_letter_row_of(message: Any, reason: DeadLetterReason, description: str) -> dict[str, Any]:
+    """The dead-letter row of a received ``message`` (its headers as received), fitted to the table."""
+    headers = getattr(message, "received_headers", message.headers)
+    mapping = headers if isinstance(headers, dict) else {}
+    delivery_info = message.delivery_info
+    return dead_letter_row(
+        reason=reason, failed_at=utcnow(), message_id=mapping.get("id"), task_name=mapping.get("task"),
+        queue=delivery_info.get("routing_key"), description=description, retries=mapping.get("retries"),
+        nesting=mapping.get("replaced_task_nesting"), exchange=delivery_info.get("exchange"),
+        routing_key=delivery_info.get("routing_key"), body=message.body, content_type=message.content_type,
+        content_encoding=message.content_encoding, headers=headers, properties=message.properties,
+        error=MalformedMessage(description) if reason is _MALFORMED else NotRegistered(description))
+
+
+class MalformedMessage(Exception):
+    """The message cannot be run as it is (its dead letter's exception type)."""
+
+
+class NotRegistered(Exception):
+    """No task of the message's name is registered in the worker (its dead letter's exception type)."""
 
 
 def _is_protocol_one(message: Any) -> bool:
@@ -93,8 +142,77 @@ def _is_protocol_one(message: Any) -> bool:
     return isinstance(body, dict) and isinstance(body.get("task"), str) and isinstance(body.get("id"), str)
 
 
-class MessageGuard(bootsteps.Step):
-    """Consumer step: wraps Celery's task message handler with the checks above."""
+# -- the broker's envelope (kombu's virtual transports: Redis, SQS...) ----------------------------
+
+
+def tolerate_any_envelope(channel: Any) -> None:
+    """Make ``channel`` build a message from any envelope it receives. A virtual transport builds
+    each message from the envelope's JSON as it is delivered, in the consumer's event loop, before
+    any handler: an envelope kombu cannot read (headers that are not a mapping, properties or
+    delivery info of the wrong shape, a body it cannot decode) raised there and stopped the worker,
+    the message already taken off the queue. The message is now built from a sound copy of the
+    envelope and carries what was wrong (``envelope_fault``) for the guard to dead-letter it.
+    Other transports (py-amqp: headers are always a table) are left as they are."""
+    if isinstance(channel, virtual.Channel) and not issubclass(channel.Message, _TolerantMessage):
+        channel.Message = type(f"Tolerant{channel.Message.__name__}", (_TolerantMessage, channel.Message), {})
+
+
+class _TolerantMessage:
+    """Mixed in before a virtual transport's ``Message``: built from a sound copy of the envelope."""
+
+    envelope_fault: str | None = None
+    received_headers: Any = None  # the headers as received, kept for the dead letter
+
+    def __init__(self, payload: Any, channel: Any = None, **kwargs: Any):
+        faults, sound = sound_envelope(payload)
+        try:
+            super().__init__(sound, channel=channel, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the body cannot be decoded as the envelope says
+            faults.append(f"the body cannot be decoded as the envelope says: {_shown(exc)}")
+            super().__init__({**sound, "body": None}, channel=channel, **kwargs)
+        self.envelope_fault = "; ".join(faults) or None
+        self.received_headers = payload.get("headers") if isinstance(payload, dict) else None
+
+
+def sound_envelope(payload: Any) -> tuple[list[str], dict[str, Any]]:
+    """What is wrong with a virtual transport's message envelope, and a copy kombu can read: the
+    wrong parts replaced by empty ones (a delivery tag made up, so the message can be acked)."""
+    faults: list[str] = []
+
+    def part(container: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any, where: str) -> Any:
+        value = container.get(key)
+        if value is None or (isinstance(value, kinds) and not isinstance(value, bool)):
+            return default if value is None else value
+        faults.append(f"{where}{key!r} is {_shown(value)}")
+        return default
+
+    if not isinstance(payload, dict):
+        faults.append(f"the envelope is {_shown(payload)}, not a mapping")
+        payload = {}
+    properties = part(payload, "properties", (dict,), {}, "envelope ")
+    info = part(properties, "delivery_info", (dict,), {}, "properties' ")
+    tag = part(properties, "delivery_tag", (str, int), "", "properties' ")
+    if tag == "":
+        if properties.get("delivery_tag") in (None, ""):
+            faults.append("the envelope has no delivery tag")
+        tag = uuid.uuid4().hex
+    routing = {key: part(info, key, (str,), "", "delivery info's ") for key in ("exchange", "routing_key")}
+    return faults, {
+        **payload,
+        "body": part(payload, "body", (str, bytes), None, "envelope "),
+        "headers": part(payload, "headers", (dict,), {}, "envelope "),
+        "content-type": part(payload, "content-type", (str,), None, "envelope "),
+        "content-encoding": part(payload, "content-encoding", (str,), None, "envelope "),
+        "properties": {**properties, "delivery_tag": tag, "delivery_info": {**info, **routing},
+                       "body_encoding": part(properties, "body_encoding", (str,), None, "properties' ")},
+    }
+
+
+class MessageGuard(bootsteps.StartStopStep):
+    """Consumer step: wraps Celery's task message handler with the checks above, and makes the task
+    consumer's channel on a virtual transport (Redis) build a message from any envelope."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
 
     def __init__(self, c: Any, **kwargs: Any):
         super().__init__(c, **kwargs)
@@ -107,42 +225,102 @@ class MessageGuard(bootsteps.Step):
             handler = create(*args, **kwargs)
 
             def on_task_received(message: Any) -> Any:
-                if self._intercepted(outbox, c, message):
-                    return None
-                return handler(message)
+                verdict = _verdict(outbox, c, message)
+                if verdict is None:
+                    return handler(message)
+                _dead_letter(outbox, c, message, *verdict)
+                return None
 
             return on_task_received
 
         c.create_task_handler = create_task_handler
 
-    @staticmethod
-    def _intercepted(outbox: "Outbox", consumer: Any, message: Any) -> bool:
-        headers = message.headers
-        if isinstance(headers, dict) and "task" not in headers and _is_protocol_one(message):
-            return False  # Celery's own protocol 1 checks apply
-        verdict = malformed_reason(headers, consumer.strategies)
-        if verdict is None:
-            queue = (message.delivery_info or {}).get("routing_key")
-            if not outbox.settings.is_durable(queue):
-                return False
-            try:
-                message.decode()
-            except Exception as exc:  # noqa: BLE001 - any failure to decode is the message's fault
-                verdict = ("malformed", f"body cannot be decoded ({message.content_type}): {exc}")
-            else:
-                return False
-        reason, description = verdict
-        try:
-            store = outbox.ready().store
-            with store.begin() as conn:
-                store.insert_dead_letters(conn, [_dead_letter(message, reason, description, utcnow())])
-        except Exception as exc:  # noqa: BLE001 - without a dead letter the message must not be acked
-            logger.error("celery-outbox: cannot dead-letter a %s message (%s); handing it back to the broker: %s",
-                         reason, description, exc)
-            time.sleep(REQUEUE_BACKOFF)  # the store is down: do not spin on the message
-            message.reject(requeue=True)
-            return True
-        logger.error("celery-outbox: dead-lettered a %s message from %r: %s", reason,
-                     (message.delivery_info or {}).get("routing_key"), description)
-        message.ack()
+    def start(self, c: Any) -> None:
+        """Runs after the Tasks step made the task consumer, at each (re)connection."""
+        if getattr(c.app, "_celery_outbox", None) is not None and c.task_consumer is not None:
+            tolerate_any_envelope(c.task_consumer.channel)
+
+
+def _verdict(outbox: "Outbox", consumer: Any, message: Any) -> tuple[DeadLetterReason, str] | None:
+    """(reason, description) when ``message`` must be dead-lettered instead of run, else None."""
+    fault = getattr(message, "envelope_fault", None)
+    if fault is not None:
+        return DeadLetterReason.MALFORMED, fault
+    headers = message.headers
+    if isinstance(headers, dict) and "task" not in headers and _is_protocol_one(message):
+        return None  # Celery's own protocol 1 checks apply
+    verdict = malformed_reason(headers, consumer.strategies)
+    if verdict is not None:
+        return verdict
+    durable = outbox.settings.is_durable(message.delivery_info.get("routing_key"))
+    if durable or _uses_inbox(consumer.app, headers["task"]):
+        verdict = store_limits_reason(headers)
+    if verdict is None and durable:
+        verdict = body_reason(message)
+    return verdict
+
+
+def _uses_inbox(app: Any, task_name: str) -> bool:
+    from .tasks import IdempotentTask  # the tasks import the composition root, which installs this step
+
+    return isinstance(app.tasks.get(task_name), IdempotentTask)
+
+
+def _dead_letter(outbox: "Outbox", consumer: Any, message: Any, reason: DeadLetterReason, description: str) -> None:
+    """Dead-letter ``message`` and ack it; if the store cannot be reached, ack nothing: the message
+    goes back to the broker after a back-off (``_requeue_later``)."""
+    try:
+        stored = _store_dead_letter(outbox, message, reason, description)
+    except Exception as exc:  # noqa: BLE001 - not the row's fault: the store cannot be reached or used
+        logger.error("celery-outbox: cannot dead-letter a %s message (%s); handing it back to the broker in %ss: "
+                     "%s", reason.value, description, REQUEUE_BACKOFF, exc)
+        _requeue_later(consumer, message)
+        return
+    if stored:
+        logger.error("celery-outbox: dead-lettered a %s message from %r: %s", reason.value,
+                     message.delivery_info.get("routing_key"), description)
+    message.ack()
+
+
+def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason, description: str) -> bool:
+    """Insert the message's dead letter, each try in a transaction of its own. A row the database
+    refuses for its content is stored again reduced to the reason and the refusal; False when even
+    that is refused (logged). Any other error (the store is down) propagates."""
+    try:
+        _insert(outbox, dead_letter_row_of(message, reason, description))
         return True
+    except Exception as exc:
+        if not is_content_error(exc):
+            raise
+        refusal = exc
+    try:
+        _insert(outbox, dead_letter_row(reason=reason, failed_at=utcnow(), error=refusal,
+                                        description=f"{description}; its dead letter was refused: {refusal!r}"))
+        return True
+    except Exception as exc:
+        if not is_content_error(exc):
+            raise
+        logger.error("celery-outbox: the store refused the dead letter of a %s message (%s); acked without one: %r",
+                     reason.value, description, exc)
+        return False
+
+
+def _insert(outbox: "Outbox", row: dict[str, Any]) -> None:
+    store = outbox.ready().store
+    with store.begin() as conn:
+        store.insert_dead_letters(conn, [row])
+
+
+def _requeue_later(consumer: Any, message: Any) -> None:
+    """Hand ``message`` back to the broker after ``REQUEUE_BACKOFF`` seconds, from the consumer's
+    timer (the event loop's own, where there is one): the consumer goes on meanwhile, and the
+    store is not asked again at once. Until then the message stays unacked: a worker that dies
+    meanwhile leaves it to the broker, which restores it."""
+    consumer.timer.call_after(REQUEUE_BACKOFF, _requeue, (message,))
+
+
+def _requeue(message: Any) -> None:
+    try:
+        message.reject(requeue=True)
+    except Exception as exc:  # noqa: BLE001 - the connection it came on is gone: the broker restores it
+        logger.warning("celery-outbox: could not hand a message back to the broker: %r", exc)

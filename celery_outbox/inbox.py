@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from . import dead_letter_rows
 from .crashpoints import crashpoint
 from .envelope import header_count, json_text
 from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
@@ -457,14 +457,12 @@ class Inbox:
 
 def dead_letter_row(task: Any, delivery: Delivery, reason: str, exc: BaseException, now: datetime) -> dict[str, Any]:
     request = task.request
-    return {
-        "message_id": delivery.message_id, "destination": delivery.destination, "task_name": delivery.task_name,
-        "queue": delivery.queue, "reason": reason, "exception_type": type(exc).__name__,
-        "exception_message": str(exc)[:4000],
-        "traceback": "".join(traceback.format_exception(exc))[:20000],
-        "retries": delivery.retries, "nesting": delivery.nesting, "replays": delivery.replays, "failed_at": now,
+    return dead_letter_rows.dead_letter_row(
+        reason=dead_letter_rows.DeadLetterReason(reason), failed_at=now, message_id=delivery.message_id,
+        destination=delivery.destination, task_name=delivery.task_name, queue=delivery.queue, error=exc,
+        retries=delivery.retries, nesting=delivery.nesting, replays=delivery.replays,
         **envelope_of(task, tuple(request.args or ()), dict(request.kwargs or {})),
-    }
+    )
 
 
 class _StoreDown(Exception):

@@ -20,13 +20,13 @@ the row again on the next pass; the receiving inbox discards the copy.
 from __future__ import annotations
 
 import logging
-import traceback
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
+from .dead_letter_rows import DeadLetterReason, dead_letter_row
 from .envelope import OutgoingMessage, from_row
 from .signals import message_published, publish_failed
 from .store import as_utc, utcnow
@@ -117,10 +117,12 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                     crashpoint("during_relay")
                 sent = [message.row_id for message in published]
                 if expired:
-                    store.insert_dead_letters(conn, [_dead_letter(row, None, "expired") for row in expired])
+                    store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED)
+                                                     for row in expired])
                     result.expired += len(expired)
                 if poisoned:
-                    store.insert_dead_letters(conn, [_dead_letter(row, exc, "poison") for row, exc in poisoned])
+                    store.insert_dead_letters(conn, [_dead_letter(row, exc, DeadLetterReason.POISON)
+                                                     for row, exc in poisoned])
                 result.dead_lettered += len(poisoned) + len(expired)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
                 store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=outbox.archiver is not None)
@@ -186,25 +188,11 @@ def _expired(row: Any, now: datetime) -> bool:
     return expires_at is not None and expires_at <= now
 
 
-def _dead_letter(row: Any, exc: BaseException | None, reason: str) -> dict[str, Any]:
-    if exc is None:
-        error = {"exception_type": None, "traceback": None,
-                 "exception_message": f"expired at {as_utc(row.expires_at).isoformat()} before it was published"}
-    else:
-        error = {"exception_type": type(exc).__name__, "exception_message": str(exc)[:4000],
-                 "traceback": "".join(traceback.format_exception(exc))[:20000]}
-    return {
-        "message_id": row.message_id,
-        "task_name": row.task_name,
-        "queue": row.destination,
-        "reason": reason,
-        **error,
-        "exchange": row.exchange,
-        "routing_key": row.routing_key,
-        "body": row.body,
-        "content_type": row.content_type,
-        "content_encoding": row.content_encoding,
-        "headers": row.headers,
-        "properties": row.properties,
-        "failed_at": utcnow(),
-    }
+def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason) -> dict[str, Any]:
+    expired = None if exc is not None else f"expired at {as_utc(row.expires_at).isoformat()} before it was published"
+    return dead_letter_row(
+        reason=reason, failed_at=utcnow(), message_id=row.message_id, task_name=row.task_name,
+        queue=row.destination, error=exc, description=expired, exchange=row.exchange, routing_key=row.routing_key,
+        body=row.body, content_type=row.content_type, content_encoding=row.content_encoding, headers=row.headers,
+        properties=row.properties,
+    )

@@ -2,7 +2,7 @@
 
 from .engine import build_engine, masked_options, redact, safe_url
 from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables
-from .store import MigrationResult, Store, as_utc, is_unique_violation, utcnow
+from .store import MigrationResult, Store, as_utc, is_content_error, is_unique_violation, utcnow
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -13,6 +13,7 @@ __all__ = [
     "as_utc",
     "build_engine",
     "build_tables",
+    "is_content_error",
     "is_unique_violation",
     "masked_options",
     "redact",

@@ -45,14 +45,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from ..errors import IncompatibleSchema, StoreUnavailable
 from .engine import redact, safe_url
 from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables, is_running
 
-__all__ = ["Store", "MigrationResult", "is_unique_violation", "utcnow"]
+__all__ = ["Store", "MigrationResult", "is_content_error", "is_unique_violation", "utcnow"]
 
 # envelope columns are only overwritten by a claim that carries them
 _ENVELOPE_KEYS = frozenset({"exchange", "routing_key", "body", "content_type", "content_encoding", "headers",
@@ -278,6 +278,17 @@ def is_unique_violation(exc: BaseException) -> bool:
     if getattr(orig, "sqlstate", None) == PG_UNIQUE_VIOLATION:
         return True
     return getattr(orig, "sqlite_errorcode", None) in (SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE)
+
+
+def is_content_error(exc: BaseException) -> bool:
+    """True when the database (or its driver) refused a statement for the values it carried: a
+    data exception or constraint violation (SQLSTATE classes 22 and 23, the DBAPI's
+    ``DataError``/``IntegrityError``), or text the driver cannot encode. Anything else (a lost
+    connection, a pool timeout, a missing table) is not the values' fault."""
+    if isinstance(exc, (DataError, IntegrityError, UnicodeError)):
+        return True
+    sqlstate = getattr(getattr(exc, "orig", exc), "sqlstate", None) or ""
+    return sqlstate[:2] in ("22", "23")
 
 
 @dataclass
