@@ -416,7 +416,8 @@ class Inbox:
             with store.begin() as conn:
                 store.record_outcome(conn, row)
                 if exc is not None:
-                    store.insert_dead_letters(conn, [dead_letter_row(task, delivery, "failed", exc, now)])
+                    failed = dead_letter_rows.DeadLetterReason.FAILED
+                    store.insert_dead_letters(conn, [dead_letter_row(task, delivery, failed, exc, now)])
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
             if status == "dead" and is_outage(error, transient=True):
                 raise _StoreDown(error) from error
@@ -455,7 +456,8 @@ class Inbox:
                                  queue=delivery.queue)
 
 
-def dead_letter_row(task: Any, delivery: Delivery, reason: str, exc: BaseException, now: datetime) -> dict[str, Any]:
+def dead_letter_row(task: Any, delivery: Delivery, reason: "dead_letter_rows.DeadLetterReason", exc: BaseException,
+                    now: datetime) -> dict[str, Any]:
     request = task.request
     return dead_letter_rows.dead_letter_row(
         reason=dead_letter_rows.DeadLetterReason(reason), failed_at=now, message_id=delivery.message_id,

@@ -36,6 +36,7 @@ from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from .dead_letter_rows import DeadLetterReason
 from .errors import OutboxError
 from .inbox import Delivery, current_connection, current_session, dead_letter_row
 from .outbox import outbox_of
@@ -92,7 +93,7 @@ class OutboxRequest(Request):
         delivery = Delivery.from_context(task.name, context, outbox.settings.message_identity)
         task.request_stack.push(context)
         try:
-            dead_letter = dead_letter_row(task, delivery, "worker_lost", exc, utcnow())
+            dead_letter = dead_letter_row(task, delivery, DeadLetterReason.WORKER_LOST, exc, utcnow())
             outbox.inbox.end_lost_worker_attempt(delivery, dead_letter)
         except Exception as error:  # noqa: BLE001 - without a dead letter the message must not be acked
             logger.error("celery-outbox: cannot dead-letter %s[%s], lost with its worker process %d times; the "
