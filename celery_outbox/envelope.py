@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from kombu import Exchange, Queue
+from kombu import Queue
 from kombu.compression import compress
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
 
+from .routing import exchange_name
 from .store import as_utc
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
@@ -29,7 +30,7 @@ try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we 
 except ImportError:  # pragma: no cover - older Celery
     _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
 
-__all__ = ["OutgoingMessage", "capture", "from_row", "json_text", "queue_name"]
+__all__ = ["OutgoingMessage", "capture", "from_row", "json_text"]
 
 #: ``kombu.utils.json.dumps`` (the same text: datetimes, UUIDs and decimals kept) with one encoder
 #: for every call instead of a new one per call, as ``json.dumps`` does for its default arguments
@@ -137,15 +138,6 @@ def _timestamp(value: Any) -> datetime | None:
     return value.astimezone(timezone.utc)
 
 
-def queue_name(queue: Any, exchange: Any, default_queue: str) -> str | None:
-    """The queue a publish is routed to, by name, as Celery's sender resolves it."""
-    if queue is None and exchange is None:
-        return default_queue
-    if queue is None:
-        return None
-    return queue if isinstance(queue, str) else getattr(queue, "name", None)
-
-
 class _RecordingProducer:
     """Stands in for a kombu Producer while Celery's sender runs: records each publish."""
 
@@ -177,21 +169,15 @@ def _serialise(body: Any, kwargs: dict[str, Any]) -> tuple[bytes, str, str]:
     return body, content_type, content_encoding
 
 
-def _exchange_name(exchange: Any) -> str:
-    if isinstance(exchange, Exchange):
-        return exchange.name or ""
-    return exchange or ""
-
-
 def capture(
     sender: Callable[..., Any],
     producer: Any,
     name: str,
     message: Any,
-    destination: str | None,
     options: dict[str, Any],
 ) -> list[OutgoingMessage]:
-    """Run Celery's sender against a recording producer; return the messages it would publish.
+    """Run Celery's sender against a recording producer; return the messages it would publish,
+    each with its routing key as its destination until a durable queue is found for it.
 
     The task message comes first; a ``task-sent`` event, when enabled, follows it.
     """
@@ -206,14 +192,14 @@ def capture(
         kwargs = dict(kwargs)
         payload, content_type, content_encoding = _serialise(body, kwargs)
         headers = dict(kwargs.pop("headers", None) or {})
-        exchange = _exchange_name(kwargs.pop("exchange", ""))
+        exchange = exchange_name(kwargs.pop("exchange", ""))
         routing_key = kwargs.pop("routing_key", "") or ""
         sending = {key: kwargs.pop(key) for key in _SENDING_OPTIONS if key in kwargs}
         captured.append(
             OutgoingMessage(
                 message_id=str(headers.get("id") or ""),
                 task_name=str(headers.get("task") or name),
-                destination=destination or routing_key,
+                destination=routing_key,
                 body=payload,
                 content_type=content_type,
                 content_encoding=content_encoding,

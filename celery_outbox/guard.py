@@ -22,6 +22,7 @@ from celery import bootsteps
 from kombu.utils import json as kombu_json
 
 from .inbox import REQUEUE_BACKOFF
+from .routing import queue_of
 from .store import utcnow
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class MessageGuard(bootsteps.Step):
             return False  # Celery's own protocol 1 checks apply
         verdict = malformed_reason(headers, consumer.strategies)
         if verdict is None:
-            queue = (message.delivery_info or {}).get("routing_key")
+            queue = queue_of(message.delivery_info, consumer.app)
             if not outbox.settings.is_durable(queue):
                 return False
             try:

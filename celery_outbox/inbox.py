@@ -45,6 +45,7 @@ from .envelope import header_count, json_text
 from .errors import StoreUnavailable
 from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
 from .relay import REDELIVERY_HEADER
+from .routing import queue_of
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
 
@@ -97,8 +98,7 @@ class Delivery:
     @classmethod
     def from_request(cls, task: Any, identity: str) -> "Delivery":
         request = task.request
-        delivery_info = request.delivery_info or {}
-        queue = delivery_info.get("queue") or delivery_info.get("routing_key") or ""
+        queue = queue_of(request.delivery_info, task.app) or ""
         return cls(
             message_id=str(request.id),
             destination=queue if identity == "id_and_destination" else "",

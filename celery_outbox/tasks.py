@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from .errors import OutboxError
 from .inbox import current_connection, current_session
 from .outbox import outbox_of
+from .routing import queue_of
 
 __all__ = ["IdempotentTask", "InboxTask"]
 
@@ -60,8 +61,7 @@ class InboxTask(Task):
         if outbox is None:
             return super().__call__(*args, **kwargs)
         request = self.request
-        delivery_info = request.delivery_info or {}
-        queue = delivery_info.get("queue") or delivery_info.get("routing_key")
+        queue = queue_of(request.delivery_info, self.app)
         if request.called_directly or not outbox.settings.is_durable(queue):
             return super().__call__(*args, **kwargs)
         return outbox.inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
