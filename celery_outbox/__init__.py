@@ -5,7 +5,7 @@ tables under the default prefix, for Alembic autogenerate.
 """
 
 from .config import OutboxSettings
-from .errors import ConfigurationError, OutboxError, StoreUnavailable
+from .errors import ConfigurationError, OutboxError, StoreUnavailable, UndecidableRoute, UnstorableMessage
 from .outbox import Outbox
 from .store import build_tables
 from .tasks import IdempotentTask
@@ -19,5 +19,7 @@ __all__ = [
     "OutboxError",
     "OutboxSettings",
     "StoreUnavailable",
+    "UndecidableRoute",
+    "UnstorableMessage",
     "metadata",
 ]

@@ -21,16 +21,18 @@ from kombu import Queue
 from kombu.compression import compress
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
+from sqlalchemy import Table
 
+from .errors import UnstorableMessage
 from .routing import exchange_name
-from .store import as_utc
+from .store import as_utc, text_problem
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
     from celery.app.amqp import _callback_publish_retry
 except ImportError:  # pragma: no cover - older Celery
     _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
 
-__all__ = ["OutgoingMessage", "capture", "from_row", "json_text"]
+__all__ = ["OutgoingMessage", "capture", "check_storable", "from_row", "json_text"]
 
 #: ``kombu.utils.json.dumps`` (the same text: datetimes, UUIDs and decimals kept) with one encoder
 #: for every call instead of a new one per call, as ``json.dumps`` does for its default arguments
@@ -112,6 +114,25 @@ class OutgoingMessage:
             "expires_at": self.expires_at,
             "deliver_at": self.deliver_at,
         }
+
+
+#: the text fields of an outgoing row that come from the caller, in the caller's words
+_CALLER_FIELDS = {"message_id": "task id", "task_name": "task name", "destination": "queue name",
+                  "exchange": "exchange name", "routing_key": "routing key", "content_type": "content type",
+                  "content_encoding": "content encoding"}
+
+
+def check_storable(message: OutgoingMessage, outgoing: Table) -> None:
+    """Raise ``UnstorableMessage`` when a text field of ``message`` does not fit its column of the
+    ``outgoing`` table, naming the field, the value and the limit."""
+    for field_name, caller_name in _CALLER_FIELDS.items():
+        value = getattr(message, field_name)
+        problem = text_problem(outgoing.c[field_name], value)
+        if problem is not None:
+            shown = value if len(value) <= 80 else f"{value[:80]}..."
+            raise UnstorableMessage(
+                f"celery-outbox: cannot store the message {message.task_name[:80]!r} for durable queue "
+                f"{message.destination[:80]!r}: its {caller_name} {shown!r} cannot be stored: {problem}")
 
 
 def header_count(value: Any) -> int:

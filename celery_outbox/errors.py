@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["OutboxError", "ConfigurationError", "StoreUnavailable"]
+__all__ = ["OutboxError", "ConfigurationError", "StoreUnavailable", "UndecidableRoute",
+           "UnstorableMessage"]
 
 
 class OutboxError(Exception):
@@ -19,3 +20,18 @@ class ConfigurationError(OutboxError, ValueError):
 
 class StoreUnavailable(OutboxError):
     """The message store cannot be reached or used (database down, driver missing)."""
+
+
+class UnstorableMessage(OutboxError, ValueError):
+    """A message for a durable queue carries a value its outgoing row cannot hold (an id over the
+    column's length, a NUL character, a character UTF-8 cannot encode).
+
+    Raised by the call that sends it (``apply_async``, ``send_task``...), before anything is
+    stored: the caller's transaction is untouched. The message names the value and the limit.
+    """
+
+
+class UndecidableRoute(OutboxError, ValueError):
+    """A message is published through an exchange whose routing celery-outbox does not follow (a
+    ``headers`` exchange), and a durable queue is bound to it: whether it is durable cannot be
+    decided. Raised by the call that sends it, before anything is stored."""

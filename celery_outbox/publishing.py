@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
-from .envelope import OutgoingMessage, capture
+from .envelope import OutgoingMessage, capture, check_storable
 from .errors import OutboxError
 from .routing import durable_destination, published_route
 from .signals import message_published, publish_failed
@@ -461,6 +461,7 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
             if destination is not None:
                 task_message.destination = destination
                 task_message.make_durable()
+                check_storable(task_message, outbox.store.tables.outgoing)  # fails the call, not the commit
                 _declare_also(task_message, amqp.queues.get(destination))
             task_message.survives_rollback = _continues_running_task(outbox.app, task_message.headers)
         if uow is not None:

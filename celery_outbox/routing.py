@@ -33,16 +33,11 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from kombu import Exchange, Queue
 
-from .errors import OutboxError
+from .errors import UndecidableRoute
 
-__all__ = ["UndecidableRoute", "published_route", "reached_queues", "durable_destination", "queue_of"]
+__all__ = ["published_route", "exchange_name", "reached_queues", "durable_destination", "queue_of"]
 
 _KNOWN_TYPES = frozenset({"direct", "topic", "fanout"})
-
-
-class UndecidableRoute(OutboxError, ValueError):
-    """A message is published through an exchange whose routing the library does not follow, and
-    a durable queue is bound to it: whether it is durable cannot be decided."""
 
 
 def published_route(amqp: AMQP, options: Mapping[str, Any]) -> tuple[str, str]:

@@ -14,8 +14,9 @@ from kombu import Exchange, Queue, binding
 
 from celery_outbox import Outbox
 from celery_outbox import publishing as publishing_module
+from celery_outbox.errors import UndecidableRoute
 from celery_outbox.publishing import current_unit_of_work
-from celery_outbox.routing import UndecidableRoute, published_route, queue_of, reached_queues
+from celery_outbox.routing import published_route, queue_of, reached_queues
 
 from ..brokers import nothing_more, receive
 from ..conftest import unsent_rows
