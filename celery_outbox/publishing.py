@@ -448,7 +448,8 @@ class _PartlyPublished(Exception):
 
 def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
     def durable_queue(exchange: str, routing_key: str) -> str | None:
-        return durable_destination(amqp.queues, outbox.settings.durable_queues, exchange, routing_key)
+        durable = outbox.settings.durable_queues
+        return durable_destination(amqp.queues, durable, exchange, routing_key) if durable else None
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
         uow = _current.get()

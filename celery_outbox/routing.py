@@ -17,9 +17,12 @@ Binding semantics, as the broker applies them:
 * a ``fanout`` exchange to every queue bound to it.
 
 Only the bindings of declared queues (a queue's own exchange and routing key, and its
-``bindings``) are known. A ``headers`` exchange, or any other type, routes by rules the library
-does not follow: publishing through one that a durable queue is bound to raises
-``UndecidableRoute`` at the call, rather than guessing the message's durability.
+``bindings``) are known: bindings made on the broker by other means, exchange-to-exchange
+bindings and RabbitMQ's native delayed delivery (the ``celery_delayed_*`` exchanges Celery uses
+for a countdown to quorum queues) are not followed, and a message sent that way is not durable.
+A ``headers`` exchange, or any other type, routes by rules not followed here: publishing through
+one that a durable queue is bound to raises ``UndecidableRoute`` at the call, rather than
+guessing the message's durability.
 
 The consumer decides with the same resolution from the exchange and routing key of the delivery
 (``queue_of``): the producer and the consumer agree on each route.
