@@ -5,7 +5,14 @@ tables under the default prefix, for Alembic autogenerate.
 """
 
 from .config import OutboxSettings
-from .errors import ConfigurationError, IncompatibleSchema, OutboxError, StoreUnavailable
+from .errors import (
+    ConfigurationError,
+    IncompatibleSchema,
+    OutboxError,
+    StoreUnavailable,
+    UndecidableRoute,
+    UnstorableMessage,
+)
 from .outbox import Outbox
 from .store import build_tables
 from .tasks import IdempotentTask
@@ -20,5 +27,7 @@ __all__ = [
     "OutboxError",
     "OutboxSettings",
     "StoreUnavailable",
+    "UndecidableRoute",
+    "UnstorableMessage",
     "metadata",
 ]

@@ -17,19 +17,22 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from kombu import Exchange, Queue
+from kombu import Queue
 from kombu.compression import compress
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
+from sqlalchemy import Table
 
-from .store import as_utc
+from .errors import UnstorableMessage
+from .routing import exchange_name
+from .store import as_utc, text_problem
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
     from celery.app.amqp import _callback_publish_retry
 except ImportError:  # pragma: no cover - older Celery
     _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
 
-__all__ = ["OutgoingMessage", "capture", "from_row", "json_text", "queue_name"]
+__all__ = ["OutgoingMessage", "capture", "check_storable", "from_row", "json_text"]
 
 #: ``kombu.utils.json.dumps`` (the same text: datetimes, UUIDs and decimals kept) with one encoder
 #: for every call instead of a new one per call, as ``json.dumps`` does for its default arguments
@@ -113,6 +116,25 @@ class OutgoingMessage:
         }
 
 
+#: the text fields of an outgoing row that come from the caller, in the caller's words
+_CALLER_FIELDS = {"message_id": "task id", "task_name": "task name", "destination": "queue name",
+                  "exchange": "exchange name", "routing_key": "routing key", "content_type": "content type",
+                  "content_encoding": "content encoding"}
+
+
+def check_storable(message: OutgoingMessage, outgoing: Table) -> None:
+    """Raise ``UnstorableMessage`` when a text field of ``message`` does not fit its column of the
+    ``outgoing`` table, naming the field, the value and the limit."""
+    for field_name, caller_name in _CALLER_FIELDS.items():
+        value = getattr(message, field_name)
+        problem = text_problem(outgoing.c[field_name], value)
+        if problem is not None:
+            shown = value if len(value) <= 80 else f"{value[:80]}..."
+            raise UnstorableMessage(
+                f"celery-outbox: cannot store the message {message.task_name[:80]!r} for durable queue "
+                f"{message.destination[:80]!r}: its {caller_name} {shown!r} cannot be stored: {problem}")
+
+
 def header_count(value: Any) -> int:
     """A counter header (retries, nesting, replay number) as a whole number; 0 when absent or garbage."""
     try:
@@ -135,15 +157,6 @@ def _timestamp(value: Any) -> datetime | None:
     if value.tzinfo is None:  # Celery writes naive times in UTC when enable_utc is on (its default)
         value = value.replace(tzinfo=timezone.utc)
     return value.astimezone(timezone.utc)
-
-
-def queue_name(queue: Any, exchange: Any, default_queue: str) -> str | None:
-    """The queue a publish is routed to, by name, as Celery's sender resolves it."""
-    if queue is None and exchange is None:
-        return default_queue
-    if queue is None:
-        return None
-    return queue if isinstance(queue, str) else getattr(queue, "name", None)
 
 
 class _RecordingProducer:
@@ -177,21 +190,15 @@ def _serialise(body: Any, kwargs: dict[str, Any]) -> tuple[bytes, str, str]:
     return body, content_type, content_encoding
 
 
-def _exchange_name(exchange: Any) -> str:
-    if isinstance(exchange, Exchange):
-        return exchange.name or ""
-    return exchange or ""
-
-
 def capture(
     sender: Callable[..., Any],
     producer: Any,
     name: str,
     message: Any,
-    destination: str | None,
     options: dict[str, Any],
 ) -> list[OutgoingMessage]:
-    """Run Celery's sender against a recording producer; return the messages it would publish.
+    """Run Celery's sender against a recording producer; return the messages it would publish,
+    each with its routing key as its destination until a durable queue is found for it.
 
     The task message comes first; a ``task-sent`` event, when enabled, follows it.
     """
@@ -206,14 +213,14 @@ def capture(
         kwargs = dict(kwargs)
         payload, content_type, content_encoding = _serialise(body, kwargs)
         headers = dict(kwargs.pop("headers", None) or {})
-        exchange = _exchange_name(kwargs.pop("exchange", ""))
+        exchange = exchange_name(kwargs.pop("exchange", ""))
         routing_key = kwargs.pop("routing_key", "") or ""
         sending = {key: kwargs.pop(key) for key in _SENDING_OPTIONS if key in kwargs}
         captured.append(
             OutgoingMessage(
                 message_id=str(headers.get("id") or ""),
                 task_name=str(headers.get("task") or name),
-                destination=destination or routing_key,
+                destination=routing_key,
                 body=payload,
                 content_type=content_type,
                 content_encoding=content_encoding,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["OutboxError", "ConfigurationError", "IncompatibleSchema", "StoreUnavailable"]
+__all__ = ["OutboxError", "ConfigurationError", "IncompatibleSchema", "StoreUnavailable", "UndecidableRoute",
+           "UnstorableMessage"]
 
 
 class OutboxError(Exception):
@@ -24,3 +25,18 @@ class StoreUnavailable(OutboxError):
 class IncompatibleSchema(OutboxError):
     """The store's tables carry a schema version newer than this release's: a newer
     celery-outbox migrated them. Nothing is changed in the store; upgrade this process."""
+
+
+class UnstorableMessage(OutboxError, ValueError):
+    """A message for a durable queue carries a value its outgoing row cannot hold (an id over the
+    column's length, a NUL character, a character UTF-8 cannot encode).
+
+    Raised by the call that sends it (``apply_async``, ``send_task``...), before anything is
+    stored: the caller's transaction is untouched. The message names the value and the limit.
+    """
+
+
+class UndecidableRoute(OutboxError, ValueError):
+    """A message is published through an exchange whose routing celery-outbox does not follow (a
+    ``headers`` exchange), and a durable queue is bound to it: whether it is durable cannot be
+    decided. Raised by the call that sends it, before anything is stored."""

@@ -26,6 +26,7 @@ from kombu.transport import virtual
 
 from .dead_letter_rows import ID_SIZE, DeadLetterReason, dead_letter_row, is_storable_id, stored_text
 from .inbox import REQUEUE_BACKOFF
+from .routing import queue_of
 from .store import is_content_error, utcnow
 
 if TYPE_CHECKING:
@@ -112,14 +113,16 @@ def _shown(value: Any, size: int = 200) -> str:
     return text if len(text) <= size else f"{text[:size]}... ({len(text)} characters)"
 
 
-def dead_letter_row_of(message: Any, reason: DeadLetterReason, description: str) -> dict[str, Any]:
-    """The dead-letter row of a received ``message`` (its headers as received), fitted to the table."""
+def dead_letter_row_of(message: Any, reason: DeadLetterReason, description: str, app: Any = None) -> dict[str, Any]:
+    """The dead-letter row of a received ``message`` (its headers as received), fitted to the table;
+    its queue resolved from the delivery's exchange and routing key when ``app`` is given."""
     headers = getattr(message, "received_headers", message.headers)
     mapping = headers if isinstance(headers, dict) else {}
     delivery_info = message.delivery_info
     return dead_letter_row(
         reason=reason, failed_at=utcnow(), message_id=mapping.get("id"), task_name=mapping.get("task"),
-        queue=delivery_info.get("routing_key"), description=description, retries=mapping.get("retries"),
+        queue=queue_of(delivery_info, app) if app is not None else delivery_info.get("routing_key"),
+        description=description, retries=mapping.get("retries"),
         nesting=mapping.get("replaced_task_nesting"), exchange=delivery_info.get("exchange"),
         routing_key=delivery_info.get("routing_key"), body=message.body, content_type=message.content_type,
         content_encoding=message.content_encoding, headers=headers, properties=message.properties,
@@ -252,7 +255,7 @@ def _verdict(outbox: "Outbox", consumer: Any, message: Any) -> tuple[DeadLetterR
     verdict = malformed_reason(headers, consumer.strategies)
     if verdict is not None:
         return verdict
-    durable = outbox.settings.is_durable(message.delivery_info.get("routing_key"))
+    durable = outbox.settings.is_durable(queue_of(message.delivery_info, consumer.app))
     if durable or _uses_inbox(consumer.app, headers["task"]):
         verdict = store_limits_reason(headers)
     if verdict is None and durable:
@@ -287,7 +290,7 @@ def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason,
     refuses for its content is stored again reduced to the reason and the refusal; False when even
     that is refused (logged). Any other error (the store is down) propagates."""
     try:
-        _insert(outbox, dead_letter_row_of(message, reason, description))
+        _insert(outbox, dead_letter_row_of(message, reason, description, outbox.app))
         return True
     except Exception as exc:
         if not is_content_error(exc):

@@ -60,6 +60,7 @@ from .crashpoints import crashpoint
 from .envelope import header_count, json_text
 from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
 from .relay import REDELIVERY_HEADER
+from .routing import queue_of
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
 from .store.outage import is_outage
@@ -120,13 +121,12 @@ class Delivery:
 
     @classmethod
     def from_request(cls, task: Any, identity: str) -> "Delivery":
-        return cls.from_context(task.name, task.request, identity)
+        return cls.from_context(task.name, task.request, identity, task.app)
 
     @classmethod
-    def from_context(cls, task_name: str, request: Any, identity: str) -> "Delivery":
+    def from_context(cls, task_name: str, request: Any, identity: str, app: Any) -> "Delivery":
         """The delivery a task's request context (``task.request``, or a worker Request's context) names."""
-        delivery_info = request.delivery_info or {}
-        queue = delivery_info.get("queue") or delivery_info.get("routing_key") or ""
+        queue = queue_of(request.delivery_info, app) or ""
         return cls(
             message_id=str(request.id),
             destination=queue if identity == "id_and_destination" else "",

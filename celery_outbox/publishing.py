@@ -43,8 +43,9 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
-from .envelope import OutgoingMessage, capture, queue_name
+from .envelope import OutgoingMessage, capture, check_storable
 from .errors import OutboxError
+from .routing import durable_destination, published_route
 from .signals import message_published, publish_failed
 from .store import utcnow
 
@@ -451,19 +452,23 @@ class _PartlyPublished(Exception):
 
 
 def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
-    default_queue = outbox.app.conf.task_default_queue
+    def durable_queue(exchange: str, routing_key: str) -> str | None:
+        durable = outbox.settings.durable_queues
+        return durable_destination(amqp.queues, durable, exchange, routing_key) if durable else None
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
         uow = _current.get()
-        destination = queue_name(options.get("queue"), options.get("exchange"), default_queue)
-        durable = outbox.settings.is_durable(destination)
-        if uow is None and not durable:
+        if uow is None and durable_queue(*published_route(amqp, options)) is None:
             return celery_sender(producer, name, message, **options)
-        captured = capture(celery_sender, producer, name, message, destination, options)
+        captured = capture(celery_sender, producer, name, message, options)
         if captured:
             task_message = captured[0]  # a task-sent event, when enabled, follows it
-            if durable:
+            destination = durable_queue(task_message.exchange, task_message.routing_key)  # as it is published
+            if destination is not None:
+                task_message.destination = destination
                 task_message.make_durable()
+                check_storable(task_message, outbox.store.tables.outgoing)  # fails the call, not the commit
+                _declare_also(task_message, amqp.queues.get(destination))
             task_message.survives_rollback = _continues_running_task(outbox.app, task_message.headers)
         if uow is not None:
             uow.add(captured)
@@ -472,6 +477,15 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
         return None
 
     return send_task_message
+
+
+def _declare_also(message: OutgoingMessage, queue: Any) -> None:
+    """Declare the durable queue a message reaches with its publish, as the relay does: Celery
+    declares only the queue it resolved, and a message routed by exchange and routing key to a
+    queue no consumer has declared yet would reach no queue."""
+    declare = list(message.sending.get("declare") or ())
+    if queue is not None and queue not in declare:
+        message.sending["declare"] = [*declare, queue]
 
 
 def _continues_running_task(app: Any, headers: dict[str, Any]) -> bool:

@@ -40,6 +40,7 @@ from .dead_letter_rows import DeadLetterReason
 from .errors import OutboxError
 from .inbox import Delivery, current_connection, current_session, dead_letter_row
 from .outbox import outbox_of
+from .routing import queue_of
 from .store import utcnow
 
 __all__ = ["IdempotentTask", "InboxTask", "OutboxRequest"]
@@ -82,7 +83,7 @@ class OutboxRequest(Request):
             return False
         outbox = getattr(task.app, "_celery_outbox", None)
         if outbox is None or not (isinstance(task, IdempotentTask)
-                                  or outbox.settings.is_durable(_queue_of(self.delivery_info))):
+                                  or outbox.settings.is_durable(queue_of(self.delivery_info, task.app))):
             return False
         return task.max_retries is not None and (self._context.retries or 0) >= task.max_retries
 
@@ -90,7 +91,7 @@ class OutboxRequest(Request):
         """Write the dead letter; False (logged) when the store cannot take it."""
         task, context = self.task, self._context
         outbox = outbox_of(task.app)
-        delivery = Delivery.from_context(task.name, context, outbox.settings.message_identity)
+        delivery = Delivery.from_context(task.name, context, outbox.settings.message_identity, task.app)
         task.request_stack.push(context)
         try:
             dead_letter = dead_letter_row(task, delivery, DeadLetterReason.WORKER_LOST, exc, utcnow())
@@ -106,11 +107,6 @@ class OutboxRequest(Request):
         return True
 
 
-def _queue_of(delivery_info: dict[str, Any] | None) -> str | None:
-    delivery_info = delivery_info or {}
-    return delivery_info.get("queue") or delivery_info.get("routing_key")
-
-
 class InboxTask(Task):
     """Plain Celery, except for deliveries from durable queues, which go through the inbox."""
 
@@ -122,7 +118,8 @@ class InboxTask(Task):
         if outbox is None:
             return super().__call__(*args, **kwargs)
         request = self.request
-        if request.called_directly or not outbox.settings.is_durable(_queue_of(request.delivery_info)):
+        queue = queue_of(request.delivery_info, self.app)
+        if request.called_directly or not outbox.settings.is_durable(queue):
             return super().__call__(*args, **kwargs)
         return outbox.inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
                                 unit_of_work=False)

@@ -24,6 +24,7 @@ claim, an unscheduled message) adds no entry to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -39,7 +40,7 @@ from sqlalchemy import (
     literal_column,
 )
 
-__all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED"]
+__all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED", "text_problem"]
 
 # 2: the outgoing table's redelivery and scheduling indexes are partial; 3: so are the inbox's
 # indexes of claims (owner, claimed_at, recover_after): they hold running rows only
@@ -92,6 +93,24 @@ class Tables:
 
     def all(self) -> tuple[Table, ...]:
         return (self.incoming, self.outgoing, self.dead_letters, self.nodes, self.schema, self.sent)
+
+
+def text_problem(column: Column, value: Any) -> str | None:
+    """Why ``column`` cannot hold the string ``value`` on every supported database, or None: longer
+    than the column's length, a NUL character (PostgreSQL text and JSON refuse it), a character
+    UTF-8 cannot encode (a lone surrogate)."""
+    if not isinstance(value, str) or not isinstance(column.type, (String, Text)):
+        return None
+    length = column.type.length
+    if length is not None and len(value) > length:
+        return f"it is {len(value)} characters long and the column holds at most {length}"
+    if "\x00" in value:
+        return "it holds a NUL character, which PostgreSQL cannot store in text"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "it holds a character UTF-8 cannot encode (a lone surrogate)"
+    return None
 
 
 def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = None) -> Tables:
