@@ -290,7 +290,7 @@ def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason,
     refuses for its content is stored again reduced to the reason and the refusal; False when even
     that is refused (logged). Any other error (the store is down) propagates."""
     try:
-        _insert(outbox, dead_letter_row_of(message, reason, description, outbox.app))
+        _insert(outbox, dead_letter_row_of(message, reason, description, getattr(outbox, "app", None)))
         return True
     except Exception as exc:
         if not is_content_error(exc):
