@@ -25,6 +25,7 @@ from .envelope import OutgoingMessage, from_row
 from .guard import malformed_reason
 from .inbox import REPLAY_HEADER
 from .publishing import current_unit_of_work
+from .routing import published_route
 from .store import utcnow
 
 if TYPE_CHECKING:
@@ -122,21 +123,12 @@ def _replay_message(row: Any, app: Any) -> OutgoingMessage | str:
 def _route_now(message: OutgoingMessage, app: Any, body: Any) -> None:
     """Give a message of a registered task the exchange, routing key and queue that the app's
     routing (``task_routes``, routers, the default queue) gives its task now, as Celery's sender
-    resolves them."""
+    resolves them (``routing.published_route``)."""
     args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and len(body) == 3 else ((), {})
     route = app.amqp.router.route({}, message.task_name, args, kwargs)
-    queue = route["queue"]
-    exchange, routing_key = route.get("exchange"), route.get("routing_key")
-    exchange_type = getattr(exchange, "type", None) or queue.exchange.type or "direct"
-    if (not exchange or not routing_key) and exchange_type == "direct":
-        exchange, routing_key = "", queue.name
-    elif exchange is None:
-        exchange = queue.exchange.name or app.amqp.default_exchange.name
-        routing_key = routing_key or queue.routing_key or app.conf.task_default_routing_key
-    message.exchange = getattr(exchange, "name", exchange) or ""
-    message.routing_key = routing_key or ""
-    message.destination = queue.name
-    message.sending["declare"] = [queue]
+    message.exchange, message.routing_key = published_route(app.amqp, route)
+    message.destination = route["queue"].name
+    message.sending["declare"] = [route["queue"]]
 
 
 def purge(outbox: "Outbox", which: DeadLetterFilter, batch_size: int | None = None,
