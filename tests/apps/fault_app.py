@@ -18,6 +18,10 @@ with ``create(...)`` to read the tables.
   the way Celery allows: ``reject`` raises ``Reject(requeue=True)`` (every 7th order,
   from the 4th), ``worker_lost`` kills its own pool process (every 7th, from the 6th),
   which Celery answers by sending the task again (``retry_on_worker_lost``).
+* FAULT_PLAIN_RECEIPTS=1 makes ``fault.receipt`` a plain Celery task (no
+  ``IdempotentTask``): consumed from the durable queue, it still goes through the inbox
+  (eager claim, envelope), but its write commits in a transaction of its own, so it is
+  at least once; it writes its effect only when absent, as such a task must.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ ORDER_ID = "order-{}"
 
 
 def create(broker_url: str, database_url: str, prefix: str, queue: str, maintenance_queue: str,
-           visibility_timeout: float = 3, body_seconds: float = 0.0, tricks: str = "", **conf) -> SimpleNamespace:
+           visibility_timeout: float = 3, body_seconds: float = 0.0, tricks: str = "", plain_receipts: bool = False,
+           **conf) -> SimpleNamespace:
     app = Celery("fault_app", broker=broker_url, set_as_current=False)
     app.conf.update(
         task_default_queue=maintenance_queue,
@@ -99,9 +104,17 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
 
     pay_eager.idempotency = "eager"
 
-    @app.task(base=IdempotentTask, bind=True, name="fault.receipt", shared=False, default_retry_delay=0.2)
-    def receipt(self, order_id: str) -> None:
-        self.session.execute(insert(effects).values(order_id=order_id, kind="receipt", pid=os.getpid()))
+    if plain_receipts:
+        @app.task(name="fault.receipt", shared=False)
+        def receipt(order_id: str) -> None:
+            with outbox.transaction() as session:
+                written = select(effects.c.id).where(effects.c.order_id == order_id, effects.c.kind == "receipt")
+                if session.execute(written).first() is None:
+                    session.execute(insert(effects).values(order_id=order_id, kind="receipt", pid=os.getpid()))
+    else:
+        @app.task(base=IdempotentTask, bind=True, name="fault.receipt", shared=False, default_retry_delay=0.2)
+        def receipt(self, order_id: str) -> None:
+            self.session.execute(insert(effects).values(order_id=order_id, kind="receipt", pid=os.getpid()))
 
     def place(number: int) -> None:
         """Commit one order and its payment message in one unit of work."""
@@ -154,7 +167,8 @@ if "FAULT_BROKER_URL" in os.environ:
     shop = create(os.environ["FAULT_BROKER_URL"], os.environ["FAULT_DATABASE_URL"], os.environ["FAULT_PREFIX"],
                   os.environ["FAULT_QUEUE"], os.environ["FAULT_MAINTENANCE_QUEUE"],
                   float(os.environ.get("FAULT_VISIBILITY_TIMEOUT", 3)), float(os.environ.get("FAULT_BODY_SECONDS", 0)),
-                  os.environ.get("FAULT_TRICKS", ""), **json.loads(os.environ.get("FAULT_CONF", "{}")))
+                  os.environ.get("FAULT_TRICKS", ""), os.environ.get("FAULT_PLAIN_RECEIPTS") == "1",
+                  **json.loads(os.environ.get("FAULT_CONF", "{}")))
     app = shop.app
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ class FaultRun:
     def __init__(self, scenario: str, tmp_path: Path, broker_url: str, database_url: str, *, orders: int = 150,
                  crashpoint: str | None = None, pace: float = 0.01, visibility_timeout: float = 3,
                  body_seconds: float = 0.0, producer_broker_url: str | None = None, copies: int = 15,
-                 pool: str = "prefork", tricks: str = "", **conf):
+                 pool: str = "prefork", tricks: str = "", plain_receipts: bool = False, **conf):
         suffix = uuid.uuid4().hex[:8]
         self.scenario, self.tmp_path, self.orders, self.pace, self.copies = scenario, tmp_path, orders, pace, copies
         self.pool = pool
@@ -176,12 +176,14 @@ class FaultRun:
             "FAULT_QUEUE": f"fault_{suffix}", "FAULT_MAINTENANCE_QUEUE": f"fault_maintenance_{suffix}",
             "FAULT_VISIBILITY_TIMEOUT": str(visibility_timeout), "FAULT_BODY_SECONDS": str(body_seconds),
             "FAULT_CONF": json.dumps(settings), "FAULT_TRICKS": tricks,
+            "FAULT_PLAIN_RECEIPTS": "1" if plain_receipts else "0",
         }
         if crashpoint:
             self.env[ENVIRONMENT_VARIABLE] = crashpoint
         self.producer_env = dict(self.env, FAULT_BROKER_URL=producer_broker_url or broker_url)
         self.shop = fault_app.create(broker_url, database_url, self.prefix, self.env["FAULT_QUEUE"],
-                                     self.env["FAULT_MAINTENANCE_QUEUE"], visibility_timeout, tricks=tricks, **settings)
+                                     self.env["FAULT_MAINTENANCE_QUEUE"], visibility_timeout, tricks=tricks,
+                                     plain_receipts=plain_receipts, **settings)
         self.shop.outbox.ready()
         self.shop.metadata.create_all(self.shop.outbox.engine)
         self.processes: dict[str, Supervised] = {}

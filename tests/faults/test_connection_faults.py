@@ -38,14 +38,18 @@ def redis_url():
     return require("redis")
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool):
+@pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("prefork", True)],
+                         ids=["prefork", "threads", "plain receipts"])
+def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool, plain_receipts):
     """From a tenth of the orders paid to nine tenths (about 6 s), one session of the next kind in
     turn is terminated every 0.05 to 0.25 s. Every kind is hit; claims, bodies, finishes, releases and
-    heartbeats that lose their connection send the message back or try again, never ack it away."""
+    heartbeats that lose their connection send the message back or try again, never ack it away.
+    With plain receipts, the receipts are plain Celery tasks on the durable queue (at least once,
+    their effect written when absent): none is lost."""
     database_url = require("postgres")
-    run = FaultRun(f"connections terminated at random ({pool})", tmp_path, redis_url, database_url,
-                   orders=150, pace=0.05, body_seconds=0.02, pool=pool)
+    kind = f"{pool}, plain receipts" if plain_receipts else pool
+    run = FaultRun(f"connections terminated at random ({kind})", tmp_path, redis_url, database_url,
+                   orders=150, pace=0.05, body_seconds=0.02, pool=pool, plain_receipts=plain_receipts)
     killer = ConnectionKiller(database_url, {role: run.application_name(role)
                                              for role in ("consumer", "maintenance", "producer")}, run.count_fault,
                               interval=(0.05, 0.25))
