@@ -55,12 +55,11 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
         outbox_durable_queues=[queue],
         outbox_maintenance_queue=maintenance_queue,
         outbox_node_heartbeat_interval=0.5,
-        worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": visibility_timeout, "unacked_restore_interval": 1,
                                   "unacked_restore_throttle": 1},
-        **conf,
+        **{"worker_prefetch_multiplier": 1, **conf},
     )
     outbox = Outbox(app)
     metadata = MetaData()

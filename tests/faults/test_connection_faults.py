@@ -1,12 +1,13 @@
 """Connection faults under load: nothing lost, nothing done twice, nothing left pending.
 
-The shop of tests/apps/fault_app.py runs with real producer, worker (prefork, and threads),
+The shop of tests/apps/fault_app.py runs with real producer, worker (prefork, threads, gevent),
 maintenance and beat processes (see ``harness``) on real PostgreSQL and Redis, its payment
 queue durable, its payments in both idempotency styles (optimistic, and eager every third),
 while the database's connections fail:
 
 * every kind of connection (a task's, a node's liveness one, the relay's, the producer's)
-  terminated at random moments (``pg_terminate_backend``);
+  terminated at random moments (``pg_terminate_backend``), with prefork, threads and gevent
+  consumers, and with plain Celery tasks on the durable queue;
 * the database refusing every connection for 10 s (a proxy that cuts and refuses), then back;
 * the server ending idle sessions (``idle_session_timeout``), as poolers and cloud databases do:
   every pooled connection and every liveness connection is cut between two uses;
@@ -38,8 +39,9 @@ def redis_url():
     return require("redis")
 
 
-@pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("prefork", True)],
-                         ids=["prefork", "threads", "plain receipts"])
+@pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("gevent", False),
+                                                   ("prefork", True)],
+                         ids=["prefork", "threads", "gevent", "plain receipts"])
 def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool, plain_receipts):
     """From a tenth of the orders paid to nine tenths (about 6 s), one session of the next kind in
     turn is terminated every 0.05 to 0.25 s. Every kind is hit; claims, bodies, finishes, releases and
@@ -48,8 +50,11 @@ def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool, pla
     their effect written when absent): none is lost."""
     database_url = require("postgres")
     kind = f"{pool}, plain receipts" if plain_receipts else pool
+    # gevent's pool runs Celery's synchronous loop, which waits out a 2 s drain between batches that
+    # one prefetched message each would make: give it a batch worth its concurrency
+    prefetch = {"worker_prefetch_multiplier": 8} if pool == "gevent" else {}
     run = FaultRun(f"connections terminated at random ({kind})", tmp_path, redis_url, database_url,
-                   orders=150, pace=0.05, body_seconds=0.02, pool=pool, plain_receipts=plain_receipts)
+                   orders=150, pace=0.05, body_seconds=0.02, pool=pool, plain_receipts=plain_receipts, **prefetch)
     killer = ConnectionKiller(database_url, {role: run.application_name(role)
                                              for role in ("consumer", "maintenance", "producer")}, run.count_fault,
                               interval=(0.05, 0.25))
@@ -106,15 +111,16 @@ def test_server_ending_idle_sessions(redis_url, tmp_path, capsys):
         assert_invariants(outcome)
 
 
-@pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
 def test_reject_requeue_and_lost_pool_processes(redis_url, tmp_path, capsys, pool):
     """The first delivery of every 7th payment raises ``Reject(requeue=True)`` and of another 7th
-    kills its own pool process (threads: only the rejects), in both styles: each comes back and
-    commits once."""
+    kills its own pool process (threads and gevent, whose tasks share the worker's process: only
+    the rejects), in both styles: each comes back and commits once."""
     database_url = require("postgres")
     tricks = "reject,worker_lost" if pool == "prefork" else "reject"
+    prefetch = {"worker_prefetch_multiplier": 8} if pool == "gevent" else {}
     run = FaultRun(f"Reject(requeue=True) and lost pool processes ({pool})", tmp_path, redis_url, database_url,
-                   orders=105, pool=pool, tricks=tricks)
+                   orders=105, pool=pool, tricks=tricks, **prefetch)
     outcome = play(run, capsys)
     played = run.played
     assert played >= 15 if pool == "prefork" else played >= 10, f"{outcome.line()}: {played} tricks played"
