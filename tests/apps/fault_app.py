@@ -19,9 +19,10 @@ with ``create(...)`` to read the tables.
   from the 4th), ``worker_lost`` kills its own pool process (every 7th, from the 6th),
   which Celery answers by sending the task again (``retry_on_worker_lost``).
 * FAULT_PLAIN_RECEIPTS=1 makes ``fault.receipt`` a plain Celery task (no
-  ``IdempotentTask``): consumed from the durable queue, it still goes through the inbox
-  (eager claim, envelope), but its write commits in a transaction of its own, so it is
-  at least once; it writes its effect only when absent, as such a task must.
+  ``IdempotentTask``, acked early): consumed from the durable queue, it still goes
+  through the inbox (eager claim, envelope), but its write commits in a transaction of
+  its own, so it is at least once; it writes its effect only when absent, as such a task
+  must. Its first deliveries play the same tricks as the payments.
 """
 
 from __future__ import annotations
@@ -83,11 +84,14 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
             return False
         return True
 
-    def pay_body(task, order_id: str) -> None:
-        if first_trick(order_id, "reject"):
+    def play_tricks(key: str) -> None:
+        if first_trick(key, "reject"):
             raise Reject("the fault drill's first delivery", requeue=True)
-        if first_trick(order_id, "worker_lost"):
+        if first_trick(key, "worker_lost"):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def pay_body(task, order_id: str) -> None:
+        play_tricks(order_id)
         task.session.execute(insert(effects).values(order_id=order_id, kind="payment", pid=os.getpid()))
         if body_seconds:
             time.sleep(body_seconds)  # a payment that takes a while: faults find bodies running
@@ -106,6 +110,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
     if plain_receipts:
         @app.task(name="fault.receipt", shared=False)
         def receipt(order_id: str) -> None:
+            play_tricks(f"receipt-{order_id}")
             with outbox.transaction() as session:
                 written = select(effects.c.id).where(effects.c.order_id == order_id, effects.c.kind == "receipt")
                 if session.execute(written).first() is None:
