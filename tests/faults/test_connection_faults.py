@@ -1,13 +1,13 @@
 """Connection faults under load: nothing lost, nothing done twice, nothing left pending.
 
-The shop of tests/apps/fault_app.py runs with real producer, worker (prefork, threads, gevent),
+The shop of tests/apps/fault_app.py runs with real producer, worker (prefork, threads, gevent, solo),
 maintenance and beat processes (see ``harness``) on real PostgreSQL and Redis, its payment
 queue durable, its payments in both idempotency styles (optimistic, and eager every third),
 while the database's connections fail:
 
 * every kind of connection (a task's, a node's liveness one, the relay's, the producer's)
-  terminated at random moments (``pg_terminate_backend``), with prefork, threads and gevent
-  consumers, and with plain Celery tasks on the durable queue;
+  terminated at random moments (``pg_terminate_backend``), with prefork, threads, gevent and
+  solo consumers, and with plain Celery tasks on the durable queue;
 * the database refusing every connection for 10 s (a proxy that cuts and refuses), then back;
 * the server ending idle sessions (``idle_session_timeout``), as poolers and cloud databases do:
   every pooled connection and every liveness connection is cut between two uses;
@@ -40,8 +40,8 @@ def redis_url():
 
 
 @pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("gevent", False),
-                                                   ("prefork", True)],
-                         ids=["prefork", "threads", "gevent", "plain receipts"])
+                                                   ("solo", False), ("prefork", True)],
+                         ids=["prefork", "threads", "gevent", "solo", "plain receipts"])
 def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool, plain_receipts):
     """From a tenth of the orders paid to nine tenths (about 6 s), one session of the next kind in
     turn is terminated every 0.05 to 0.25 s. Every kind is hit; claims, bodies, finishes, releases and
