@@ -307,18 +307,21 @@ class Publisher:
     def __init__(self, outbox: "Outbox"):
         self.outbox = outbox
 
-    def store_and_forward(self, messages: list[OutgoingMessage]) -> None:
-        """Outside a unit of work: store durable messages in their own transaction, then publish."""
+    def store_and_forward(self, messages: list[OutgoingMessage], producer: Any = None) -> None:
+        """Outside a unit of work: store durable messages in their own transaction, then publish
+        with ``producer`` (the one the sender holds: taking a second one from the app's pool while
+        holding the first deadlocks once the pool is exhausted), or one from the pool."""
         durable = [m for m in messages if m.durable]
         if durable:
             store = self.outbox.ready().store
             with store.begin() as conn:
                 store_durable(store, conn, durable)
             crashpoint("after_commit")
-        self.publish_committed(messages)
+        self.publish_committed(messages, producer)
 
-    def publish_committed(self, messages: list[OutgoingMessage]) -> None:
-        """Publish in call order with one producer; durable rows are taken in one statement.
+    def publish_committed(self, messages: list[OutgoingMessage], producer: Any = None) -> None:
+        """Publish in call order with one producer (``producer``, or one from the app's pool);
+        durable rows are taken in one statement.
 
         In one transaction: the durable rows are locked (``SKIP LOCKED``: a relay running
         at the same moment never sends them too) and marked sent; then published; a row
@@ -332,17 +335,17 @@ class Publisher:
         messages = [m for m in messages if not m.durable or m.is_due(now)]  # scheduled ones wait in the store
         durable_ids = [m.row_id for m in messages if m.durable and m.row_id is not None]
         if not durable_ids:
-            self._publish_all(messages, owned=set())
+            self._publish_all(messages, set(), producer)
             return
         store = self.outbox.store
         redeliver_at = self.outbox.settings.first_redelivery(now)
         try:
             if redeliver_at is None:
-                self._publish_deleting(messages, durable_ids, now)
+                self._publish_deleting(messages, durable_ids, now, producer)
                 return
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
-                sent = self._publish_all(messages, owned)
+                sent = self._publish_all(messages, owned, producer)
                 crashpoint("after_publish")
                 if sent and self.outbox.archiver is not None:
                     store.record_sent(conn, sent, now)
@@ -350,7 +353,8 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
 
-    def _publish_deleting(self, messages: list[OutgoingMessage], durable_ids: list[int], now: datetime) -> None:
+    def _publish_deleting(self, messages: list[OutgoingMessage], durable_ids: list[int], now: datetime,
+                          producer: Any) -> None:
         """Delivery tracking off: one DELETE takes the rows before the publish and commits after
         it (with an archive, together with the records of the sends). If a publish failed, that
         transaction rolls back (every row is back) and a new one deletes, and records, the
@@ -361,7 +365,7 @@ class Publisher:
         try:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 taken = store.take_outgoing_to_delete(conn, durable_ids, record)
-                sent = self._publish_all(messages, {row.id for row in taken})
+                sent = self._publish_all(messages, {row.id for row in taken}, producer)
                 crashpoint("after_publish")
                 if len(sent) < len(taken):
                     raise _PartlyPublished(sent)
@@ -372,12 +376,12 @@ class Publisher:
                 with store.begin(durable=False) as conn:
                     store.finish_sent(conn, partly.sent, now, None, record=record)
 
-    def _publish_all(self, messages: list[OutgoingMessage], owned: set[int]) -> list[int]:
+    def _publish_all(self, messages: list[OutgoingMessage], owned: set[int], producer: Any) -> list[int]:
         """Publish in call order; durable messages in batches (one pipeline on Redis), plain ones
         one by one with Celery's own retry. Returns the row ids of the durable messages sent."""
         app = self.outbox.app
         sent: list[int] = []
-        with app.producer_or_acquire() as producer:
+        with app.producer_or_acquire(producer) as producer:
             entities = BoundQueues(app.amqp.queues, producer)
             broker_errors = connection_errors(producer.connection)
             # durable messages fail fast when the broker is down: their rows wait for the relay
@@ -473,7 +477,7 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
         if uow is not None:
             uow.add(captured)
         else:
-            outbox.publisher.store_and_forward(captured)
+            outbox.publisher.store_and_forward(captured, producer)
         return None
 
     return send_task_message

@@ -53,6 +53,6 @@ def strand(shop: Shop, *args: Any, **options: Any) -> list[Any]:
     import pytest
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages: None)
+        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
         with shop.outbox.transaction():
             return [shop.durable.apply_async((arg,), **options) for arg in args]

@@ -152,7 +152,7 @@ def test_a_message_routed_to_a_durable_queue_is_stored_outside_a_unit_of_work(sq
     """Outside a unit of work the route is resolved before Celery's sender runs: the message is
     stored (here it stays, as if the process died right after storing it)."""
     routes = make_routes(sqlite_url, table_prefix)
-    monkeypatch.setattr(routes.outbox.publisher, "publish_committed", lambda messages: None)
+    monkeypatch.setattr(routes.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
     _send(routes, way)
     assert unsent_rows(routes.outbox.store) == 1
     assert _destinations(routes) == [routes.names[WAYS[way]]]
@@ -197,7 +197,7 @@ def test_the_predicted_route_is_the_route_celery_publishes_with(routes, way, mon
 
 def test_the_default_queue_decides_when_it_is_durable(sqlite_url, table_prefix, monkeypatch):
     routes = make_routes(sqlite_url, table_prefix, durable=("pay",), default="pay")
-    monkeypatch.setattr(routes.outbox.publisher, "publish_committed", lambda messages: None)
+    monkeypatch.setattr(routes.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
     routes.task.delay(1)
     assert _destinations(routes) == [routes.names["pay"]]
 
