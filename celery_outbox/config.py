@@ -184,6 +184,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("message_identity", "id", _choice("id", "id_and_destination"),
             "What makes an incoming message a duplicate: the task id, or the task id and the queue "
             "(for one message consumed from several queues)."),
+    Setting("deduplicate_task_ids", False, _boolean,
+            "`False` (as in Celery): a task id sent again (`apply_async(task_id=...)` twice, a frozen "
+            "signature applied again) runs again; only copies of one send (a broker redelivery, the relay, "
+            "recovery) are duplicates. `True`: a delivery whose task id the inbox already handled is a "
+            "duplicate, whichever send it came from (the task id as a dedupe key). A task's "
+            "`deduplicate_task_ids` attribute overrides it."),
     Setting("idempotency_style", "optimistic", _choice("optimistic", "eager"),
             "`optimistic`: the inbox claim commits with the task's own DB writes. `eager`: the claim commits "
             "before the body runs, for bodies with side effects outside the database."),
@@ -253,6 +259,7 @@ class OutboxSettings:
     durable_queues: frozenset[str] = frozenset()
     table_prefix: str = "celery_outbox_"
     message_identity: str = "id"
+    deduplicate_task_ids: bool = False
     idempotency_style: str = "optimistic"
     keep_after_handling: float = 7 * 24 * 3600.0
     node_heartbeat_interval: float = 5.0

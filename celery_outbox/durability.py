@@ -260,7 +260,7 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
                         result.envelopes_republished += 1
                         crashpoint("during_recover")
                     backoff = min(grace * 2 ** row.recoveries, MAX_RECOVERY_BACKOFF)
-                    marked.append({"message_id": row.message_id, "destination": row.destination,
+                    marked.append({"message_id": row.message_id, "destination": row.destination, "send_id": row.send_id,
                                    "recover_after": now + backoff})
                 store.mark_recovered(conn, marked)
             if result.broker_error or len(rows) < settings.recover_batch_size:
@@ -270,7 +270,7 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
 def _give_up(outbox: "Outbox", conn: Any, rows: Sequence[Any], now: datetime) -> None:
     store, settings = outbox.store, outbox.settings
     keep_until = now + timedelta(seconds=settings.keep_after_handling)
-    store.mark_incoming_dead(conn, [(row.message_id, row.destination) for row in rows], now, keep_until)
+    store.mark_incoming_dead(conn, [(row.message_id, row.destination, row.send_id) for row in rows], now, keep_until)
     store.insert_dead_letters(conn, [dead_letter_row(
         reason=DeadLetterReason.WORKER_LOST, failed_at=now, message_id=row.message_id, destination=row.destination,
         task_name=row.task_name, queue=row.queue,
@@ -321,7 +321,7 @@ def delete_expired_inbox_rows(outbox: "Outbox", result: CleanupResult, max_batch
                 archiver.archive("incoming", rows)
                 result.archived += len(rows)
                 after = max(row.keep_until for row in rows)
-            count = store.delete_incoming(conn, [(row.message_id, row.destination) for row in rows])
+            count = store.delete_incoming(conn, [(row.message_id, row.destination, row.send_id) for row in rows])
         if count:
             crashpoint("during_cleanup")
         return count

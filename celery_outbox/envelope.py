@@ -13,6 +13,7 @@ datetimes, UUIDs and decimals); nothing is pickled into a table.
 from __future__ import annotations
 
 import contextvars
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -25,14 +26,21 @@ from sqlalchemy import Table
 
 from .errors import UnstorableMessage
 from .routing import exchange_name
-from .store import as_utc, text_problem
+from .store import SEND_ID_SIZE, as_utc, text_problem
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
     from celery.app.amqp import _callback_publish_retry
 except ImportError:  # pragma: no cover - older Celery
     _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
 
-__all__ = ["OutgoingMessage", "capture", "check_storable", "from_row", "json_text"]
+__all__ = ["SEND_HEADER", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text", "new_send_id",
+           "send_id_of"]
+
+#: The header that carries a message's publish identity: one per ``apply_async`` (or ``send_task``),
+#: kept by the retries and replacements of the task it sends and by every copy the broker, the relay,
+#: redelivery or recovery delivers. The inbox keys a delivery by it with the task id, so a task id sent
+#: again is a new message (as in Celery) while a copy of a send is a duplicate.
+SEND_HEADER = "celery_outbox_send"
 
 #: ``kombu.utils.json.dumps`` (the same text: datetimes, UUIDs and decimals kept) with one encoder
 #: for every call instead of a new one per call, as ``json.dumps`` does for its default arguments
@@ -107,6 +115,7 @@ class OutgoingMessage:
             "content_encoding": self.content_encoding,
             "headers": json_text(self.headers),
             "properties": json_text(self.properties),
+            "send_id": send_id_of(self.headers),
             "nesting": header_count(self.headers.get("replaced_task_nesting")),
             "replays": header_count(self.headers.get("celery_outbox_replay")),
             "retries": header_count(self.headers.get("retries")),
@@ -133,6 +142,20 @@ def check_storable(message: OutgoingMessage, outgoing: Table) -> None:
             raise UnstorableMessage(
                 f"celery-outbox: cannot store the message {message.task_name[:80]!r} for durable queue "
                 f"{message.destination[:80]!r}: its {caller_name} {shown!r} cannot be stored: {problem}")
+
+
+def new_send_id() -> str:
+    """A fresh publish identity."""
+    return uuid.uuid4().hex
+
+
+def send_id_of(headers: Any) -> str:
+    """The publish identity a message's headers carry; '' when absent or not one the store can hold
+    (a message from a sender without the outbox: its task id alone is its key)."""
+    value = headers.get(SEND_HEADER) if isinstance(headers, dict) else None
+    if isinstance(value, str) and 0 < len(value) <= SEND_ID_SIZE and value.isascii() and value.isprintable():
+        return value
+    return ""
 
 
 def header_count(value: Any) -> int:

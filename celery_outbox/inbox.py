@@ -41,6 +41,7 @@ The claim rule: a claim never outlives the attempt that holds the message.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from contextlib import contextmanager, nullcontext
@@ -57,7 +58,7 @@ from sqlalchemy.orm import Session
 
 from . import dead_letter_rows
 from .crashpoints import crashpoint
-from .envelope import header_count, json_text
+from .envelope import SEND_HEADER, header_count, json_text, send_id_of
 from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
 from .relay import REDELIVERY_HEADER
 from .routing import queue_of
@@ -118,19 +119,26 @@ class Delivery:
     nesting: int
     replays: int = 0
     redelivered: int = 0  # times delivery tracking re-sent this message (not part of the attempt)
+    sent_as: str = ""  # the publish identity the message carries ('' from a sender without the outbox)
+    send_id: str = ""  # the key part: ``sent_as``, or the task's own key when its task id is the dedupe key
 
     @classmethod
-    def from_request(cls, task: Any, identity: str) -> "Delivery":
-        return cls.from_context(task.name, task.request, identity, task.app)
+    def from_request(cls, task: Any, settings: Any) -> "Delivery":
+        return cls.from_context(task, task.request, settings)
 
     @classmethod
-    def from_context(cls, task_name: str, request: Any, identity: str, app: Any) -> "Delivery":
+    def from_context(cls, task: Any, request: Any, settings: Any) -> "Delivery":
         """The delivery a task's request context (``task.request``, or a worker Request's context) names."""
-        queue = queue_of(request.delivery_info, app) or ""
+        queue = queue_of(request.delivery_info, task.app) or ""
+        sent_as = send_id_of({SEND_HEADER: getattr(request, SEND_HEADER, None)})
+        by_task_id = getattr(task, "deduplicate_task_ids", None)
+        by_task_id = settings.deduplicate_task_ids if by_task_id is None else bool(by_task_id)
         return cls(
             message_id=str(request.id),
-            destination=queue if identity == "id_and_destination" else "",
-            task_name=task_name,
+            destination=queue if settings.message_identity == "id_and_destination" else "",
+            sent_as=sent_as,
+            send_id=task_id_key(task.name) if by_task_id else sent_as,
+            task_name=task.name,
             queue=queue,
             retries=int(request.retries or 0),
             nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
@@ -143,7 +151,14 @@ class Delivery:
         return self.nesting, self.replays, self.retries
 
     def key(self) -> dict[str, Any]:
-        return {"message_id": self.message_id, "destination": self.destination}
+        return {"message_id": self.message_id, "destination": self.destination, "send_id": self.send_id}
+
+
+def task_id_key(task_name: str) -> str:
+    """The key part of every send of ``task_name`` when its task id is the dedupe key
+    (``deduplicate_task_ids``): one per task, so a message of another task with the same id is
+    still a message of its own, never discarded as a duplicate."""
+    return "task:" + hashlib.sha1(task_name.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -159,6 +174,7 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "root_id": request.root_id, "parent_id": request.parent_id, "group": request.group,
         "eta": request.eta, "expires": request.expires, "origin": getattr(request, "origin", None),
         REPLAY_HEADER: header_count(getattr(request, REPLAY_HEADER, 0)),
+        SEND_HEADER: send_id_of({SEND_HEADER: getattr(request, SEND_HEADER, None)}) or None,
     }
     delivery_info = request.delivery_info or {}
     return {
@@ -187,7 +203,7 @@ class Inbox:
         request = task.request
         if request.called_directly or request.is_eager or not request.id:
             return self._without_claim(body, unit_of_work)  # no message, nothing to deduplicate
-        delivery = Delivery.from_request(task, settings.message_identity)
+        delivery = Delivery.from_request(task, settings)
         durable = settings.is_durable(delivery.queue)
         envelope = envelope_of(task, args, kwargs) if durable else {}
         try:
@@ -244,7 +260,7 @@ class Inbox:
         else ``Duplicate``."""
         with _store_errors():
             in_flight = self.outbox.store.claim_in_flight(conn, delivery.message_id, delivery.destination,
-                                                          delivery.attempt)
+                                                          delivery.attempt, delivery.send_id)
         return InFlight() if in_flight else Duplicate()
 
     def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any]) -> Any:
@@ -288,11 +304,12 @@ class Inbox:
         try:
             with self.outbox.store.begin() as conn:
                 self.outbox.store.release_claim(conn, delivery.message_id, delivery.destination, node_id,
-                                                delivery.attempt, utcnow())
+                                                delivery.attempt, utcnow(), delivery.send_id)
         except Exception as error:  # noqa: BLE001 - the node's heartbeat thread tries again
             logger.warning("celery-outbox: could not release the claim of %s[%s] (the node releases it when the "
                            "database answers): %s", delivery.task_name, delivery.message_id, error)
-            self.outbox.node.release_later(delivery.message_id, delivery.destination, delivery.attempt)
+            self.outbox.node.release_later(delivery.message_id, delivery.destination, delivery.attempt,
+                                           delivery.send_id)
 
     def _run_eager_claimed(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                            envelope: dict[str, Any], node_id: int) -> Any:
@@ -303,7 +320,8 @@ class Inbox:
         def finish(connection: Connection) -> bool:  # False: another node took the claim over
             finished = utcnow()
             return store.finish_incoming(connection, delivery.message_id, delivery.destination, node_id,
-                                         delivery.attempt, finished, self._keep_until(finished), commit=True)
+                                         delivery.attempt, finished, self._keep_until(finished), commit=True,
+                                         send_id=delivery.send_id)
 
         outcome: BaseException | None = None
         with self._attempt(task, delivery, unit_of_work, last=finish) as uow:
@@ -440,12 +458,13 @@ class Inbox:
     def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
         """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""
         by_queue = delivery.destination if self.outbox.settings.message_identity == "id_and_destination" else None
-        self.outbox.store.acknowledge_outgoing(conn, delivery.message_id, by_queue, delivery.attempt)
+        self.outbox.store.acknowledge_outgoing(conn, delivery.message_id, by_queue, delivery.attempt,
+                                               delivery.sent_as)
 
     def _discard(self, delivery: Delivery) -> None:
         try:
             with self.outbox.store.begin(durable=False) as conn:
-                self.outbox.store.count_duplicate(conn, delivery.message_id, delivery.destination)
+                self.outbox.store.count_duplicate(conn, delivery.message_id, delivery.destination, delivery.send_id)
                 if self.outbox.settings.is_durable(delivery.queue):
                     self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it
         except Exception as error:  # noqa: BLE001 - best effort: the discard stands, a redelivery comes again

@@ -60,6 +60,7 @@ class PendingRelease:
     message_id: str
     destination: str
     attempt: tuple[int, int, int]
+    send_id: str = ""
 
 
 class Node:
@@ -175,13 +176,14 @@ class Node:
         connection.invalidate()  # not back to the pool: it may hold the lock
         connection.close()
 
-    def release_later(self, message_id: str, destination: str, attempt: tuple[int, int, int]) -> None:
+    def release_later(self, message_id: str, destination: str, attempt: tuple[int, int, int],
+                      send_id: str = "") -> None:
         """Remember a claim of this node that its attempt could not release (the database was
         unreachable): the heartbeat thread releases it as soon as the database answers."""
         with self._lock:
             if self.registered():
                 assert self._id is not None
-                self._pending_releases[PendingRelease(message_id, destination, attempt)] = self._id
+                self._pending_releases[PendingRelease(message_id, destination, attempt, send_id)] = self._id
 
     def _release_pending(self, node_id: int) -> None:
         with self._lock:
@@ -190,7 +192,8 @@ class Node:
         for claim in pending:
             try:
                 with store.begin() as conn:
-                    store.release_claim(conn, claim.message_id, claim.destination, node_id, claim.attempt, utcnow())
+                    store.release_claim(conn, claim.message_id, claim.destination, node_id, claim.attempt, utcnow(),
+                                        claim.send_id)
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
                 logger.warning("celery-outbox: node %d could not release the claim of %s yet: %s", node_id,
                                claim.message_id, exc)

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
-from .envelope import OutgoingMessage, capture, check_storable
+from .envelope import SEND_HEADER, OutgoingMessage, capture, check_storable, new_send_id, send_id_of
 from .errors import OutboxError
 from .routing import durable_destination, published_route
 from .signals import message_published, publish_failed
@@ -461,6 +461,7 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
         return durable_destination(amqp.queues, durable, exchange, routing_key) if durable else None
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        stamp_send_id(outbox.app, message.headers)
         uow = _current.get()
         if uow is None and durable_queue(*published_route(amqp, options)) is None:
             return celery_sender(producer, name, message, **options)
@@ -473,7 +474,7 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
                 task_message.make_durable()
                 check_storable(task_message, outbox.store.tables.outgoing)  # fails the call, not the commit
                 _declare_also(task_message, amqp.queues.get(destination))
-            task_message.survives_rollback = _continues_running_task(outbox.app, task_message.headers)
+            task_message.survives_rollback = _running_request_continued(outbox.app, task_message.headers) is not None
         if uow is not None:
             uow.add(captured)
         else:
@@ -492,13 +493,52 @@ def _declare_also(message: OutgoingMessage, queue: Any) -> None:
         message.sending["declare"] = [*declare, queue]
 
 
-def _continues_running_task(app: Any, headers: dict[str, Any]) -> bool:
-    """True for the message of a ``retry`` or ``replace`` of the task running now: same id,
-    later attempt."""
+_resent_attempt: ContextVar[Any] = ContextVar("celery_outbox_resent_attempt", default=None)
+
+
+@contextmanager
+def resending(request: Any) -> Iterator[None]:
+    """While Celery re-sends ``request``'s task as a later attempt from outside its body (the
+    worker's main process, after a lost worker process), the message keeps its publish identity."""
+    token = _resent_attempt.set(request)
+    try:
+        yield
+    finally:
+        _resent_attempt.reset(token)
+
+
+def stamp_send_id(app: Any, headers: Any) -> None:
+    """Give a task message its publish identity (``SEND_HEADER``): a new one per send, except for a
+    later attempt of a delivery, a ``retry`` or ``replace`` of the task running now or Celery's
+    re-send of a lost one, which keeps the identity of the delivery it continues."""
+    if not isinstance(headers, dict):
+        return
+    request = _running_request_continued(app, headers)
+    if request is None:
+        resent = _resent_attempt.get()
+        request = resent if resent is not None and _continues(resent, headers) else None
+    if request is None:
+        headers[SEND_HEADER] = new_send_id()
+        return
+    inherited = send_id_of({SEND_HEADER: getattr(request, SEND_HEADER, None)})
+    if inherited:
+        headers[SEND_HEADER] = inherited
+    else:  # the delivery came from a sender without the outbox: keyed by its task id, so is this attempt
+        headers.pop(SEND_HEADER, None)
+
+
+def _running_request_continued(app: Any, headers: dict[str, Any]) -> Any:
+    """The request of the task running now when ``headers`` are a ``retry`` or ``replace`` of it
+    (same id, later attempt), else None."""
     task = app.current_task
     if task is None:
-        return False
+        return None
     request = task.request
+    return request if _continues(request, headers) else None
+
+
+def _continues(request: Any, headers: dict[str, Any]) -> bool:
+    """Whether ``headers`` are a later attempt (more retries, or a replacement) of ``request``."""
     if not headers.get("id") or headers.get("id") != request.id:
         return False
     return (headers.get("retries") or 0) > (request.retries or 0) or (

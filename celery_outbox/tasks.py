@@ -40,6 +40,7 @@ from .dead_letter_rows import DeadLetterReason
 from .errors import OutboxError
 from .inbox import Delivery, current_connection, current_session, dead_letter_row
 from .outbox import outbox_of
+from .publishing import resending
 from .routing import queue_of
 from .store import utcnow
 
@@ -77,6 +78,12 @@ class OutboxRequest(Request):
             return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
+    def _retry_worker_lost(self, exc: BaseException, exc_info: ExceptionInfo) -> bool:
+        """Celery re-sends the attempt of a lost worker process as its next retry: the message keeps
+        the publish identity of this delivery, so the inbox takes it for the same message."""
+        with resending(self._context):
+            return super()._retry_worker_lost(exc, exc_info)
+
     def _lost_past_the_cap(self, exc: BaseException) -> bool:
         task = self.task
         if not (isinstance(exc, WorkerLostError) and task.acks_late and task.retry_on_worker_lost):
@@ -91,7 +98,7 @@ class OutboxRequest(Request):
         """Write the dead letter; False (logged) when the store cannot take it."""
         task, context = self.task, self._context
         outbox = outbox_of(task.app)
-        delivery = Delivery.from_context(task.name, context, outbox.settings.message_identity, task.app)
+        delivery = Delivery.from_context(task, context, outbox.settings)
         task.request_stack.push(context)
         try:
             dead_letter = dead_letter_row(task, delivery, DeadLetterReason.WORKER_LOST, exc, utcnow())

@@ -1,8 +1,12 @@
 """Tables of the message store, SQLAlchemy Core, one ``MetaData`` per table prefix.
 
-* ``incoming``: the inbox. Primary key (``message_id``, ``destination``) carries the
-  idempotency: ``destination`` is the queue with ``outbox_message_identity =
-  "id_and_destination"`` and ``''`` with the default identity ``"id"``.
+* ``incoming``: the inbox. Primary key (``message_id``, ``destination``, ``send_id``) carries
+  the idempotency: ``destination`` is the queue with ``outbox_message_identity =
+  "id_and_destination"`` and ``''`` with the default identity ``"id"``; ``send_id`` is the
+  identity of the publish (the ``celery_outbox_send`` header: one per ``apply_async``, kept by
+  its retries, replacements and every redelivery), so that a task id sent again is a new
+  message, and ``''`` when the task id alone is the key (``outbox_deduplicate_task_ids``, or a
+  message from a sender without the outbox).
 * ``outgoing``: the outbox. Fully built messages waiting to be published, and sent
   messages waiting for the consuming inbox to acknowledge them.
 * ``dead_letters``: envelopes that failed for good, replayable.
@@ -40,11 +44,14 @@ from sqlalchemy import (
     literal_column,
 )
 
-__all__ = ["SCHEMA_VERSION", "Tables", "build_tables", "UNOWNED", "text_problem"]
+__all__ = ["SCHEMA_VERSION", "SEND_ID_SIZE", "Tables", "build_tables", "UNOWNED", "text_problem"]
 
 # 2: the outgoing table's redelivery and scheduling indexes are partial; 3: so are the inbox's
-# indexes of claims (owner, claimed_at, recover_after): they hold running rows only
-SCHEMA_VERSION = 3
+# indexes of claims (owner, claimed_at, recover_after): they hold running rows only; 4: the
+# publish identity (``send_id``), in the inbox's primary key and on outgoing rows
+SCHEMA_VERSION = 4
+#: the size of a publish identity (a UUID's 32 hex digits, with room to spare)
+SEND_ID_SIZE = 64
 UNOWNED = 0
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL wants BIGINT for 10^8 rows.
@@ -122,6 +129,7 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         f"{p}incoming", md,
         Column("message_id", String(255), primary_key=True),
         Column("destination", String(255), primary_key=True),
+        Column("send_id", String(SEND_ID_SIZE), primary_key=True, server_default=""),
         Column("task_name", String(255), nullable=False, server_default=""),
         Column("queue", String(255), nullable=False, server_default=""),
         Column("status", String(16), nullable=False),  # running | handled | retried | dead
@@ -155,6 +163,7 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("message_id", String(255), nullable=False),
         Column("task_name", String(255), nullable=False, server_default=""),
         Column("destination", String(255), nullable=False),
+        Column("send_id", String(SEND_ID_SIZE), nullable=False, server_default=""),  # the publish identity
         # the attempt the message carries, so an inbox acknowledges only attempts it has
         Column("nesting", Integer, nullable=False, server_default="0"),
         Column("replays", Integer, nullable=False, server_default="0"),

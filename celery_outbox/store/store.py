@@ -28,6 +28,7 @@ from sqlalchemy import (
     LargeBinary,
     Row,
     String,
+    Table,
     Text,
     and_,
     bindparam,
@@ -50,11 +51,20 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 
 from ..errors import IncompatibleSchema, StoreUnavailable
 from .engine import redact, safe_url
-from .schema import SCHEMA_VERSION, UNOWNED, Tables, build_tables, is_running
+from .schema import SCHEMA_VERSION, SEND_ID_SIZE, UNOWNED, Tables, build_tables, is_running
 
 __all__ = ["Store", "MigrationResult", "is_content_error", "is_unique_violation", "utcnow"]
 
 # envelope columns are only overwritten by a claim that carries them
+#: the inbox's primary key, as column names
+_INCOMING_KEY = ("message_id", "destination", "send_id")
+
+
+def _incoming_key(table: Table) -> tuple[Any, ...]:
+    """The inbox's primary key columns."""
+    return tuple(table.c[name] for name in _INCOMING_KEY)
+
+
 _ENVELOPE_KEYS = frozenset({"exchange", "routing_key", "body", "content_type", "content_encoding", "headers",
                             "properties"})
 
@@ -526,14 +536,15 @@ class Store:
                          .values(sent_at=None, redeliver_at=None))
 
     def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None,
-                             attempt: tuple[int, int, int]) -> int:
-        """The consuming inbox has attempt ``attempt`` (nesting, replays, retries) of the message, or
-        a later one: delete the message's outgoing rows up to that attempt (of ``destination`` only,
-        when given). A later attempt (a scheduled retry) stays. A row a publisher holds is waited
+                             attempt: tuple[int, int, int], send_id: str = "") -> int:
+        """The consuming inbox has attempt ``attempt`` (nesting, replays, retries) of the message
+        sent as ``send_id``, or a later one: delete that send's outgoing rows up to that attempt (of
+        ``destination`` only, when given). A later attempt (a scheduled retry) stays, and so do the
+        rows of another send of the same task id. A row a publisher holds is waited
         for (PostgreSQL row lock, SQLite write lock), so an acknowledgment that overtakes its own
         publisher's commit still deletes the row."""
         table = self.tables.outgoing
-        query = delete(table).where(table.c.message_id == message_id).where(
+        query = delete(table).where(table.c.message_id == message_id, table.c.send_id == send_id).where(
             tuple_(table.c.nesting, table.c.replays, table.c.retries) <= tuple_(*attempt))
         if destination is not None:
             query = query.where(table.c.destination == destination)
@@ -725,7 +736,7 @@ class Store:
         so SQLAlchemy compiles it once per set of columns (building ``.values(**row)`` for every
         claim cost more than running it)."""
         table = self.tables.incoming
-        return (self._upsert(table).on_conflict_do_nothing(index_elements=[table.c.message_id, table.c.destination])
+        return (self._upsert(table).on_conflict_do_nothing(index_elements=_INCOMING_KEY)
                 .returning(table.c.message_id))
 
     def insert_incoming(self, conn: Connection, row: dict[str, Any]) -> bool:
@@ -800,11 +811,11 @@ class Store:
             | ((table.c.status == "running") & same_attempt & free)
         )
         updates = {key: getattr(new, key) for key in row
-                   if key not in ("message_id", "destination", "received_at", "recoveries")}
+                   if key not in (*_INCOMING_KEY, "received_at", "recoveries")}
         updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
         statement = (
             insert.on_conflict_do_update(
-                index_elements=[table.c.message_id, table.c.destination], set_=updates, where=claimable
+                index_elements=_INCOMING_KEY, set_=updates, where=claimable
             ).returning(table.c.message_id)
         )
         return conn.execute(statement).first() is not None
@@ -1003,6 +1014,7 @@ class Store:
         return (
             update(table)
             .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
+            .where(table.c.send_id == bindparam("key_send"))
             .where(table.c.owner == bindparam("claim_owner"), is_running(table))
             .where(table.c.nesting == bindparam("claim_nesting"), table.c.replays == bindparam("claim_replays"))
             .where(table.c.retries == bindparam("claim_retries"))
@@ -1019,7 +1031,7 @@ class Store:
 
     def finish_incoming(self, conn: Connection, message_id: str, destination: str, owner: int,
                         attempt: tuple[int, int, int], now: datetime, keep_until: datetime,
-                        commit: bool = False) -> bool:
+                        commit: bool = False, send_id: str = "") -> bool:
         """Mark an eagerly claimed row handled, inside the body's transaction; False when
         the claim is no longer ours (another node took it over): the caller rolls back.
         ``attempt`` is (nesting, replays, retries).
@@ -1031,7 +1043,7 @@ class Store:
         then finds the transaction ended (psycopg sends nothing); it still ends SQLAlchemy's."""
         nesting, replays, retries = attempt
         values = {
-            "key_id": message_id, "key_destination": destination, "claim_owner": owner,
+            "key_id": message_id, "key_destination": destination, "key_send": send_id, "claim_owner": owner,
             "claim_nesting": nesting, "claim_replays": replays, "claim_retries": retries,
             "finished_at": now, "finished_keep_until": keep_until,
         }
@@ -1052,15 +1064,15 @@ class Store:
         same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
             new.retries == table.c.retries)
         not_older = _later_attempt(new, table) | same_attempt
-        updates = {key: getattr(new, key) for key in row if key not in ("message_id", "destination", "received_at")}
+        updates = {key: getattr(new, key) for key in row if key not in (*_INCOMING_KEY, "received_at")}
         updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
         conn.execute(insert.on_conflict_do_update(
-            index_elements=[table.c.message_id, table.c.destination], set_=updates,
+            index_elements=_INCOMING_KEY, set_=updates,
             where=not_older & (table.c.status != "handled"),
         ))
 
     def claim_in_flight(self, conn: Connection, message_id: str, destination: str,
-                        attempt: tuple[int, int, int]) -> bool:
+                        attempt: tuple[int, int, int], send_id: str = "") -> bool:
         """Whether the message's row is a running claim of this very attempt (nesting, replays,
         retries): after a claim that failed, its owner is alive and may still finish it, so a
         copy of it is not a duplicate yet."""
@@ -1068,24 +1080,27 @@ class Store:
         nesting, replays, retries = attempt
         return conn.execute(
             select(table.c.message_id).where(
-                table.c.message_id == message_id, table.c.destination == destination, is_running(table),
-                table.c.nesting == nesting, table.c.replays == replays, table.c.retries == retries)
+                table.c.message_id == message_id, table.c.destination == destination,
+                table.c.send_id == send_id, is_running(table), table.c.nesting == nesting,
+                table.c.replays == replays, table.c.retries == retries)
         ).first() is not None
 
-    def count_duplicate(self, conn: Connection, message_id: str, destination: str) -> None:
+    def count_duplicate(self, conn: Connection, message_id: str, destination: str, send_id: str = "") -> None:
         table = self.tables.incoming
         conn.execute(
             update(table)
-            .where(table.c.message_id == message_id, table.c.destination == destination)
+            .where(table.c.message_id == message_id, table.c.destination == destination, table.c.send_id == send_id)
             .values(duplicates=table.c.duplicates + 1)
         )
 
-    def get_incoming(self, message_id: str, destination: str = "") -> Row | None:
+    def get_incoming(self, message_id: str, destination: str = "", send_id: str | None = None) -> Row | None:
+        """The inbox row of a message (of its send ``send_id``; None: its latest send's)."""
         table = self.tables.incoming
+        query = select(table).where(table.c.message_id == message_id, table.c.destination == destination)
+        if send_id is not None:
+            query = query.where(table.c.send_id == send_id)
         with self.begin() as conn:
-            return conn.execute(
-                select(table).where(table.c.message_id == message_id, table.c.destination == destination)
-            ).first()
+            return conn.execute(query.order_by(table.c.received_at.desc()).limit(1)).first()
 
     def count_incoming(self, conn: Connection | None = None) -> int:
         return self._count(self.tables.incoming, conn)
@@ -1099,11 +1114,11 @@ class Store:
     def _release_incoming(self, conn: Connection, where, limit: int, now: datetime) -> int:
         """Release up to ``limit`` claims matching ``where`` (skipping locked rows); due for recovery at once."""
         table = self.tables.incoming
-        keys = select(table.c.message_id, table.c.destination).where(where).limit(limit)
+        keys = select(*_incoming_key(table)).where(where).limit(limit)
         if self.is_postgres:
             keys = keys.with_for_update(skip_locked=True)
         return conn.execute(
-            update(table).where(tuple_(table.c.message_id, table.c.destination).in_(keys))
+            update(table).where(tuple_(*_incoming_key(table)).in_(keys))
             .values(owner=UNOWNED, recover_after=now)
         ).rowcount
 
@@ -1126,26 +1141,28 @@ class Store:
         return list(conn.execute(query))
 
     def mark_recovered(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-        """Count a re-publish of each row (``message_id``, ``destination``, ``recover_after``)."""
+        """Count a re-publish of each row (``message_id``, ``destination``, ``send_id``, ``recover_after``)."""
         if not rows:
             return
         table = self.tables.incoming
         conn.execute(
             update(table)
             .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
+            .where(table.c.send_id == bindparam("key_send"))
             .values(recoveries=table.c.recoveries + 1, recover_after=bindparam("next_recovery")),
-            [{"key_id": r["message_id"], "key_destination": r["destination"], "next_recovery": r["recover_after"]}
-             for r in rows],
+            [{"key_id": r["message_id"], "key_destination": r["destination"], "key_send": r["send_id"],
+              "next_recovery": r["recover_after"]} for r in rows],
         )
 
-    def mark_incoming_dead(self, conn: Connection, keys: Sequence[tuple[str, str]], now: datetime,
+    def mark_incoming_dead(self, conn: Connection, keys: Sequence[tuple[str, str, str]], now: datetime,
                            keep_until: datetime) -> None:
-        """End running rows as ``dead`` (recovery gave up on them)."""
+        """End running rows of ``keys`` (message id, destination, send id) as ``dead`` (recovery gave
+        up on them)."""
         if not keys:
             return
         table = self.tables.incoming
         conn.execute(
-            update(table).where(tuple_(table.c.message_id, table.c.destination).in_(list(keys)))
+            update(table).where(tuple_(*_incoming_key(table)).in_(list(keys)))
             .values(status="dead", owner=UNOWNED, handled_at=now, keep_until=keep_until, recover_after=None)
         )
 
@@ -1164,8 +1181,8 @@ class Store:
         table = self.tables.incoming
         if not self.is_postgres:
             return ExpiredDeleted(conn.execute(
-                delete(table).where(tuple_(table.c.message_id, table.c.destination).in_(
-                    self._expired_incoming(now, limit, (table.c.message_id, table.c.destination), after)))
+                delete(table).where(tuple_(*_incoming_key(table)).in_(
+                    self._expired_incoming(now, limit, _incoming_key(table), after)))
             ).rowcount)
         ctid = literal_column("ctid")
         expired = self._expired_incoming(now, limit, (ctid,), after).select_from(table)
@@ -1191,19 +1208,20 @@ class Store:
             query = query.with_for_update(skip_locked=True)
         return query
 
-    def delete_incoming(self, conn: Connection, keys: Sequence[tuple[str, str]]) -> int:
-        """Delete the rows of ``keys`` (message id, destination); on PostgreSQL two array parameters
-        (``unnest``) instead of two bound parameters a row."""
+    def delete_incoming(self, conn: Connection, keys: Sequence[tuple[str, str, str]]) -> int:
+        """Delete the rows of ``keys`` (message id, destination, send id); on PostgreSQL three array
+        parameters (``unnest``) instead of three bound parameters a row."""
         if not keys:
             return 0
         table = self.tables.incoming
-        key = tuple_(table.c.message_id, table.c.destination)
+        key = tuple_(*_incoming_key(table))
         if not self.is_postgres:
             return conn.execute(delete(table).where(key.in_(list(keys)))).rowcount
         strings = postgresql.ARRAY(table.c.message_id.type)
-        pairs = select(func.unnest(bindparam("key_ids", [k[0] for k in keys], type_=strings)),
-                       func.unnest(bindparam("key_destinations", [k[1] for k in keys], type_=strings)))
-        return conn.execute(delete(table).where(key.in_(pairs))).rowcount
+        triples = select(func.unnest(bindparam("key_ids", [k[0] for k in keys], type_=strings)),
+                         func.unnest(bindparam("key_destinations", [k[1] for k in keys], type_=strings)),
+                         func.unnest(bindparam("key_sends", [k[2] for k in keys], type_=strings)))
+        return conn.execute(delete(table).where(key.in_(triples))).rowcount
 
     # -- nodes ---------------------------------------------------------------------------------
 
@@ -1322,15 +1340,15 @@ class Store:
         return self._release_incoming(conn, owned, limit, now)
 
     def release_claim(self, conn: Connection, message_id: str, destination: str, owner: int,
-                      attempt: tuple[int, int, int], now: datetime) -> int:
+                      attempt: tuple[int, int, int], now: datetime, send_id: str = "") -> int:
         """Release ``owner``'s running claim of this attempt (nesting, replays, retries) of the
         message, so that a redelivered copy takes it over; returns how many rows (0: the claim
         was not there, not ours, or already ended). Due for recovery at once, as ``release_owned``."""
         table = self.tables.incoming
         nesting, replays, retries = attempt
         ours = (is_running(table) & (table.c.message_id == message_id) & (table.c.destination == destination)
-                & (table.c.owner == owner) & (table.c.nesting == nesting) & (table.c.replays == replays)
-                & (table.c.retries == retries))
+                & (table.c.send_id == send_id) & (table.c.owner == owner) & (table.c.nesting == nesting)
+                & (table.c.replays == replays) & (table.c.retries == retries))
         return self._release_incoming(conn, ours, 1, now)
 
     def _owner_predicate(self, column, owners: Sequence[int]):
@@ -1454,8 +1472,36 @@ def _upgrade_to_3(store: Store, conn: Connection) -> None:
         conn.exec_driver_sql(f'DROP INDEX IF EXISTS "ix_{store.prefix}incoming_{old}"')
 
 
+def _upgrade_to_4(store: Store, conn: Connection) -> None:
+    """Version 4: the publish identity ``send_id`` on outgoing rows and in the inbox's primary key
+    (existing rows get ``''``: keyed by their task id, as before). PostgreSQL changes the primary
+    key in place; SQLite, which cannot, copies the inbox into a new table."""
+    incoming, outgoing = store.tables.incoming, store.tables.outgoing
+    inspector = inspect(conn)
+    column = f"send_id VARCHAR({SEND_ID_SIZE}) NOT NULL DEFAULT ''"
+    if "send_id" not in {c["name"] for c in inspector.get_columns(outgoing.name)}:
+        conn.exec_driver_sql(f'ALTER TABLE "{outgoing.name}" ADD COLUMN {column}')
+    primary_key = inspector.get_pk_constraint(incoming.name)
+    if "send_id" in primary_key["constrained_columns"]:
+        return
+    if store.is_postgres:
+        conn.exec_driver_sql(f'ALTER TABLE "{incoming.name}" ADD COLUMN {column}, DROP CONSTRAINT '
+                             f'"{primary_key["name"]}", ADD PRIMARY KEY (message_id, destination, send_id)')
+        return
+    old = f"{incoming.name}_v3"
+    for index in incoming.indexes:
+        conn.exec_driver_sql(f'DROP INDEX IF EXISTS "{index.name}"')
+    conn.exec_driver_sql(f'ALTER TABLE "{incoming.name}" RENAME TO "{old}"')
+    conn.execute(CreateTable(incoming))
+    columns = ", ".join(f'"{name}"' for name in (c["name"] for c in inspect(conn).get_columns(old)))
+    conn.exec_driver_sql(f'INSERT INTO "{incoming.name}" ({columns}) SELECT {columns} FROM "{old}"')
+    conn.exec_driver_sql(f'DROP TABLE "{old}"')
+    for index in sorted(incoming.indexes, key=lambda i: i.name or ""):
+        conn.execute(CreateIndex(index))
+
+
 # version -> the step that brings the tables from the version before it to that one
-_UPGRADES: dict[int, Callable[[Store, Connection], None]] = {2: _upgrade_to_2, 3: _upgrade_to_3}
+_UPGRADES: dict[int, Callable[[Store, Connection], None]] = {2: _upgrade_to_2, 3: _upgrade_to_3, 4: _upgrade_to_4}
 
 
 class _Transaction:

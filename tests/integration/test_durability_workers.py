@@ -19,7 +19,7 @@ from sqlalchemy import insert, select
 from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand
-from ..brokers import nothing_more, purge, receive
+from ..brokers import copy_options, nothing_more, purge, receive
 from ..conftest import drop_store, unsent_rows
 from ..scenario import Scenario
 from ..services import wait_until
@@ -247,12 +247,13 @@ def test_a_message_the_broker_lost_is_redelivered_and_acknowledged_by_the_inbox(
     try:
         shop, durable = scenario.shop, scenario.env["TEST_OTHER_QUEUE"]
         lost = shop.pay.apply_async(("lost-1",), task_id="lost-1", queue=durable)
-        kept = shop.pay.apply_async(("kept-1",), task_id="kept-1", queue=durable)
+        kept = shop.pay.apply_async(("kept-1",), **copy_options("kept-1"), queue=durable)
         store = shop.outbox.store
         assert store.count_outgoing() == 2 and unsent_rows(store) == 0, "both sent, waiting for their inbox"
         assert {m.id for m in receive(shop.app, durable, 2)} == {lost.id, kept.id}  # taken, never acked: lost
         scenario.worker(queues=[durable])
-        shop.pay.apply_async(("kept-1",), task_id="kept-1", queue=durable)  # kept-1 reached its worker after all
+        # kept-1 reached its worker after all
+        shop.pay.apply_async(("kept-1",), **copy_options("kept-1"), queue=durable)
         scenario.wait_events("kept-1", "postrun", 1)
         wait_until(lambda: shop.outbox.recover().redelivered >= 1 or store.get_incoming("lost-1") is not None,
                    timeout=30, message="recovery to redeliver lost-1")

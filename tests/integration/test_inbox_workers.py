@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from ..brokers import copy_options
 from ..scenario import Scenario
 from ..services import require, wait_until
 
@@ -31,9 +32,9 @@ def states(rows):
 def test_same_id_delivered_twice_in_sequence_runs_once(scenario, task):
     scenario.worker()
     send = getattr(scenario.shop, task)
-    send.apply_async(("order-1",), task_id="order-1")
+    send.apply_async(("order-1",), **copy_options("order-1"))
     scenario.wait_events("order-1", "postrun", 1)
-    send.apply_async(("order-1",), task_id="order-1")
+    send.apply_async(("order-1",), **copy_options("order-1"))
     rows = scenario.wait_events("order-1", "postrun", 2)
     assert states(rows) == ["SUCCESS", "IGNORED"], "a duplicate is IGNORED, not FAILURE"
     assert len(scenario.shop.effects("order-1")) == 1
@@ -51,8 +52,8 @@ def test_same_id_delivered_to_two_workers_at_once_runs_once(scenario, task):
     scenario.worker()
     scenario.worker()
     send = getattr(scenario.shop, task)
-    send.apply_async(("order-2", 1.5), task_id="order-2")  # held below the 3 s Redis visibility timeout
-    send.apply_async(("order-2", 1.5), task_id="order-2")  # held below the 3 s Redis visibility timeout
+    send.apply_async(("order-2", 1.5), **copy_options("order-2"))  # held below the 3 s Redis visibility timeout
+    send.apply_async(("order-2", 1.5), **copy_options("order-2"))  # held below the 3 s Redis visibility timeout
     wait_until(lambda: "IGNORED" in states(scenario.shop.events("order-2")), timeout=60,
                message="the copy discarded")
     rows = [e for e in scenario.shop.events("order-2") if e.kind == "postrun"]
@@ -108,7 +109,7 @@ def test_id_and_destination_runs_one_id_on_two_queues_twice(broker_url, postgres
     try:
         scenario.worker(queues=[scenario.env["TEST_QUEUE"], scenario.env["TEST_OTHER_QUEUE"]])
         for queue in (scenario.env["TEST_QUEUE"], scenario.env["TEST_OTHER_QUEUE"], scenario.env["TEST_QUEUE"]):
-            scenario.shop.pay.apply_async(("order-5",), task_id="order-5", queue=queue)
+            scenario.shop.pay.apply_async(("order-5",), **copy_options("order-5"), queue=queue)
         rows = scenario.wait_events("order-5", "postrun", 3)
         assert sorted(states(rows)) == ["IGNORED", "SUCCESS", "SUCCESS"]
         assert len(scenario.shop.effects("order-5")) == 2

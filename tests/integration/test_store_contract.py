@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
-from sqlalchemy import event, inspect, select
+from sqlalchemy import Column, MetaData, Table, event, inspect, select
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from celery_outbox import IncompatibleSchema, Outbox
@@ -68,6 +68,37 @@ def test_migrate_creates_every_table_and_index_and_is_idempotent(store: Store):
     assert again.created_tables == []
     assert again.version_before == SCHEMA_VERSION
     assert store.schema_version() == SCHEMA_VERSION
+
+
+def test_migrate_upgrades_version_3_to_the_publish_identity_in_the_inbox_key(store: Store):
+    """A store of version 3 (inbox keyed by message id and destination, no ``send_id``) gets the
+    column on both tables and in the inbox's primary key; its rows stay, keyed by ``''``, so a
+    copy of a message handled before the upgrade is still a duplicate after it."""
+    incoming, outgoing = store.tables.incoming, store.tables.outgoing
+    version_3 = Table(incoming.name, MetaData(), *[
+        Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable, server_default=c.server_default)
+        for c in incoming.columns if c.name != "send_id"])
+    with store.begin() as conn:
+        conn.exec_driver_sql(f'DROP TABLE "{incoming.name}"')
+        version_3.create(conn)
+        conn.exec_driver_sql(f'ALTER TABLE "{outgoing.name}" DROP COLUMN send_id')
+        conn.execute(version_3.insert().values(incoming_row("before", status="handled")))
+        conn.execute(store.tables.schema.update().values(version=3))
+
+    result = store.migrate()
+
+    assert (result.version_before, result.version_after) == (3, SCHEMA_VERSION)
+    inspector = inspect(store.engine)
+    assert inspector.get_pk_constraint(incoming.name)["constrained_columns"] == ["message_id", "destination",
+                                                                                "send_id"]
+    assert "send_id" in {c["name"] for c in inspector.get_columns(outgoing.name)}
+    assert {ix.name for ix in incoming.indexes} <= {ix["name"] for ix in inspector.get_indexes(incoming.name)}
+    assert (store.get_incoming("before").status, store.get_incoming("before").send_id) == ("handled", "")
+    with store.begin() as conn:
+        assert not store.claim_incoming(conn, incoming_row("before")), "a copy of it is still a duplicate"
+        assert store.claim_incoming(conn, incoming_row("before", send_id="a-new-send")), "a new send is not"
+        store.insert_outgoing(conn, [outgoing_row(1, send_id="a-new-send")])
+    assert store.migrate().version_before == SCHEMA_VERSION
 
 
 def test_migrate_upgrades_version_1_outgoing_indexes_to_partial_ones(store: Store):

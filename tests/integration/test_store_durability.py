@@ -174,7 +174,8 @@ def test_recoverable_envelopes_are_running_unowned_and_due(store: Store):
         store.insert_incoming(conn, incoming_row("no-envelope"))
     with store.begin() as conn:
         assert [r.message_id for r in store.lock_recoverable_incoming(conn, now, 10)] == ["due"]
-        store.mark_recovered(conn, [{"message_id": "due", "destination": "", "recover_after": now + timedelta(1)}])
+        store.mark_recovered(conn, [{"message_id": "due", "destination": "", "send_id": "",
+                                     "recover_after": now + timedelta(1)}])
     row = store.get_incoming("due")
     assert row.recoveries == 1
     with store.begin() as conn:

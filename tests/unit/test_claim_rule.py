@@ -15,6 +15,7 @@ from sqlalchemy import insert, text
 
 from celery_outbox import IdempotentTask
 
+from ..brokers import copy_options
 from ..services import wait_until
 from .test_inbox import Harness
 
@@ -54,9 +55,9 @@ def test_a_copy_meeting_a_running_eager_claim_goes_back_until_the_claim_is_handl
 
     slow_eager.idempotency = "eager"
     with threaded_worker(harness):
-        slow_eager.apply_async(task_id="slow-1")
+        slow_eager.apply_async(**copy_options("slow-1"))
         wait_until(lambda: harness.runs, message="the first body running")
-        slow_eager.apply_async(task_id="slow-1")
+        slow_eager.apply_async(**copy_options("slow-1"))
         harness.wait_for_states("slow-1", 1, timeout=30)
         assert harness.states["slow-1"] == ["REJECTED"], "the copy went back to the broker, not acked"
         release.set()

@@ -12,6 +12,7 @@ from kombu.utils import json as kombu_json
 from sqlalchemy import select, update
 
 from celery_outbox.deadletters import DeadLetterFilter, purge, replay
+from celery_outbox.envelope import SEND_HEADER
 from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand
@@ -275,11 +276,13 @@ def test_a_sent_durable_message_is_redelivered_until_an_inbox_acknowledges_it(sq
     assert (again.id, again.args) == (result.id, ["lost by the broker"])
     (row,) = outgoing(shop)
     assert row.redeliveries == 1
+    assert again.headers[SEND_HEADER] == row.send_id, "the copy carries the identity of its send"
     assert as_utc(row.redeliver_at) == pytest.approx(utcnow() + timedelta(seconds=120), abs=timedelta(seconds=5)), \
         "the wait doubles"
     assert shop.outbox.recover().redelivered == 0
     with shop.outbox.store.begin() as conn:
-        assert shop.outbox.store.acknowledge_outgoing(conn, result.id, None, (0, 0, 0)) == 1, "an inbox took it"
+        assert shop.outbox.store.acknowledge_outgoing(conn, result.id, None, (0, 0, 0), row.send_id) == 1, \
+            "an inbox took it"
     assert outgoing(shop) == []
 
 

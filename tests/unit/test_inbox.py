@@ -17,7 +17,7 @@ from celery_outbox import IdempotentTask, Outbox
 from celery_outbox.errors import OutboxError
 from celery_outbox.signals import duplicate_discarded
 
-from ..brokers import receive_until_marker
+from ..brokers import copy_options, receive_until_marker
 from ..conftest import drop_store
 
 
@@ -101,9 +101,9 @@ def test_same_id_delivered_twice_runs_once(harness):
     duplicate_discarded.connect(on_discard)
     try:
         with harness.worker():
-            pay.apply_async(("first",), task_id="pay-1")
+            pay.apply_async(("first",), **copy_options("pay-1"))
             assert harness.wait_for_states("pay-1", 1) == ["SUCCESS"]
-            pay.apply_async(("copy",), task_id="pay-1")
+            pay.apply_async(("copy",), **copy_options("pay-1"))
             assert harness.wait_for_states("pay-1", 2) == ["SUCCESS", "IGNORED"]
     finally:
         duplicate_discarded.disconnect(on_discard)
@@ -123,9 +123,9 @@ def test_an_exception_rolls_back_the_claim_and_the_effects_and_dead_letters_the_
         raise ValueError(f"cannot handle {note}")
 
     with harness.worker():
-        broken.apply_async(("x",), task_id="broken-1")
+        broken.apply_async(("x",), **copy_options("broken-1"))
         assert harness.wait_for_states("broken-1", 1) == ["FAILURE"]
-        broken.apply_async(("x",), task_id="broken-1")
+        broken.apply_async(("x",), **copy_options("broken-1"))
         assert harness.wait_for_states("broken-1", 2) == ["FAILURE", "IGNORED"]
     assert harness.effect_count() == 0, "the body's writes rolled back"
     assert harness.failures == ["broken-1"], "the duplicate is no failure"
@@ -148,9 +148,9 @@ def test_a_retry_is_a_new_attempt_and_runs(harness):
         return "ok"
 
     with harness.worker():
-        flaky.apply_async(task_id="flaky-1")
+        flaky.apply_async(**copy_options("flaky-1"))
         assert harness.wait_for_states("flaky-1", 2) == ["RETRY", "SUCCESS"]
-        flaky.apply_async(task_id="flaky-1")  # a late redelivery of attempt 0
+        flaky.apply_async(**copy_options("flaky-1"))  # a late redelivery of attempt 0
         assert harness.wait_for_states("flaky-1", 3)[-1] == "IGNORED"
     assert harness.runs == [("flaky-1", 0), ("flaky-1", 1)]
     with harness.outbox.engine.begin() as conn:
@@ -175,9 +175,9 @@ def test_id_and_destination_runs_one_id_once_per_queue(sqlite_url, table_prefix)
     try:
         pay = define_pay(harness)
         with harness.worker(queues=[harness.queue, harness.other_queue]):
-            pay.apply_async(("a",), task_id="shared-1", queue=harness.queue)
-            pay.apply_async(("b",), task_id="shared-1", queue=harness.other_queue)
-            pay.apply_async(("c",), task_id="shared-1", queue=harness.other_queue)
+            pay.apply_async(("a",), **copy_options("shared-1"), queue=harness.queue)
+            pay.apply_async(("b",), **copy_options("shared-1"), queue=harness.other_queue)
+            pay.apply_async(("c",), **copy_options("shared-1"), queue=harness.other_queue)
             assert sorted(harness.wait_for_states("shared-1", 3)) == ["IGNORED", "SUCCESS", "SUCCESS"]
         assert harness.effect_count() == 2
     finally:
@@ -196,8 +196,8 @@ def test_eager_style_commits_the_claim_before_the_body(harness_on_each_store):
 
     eager.idempotency = "eager"
     with harness.worker():
-        eager.apply_async(task_id="e-1")
-        eager.apply_async(task_id="e-1")
+        eager.apply_async(**copy_options("e-1"))
+        eager.apply_async(**copy_options("e-1"))
         assert harness.wait_for_states("e-1", 2) == ["SUCCESS", "IGNORED"]
     assert seen_during_body == ["running"], "another connection sees the committed claim while the body runs"
     row = harness.outbox.store.get_incoming("e-1")
@@ -232,8 +232,8 @@ def test_plain_tasks_on_durable_queues_get_an_envelope_and_reject_duplicates(sql
             calls.append(x)
 
         with harness.worker(queues=[durable_queue]):
-            plain_on_durable.apply_async((1,), task_id="d-1", queue=durable_queue)
-            plain_on_durable.apply_async((1,), task_id="d-1", queue=durable_queue)
+            plain_on_durable.apply_async((1,), **copy_options("d-1"), queue=durable_queue)
+            plain_on_durable.apply_async((1,), **copy_options("d-1"), queue=durable_queue)
             assert harness.wait_for_states("d-1", 2) == ["SUCCESS", "IGNORED"]
         assert calls == [1]
         row = harness.outbox.store.get_incoming("d-1")
