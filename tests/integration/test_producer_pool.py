@@ -1,15 +1,21 @@
-"""Senders never wait on the app's producer pool: many threads sending to a durable queue outside a
-unit of work finish, with the default ``broker_pool_limit`` and more threads than it allows, and
-with a pool of one; side by side with plain Celery (PostgreSQL store, Redis broker)."""
+"""Senders never wait forever on the app's producer pool, nor on the outbox's connection pool.
+
+Many threads sending to a durable queue outside a unit of work finish, with the default
+``broker_pool_limit`` and more threads than it allows, and with a pool of one; so do 50
+threads each in its own unit of work (more than the engine's pool holds), a unit of work
+sending more messages than the producer pool holds, and canvas groups from 50 threads. Each
+side by side with plain Celery (PostgreSQL store, Redis broker).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 import uuid
+from typing import Callable
 
 import pytest
-from celery import Celery
+from celery import Celery, group
 
 from celery_outbox import Outbox
 
@@ -76,3 +82,114 @@ def test_threads_sending_to_a_durable_queue_never_block(with_outbox, threads, po
         drop_store(outbox.store)
         outbox.engine.dispose()
     purge(app, queue)
+
+
+def _run_senders(threads: int, send_some: Callable[[int], list[str]]) -> list[str]:
+    """Run ``send_some(n)`` in ``threads`` threads at once; every one must finish by the deadline,
+    without an error. Returns the ids sent."""
+    sent: list[str] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def sender(n: int) -> None:
+        try:
+            ids = send_some(n)
+            with lock:
+                sent.extend(ids)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=sender, args=(n,), daemon=True) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + DEADLINE
+    for worker in workers:
+        worker.join(max(deadline - time.monotonic(), 0))
+    blocked = sum(worker.is_alive() for worker in workers)
+    assert blocked == 0, f"{blocked} of {threads} senders still blocked after {DEADLINE} s"
+    assert errors == []
+    return sent
+
+
+def _check_and_clean(app: Celery, outbox: Outbox | None, queue: str, sent: list[str]) -> None:
+    """Every message sent arrived on the queue; with an outbox, no outgoing row is left unsent."""
+    assert sorted(m.id for m in receive(app, queue, len(sent), timeout=30)) == sorted(sent)
+    if outbox is not None:
+        assert unsent_rows(outbox.store) == 0, "every stored message was published"
+        drop_store(outbox.store)
+        outbox.engine.dispose()
+    purge(app, queue)
+
+
+@pytest.mark.parametrize("with_outbox", [False, True], ids=["plain", "outbox"])
+def test_threads_each_in_a_unit_of_work_never_block(with_outbox, table_prefix):
+    """50 threads, each sending in its own ``outbox.transaction()``: more than the producer pool
+    and more than the engine's connection pool hold. A unit of work publishes after its Session
+    gave its connection back: holding it while publishing took a second connection per thread,
+    and 15 threads holding one each waited 30 s for the pool, then failed."""
+    threads = 50
+    app, outbox, queue = _app(with_outbox, require("postgres"), table_prefix)
+    assert threads > app.conf.broker_pool_limit
+    if outbox is not None:
+        assert threads > outbox.engine.pool.size(), "more units of work than the engine's pool holds"
+
+    @app.task(name="pool.send", shared=False)
+    def send(x):
+        return x
+
+    def send_some(n: int) -> list[str]:
+        if outbox is None:  # plain Celery has no unit of work: the same sends
+            return [send.delay(n * MESSAGES_PER_THREAD + i).id for i in range(MESSAGES_PER_THREAD)]
+        with outbox.transaction():
+            return [send.delay(n * MESSAGES_PER_THREAD + i).id for i in range(MESSAGES_PER_THREAD)]
+
+    sent = _run_senders(threads, send_some)
+    assert len(sent) == threads * MESSAGES_PER_THREAD
+    _check_and_clean(app, outbox, queue, sent)
+
+
+@pytest.mark.parametrize("with_outbox", [False, True], ids=["plain", "outbox"])
+def test_a_unit_of_work_sending_more_messages_than_the_pool_holds(with_outbox, table_prefix):
+    """With ``broker_pool_limit=1``, one unit of work sends 20 messages (each ``delay`` takes and
+    gives back the one producer), then publishes them all after the commit on one producer."""
+    app, outbox, queue = _app(with_outbox, require("postgres"), table_prefix, broker_pool_limit=1)
+
+    @app.task(name="pool.send", shared=False)
+    def send(x):
+        return x
+
+    def send_some(n: int) -> list[str]:
+        if outbox is None:
+            return [send.delay(i).id for i in range(20)]
+        with outbox.transaction():
+            return [send.delay(i).id for i in range(20)]
+
+    sent = _run_senders(1, send_some)
+    assert len(sent) == 20 > app.conf.broker_pool_limit
+    _check_and_clean(app, outbox, queue, sent)
+
+
+@pytest.mark.parametrize("mode", ["plain", "outside", "transaction"])
+def test_groups_from_threads_never_block(mode, table_prefix):
+    """50 threads each apply a group of 20 to a durable queue: Celery holds one producer for the
+    group and passes it to every member's publish, which the hook uses (``outside``: store-and-
+    forward), or captures (``transaction``: published after the commit)."""
+    threads, size = 50, 20
+    app, outbox, queue = _app(mode != "plain", require("postgres"), table_prefix)
+
+    @app.task(name="pool.send", shared=False)
+    def send(x):
+        return x
+
+    def send_some(n: int) -> list[str]:
+        canvas = group(send.s(n * size + i) for i in range(size))
+        if mode == "transaction":
+            with outbox.transaction():
+                result = canvas.apply_async()
+        else:
+            result = canvas.apply_async()
+        return [member.id for member in result.results]
+
+    sent = _run_senders(threads, send_some)
+    assert len(sent) == threads * size
+    _check_and_clean(app, outbox, queue, sent)
