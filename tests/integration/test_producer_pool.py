@@ -3,21 +3,28 @@
 Many threads sending to a durable queue outside a unit of work finish, with the default
 ``broker_pool_limit`` and more threads than it allows, and with a pool of one; so do 50
 threads each in its own unit of work (more than the engine's pool holds), a unit of work
-sending more messages than the producer pool holds, and canvas groups from 50 threads. Each
-side by side with plain Celery (PostgreSQL store, Redis broker).
+sending more messages than the producer pool holds, canvas groups from 50 threads, and 50
+greenlets under gevent and under eventlet (a monkey-patched subprocess). Each side by side
+with plain Celery (PostgreSQL store, Redis broker).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Callable
 
 import pytest
 from celery import Celery, group
 
 from celery_outbox import Outbox
+from celery_outbox.store import Store, build_engine
 
 from ..brokers import purge, receive
 from ..conftest import drop_store, unsent_rows
@@ -25,6 +32,8 @@ from ..services import require
 
 DEADLINE = 60.0  # seconds for every sender together; a blocked sender never finishes
 MESSAGES_PER_THREAD = 5
+ROOT = Path(__file__).resolve().parents[2]
+GREEN_SENDERS = ROOT / "tests" / "apps" / "green_senders.py"
 
 
 def _app(with_outbox: bool, database_url: str, table_prefix: str, **conf) -> tuple[Celery, Outbox | None, str]:
@@ -193,3 +202,78 @@ def test_groups_from_threads_never_block(mode, table_prefix):
     sent = _run_senders(threads, send_some)
     assert len(sent) == threads * size
     _check_and_clean(app, outbox, queue, sent)
+
+
+GREEN_RUNS = [(library, mode) for library in ("gevent", "eventlet") for mode in ("plain", "outside", "transaction")]
+GREEN_RUNS += [("eventlet-wait_select", mode) for mode in ("outside", "transaction")]
+PSYCOPG_WAIT = {"gevent": "wait_poll", "eventlet": "wait_c", "eventlet-wait_select": "wait_select"}
+
+
+def _green_env(library: str, **extra: str) -> tuple[str, dict[str, str]]:
+    """The greenlet library and the environment of a script run under it (``eventlet-wait_select``:
+    eventlet with ``PSYCOPG_WAIT_FUNC=wait_select``)."""
+    name, _, wait_func = library.partition("-")
+    pytest.importorskip(name, reason=f"{name} is in the test extra")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+    env.pop("PSYCOPG_WAIT_FUNC", None)
+    if wait_func:
+        env["PSYCOPG_WAIT_FUNC"] = wait_func
+    return name, env
+
+
+def _run_script(script: Path, name: str, env: dict[str, str]) -> dict:
+    completed = subprocess.run([sys.executable, str(script), name], env=env, cwd=ROOT, capture_output=True,
+                               text=True, timeout=DEADLINE + 60)
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("library", "mode"), GREEN_RUNS, ids=[f"{lib}-{mode}" for lib, mode in GREEN_RUNS])
+def test_greenlets_sending_to_a_durable_queue_never_block(library, mode, table_prefix):
+    """50 greenlets in a process monkey-patched first thing, each sending 5 messages with ``delay``
+    to a durable queue (``outside`` a unit of work, or each in its own ``transaction``), with the
+    default ``broker_pool_limit``; ``plain``: the same script without an Outbox."""
+    database_url, broker_url = require("postgres"), require("redis")
+    queue = f"green_{uuid.uuid4().hex[:8]}"
+    name, env = _green_env(library, TEST_BROKER_URL=broker_url, TEST_DATABASE_URL=database_url,
+                           TEST_TABLE_PREFIX=table_prefix, TEST_QUEUE=queue)
+    app = Celery(f"green_{queue}", broker=broker_url, set_as_current=False)
+    app.conf.update(task_default_queue=queue)
+    try:
+        completed = subprocess.run([sys.executable, str(GREEN_SENDERS), name, mode], env=env, cwd=ROOT,
+                                   capture_output=True, text=True, timeout=DEADLINE + 60)
+        assert completed.returncode == 0, completed.stderr
+        summary = json.loads(completed.stdout.strip().splitlines()[-1])
+        assert summary["socket_patched"], f"{name} patched the socket module"
+        assert summary["greenlets"] == 50 > summary["pool_limit"] == 10
+        assert summary["blocked"] == 0, f"{summary['blocked']} greenlets still blocked"
+        assert summary["errors"] == []
+        assert len(summary["sent"]) == 50 * 5
+        assert sorted(m.id for m in receive(app, queue, len(summary["sent"]), timeout=30)) == sorted(summary["sent"])
+        if mode != "plain":
+            assert summary["unsent_rows"] == 0, "every stored message was published"
+            assert summary["psycopg_wait"] == PSYCOPG_WAIT[library]
+    finally:
+        engine = build_engine(database_url)
+        drop_store(Store(engine, table_prefix))
+        engine.dispose()
+        purge(app, queue)
+
+
+@pytest.mark.parametrize(("library", "cooperative"), [("gevent", True), ("eventlet", False),
+                                                      ("eventlet-wait_select", True)])
+def test_whether_psycopg_lets_other_greenlets_run_while_it_waits(library, cooperative):
+    """psycopg 3 picks its wait function when imported: under gevent's patching, gevent's poll()
+    (it checks for gevent, and only for gevent); under eventlet's, its C poll(), which blocks
+    the whole process while it waits for the server. Greenlet B waits for an advisory lock that
+    greenlet A gives back once B waits: with the C wait, A never runs again and B's wait ends in
+    the server's ``lock_timeout``. ``PSYCOPG_WAIT_FUNC=wait_select`` (set before psycopg is
+    imported) makes psycopg wait in eventlet's patched select()."""
+    name, env = _green_env(library, TEST_DATABASE_URL=require("postgres"))
+    outcome = _run_script(ROOT / "tests" / "apps" / "green_lock_wait.py", name, env)
+    assert outcome["psycopg_wait"] == PSYCOPG_WAIT[library]
+    if cooperative:
+        assert outcome == {**outcome, "b_got_lock": True, "b_error": None}
+    else:
+        assert outcome["b_got_lock"] is False
+        assert outcome["b_error"].startswith("LockNotAvailable"), outcome
