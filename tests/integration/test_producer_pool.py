@@ -26,9 +26,11 @@ from celery import Celery, group
 from celery_outbox import Outbox
 from celery_outbox.store import Store, build_engine
 
+from ..apps import pool_worker_app
 from ..brokers import purge, receive
 from ..conftest import drop_store, unsent_rows
 from ..services import require
+from ..workers import WorkerProcess
 
 DEADLINE = 60.0  # seconds for every sender together; a blocked sender never finishes
 MESSAGES_PER_THREAD = 5
@@ -277,3 +279,44 @@ def test_whether_psycopg_lets_other_greenlets_run_while_it_waits(library, cooper
     else:
         assert outcome["b_got_lock"] is False
         assert outcome["b_error"].startswith("LockNotAvailable"), outcome
+
+
+@pytest.mark.parametrize("with_outbox", [False, True], ids=["plain", "outbox"])
+@pytest.mark.parametrize(("pool", "concurrency"), [("threads", 20), ("gevent", 20)])
+def test_worker_tasks_publishing_from_their_bodies_never_block(pool, concurrency, with_outbox, table_prefix,
+                                                                tmp_path):
+    """A worker with a thread or gevent pool of 20 and ``broker_pool_limit=1`` runs 40 tasks, each of
+    which retries itself once from its body, then sends two messages to another durable queue.
+    With an Outbox (IdempotentTask): the retry is published after the attempt's rollback, the sends
+    after the inbox's commit, each on a producer taken when the thread holds none; plain Celery side
+    by side. Every task's two messages arrive."""
+    if pool == "gevent":
+        pytest.importorskip("gevent", reason="gevent is in the test extra")
+    tasks = 40
+    database_url, broker_url = require("postgres"), require("redis")
+    suffix = uuid.uuid4().hex[:8]
+    queue, other_queue = f"poolw_{suffix}", f"poolw_out_{suffix}"
+    built = pool_worker_app.create(broker_url, database_url, table_prefix, queue, other_queue, with_outbox,
+                                   pool_limit=1)
+    if built.outbox is not None:
+        built.outbox.ready()
+    env = {"TEST_BROKER_URL": broker_url, "TEST_DATABASE_URL": database_url, "TEST_TABLE_PREFIX": table_prefix,
+           "TEST_QUEUE": queue, "TEST_OTHER_QUEUE": other_queue, "TEST_WITH_OUTBOX": "1" if with_outbox else "0",
+           "TEST_POOL_LIMIT": "1"}
+    worker = WorkerProcess("tests.apps.pool_worker_app", env, pool=pool, concurrency=concurrency, queues=[queue],
+                           log_path=tmp_path / "worker.log").start()
+    try:
+        worker.wait_ready()
+        for n in range(tasks):
+            built.fan_out.delay(n)
+        got = receive(built.app, other_queue, 2 * tasks, timeout=60)
+        assert sorted(tuple(m.args) for m in got) == [(n, i) for n in range(tasks) for i in range(2)]
+        assert worker.log().count("retry: Retry in 0s") == tasks, "every task retried itself once"
+        if built.outbox is not None:
+            assert unsent_rows(built.outbox.store) == 0, "every stored message was published"
+    finally:
+        worker.stop()
+        if built.outbox is not None:
+            drop_store(built.outbox.store)
+            built.outbox.engine.dispose()
+        purge(built.app, queue, other_queue)
