@@ -80,6 +80,7 @@ class UnitOfWork:
         self.pending: list[OutgoingMessage] = []
         self._savepoints: dict[SessionTransaction, int] = {}
         self._committing = False
+        self._committed = False  # the outermost commit happened; publish once the Session gave back its connection
 
     @property
     def session(self) -> Session:
@@ -125,6 +126,9 @@ class UnitOfWork:
         # marks of released savepoints are dropped when the outermost transaction ends.
         if transaction.parent is None:
             self._savepoints.clear()
+            if self._committed:  # the Session's connection is back in the pool: publishing takes its own
+                self._committed = False
+                self._publish_committed()
 
     def _on_soft_rollback(self, session: Session, previous: SessionTransaction) -> None:
         if previous.nested:
@@ -141,8 +145,10 @@ class UnitOfWork:
             self._store_durable(session.connection())
 
     def _after_commit(self, session: Session) -> None:
+        # Not published here: the Session still holds its connection until the transaction ends, and
+        # publishing takes a second one; units of work committing at once would wait on the pool.
         if not session.in_nested_transaction():
-            self._publish_committed()
+            self._committed = True
 
     # -- the transaction's ends ----------------------------------------------------------------
 
