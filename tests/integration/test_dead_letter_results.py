@@ -1,0 +1,236 @@
+"""A dead letter tells its caller what plain Celery would: the result backend holds the state
+Celery stores for the same message, so ``AsyncResult.get()`` raises instead of waiting forever.
+
+Real worker processes (one plain Celery worker and one with the outbox, for the whole module),
+Redis as broker and result backend, PostgreSQL as the store. Each behaviour runs the same
+scenario with plain Celery and with the outbox and asserts the same outcome, or the documented
+difference (a poison message: plain Celery raises the publish error to the sender at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import timedelta
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import pytest
+from celery.exceptions import NotRegistered, TaskRevokedError, WorkerLostError
+from celery.result import AsyncResult
+from kombu.messaging import Producer
+from sqlalchemy import update
+
+from celery_outbox.durability import recover
+from celery_outbox.store import utcnow
+
+from ..apps import results_app
+from ..apps.factory import make_shop, strand
+from ..brokers import purge
+from ..conftest import drop_store, unique_prefix, unsent_rows
+from ..services import TcpProxy, require, wait_until
+from ..unit.test_durability import envelope_row
+from ..workers import WorkerProcess
+
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A plain Celery worker and an outbox worker (a plain and a durable queue), started once."""
+    redis_url, postgres_url = require("redis"), require("postgres")
+    suffix, prefix = uuid.uuid4().hex[:8], unique_prefix()
+    queues = SimpleNamespace(plain=f"results_plain_{suffix}", outbox=f"results_{suffix}",
+                             durable=f"results_durable_{suffix}")
+    plain = results_app.create(redis_url, redis_url, queues.plain, queues.durable)
+    outboxed = results_app.create(redis_url, redis_url, queues.outbox, queues.durable, postgres_url, prefix)
+    outboxed.outbox.ready()
+    env = {"TEST_BROKER_URL": redis_url, "TEST_RESULT_BACKEND": redis_url, "TEST_DURABLE_QUEUE": queues.durable}
+    logs = tmp_path_factory.mktemp("results")
+    workers = [
+        WorkerProcess("tests.apps.results_app", {**env, "TEST_QUEUE": queues.plain}, concurrency=1,
+                      queues=[queues.plain], log_path=logs / "plain.log").start(),
+        WorkerProcess("tests.apps.results_app", {**env, "TEST_QUEUE": queues.outbox, "TEST_DATABASE_URL": postgres_url,
+                                                 "TEST_TABLE_PREFIX": prefix},
+                      concurrency=1, queues=[queues.outbox, queues.durable], log_path=logs / "outbox.log").start(),
+    ]
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        yield SimpleNamespace(plain=plain, outboxed=outboxed, queues=queues, redis_url=redis_url,
+                              postgres_url=postgres_url)
+    finally:
+        for worker in workers:
+            worker.stop(cold=True)
+        purge(plain.app, queues.plain)
+        purge(outboxed.app, queues.outbox, queues.durable)
+        drop_store(outboxed.outbox.store)
+        outboxed.outbox.engine.dispose()
+
+
+def dead_letters(outbox, message_id):
+    store = outbox.store
+    return [letter for letter in store.list_dead_letters(store.dead_letter_filter()) if letter.message_id == message_id]
+
+
+# -- an unknown task -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["plain", "outbox", "outbox_durable_queue"])
+def test_an_unknown_task_fails_with_not_registered(world, mode):
+    """Plain Celery rejects a message for a task its worker does not know and stores
+    FAILURE(NotRegistered); the outbox dead-letters it and then stores the same FAILURE, and
+    both send the ``task_unknown`` signal: the caller's ``get()`` raises NotRegistered."""
+    shop = world.plain if mode == "plain" else world.outboxed
+    queue = {"plain": world.queues.plain, "outbox": world.queues.outbox,
+             "outbox_durable_queue": world.queues.durable}[mode]
+    result = shop.app.send_task("results.nowhere", args=(1,), queue=queue)
+    with pytest.raises(NotRegistered) as raised:
+        result.get(timeout=TIMEOUT)
+    assert "results.nowhere" in str(raised.value)
+    assert result.state == "FAILURE"
+    signalled = wait_until(lambda: shop.app.backend.client.get(results_app.unknown_signal_key(result.id)),
+                           timeout=TIMEOUT, message="the task_unknown signal")
+    assert signalled == b"results.nowhere"
+    if mode != "plain":
+        (letter,) = dead_letters(shop.outbox, result.id)
+        assert (letter.reason, letter.task_name, letter.queue) == ("unknown_task", "results.nowhere", queue)
+
+
+def test_an_unknown_task_with_an_odd_header_is_still_not_registered(world):
+    """Celery looks the task name up before reading the other headers: an unknown task with a
+    header of the wrong type still fails with NotRegistered, in both; the outbox dead-letters it
+    as ``unknown_task``."""
+    outcomes = []
+    for shop, queue in ((world.plain, world.queues.plain), (world.outboxed, world.queues.outbox)):
+        result = shop.app.send_task("results.nowhere", queue=queue, headers={"group_index": "first"})
+        with pytest.raises(NotRegistered):
+            result.get(timeout=TIMEOUT)
+        outcomes.append(result.state)
+    assert outcomes == ["FAILURE", "FAILURE"]
+    (letter,) = dead_letters(world.outboxed.outbox, result.id)
+    assert letter.reason == "unknown_task"
+
+
+# -- the worker running it was lost ----------------------------------------------------------------
+
+
+@pytest.fixture
+def shop(world):
+    """An outbox app on the module's Redis and PostgreSQL, a fresh store, no worker: the test
+    drives the maintenance functions itself."""
+    shop = make_shop(world.redis_url, world.postgres_url, unique_prefix(), result_backend=world.redis_url,
+                     outbox_relay_max_attempts=2)
+    shop.outbox.ready()
+    yield shop
+    purge(shop.app, shop.plain_queue, shop.durable_queue)
+    drop_store(shop.outbox.store)
+    shop.outbox.engine.dispose()
+
+
+def test_a_lost_worker_fails_with_worker_lost_error(world, shop):
+    """Plain Celery: the pool process running the task dies and the task is not re-sent
+    (``retry_on_worker_lost`` off): FAILURE(WorkerLostError). The outbox: recovery re-published
+    the stranded envelope up to ``outbox_relay_max_attempts`` times and gives up: the dead
+    letter (``worker_lost``) commits, then the same FAILURE(WorkerLostError)."""
+    plain = world.plain.lose_worker.apply_async(queue=world.queues.plain)
+    with pytest.raises(WorkerLostError):
+        plain.get(timeout=TIMEOUT)
+
+    task_id = envelope_row(shop, "lost", recoveries=2)
+    result = recover(shop.outbox)
+    assert (result.envelopes_republished, result.envelopes_dead_lettered) == (0, 1)
+    outboxed = AsyncResult(task_id, app=shop.app)
+    with pytest.raises(WorkerLostError):
+        outboxed.get(timeout=TIMEOUT)
+    assert (plain.state, outboxed.state) == ("FAILURE", "FAILURE")
+    (letter,) = dead_letters(shop.outbox, task_id)
+    assert letter.reason == "worker_lost"
+
+
+# -- the relay's dead letters ----------------------------------------------------------------------
+
+
+def expire_outgoing(shop, message_id):
+    table = shop.outbox.store.tables.outgoing
+    with shop.outbox.store.begin() as conn:
+        conn.execute(update(table).where(table.c.message_id == message_id)
+                     .values(expires_at=utcnow() - timedelta(seconds=1)))
+
+
+def test_a_message_that_expired_before_it_was_published_is_revoked_expired(world, shop):
+    """Plain Celery's worker receives an expired message, does not run it and stores
+    REVOKED("expired"). The outbox relay finds the durable message expired before it was
+    published: the dead letter (``expired``) commits, then the same REVOKED("expired")."""
+    plain = world.plain.add.apply_async((1, 2), queue=world.queues.plain, expires=utcnow() - timedelta(seconds=1))
+    with pytest.raises(TaskRevokedError):
+        plain.get(timeout=TIMEOUT)
+
+    (outboxed,) = strand(shop, 5, expires=utcnow() + timedelta(seconds=30))
+    expire_outgoing(shop, outboxed.id)
+    assert recover(shop.outbox).relay.expired == 1
+    with pytest.raises(TaskRevokedError):
+        outboxed.get(timeout=TIMEOUT)
+    assert (plain.state, outboxed.state) == ("REVOKED", "REVOKED")
+    assert str(plain.result) == str(outboxed.result) == "expired"
+    (letter,) = dead_letters(shop.outbox, outboxed.id)
+    assert letter.reason == "expired"
+
+
+def test_a_poison_message_fails_with_its_publish_error(world, shop, monkeypatch):
+    """A message the broker refuses for itself (here: its publish raises ValueError). Plain
+    Celery raises the error to the sender at once (no result is stored: the caller has no
+    message id to wait on). The outbox stored the message in the sender's transaction and
+    returned its result: the relay tries ``outbox_relay_max_attempts`` times, the dead letter
+    (``poison``) commits, then FAILURE with the publish error, which ``get()`` raises. The
+    same error, delivered later, to a caller that cannot get it at once."""
+    real_publish = Producer.publish
+
+    def publish(self, body, *args, **kwargs):
+        if (kwargs.get("headers") or {}).get("argsrepr") in ("(1, 'poison')", "('poison',)"):
+            raise ValueError("the broker refuses this message")
+        return real_publish(self, body, *args, **kwargs)
+
+    monkeypatch.setattr(Producer, "publish", publish)
+    with pytest.raises(ValueError, match="refuses"):
+        world.plain.add.apply_async((1, "poison"), queue=world.queues.plain)
+
+    (outboxed,) = strand(shop, "poison")
+    first, second = recover(shop.outbox), recover(shop.outbox)
+    assert (first.relay.failed, first.relay.dead_lettered, second.relay.dead_lettered) == (1, 0, 1)
+    with pytest.raises(ValueError, match="refuses"):
+        outboxed.get(timeout=TIMEOUT)
+    assert outboxed.state == "FAILURE"
+    assert unsent_rows(shop.outbox.store) == 0
+    (letter,) = dead_letters(shop.outbox, outboxed.id)
+    assert (letter.reason, letter.exception_type) == ("poison", "ValueError")
+
+
+# -- a result backend that fails -------------------------------------------------------------------
+
+
+def test_a_result_backend_that_fails_is_logged_and_the_dead_letter_kept(world, caplog):
+    """The result is written after the dead letter commits: a result backend that went down
+    (Redis behind a proxy that cuts every connection) is logged, and the dead letter is kept
+    (nothing lost)."""
+    real = urlsplit(world.redis_url)
+    proxy = TcpProxy(real.hostname or "127.0.0.1", real.port or 6379).start()
+    shop = make_shop(world.redis_url, world.postgres_url, unique_prefix(),
+                     result_backend=f"redis://127.0.0.1:{proxy.port}{real.path}",
+                     result_backend_transport_options={"retry_policy": {"max_retries": 0}})
+    shop.outbox.ready()
+    try:
+        (outboxed,) = strand(shop, 5, expires=utcnow() + timedelta(seconds=30))
+        expire_outgoing(shop, outboxed.id)
+        proxy.stop()
+        with caplog.at_level(logging.ERROR, logger="celery_outbox.results"):
+            assert recover(shop.outbox).relay.expired == 1
+        (letter,) = dead_letters(shop.outbox, outboxed.id)
+        assert letter.reason == "expired"
+        assert any(outboxed.id in record.getMessage() and "could not be stored in the result backend"
+                   in record.getMessage() for record in caplog.records), caplog.text
+    finally:
+        proxy.stop()
+        purge(shop.app, shop.plain_queue, shop.durable_queue)
+        drop_store(shop.outbox.store)
+        shop.outbox.engine.dispose()
