@@ -3,7 +3,8 @@
 Plain Celery, or (with TEST_DATABASE_URL and TEST_TABLE_PREFIX) the same app with an ``Outbox``
 and one durable queue, so one scenario runs both ways. The worker builds it from the environment
 (TEST_BROKER_URL, TEST_RESULT_BACKEND, TEST_QUEUE, TEST_DURABLE_QUEUE); a test builds the same app
-in its own process with ``create(...)`` to send tasks and read results. The worker records each
+in its own process with ``create(...)`` to send tasks and read results. Its worker sends task
+events (``-E``), so a test can see the ``task-failed`` event. The worker records each
 ``task_unknown`` signal in the result backend's Redis (key ``unknown-signal:<task id>``, the task
 name), so a test can see the signal was sent.
 """
@@ -23,7 +24,7 @@ def create(broker_url: str, result_backend: str, queue: str, durable_queue: str,
            prefix: str | None = None, **conf) -> SimpleNamespace:
     app = Celery("results_app", broker=broker_url, backend=result_backend, set_as_current=False)
     app.conf.update(task_default_queue=queue, worker_prefetch_multiplier=1, worker_hijack_root_logger=False,
-                    broker_connection_retry_on_startup=False, **conf)
+                    broker_connection_retry_on_startup=False, worker_send_task_events=True, **conf)
     outbox = None
     if database_url is not None:
         app.conf.update(outbox_database_url=database_url, outbox_table_prefix=prefix,

@@ -10,6 +10,7 @@ difference (a poison message: plain Celery raises the publish error to the sende
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from datetime import timedelta
 from types import SimpleNamespace
@@ -95,6 +96,54 @@ def test_an_unknown_task_fails_with_not_registered(world, mode):
     if mode != "plain":
         (letter,) = dead_letters(shop.outbox, result.id)
         assert (letter.reason, letter.task_name, letter.queue) == ("unknown_task", "results.nowhere", queue)
+
+
+class EventCapture:
+    """Task events from the broker, received in a thread, from when ``start`` returns: it sends
+    marker events until one comes back, so the subscription is proven live, not assumed."""
+
+    def __init__(self, app):
+        self.app, self.events = app, []
+        self.connection = app.connection_for_read()
+        self.receiver = app.events.Receiver(self.connection, handlers={"*": self.events.append})
+        self.thread = threading.Thread(target=self.receiver.capture, kwargs={"wakeup": False}, daemon=True)
+
+    def start(self) -> "EventCapture":
+        self.thread.start()
+        marker = uuid.uuid4().hex
+        with self.app.connection_for_write() as connection:
+            dispatcher = self.app.events.Dispatcher(connection, enabled=True)
+
+            def marker_came_back():
+                dispatcher.send("test-marker", marker=marker)
+                return any(event.get("marker") == marker for event in self.events)
+
+            wait_until(marker_came_back, timeout=TIMEOUT, interval=0.2, message="the event subscription")
+        return self
+
+    def wait_for(self, kind, task_id):
+        return wait_until(lambda: [e for e in self.events if e["type"] == kind and e.get("uuid") == task_id],
+                          timeout=TIMEOUT, message=f"the {kind} event of {task_id}")
+
+    def stop(self):
+        self.receiver.should_stop = True
+        self.thread.join(timeout=10)
+        self.connection.release()
+
+
+@pytest.mark.parametrize("mode", ["plain", "outbox"])
+def test_an_unknown_task_sends_the_task_failed_event(world, mode):
+    """Celery's worker (with task events on) sends ``task-failed`` with the exception
+    ``NotRegistered('<name>')`` for a message of an unknown task; so does the outbox's guard."""
+    shop = world.plain if mode == "plain" else world.outboxed
+    queue = world.queues.plain if mode == "plain" else world.queues.outbox
+    capture = EventCapture(shop.app).start()
+    try:
+        result = shop.app.send_task("results.nowhere", queue=queue)
+        (event,) = capture.wait_for("task-failed", result.id)
+    finally:
+        capture.stop()
+    assert event["exception"] == "NotRegistered('results.nowhere')"
 
 
 def test_an_unknown_task_with_an_odd_header_is_still_not_registered(world):
