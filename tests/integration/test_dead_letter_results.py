@@ -226,6 +226,24 @@ def test_a_message_that_expired_before_it_was_published_is_revoked_expired(world
     assert letter.reason == "expired"
 
 
+def test_an_expired_message_that_ignores_its_result_stores_none(world, shop):
+    """Celery stores no REVOKED for a message sent with ``ignore_result=True`` (its request's
+    ``store_errors`` is false); the outbox neither: the state stays PENDING in both. (The plain
+    worker runs one message at a time in order: once the message sent after it has its result,
+    the expired one was handled.)"""
+    past = utcnow() - timedelta(seconds=1)
+    plain = world.plain.add.apply_async((1, 2), queue=world.queues.plain, expires=past, ignore_result=True)
+    after = world.plain.add.apply_async((2, 2), queue=world.queues.plain)
+    assert after.get(timeout=TIMEOUT) == 4
+
+    (outboxed,) = strand(shop, 5, expires=utcnow() + timedelta(seconds=30), ignore_result=True)
+    expire_outgoing(shop, outboxed.id)
+    assert recover(shop.outbox).relay.expired == 1
+    assert (plain.state, outboxed.state) == ("PENDING", "PENDING")
+    (letter,) = dead_letters(shop.outbox, outboxed.id)
+    assert letter.reason == "expired"
+
+
 def test_a_poison_message_fails_with_its_publish_error(world, shop, monkeypatch):
     """A message the broker refuses for itself (here: its publish raises ValueError). Plain
     Celery raises the error to the sender at once (no result is stored: the caller has no
