@@ -32,6 +32,7 @@ from ..conftest import drop_store, unique_prefix, unsent_rows
 from ..services import TcpProxy, require, wait_until
 from ..unit.test_durability import envelope_row
 from ..workers import WorkerProcess
+from .test_inbox_workers import publish_raw
 
 TIMEOUT = 30
 
@@ -159,6 +160,22 @@ def test_an_unknown_task_with_an_odd_header_is_still_not_registered(world):
     assert outcomes == ["FAILURE", "FAILURE"]
     (letter,) = dead_letters(world.outboxed.outbox, result.id)
     assert letter.reason == "unknown_task"
+
+
+def test_a_message_whose_body_cannot_be_decoded_stores_no_result(world):
+    """Celery acks a message whose body cannot be decoded (``on_decode_error``) and stores no
+    result; the outbox dead-letters it (``malformed``, on a durable queue) and stores none
+    either: PENDING in both. (One message at a time, in order: once the message sent after it
+    has its result, the bad one was handled.)"""
+    states = []
+    for shop, queue in ((world.plain, world.queues.plain), (world.outboxed, world.queues.durable)):
+        bad_id = f"undecodable-{uuid.uuid4().hex}"
+        publish_raw(shop.app, queue, "\x00{not json", {"task": "results.add", "id": bad_id})
+        assert shop.add.apply_async((2, 2), queue=queue).get(timeout=TIMEOUT) == 4
+        states.append(AsyncResult(bad_id, app=shop.app).state)
+    assert states == ["PENDING", "PENDING"]
+    (letter,) = dead_letters(world.outboxed.outbox, bad_id)
+    assert letter.reason == "malformed"
 
 
 # -- the worker running it was lost ----------------------------------------------------------------
