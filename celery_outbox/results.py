@@ -63,21 +63,35 @@ class EndedMessage:
 def store_dead_letter_results(app: "Celery", reason: DeadLetterReason, messages: Iterable[EndedMessage]) -> int:
     """Store the result Celery would for each of ``messages``, dead-lettered for ``reason``
     (see the module docstring). Returns how many results were written. Never raises for a
-    result backend that fails: it is logged and the next message is tried."""
+    result backend that fails: each failure is logged. After a failure to reach the backend
+    (its connection errors, OSError) the rest of ``messages`` is logged, not tried: a backend
+    that is down holds up the caller (a relay batch) once, not once per message."""
     reason = DeadLetterReason(reason)
     if reason not in _WRITERS:
         return 0
     written = 0
+    unreachable: BaseException | None = None
     for message in messages:
         if not message.message_id:
             continue  # no id to store a result under (a reduced dead letter)
-        try:
-            written += _WRITERS[reason](app, message)
-        except Exception as exc:  # noqa: BLE001 - the result backend's fault: the dead letter is kept
-            logger.error("celery-outbox: %s[%s] is dead-lettered (%s), but its result could not be stored in the "
-                         "result backend; its caller is not told: %r", message.task_name, message.message_id,
-                         reason.value, exc)
+        if unreachable is None:
+            try:
+                written += _WRITERS[reason](app, message)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the result backend's fault: the dead letter is kept
+                error: BaseException = exc
+                if isinstance(exc, _connection_errors(app)):
+                    unreachable = exc
+        else:
+            error = unreachable
+        logger.error("celery-outbox: %s[%s] is dead-lettered (%s), but its result could not be stored in the "
+                     "result backend; its caller is not told: %r", message.task_name, message.message_id,
+                     reason.value, error)
     return written
+
+
+def _connection_errors(app: "Celery") -> tuple[type[BaseException], ...]:
+    return (OSError, *getattr(app.backend, "connection_errors", ()))
 
 
 def _unknown_task(app: "Celery", message: EndedMessage) -> int:

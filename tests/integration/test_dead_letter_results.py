@@ -14,7 +14,6 @@ import threading
 import uuid
 from datetime import timedelta
 from types import SimpleNamespace
-from urllib.parse import urlsplit
 
 import pytest
 from celery.exceptions import NotRegistered, TaskRevokedError, WorkerLostError
@@ -29,7 +28,7 @@ from ..apps import results_app
 from ..apps.factory import make_shop, strand
 from ..brokers import purge
 from ..conftest import drop_store, unique_prefix, unsent_rows
-from ..services import TcpProxy, require, wait_until
+from ..services import free_port, require, wait_until
 from ..unit.test_durability import envelope_row
 from ..workers import WorkerProcess
 from .test_inbox_workers import publish_raw
@@ -294,27 +293,29 @@ def test_a_poison_message_fails_with_its_publish_error(world, shop, monkeypatch)
 
 
 def test_a_result_backend_that_fails_is_logged_and_the_dead_letter_kept(world, caplog):
-    """The result is written after the dead letter commits: a result backend that went down
-    (Redis behind a proxy that cuts every connection) is logged, and the dead letter is kept
-    (nothing lost)."""
-    real = urlsplit(world.redis_url)
-    proxy = TcpProxy(real.hostname or "127.0.0.1", real.port or 6379).start()
-    shop = make_shop(world.redis_url, world.postgres_url, unique_prefix(),
-                     result_backend=f"redis://127.0.0.1:{proxy.port}{real.path}",
-                     result_backend_transport_options={"retry_policy": {"max_retries": 0}})
-    shop.outbox.ready()
+    """The result is written after the dead letter commits: a result backend that cannot be
+    reached (nothing listens on its port) is logged for each message, and the dead letters
+    are kept (nothing lost). The sender's app has a working
+    backend; the maintenance runs in another app on the same store, as a beat or CLI would."""
+    prefix = unique_prefix()
+    sender = make_shop(world.redis_url, world.postgres_url, prefix, result_backend=world.redis_url)
+    maintenance = make_shop(world.redis_url, world.postgres_url, prefix,
+                            result_backend=f"redis://127.0.0.1:{free_port()}/0",
+                            result_backend_transport_options={"retry_policy": {"max_retries": 0}})
+    sender.outbox.ready()
     try:
-        (outboxed,) = strand(shop, 5, expires=utcnow() + timedelta(seconds=30))
-        expire_outgoing(shop, outboxed.id)
-        proxy.stop()
+        sent = strand(sender, 5, 6, expires=utcnow() + timedelta(seconds=30))
+        for message in sent:
+            expire_outgoing(sender, message.id)
         with caplog.at_level(logging.ERROR, logger="celery_outbox.results"):
-            assert recover(shop.outbox).relay.expired == 1
-        (letter,) = dead_letters(shop.outbox, outboxed.id)
-        assert letter.reason == "expired"
-        assert any(outboxed.id in record.getMessage() and "could not be stored in the result backend"
-                   in record.getMessage() for record in caplog.records), caplog.text
+            assert recover(maintenance.outbox).relay.expired == 2
+        for message in sent:
+            (letter,) = dead_letters(sender.outbox, message.id)
+            assert letter.reason == "expired"
+            assert any(message.id in record.getMessage() and "could not be stored in the result backend"
+                       in record.getMessage() for record in caplog.records), caplog.text
     finally:
-        proxy.stop()
-        purge(shop.app, shop.plain_queue, shop.durable_queue)
-        drop_store(shop.outbox.store)
-        shop.outbox.engine.dispose()
+        purge(sender.app, sender.plain_queue, sender.durable_queue)
+        drop_store(sender.outbox.store)
+        sender.outbox.engine.dispose()
+        maintenance.outbox.engine.dispose()
