@@ -26,7 +26,8 @@ Recover, in order:
    unowned and due for recovery, so they run again: the inbox accepts the copy
    (a recovery, not a duplicate). Each re-publish backs the row off
    exponentially; after ``outbox_relay_max_attempts`` re-publishes the delivery is
-   dead-lettered (reason ``worker_lost``).
+   dead-lettered (reason ``worker_lost``) and, once that commits, its result is
+   FAILURE(WorkerLostError) (``celery_outbox.results``).
 
 Cleanup deletes ended inbox rows whose ``keep_until`` passed and, with
 ``outbox_dead_letter_retention`` set, dead letters older than that, handing each
@@ -47,6 +48,7 @@ from .crashpoints import crashpoint
 from .dead_letter_rows import DeadLetterReason, dead_letter_row
 from .envelope import from_row
 from .relay import RelayResult, redeliver, relay
+from .results import EndedMessage, store_dead_letter_results
 from .store import utcnow
 
 if TYPE_CHECKING:
@@ -263,6 +265,9 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
                     marked.append({"message_id": row.message_id, "destination": row.destination, "send_id": row.send_id,
                                    "recover_after": now + backoff})
                 store.mark_recovered(conn, marked)
+            # committed: their callers get FAILURE(WorkerLostError), as from Celery past its re-send cap
+            store_dead_letter_results(app, DeadLetterReason.WORKER_LOST, [
+                EndedMessage(row.message_id, row.task_name, row.headers, row.properties) for row in exhausted])
             if result.broker_error or len(rows) < settings.recover_batch_size:
                 return
 

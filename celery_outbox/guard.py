@@ -9,10 +9,20 @@ queue) with a body that cannot be decoded into ``(args, kwargs, embed)`` is writ
 to dead letters with the reason and acked; the messages around it are unaffected.
 Plain Celery drops such messages, or stops the worker.
 
+The caller is told what plain Celery tells it. For an unknown task (checked right after
+the task name and id, before the other headers, as Celery looks it up first), once the
+dead letter is stored and the message acked, the guard does what Celery's
+``Consumer.on_unknown_task`` does: ``FAILURE(NotRegistered(name))`` in the result backend
+(``AsyncResult.get()`` raises ``celery.exceptions.NotRegistered``), the ``task-failed``
+event and the ``task_unknown`` signal. For a malformed message it stores no result, as
+Celery stores none for a message it cannot read (``on_invalid_task``, ``on_decode_error``,
+``on_unknown_message``).
+
 Transaction boundary: the dead letter commits, in a transaction of its own, before
-the ack. If the store cannot be reached the message is not acked: it is handed back
-to the broker after a back-off, from the consumer's timer; nothing sleeps in the
-consumer.
+the ack, and the result is written after the ack; a result backend that fails is
+logged and the dead letter kept. If the store cannot be reached the message is not
+acked (and no result is written): it is handed back to the broker after a back-off,
+from the consumer's timer; nothing sleeps in the consumer.
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
-from celery import bootsteps
+from celery import bootsteps, signals
+from celery.exceptions import NotRegistered
 from kombu.transport import virtual
 
 from .dead_letter_rows import ID_SIZE, DeadLetterReason, dead_letter_row, is_storable_id, stored_text
 from .inbox import REQUEUE_BACKOFF
+from .results import EndedMessage, store_dead_letter_results
 from .routing import queue_of
 from .store import is_content_error, utcnow
 
@@ -54,6 +66,8 @@ def malformed_reason(headers: Any, known_tasks: Any) -> tuple[DeadLetterReason, 
     message_id = headers.get("id")
     if not isinstance(message_id, str) or not message_id:
         return _MALFORMED, f"header 'id' is {_shown(message_id)}: a task id is required"
+    if task not in known_tasks:  # before the other headers, as Celery: its caller is told NotRegistered
+        return DeadLetterReason.UNKNOWN_TASK, f"task {_shown(task)} is not registered in this worker"
     for name in _OPTIONAL_STRINGS:
         value = headers.get(name)
         if value is not None and not isinstance(value, str):
@@ -66,8 +80,6 @@ def malformed_reason(headers: Any, known_tasks: Any) -> tuple[DeadLetterReason, 
     if timelimit is not None and (not isinstance(timelimit, (list, tuple)) or len(timelimit) != 2
                                   or any(t is not None and not isinstance(t, (int, float)) for t in timelimit)):
         return _MALFORMED, f"header 'timelimit' is {_shown(timelimit)}: expected [soft, hard] seconds or nulls"
-    if task not in known_tasks:
-        return DeadLetterReason.UNKNOWN_TASK, f"task {_shown(task)} is not registered in this worker"
     return None
 
 
@@ -131,10 +143,6 @@ def dead_letter_row_of(message: Any, reason: DeadLetterReason, description: str,
 
 class MalformedMessage(Exception):
     """The message cannot be run as it is (its dead letter's exception type)."""
-
-
-class NotRegistered(Exception):
-    """No task of the message's name is registered in the worker (its dead letter's exception type)."""
 
 
 def _is_protocol_one(message: Any) -> bool:
@@ -283,6 +291,26 @@ def _dead_letter(outbox: "Outbox", consumer: Any, message: Any, reason: DeadLett
         logger.error("celery-outbox: dead-lettered a %s message from %r: %s", reason.value,
                      message.delivery_info.get("routing_key"), description)
     message.ack()
+    if reason is DeadLetterReason.UNKNOWN_TASK:
+        _announce_unknown_task(consumer, message)
+
+
+def _announce_unknown_task(consumer: Any, message: Any) -> None:
+    """What Celery's ``Consumer.on_unknown_task`` does for the caller, once the dead letter
+    committed and the message is acked: ``FAILURE(NotRegistered(name))`` in the result backend
+    (``AsyncResult.get()`` raises it), the ``task-failed`` event and the ``task_unknown`` signal.
+    A failure here is logged; the dead letter is kept."""
+    headers = message.headers
+    task_id, name = headers["id"], headers["task"]
+    store_dead_letter_results(consumer.app, DeadLetterReason.UNKNOWN_TASK,
+                              [EndedMessage(task_id, name, headers, message.properties)])
+    dispatcher = getattr(consumer, "event_dispatcher", None)
+    if dispatcher:
+        try:
+            dispatcher.send("task-failed", uuid=task_id, exception=f"NotRegistered({name!r})")
+        except Exception as exc:  # noqa: BLE001 - an event that cannot be sent loses nothing
+            logger.warning("celery-outbox: cannot send the task-failed event of %s[%s]: %r", name, task_id, exc)
+    signals.task_unknown.send(sender=consumer, message=message, exc=KeyError(name), name=name, id=task_id)
 
 
 def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason, description: str) -> bool:

@@ -7,7 +7,9 @@ ones marked sent with one UPDATE before the commit (the consuming inbox deletes
 them; ``redeliver`` publishes again those it never acknowledged). A row whose publish fails for a
 reason of its own counts an attempt and, after ``outbox_relay_max_attempts``, goes to
 dead letters (reason ``poison``): one bad row never blocks the others. A row past
-its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. A
+its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. Once
+the batch commits, each dead letter's result is stored as Celery would
+(``celery_outbox.results``): REVOKED ``expired``, or FAILURE with the publish error. A
 broker outage counts no attempts; the batch stops and the rows wait for the next
 pass. With ``outbox_outbox_stale_time`` set, PostgreSQL ends a relay whose batch
 transaction idles longer than that (a publish hung on the broker), and its rows go
@@ -28,6 +30,7 @@ from .broker import BoundQueues, PublishBatch, connect_quickly, connection_error
 from .crashpoints import crashpoint
 from .dead_letter_rows import DeadLetterReason, dead_letter_row
 from .envelope import OutgoingMessage, from_row
+from .results import EndedMessage, store_dead_letter_results
 from .signals import message_published, publish_failed
 from .store import as_utc, utcnow
 
@@ -126,6 +129,9 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                 result.dead_lettered += len(poisoned) + len(expired)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
                 store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=outbox.archiver is not None)
+            # committed: tell their callers what Celery would (REVOKED "expired"; FAILURE with the publish error)
+            store_dead_letter_results(app, DeadLetterReason.EXPIRED, [_ended(row) for row in expired])
+            store_dead_letter_results(app, DeadLetterReason.POISON, [_ended(row, exc) for row, exc in poisoned])
             if result.broker_error:
                 break
     if result.published or result.failed:
@@ -186,6 +192,10 @@ def _announce(outbox: "Outbox", message: OutgoingMessage) -> None:
 def _expired(row: Any, now: datetime) -> bool:
     expires_at = as_utc(row.expires_at)
     return expires_at is not None and expires_at <= now
+
+
+def _ended(row: Any, exc: BaseException | None = None) -> EndedMessage:
+    return EndedMessage(row.message_id, row.task_name, row.headers, row.properties, exc)
 
 
 def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason) -> dict[str, Any]:

@@ -27,6 +27,7 @@ GOOD = {"task": "t.add", "id": "abc", "retries": 0, "timelimit": [None, None], "
         ({"timelimit": "soon"}, "malformed", "'timelimit'"),
         ({"timelimit": [1, "x"]}, "malformed", "'timelimit'"),
         ({"task": "t.unknown"}, "unknown_task", "not registered"),
+        ({"task": "t.unknown", "eta": 12}, "unknown_task", "not registered"),  # Celery looks at the name first
     ],
 )
 def test_malformed_headers_are_named(change, reason, words):

@@ -206,6 +206,13 @@ class FakeTimer:
         self.entries.append((seconds, fun, args))
 
 
+def fake_consumer():
+    """A consumer with a timer and an app without a result backend (nothing to tell a caller)."""
+    from celery import Celery
+
+    return SimpleNamespace(timer=FakeTimer(), app=Celery("fake", set_as_current=False), event_dispatcher=None)
+
+
 def no_sleep(seconds):
     raise AssertionError(f"the guard slept {seconds}s in the consumer")
 
@@ -220,7 +227,7 @@ def test_a_store_that_cannot_be_reached_requeues_from_the_timer_without_sleeping
 
     monkeypatch.setattr(guard, "_insert", down)
     monkeypatch.setattr(time, "sleep", no_sleep)
-    consumer, message = SimpleNamespace(timer=FakeTimer()), FakeMessage({"task": "t.nope", "id": "1"})
+    consumer, message = fake_consumer(), FakeMessage({"task": "t.nope", "id": "1"})
     guard._dead_letter(None, consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
     assert (message.acked, message.requeued, len(consumer.timer.entries)) == (0, 0, 1)
     seconds, fun, args = consumer.timer.entries[0]
@@ -233,7 +240,7 @@ def test_a_dead_letter_refused_for_its_content_is_stored_reduced_and_acked(store
     monkeypatch.setattr(guard, "dead_letter_row_of",  # a row not fitted to the table: refused by both databases
                         lambda *args: {**real_row(*args), "message_id": None})
     outbox = SimpleNamespace(ready=lambda: SimpleNamespace(store=store))
-    consumer, message = SimpleNamespace(timer=FakeTimer()), FakeMessage({"task": "t.nope", "id": "1"})
+    consumer, message = fake_consumer(), FakeMessage({"task": "t.nope", "id": "1"})
     guard._dead_letter(outbox, consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
     assert (message.acked, message.requeued, consumer.timer.entries) == (1, 0, [])
     (letter,) = store.list_dead_letters(store.dead_letter_filter())
@@ -247,6 +254,6 @@ def test_a_dead_letter_refused_even_reduced_is_acked_not_requeued(monkeypatch):
         raise DataError("INSERT", {}, ValueError("value out of range"))
 
     monkeypatch.setattr(guard, "_insert", refused)
-    consumer, message = SimpleNamespace(timer=FakeTimer()), FakeMessage({"task": "t.nope", "id": "1"})
+    consumer, message = fake_consumer(), FakeMessage({"task": "t.nope", "id": "1"})
     guard._dead_letter(None, consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
     assert (message.acked, message.requeued, consumer.timer.entries) == (1, 0, [])

@@ -1,0 +1,172 @@
+"""The result Celery would store for a message that ends in dead letters instead.
+
+A dead letter keeps the message for a replay, but the caller waits on its ``AsyncResult``:
+plain Celery tells it how the message ended, and so does the outbox, through this one
+function, ``store_dead_letter_results``, which the guard, the relay and recovery call:
+
+* ``unknown_task`` (the guard): ``FAILURE(NotRegistered(name))``, with the request fields
+  Celery's ``Consumer.on_unknown_task`` uses (no chord, no errbacks);
+* ``worker_lost`` (recovery gives up on a stranded envelope): ``FAILURE(WorkerLostError)``,
+  as Celery stores for a task whose worker was lost and that is not re-sent again;
+* ``expired`` (the relay: it expired before it was published): ``REVOKED`` with reason
+  ``"expired"``, as Celery's worker marks a message that arrives expired;
+* ``poison`` (the relay could not publish it): ``FAILURE`` with the publish error;
+* ``malformed`` and ``failed``: nothing. Celery stores no result for a message it cannot
+  read (``on_invalid_task``, ``on_decode_error``, ``on_unknown_message``), and a task that
+  failed stored its own result when it failed.
+
+As Celery does, a FAILURE or REVOKED of a known task is not stored when the message asked
+to ignore its result (header ``ignore_result``, else the task's ``ignore_result``), unless
+the task has ``store_errors_even_if_ignored``. The unknown task's FAILURE is always stored.
+
+Transaction boundary: called after the dead letter committed (the message is kept whatever
+happens here). A result backend that fails is logged, message by message, and the dead
+letter stays; with no result backend configured there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from celery.backends.base import DisabledBackend
+from celery.exceptions import NotRegistered, WorkerLostError
+from celery.utils.objects import Bunch
+from kombu.utils import json as kombu_json
+
+from .dead_letter_rows import DeadLetterReason
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ["EndedMessage", "store_dead_letter_results"]
+
+logger = logging.getLogger("celery_outbox.results")
+
+EXPIRED_REASON = "expired"  # the reason Celery's worker gives an expired message's REVOKED state
+
+
+@dataclass(frozen=True)
+class EndedMessage:
+    """A message that ended in dead letters, as its result needs it: its id and task name, its
+    headers and properties as sent (mappings, or stored JSON text, or None), and for ``poison``
+    the error its publish failed with."""
+
+    message_id: str
+    task_name: str
+    headers: Any = None
+    properties: Any = None
+    error: BaseException | None = None
+
+
+def store_dead_letter_results(app: "Celery", reason: DeadLetterReason, messages: Iterable[EndedMessage]) -> int:
+    """Store the result Celery would for each of ``messages``, dead-lettered for ``reason``
+    (see the module docstring). Returns how many results were written. Never raises for a
+    result backend that fails: each failure is logged. After a failure to reach the backend
+    (its connection errors, OSError) the rest of ``messages`` is logged, not tried: a backend
+    that is down holds up the caller (a relay batch) once, not once per message."""
+    reason = DeadLetterReason(reason)
+    if reason not in _WRITERS:
+        return 0
+    written = 0
+    unreachable: BaseException | None = None
+    for message in messages:
+        if not message.message_id:
+            continue  # no id to store a result under (a reduced dead letter)
+        if unreachable is None:
+            try:
+                written += _WRITERS[reason](app, message)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the result backend's fault: the dead letter is kept
+                error: BaseException = exc
+                if isinstance(exc, _connection_errors(app)):
+                    unreachable = exc
+        else:
+            error = unreachable
+        logger.error("celery-outbox: %s[%s] is dead-lettered (%s), but its result could not be stored in the "
+                     "result backend; its caller is not told: %r", message.task_name, message.message_id,
+                     reason.value, error)
+    return written
+
+
+def _connection_errors(app: "Celery") -> tuple[type[BaseException], ...]:
+    return (OSError, *getattr(app.backend, "connection_errors", ()))
+
+
+def _unknown_task(app: "Celery", message: EndedMessage) -> int:
+    backend = app.backend
+    if isinstance(backend, DisabledBackend):
+        return 0
+    headers, properties = _mapping(message.headers), _mapping(message.properties)
+    request = Bunch(name=message.task_name, chord=None, root_id=headers.get("root_id"),
+                    correlation_id=properties.get("correlation_id"), reply_to=properties.get("reply_to"),
+                    errbacks=None)
+    backend.mark_as_failure(message.message_id, NotRegistered(message.task_name), request=request)
+    return 1
+
+
+def _worker_lost(app: "Celery", message: EndedMessage) -> int:
+    error = WorkerLostError(f"Worker exited prematurely: the worker running it was lost; "
+                            f"recovery gave up on {message.task_name}[{message.message_id}].")
+    return _failure(app, message, error)
+
+
+def _poison(app: "Celery", message: EndedMessage) -> int:
+    error = message.error or RuntimeError("the relay could not publish it")
+    return _failure(app, message, error)
+
+
+def _failure(app: "Celery", message: EndedMessage, error: BaseException) -> int:
+    backend, store, request = _target(app, message)
+    if backend is None or not store:
+        return 0
+    backend.mark_as_failure(message.message_id, error, request=request, store_result=True, call_errbacks=False)
+    return 1
+
+
+def _expired(app: "Celery", message: EndedMessage) -> int:
+    backend, store, request = _target(app, message)
+    if backend is None or not store:
+        return 0
+    backend.mark_as_revoked(message.message_id, EXPIRED_REASON, request=request, store_result=True)
+    return 1
+
+
+def _target(app: "Celery", message: EndedMessage) -> tuple[Any, bool, Bunch]:
+    """The task's result backend (None when disabled), whether its errors are stored (Celery's
+    ``Request.store_errors``), and the request the backend writes with: the message's own fields,
+    without a chord or errbacks (neither is run from here)."""
+    task = app.tasks.get(message.task_name)
+    backend = task.backend if task is not None else app.backend
+    if isinstance(backend, DisabledBackend):
+        return None, False, Bunch()
+    headers, properties = _mapping(message.headers), _mapping(message.properties)
+    ignore_result = headers.get("ignore_result")
+    if ignore_result is None:
+        ignore_result = task.ignore_result if task is not None else False
+    store = not ignore_result or bool(task is not None and task.store_errors_even_if_ignored)
+    request = Bunch(id=message.message_id, task=message.task_name, name=message.task_name, chord=None,
+                    errbacks=None, root_id=headers.get("root_id"), parent_id=headers.get("parent_id"),
+                    group=headers.get("group"), retries=headers.get("retries"),
+                    correlation_id=properties.get("correlation_id") or message.message_id,
+                    reply_to=properties.get("reply_to"))
+    return backend, store, request
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """Headers or properties as a mapping: as given, decoded from stored JSON, or empty."""
+    if isinstance(value, (str, bytes)):
+        try:
+            value = kombu_json.loads(value)
+        except Exception:  # noqa: BLE001 - unreadable stored JSON: no fields to copy
+            return {}
+    return value if isinstance(value, Mapping) else {}
+
+
+_WRITERS = {
+    DeadLetterReason.UNKNOWN_TASK: _unknown_task,
+    DeadLetterReason.WORKER_LOST: _worker_lost,
+    DeadLetterReason.EXPIRED: _expired,
+    DeadLetterReason.POISON: _poison,
+}
