@@ -36,7 +36,8 @@ from celery.exceptions import NotRegistered
 from kombu.transport import virtual
 
 from .dead_letter_rows import ID_SIZE, DeadLetterReason, dead_letter_row, is_storable_id, stored_text
-from .inbox import REQUEUE_BACKOFF
+from .envelope import header_count, send_id_of
+from .inbox import REPLAY_HEADER, REQUEUE_BACKOFF
 from .results import EndedMessage, store_dead_letter_results
 from .routing import queue_of
 from .store import is_content_error, utcnow
@@ -317,8 +318,9 @@ def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason,
     """Insert the message's dead letter, each try in a transaction of its own. A row the database
     refuses for its content is stored again reduced to the reason and the refusal; False when even
     that is refused (logged). Any other error (the store is down) propagates."""
+    acknowledged = _acknowledgment(outbox, message)
     try:
-        _insert(outbox, dead_letter_row_of(message, reason, description, getattr(outbox, "app", None)))
+        _insert(outbox, dead_letter_row_of(message, reason, description, getattr(outbox, "app", None)), acknowledged)
         return True
     except Exception as exc:
         if not is_content_error(exc):
@@ -326,7 +328,8 @@ def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason,
         refusal = exc
     try:
         _insert(outbox, dead_letter_row(reason=reason, failed_at=utcnow(), error=refusal,
-                                        description=f"{description}; its dead letter was refused: {refusal!r}"))
+                                        description=f"{description}; its dead letter was refused: {refusal!r}"),
+                acknowledged)
         return True
     except Exception as exc:
         if not is_content_error(exc):
@@ -336,10 +339,31 @@ def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason,
         return False
 
 
-def _insert(outbox: "Outbox", row: dict[str, Any]) -> None:
+def _acknowledgment(outbox: "Outbox", message: Any) -> tuple[str, str | None, tuple[int, int, int], str] | None:
+    """For a message from a durable queue: the key and attempt by which its sender's outgoing row
+    is acknowledged (``Store.acknowledge_outgoing``), so delivery tracking does not publish a
+    dead-lettered message again; None for other messages."""
+    headers = message.headers
+    if not isinstance(headers, dict) or not isinstance(headers.get("id"), str):
+        return None
+    settings = outbox.settings
+    queue = queue_of(message.delivery_info, getattr(outbox, "app", None))
+    if not settings.is_durable(queue):
+        return None
+    by_queue = queue if settings.message_identity == "id_and_destination" else None
+    attempt = (header_count(headers.get("replaced_task_nesting")), header_count(headers.get(REPLAY_HEADER)),
+               header_count(headers.get("retries")))
+    return headers["id"], by_queue, attempt, send_id_of(headers)
+
+
+def _insert(outbox: "Outbox", row: dict[str, Any],
+            acknowledged: tuple[str, str | None, tuple[int, int, int], str] | None) -> None:
+    """Insert the dead letter and, in the same transaction, acknowledge the sender's outgoing row."""
     store = outbox.ready().store
     with store.begin() as conn:
         store.insert_dead_letters(conn, [row])
+        if acknowledged is not None:
+            store.acknowledge_outgoing(conn, *acknowledged)
 
 
 def _requeue_later(consumer: Any, message: Any) -> None:

@@ -19,7 +19,7 @@ import pytest
 from celery.exceptions import NotRegistered, TaskRevokedError, WorkerLostError
 from celery.result import AsyncResult
 from kombu.messaging import Producer
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 
 from celery_outbox.durability import recover
 from celery_outbox.store import utcnow
@@ -96,6 +96,16 @@ def test_an_unknown_task_fails_with_not_registered(world, mode):
     if mode != "plain":
         (letter,) = dead_letters(shop.outbox, result.id)
         assert (letter.reason, letter.task_name, letter.queue) == ("unknown_task", "results.nowhere", queue)
+    if mode == "outbox_durable_queue":
+        assert outgoing_rows(shop.outbox, result.id) == 0, \
+            "the dead letter acknowledged the sender's row: delivery tracking does not publish it again"
+
+
+def outgoing_rows(outbox, message_id):
+    outgoing = outbox.store.tables.outgoing
+    with outbox.store.begin() as conn:
+        return conn.execute(select(func.count()).select_from(outgoing)
+                            .where(outgoing.c.message_id == message_id)).scalar_one()
 
 
 class EventCapture:
