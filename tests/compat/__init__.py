@@ -1,0 +1,1 @@
+"""The compatibility suite: Celery's user-visible behaviours with and without celery-outbox."""
