@@ -61,16 +61,15 @@ class OutgoingMessage:
     survives_rollback: bool = False  # a retry/replace of the running task: Celery already decided it
     row_id: int | None = None
     expires_at: datetime | None = None
-    deliver_at: datetime | None = None  # durable scheduling: held in the store until then
+    deliver_at: datetime | None = None  # durable scheduling: its eta, held in the store until released
 
     def make_durable(self) -> None:
-        """Mark for the outgoing table; a broker ETA becomes ``deliver_at`` (held in the
-        database until due, published without an ETA) and ``expires`` becomes ``expires_at``."""
+        """Mark for the outgoing table: the eta header stays (the worker holds the message until
+        then, as in Celery) and is copied to ``deliver_at``, which holds the message in the
+        database until ``OutboxSettings.release_before`` releases it; ``expires`` becomes
+        ``expires_at``."""
         self.durable = True
-        eta = _timestamp(self.headers.get("eta"))
-        if eta is not None:
-            self.deliver_at = eta
-            self.headers["eta"] = None
+        self.deliver_at = _timestamp(self.headers.get("eta"))
         self.expires_at = _timestamp(self.headers.get("expires"))
 
     def is_due(self, now: datetime) -> bool:

@@ -330,21 +330,30 @@ class Publisher:
         recorded in the same transaction. A crash before the commit rolls the marks back:
         the relay sends those rows. Never raises for a broker error: the commit already
         happened.
+
+        A durable message with an eta goes out now, eta kept, when ``release_before`` (the
+        relay's rule too) releases it, and its redelivery counts from its eta; a later one waits
+        in the store for the relay.
         """
         now = utcnow()
-        messages = [m for m in messages if not m.durable or m.is_due(now)]  # scheduled ones wait in the store
+        settings = self.outbox.settings
+        release_before = settings.release_before(now)
+        messages = [m for m in messages if not m.durable or m.is_due(release_before)]  # later ones wait
         durable_ids = [m.row_id for m in messages if m.durable and m.row_id is not None]
         if not durable_ids:
             self._publish_all(messages, set(), producer)
             return
         store = self.outbox.store
-        redeliver_at = self.outbox.settings.first_redelivery(now)
+        redeliver_at = settings.first_redelivery(now)
         try:
             if redeliver_at is None:
                 self._publish_deleting(messages, durable_ids, now, producer)
                 return
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
+                store.postpone_redelivery(conn, [
+                    {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
+                    for m in messages if m.row_id in owned and m.deliver_at is not None and m.deliver_at > now])
                 sent = self._publish_all(messages, owned, producer)
                 crashpoint("after_publish")
                 if sent and self.outbox.archiver is not None:

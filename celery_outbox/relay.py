@@ -8,6 +8,9 @@ them; ``redeliver`` publishes again those it never acknowledged). A row whose pu
 reason of its own counts an attempt and, after ``outbox_relay_max_attempts``, goes to
 dead letters (reason ``poison``): one bad row never blocks the others. A row past
 its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. A
+row with an eta (``deliver_at``) is released with it, eta kept, once
+``OutboxSettings.release_before`` allows (the commit-time publisher's rule too): the
+worker holds it until its eta, and its redelivery counts from there. A
 broker outage counts no attempts; the batch stops and the rows wait for the next
 pass. With ``outbox_outbox_stale_time`` set, PostgreSQL ends a relay whose batch
 transaction idles longer than that (a publish hung on the broker), and its rows go
@@ -78,7 +81,8 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 store.limit_lock_holding(conn, settings.outbox_stale_time)
                 now = utcnow()
-                rows = store.lock_pending_outgoing(conn, settings.relay_batch_size, now, after_id=last_id)
+                rows = store.lock_pending_outgoing(conn, settings.relay_batch_size, settings.release_before(now),
+                                                   after_id=last_id)
                 if not rows:
                     break
                 result.batches += 1
@@ -91,7 +95,7 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                     for row in rows:
                         if row.id in expired_ids:
                             continue
-                        message = from_row(row, queues)
+                        message = with_eta(from_row(row, queues))
                         try:
                             message.publish(producer, retry=False)
                         except broker_errors as exc:
@@ -126,6 +130,10 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                 result.dead_lettered += len(poisoned) + len(expired)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
                 store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=outbox.archiver is not None)
+                if settings.redeliver_after is not None:
+                    store.postpone_redelivery(conn, [
+                        {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
+                        for m in published if m.deliver_at is not None and m.deliver_at > now])
             if result.broker_error:
                 break
     if result.published or result.failed:
@@ -136,8 +144,10 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
 def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, str | None]:
     """Publish again the sent durable messages no inbox acknowledged by their ``redeliver_at``
     (the broker lost them, or they wait behind a backlog: the inbox discards a copy). One
-    transaction per batch; each redelivery doubles the wait for the next. Returns how many
-    were published and the broker error that stopped the pass, if any."""
+    transaction per batch; each redelivery doubles the wait for the next. A message past its
+    ``expires`` is not published again (the worker discarded it as expired, as Celery does, or
+    it would now): it goes to dead letters, reason ``expired``. Returns how many were
+    published and the broker error that stopped the pass, if any."""
     store, settings, app = outbox.ready().store, outbox.settings, outbox.app
     if settings.redeliver_after is None:
         return 0, None
@@ -157,8 +167,15 @@ def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, st
                         return published, error
                     queues = BoundQueues(app.amqp.queues, producer)
                 marked = []
+                expired = [row for row in rows if _expired(row, now)]
+                if expired:  # the worker discarded it as expired (Celery: revoked): nothing runs it now
+                    store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED, sent=True)
+                                                     for row in expired])
+                    store.delete_outgoing(conn, [row.id for row in expired])
                 for row in rows:
-                    message = from_row(row, queues)
+                    if _expired(row, now):
+                        continue
+                    message = with_eta(from_row(row, queues))
                     message.headers[REDELIVERY_HEADER] = row.redeliveries + 1  # the inbox counts it as a recovery
                     try:
                         message.publish(producer, retry=False)
@@ -179,6 +196,14 @@ def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, st
     return published, None
 
 
+def with_eta(message: OutgoingMessage) -> OutgoingMessage:
+    """A row stored by an older version holds its eta only in ``deliver_at`` (its header's eta was
+    cleared): put it back, so the worker holds the message until then, as for a new row."""
+    if message.deliver_at is not None and message.headers.get("eta") is None and "task" in message.headers:
+        message.headers["eta"] = message.deliver_at.isoformat()
+    return message
+
+
 def _announce(outbox: "Outbox", message: OutgoingMessage) -> None:
     message_published.send(sender=outbox, message=message, relayed=True)
 
@@ -188,8 +213,9 @@ def _expired(row: Any, now: datetime) -> bool:
     return expires_at is not None and expires_at <= now
 
 
-def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason) -> dict[str, Any]:
-    expired = None if exc is not None else f"expired at {as_utc(row.expires_at).isoformat()} before it was published"
+def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason, sent: bool = False) -> dict[str, Any]:
+    when = "unacknowledged by any inbox" if sent else "before it was published"
+    expired = None if exc is not None else f"expired at {as_utc(row.expires_at).isoformat()} {when}"
     return dead_letter_row(
         reason=reason, failed_at=utcnow(), message_id=row.message_id, task_name=row.task_name,
         queue=row.destination, error=exc, description=expired, exchange=row.exchange, routing_key=row.routing_key,
