@@ -25,6 +25,7 @@ from sqlalchemy import Table
 
 from .errors import UnstorableMessage
 from .routing import exchange_name
+from .sent_events import RecordingDispatcher, SentEvent
 from .store import as_utc, text_problem
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
@@ -62,6 +63,7 @@ class OutgoingMessage:
     row_id: int | None = None
     expires_at: datetime | None = None
     deliver_at: datetime | None = None  # durable scheduling: its eta, held in the store until released
+    sent_event: SentEvent | None = None  # the task-sent event of this send, published after it (never stored)
 
     def make_durable(self) -> None:
         """Mark for the outgoing table: the eta header stays (the worker holds the message until
@@ -195,13 +197,21 @@ def capture(
     name: str,
     message: Any,
     options: dict[str, Any],
+    event_dispatcher: Callable[[], Any] | None = None,
 ) -> list[OutgoingMessage]:
     """Run Celery's sender against a recording producer; return the messages it would publish,
     each with its routing key as its destination until a durable queue is found for it.
 
-    The task message comes first; a ``task-sent`` event, when enabled, follows it.
+    The task message comes first. Its ``task-sent`` event, when enabled, is not a message of
+    the list: the sender's call to the event dispatcher (the caller's ``event_dispatcher``
+    option, else the one ``event_dispatcher()`` returns, Celery's default) is recorded as the
+    task message's ``sent_event``, which the publisher sends after it.
     """
     recorder = _RecordingProducer(producer)
+    events = None
+    if getattr(message, "sent_event", None) and event_dispatcher is not None:
+        events = RecordingDispatcher(options.get("event_dispatcher") or event_dispatcher())
+        options = {**options, "event_dispatcher": events}
     token = _callback_publish_retry.set(False)
     try:
         sender(recorder, name, message, **options)
@@ -230,6 +240,8 @@ def capture(
                 sending=sending,
             )
         )
+    if events is not None and events.events and captured:
+        captured[0].sent_event = events.events[0]
     return captured
 
 
