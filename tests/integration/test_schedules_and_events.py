@@ -134,6 +134,7 @@ def test_a_long_countdown_is_scheduled_from_its_release_and_runs_at_its_eta(worl
     message at once; the outbox keeps it in the outgoing table (the deliberate difference: no
     worker lists it yet) until a recover pass inside the window releases it with its eta. From
     then on both are the same: listed as scheduled, run no earlier than the eta, seeing it."""
+    redelivered = world.redelivered
     eta = utcnow() + timedelta(seconds=6)
     result = world.when.apply_async(("long",), eta=eta, queue=world.durable_queue)
     if world.outbox is not None:
@@ -149,6 +150,7 @@ def test_a_long_countdown_is_scheduled_from_its_release_and_runs_at_its_eta(worl
     seen = settled(world, result)
     assert seen["eta"] == eta.isoformat()
     assert seen["started"] >= eta.timestamp()
+    assert world.redelivered == redelivered, "the relay's release is not redelivered while the worker holds it"
 
 
 @pytest.mark.parametrize("kind", QUEUES)
