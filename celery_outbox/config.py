@@ -234,6 +234,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Cap on the batches one relay, recover or cleanup pass runs; the next pass continues."),
     Setting("recover_interval", 5.0, _seconds,
             "Seconds between two beat runs of `celery_outbox.recover`."),
+    Setting("release_ahead", None, _optional_seconds,
+            "Seconds before its eta a durable message sent with `countdown`/`eta` is published to the broker, "
+            "with its eta, so the worker holds it and runs it at its eta as Celery does; until then it waits "
+            "in the outgoing table (long countdowns never sit in the broker, where Redis' visibility timeout "
+            "would deliver them again). At least `outbox_recover_interval`, which releases it; keep it well "
+            "under Redis' `visibility_timeout`. Unset: three recover intervals (15 s)."),
     Setting("cleanup_interval", 60.0, _seconds,
             "Seconds between two beat runs of `celery_outbox.cleanup`."),
     Setting("maintenance_queue", None, _optional_string,
@@ -275,6 +281,7 @@ class OutboxSettings:
     cleanup_rest: float = 1.0
     max_batches_per_run: int = 100
     recover_interval: float = 5.0
+    release_ahead: float | None = None
     cleanup_interval: float = 60.0
     maintenance_queue: str | None = None
     dead_letter_retention: float | None = None
@@ -290,10 +297,25 @@ class OutboxSettings:
         liveness connection dropped keeps heartbeating, so the lock alone never condemns it."""
         return now - timedelta(seconds=min(3 * self.node_heartbeat_interval, self.node_stale_after))
 
-    def first_redelivery(self, now: datetime) -> datetime | None:
+    @property
+    def release_ahead_seconds(self) -> float:
+        """How long before its eta a durable scheduled message goes to the broker (``release_ahead``,
+        by default three recover intervals: a recover pass always falls inside the window)."""
+        return 3 * self.recover_interval if self.release_ahead is None else self.release_ahead
+
+    def release_before(self, now: datetime) -> datetime:
+        """The one release rule of durable scheduled messages, for the commit-time publisher and the
+        relay alike: a message whose eta (``deliver_at``) is before this instant is published now,
+        with its eta (the worker holds it until then); a later one waits in the outgoing table."""
+        return now + timedelta(seconds=self.release_ahead_seconds)
+
+    def first_redelivery(self, now: datetime, eta: datetime | None = None) -> datetime | None:
         """When a message sent ``now`` is published again if no inbox has acknowledged it; None
-        without delivery tracking."""
-        return None if self.redeliver_after is None else now + timedelta(seconds=self.redeliver_after)
+        without delivery tracking. A message released before its ``eta`` is held by the worker
+        until then: its wait counts from its eta, so it is not redelivered while it is held."""
+        if self.redeliver_after is None:
+            return None
+        return max(now, eta or now) + timedelta(seconds=self.redeliver_after)
 
     def next_redelivery(self, now: datetime, redeliveries: int) -> datetime:
         """The redelivery after ``redeliveries`` of them: the delay doubles, up to an hour."""
@@ -374,6 +396,11 @@ def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overr
     for setting in SETTINGS:
         key, value = found.get(setting.name, (setting.key, setting.default))
         values[setting.name] = setting.parse(key, value)
+    if values["release_ahead"] is not None and values["release_ahead"] < values["recover_interval"]:
+        key = found["release_ahead"][0]
+        raise _fail(key, found["release_ahead"][1],
+                    f"expected at least outbox_recover_interval ({values['recover_interval']:g} s): a scheduled "
+                    "message must be released by a recover pass before its eta")
     return OutboxSettings(**values)
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import Table
 
 from .errors import UnstorableMessage
 from .routing import exchange_name
+from .sent_events import RecordingDispatcher, SentEvent
 from .store import SEND_ID_SIZE, as_utc, text_problem
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
@@ -69,16 +70,16 @@ class OutgoingMessage:
     survives_rollback: bool = False  # a retry/replace of the running task: Celery already decided it
     row_id: int | None = None
     expires_at: datetime | None = None
-    deliver_at: datetime | None = None  # durable scheduling: held in the store until then
+    deliver_at: datetime | None = None  # durable scheduling: its eta, held in the store until released
+    sent_event: SentEvent | None = None  # the task-sent event of this send, published after it (never stored)
 
     def make_durable(self) -> None:
-        """Mark for the outgoing table; a broker ETA becomes ``deliver_at`` (held in the
-        database until due, published without an ETA) and ``expires`` becomes ``expires_at``."""
+        """Mark for the outgoing table: the eta header stays (the worker holds the message until
+        then, as in Celery) and is copied to ``deliver_at``, which holds the message in the
+        database until ``OutboxSettings.release_before`` releases it; ``expires`` becomes
+        ``expires_at``."""
         self.durable = True
-        eta = _timestamp(self.headers.get("eta"))
-        if eta is not None:
-            self.deliver_at = eta
-            self.headers["eta"] = None
+        self.deliver_at = _timestamp(self.headers.get("eta"))
         self.expires_at = _timestamp(self.headers.get("expires"))
 
     def is_due(self, now: datetime) -> bool:
@@ -219,13 +220,21 @@ def capture(
     name: str,
     message: Any,
     options: dict[str, Any],
+    event_dispatcher: Callable[[], Any] | None = None,
 ) -> list[OutgoingMessage]:
     """Run Celery's sender against a recording producer; return the messages it would publish,
     each with its routing key as its destination until a durable queue is found for it.
 
-    The task message comes first; a ``task-sent`` event, when enabled, follows it.
+    The task message comes first. Its ``task-sent`` event, when enabled, is not a message of
+    the list: the sender's call to the event dispatcher (the caller's ``event_dispatcher``
+    option, else the one ``event_dispatcher()`` returns, Celery's default) is recorded as the
+    task message's ``sent_event``, which the publisher sends after it.
     """
     recorder = _RecordingProducer(producer)
+    events = None
+    if getattr(message, "sent_event", None) and event_dispatcher is not None:
+        events = RecordingDispatcher(options.get("event_dispatcher") or event_dispatcher())
+        options = {**options, "event_dispatcher": events}
     token = _callback_publish_retry.set(False)
     try:
         sender(recorder, name, message, **options)
@@ -254,6 +263,8 @@ def capture(
                 sending=sending,
             )
         )
+    if events is not None and events.events and captured:
+        captured[0].sent_event = events.events[0]
     return captured
 
 

@@ -336,21 +336,36 @@ class Publisher:
         recorded in the same transaction. A crash before the commit rolls the marks back:
         the relay sends those rows. Never raises for a broker error: the commit already
         happened.
+
+        A durable message with an eta goes out now, eta kept, when ``release_before`` (the
+        relay's rule too) releases it, and its redelivery counts from its eta; a later one waits
+        in the store for the relay. Each send's ``task-sent`` event follows its message (a held
+        one's is sent now, as Celery sends it with the message).
         """
         now = utcnow()
-        messages = [m for m in messages if not m.durable or m.is_due(now)]  # scheduled ones wait in the store
+        settings = self.outbox.settings
+        release_before = settings.release_before(now)
+        held = [m for m in messages if m.durable and not m.is_due(release_before)]  # wait in the store
+        if any(m.sent_event is not None for m in held):
+            with self.outbox.app.producer_or_acquire(producer) as event_producer:
+                for message in held:
+                    self._send_event(message, event_producer, broker_down=False)
+        messages = [m for m in messages if not m.durable or m.is_due(release_before)]
         durable_ids = [m.row_id for m in messages if m.durable and m.row_id is not None]
         if not durable_ids:
             self._publish_all(messages, set(), producer)
             return
         store = self.outbox.store
-        redeliver_at = self.outbox.settings.first_redelivery(now)
+        redeliver_at = settings.first_redelivery(now)
         try:
             if redeliver_at is None:
                 self._publish_deleting(messages, durable_ids, now, producer)
                 return
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
+                store.postpone_redelivery(conn, [
+                    {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
+                    for m in messages if m.row_id in owned and m.deliver_at is not None and m.deliver_at > now])
                 sent = self._publish_all(messages, owned, producer)
                 crashpoint("after_publish")
                 if sent and self.outbox.archiver is not None:
@@ -402,11 +417,24 @@ class Publisher:
                             self._failed(message, exc)
                         else:
                             message_published.send(sender=self.outbox, message=message, relayed=False)
+                            self._send_event(message, producer, broker_down)
                     continue
-                published, broker_down = self._publish_durable(producer, entities, list(run), owned,
+                run = list(run)
+                published, broker_down = self._publish_durable(producer, entities, run, owned,
                                                                broker_down, broker_errors)
                 sent += [message.row_id for message in published]
+                for message in run:  # stored: sent, whether the broker has it now or the relay sends it
+                    self._send_event(message, producer, broker_down)
         return sent
+
+    @staticmethod
+    def _send_event(message: OutgoingMessage, producer: Any, broker_down: bool) -> None:
+        """The ``task-sent`` event of the send of ``message`` (once: the event is not stored, so
+        the relay and redelivery never send it), through Celery's dispatcher, which buffers it
+        if it cannot be published; no retries when the broker is known to be down."""
+        if message.sent_event is not None:
+            event, message.sent_event = message.sent_event, None
+            event.send(producer, retry=False if broker_down else None)
 
     def _publish_durable(self, producer: Any, entities: BoundQueues, run: list[OutgoingMessage], owned: set[int],
                          broker_down: bool, broker_errors: tuple[type[BaseException], ...],
@@ -471,9 +499,9 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
         uow = _current.get()
         if uow is None and durable_queue(*published_route(amqp, options)) is None:
             return celery_sender(producer, name, message, **options)
-        captured = capture(celery_sender, producer, name, message, options)
+        captured = capture(celery_sender, producer, name, message, options, lambda: amqp._event_dispatcher)
         if captured:
-            task_message = captured[0]  # a task-sent event, when enabled, follows it
+            task_message = captured[0]
             destination = durable_queue(task_message.exchange, task_message.routing_key)  # as it is published
             if destination is not None:
                 task_message.destination = destination

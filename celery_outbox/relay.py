@@ -10,6 +10,9 @@ dead letters (reason ``poison``): one bad row never blocks the others. A row pas
 its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. Once
 the batch commits, each dead letter's result is stored as Celery would
 (``celery_outbox.results``): REVOKED ``expired``, or FAILURE with the publish error. A
+row with an eta (``deliver_at``) is released with it, eta kept, once
+``OutboxSettings.release_before`` allows (the commit-time publisher's rule too): the
+worker holds it until its eta, and its redelivery counts from there. A
 broker outage counts no attempts; the batch stops and the rows wait for the next
 pass. With ``outbox_outbox_stale_time`` set, PostgreSQL ends a relay whose batch
 transaction idles longer than that (a publish hung on the broker), and its rows go
@@ -81,7 +84,8 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 store.limit_lock_holding(conn, settings.outbox_stale_time)
                 now = utcnow()
-                rows = store.lock_pending_outgoing(conn, settings.relay_batch_size, now, after_id=last_id)
+                rows = store.lock_pending_outgoing(conn, settings.relay_batch_size, settings.release_before(now),
+                                                   after_id=last_id)
                 if not rows:
                     break
                 result.batches += 1
@@ -94,7 +98,7 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                     for row in rows:
                         if row.id in expired_ids:
                             continue
-                        message = from_row(row, queues)
+                        message = with_eta(from_row(row, queues))
                         try:
                             message.publish(producer, retry=False)
                         except broker_errors as exc:
@@ -129,6 +133,10 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                 result.dead_lettered += len(poisoned) + len(expired)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
                 store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=outbox.archiver is not None)
+                if settings.redeliver_after is not None:
+                    store.postpone_redelivery(conn, [
+                        {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
+                        for m in published if m.deliver_at is not None and m.deliver_at > now])
             # committed: tell their callers what Celery would (REVOKED "expired"; FAILURE with the publish error)
             store_dead_letter_results(app, DeadLetterReason.EXPIRED, [_ended(row) for row in expired])
             store_dead_letter_results(app, DeadLetterReason.POISON, [_ended(row, exc) for row, exc in poisoned])
@@ -142,8 +150,10 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
 def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, str | None]:
     """Publish again the sent durable messages no inbox acknowledged by their ``redeliver_at``
     (the broker lost them, or they wait behind a backlog: the inbox discards a copy). One
-    transaction per batch; each redelivery doubles the wait for the next. Returns how many
-    were published and the broker error that stopped the pass, if any."""
+    transaction per batch; each redelivery doubles the wait for the next. A message past its
+    ``expires`` is not published again (the worker discarded it as expired, as Celery does, or
+    it would now): it goes to dead letters, reason ``expired``. Returns how many were
+    published and the broker error that stopped the pass, if any."""
     store, settings, app = outbox.ready().store, outbox.settings, outbox.app
     if settings.redeliver_after is None:
         return 0, None
@@ -163,8 +173,15 @@ def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, st
                         return published, error
                     queues = BoundQueues(app.amqp.queues, producer)
                 marked = []
+                expired = [row for row in rows if _expired(row, now)]
+                if expired:  # the worker discarded it as expired (Celery: revoked): nothing runs it now
+                    store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED, sent=True)
+                                                     for row in expired])
+                    store.delete_outgoing(conn, [row.id for row in expired])
                 for row in rows:
-                    message = from_row(row, queues)
+                    if _expired(row, now):
+                        continue
+                    message = with_eta(from_row(row, queues))
                     message.headers[REDELIVERY_HEADER] = row.redeliveries + 1  # the inbox counts it as a recovery
                     try:
                         message.publish(producer, retry=False)
@@ -185,6 +202,14 @@ def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, st
     return published, None
 
 
+def with_eta(message: OutgoingMessage) -> OutgoingMessage:
+    """A row stored by an older version holds its eta only in ``deliver_at`` (its header's eta was
+    cleared): put it back, so the worker holds the message until then, as for a new row."""
+    if message.deliver_at is not None and message.headers.get("eta") is None and "task" in message.headers:
+        message.headers["eta"] = message.deliver_at.isoformat()
+    return message
+
+
 def _announce(outbox: "Outbox", message: OutgoingMessage) -> None:
     message_published.send(sender=outbox, message=message, relayed=True)
 
@@ -198,8 +223,9 @@ def _ended(row: Any, exc: BaseException | None = None) -> EndedMessage:
     return EndedMessage(row.message_id, row.task_name, row.headers, row.properties, exc)
 
 
-def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason) -> dict[str, Any]:
-    expired = None if exc is not None else f"expired at {as_utc(row.expires_at).isoformat()} before it was published"
+def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason, sent: bool = False) -> dict[str, Any]:
+    when = "unacknowledged by any inbox" if sent else "before it was published"
+    expired = None if exc is not None else f"expired at {as_utc(row.expires_at).isoformat()} {when}"
     return dead_letter_row(
         reason=reason, failed_at=utcnow(), message_id=row.message_id, task_name=row.task_name,
         queue=row.destination, error=exc, description=expired, exchange=row.exchange, routing_key=row.routing_key,

@@ -528,6 +528,16 @@ class Store:
         returned = [table.c.id, *(table.c[name] for name in RECORD_COLUMNS)] if record else [table.c.id]
         return list(conn.execute(delete(table).where(table.c.id.in_(self._unsent_unlocked(ids))).returning(*returned)))
 
+    def postpone_redelivery(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Set the ``redeliver_at`` of sent rows (``id``, ``redeliver_at``), in one statement: a
+        scheduled message released before its eta is held by the worker until then, and its
+        redelivery counts from its eta."""
+        if rows:
+            table = self.tables.outgoing
+            conn.execute(update(table).where(table.c.id == bindparam("row_id"))
+                         .values(redeliver_at=bindparam("postponed_to")),
+                         [{"row_id": r["id"], "postponed_to": r["redeliver_at"]} for r in rows])
+
     def unmark_sent(self, conn: Connection, ids: Sequence[int]) -> None:
         """Rows ``take_outgoing`` marked whose publish failed: unsent again, for the relay."""
         if ids:
@@ -591,8 +601,11 @@ class Store:
         query = select(table.c.id).where(self._id_predicate(table.c.id, ids)).where(table.c.sent_at.is_(None))
         return query.with_for_update(skip_locked=True) if self.is_postgres else query
 
-    def lock_pending_outgoing(self, conn: Connection, limit: int, now: datetime, after_id: int = 0) -> list[Row]:
-        """Lock up to ``limit`` due, unsent outgoing rows with ``id > after_id``, oldest first.
+    def lock_pending_outgoing(self, conn: Connection, limit: int, release_before: datetime,
+                              after_id: int = 0) -> list[Row]:
+        """Lock up to ``limit`` unsent outgoing rows with ``id > after_id``, oldest first, that are
+        released: no ``deliver_at`` (eta), or one before ``release_before``
+        (``OutboxSettings.release_before``).
 
         ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so concurrent relays take disjoint
         rows; on SQLite the ``BEGIN IMMEDIATE`` write lock gives the same guarantee.
@@ -606,7 +619,7 @@ class Store:
         query = (
             select(table)
             .where(table.c.sent_at.is_(None))
-            .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= now))
+            .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= release_before))
             .where(table.c.id > after_id)
             .order_by(table.c.sent_at, table.c.id)
             .limit(limit)

@@ -11,6 +11,7 @@ from celery import Celery
 
 from celery_outbox import ConfigurationError, OutboxSettings
 from celery_outbox.config import SETTINGS, read_settings
+from celery_outbox.store import utcnow
 
 
 def app_with(**conf) -> Celery:
@@ -97,6 +98,9 @@ def test_unknown_setting_is_an_error_with_a_did_you_mean():
         ("outbox_cleanup_rest", float("nan"), "finite number from 0 to 1000"),
         ("outbox_cleanup_rest", 10**400, "finite number from 0 to 1000"),
         ("outbox_relay_batch_size", 2**31, "at most 2147483647"),
+        ("outbox_release_ahead", 0, "finite positive number of seconds"),
+        ("outbox_release_ahead", "15s", "finite positive number of seconds"),
+        ("outbox_release_ahead", 4, "at least outbox_recover_interval (5 s)"),
     ],
 )
 def test_bad_values_name_the_setting_the_value_and_what_is_allowed(key, value, allowed):
@@ -149,6 +153,23 @@ def test_durations_accept_timedelta_and_settings_are_frozen():
     assert settings.inbox_stale_time == 90.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.relay_batch_size = 1  # type: ignore[misc]
+
+
+def test_scheduled_messages_are_released_three_recover_intervals_ahead_unless_set():
+    """The release window defaults to three recover intervals, so a recover pass always falls in it."""
+    now = utcnow()
+    assert settings_of(app_with()).release_before(now) == now + timedelta(seconds=15)
+    assert settings_of(app_with(outbox_recover_interval=2)).release_before(now) == now + timedelta(seconds=6)
+    assert settings_of(app_with(outbox_release_ahead=timedelta(minutes=1))).release_before(now) == now + timedelta(
+        minutes=1)
+
+
+def test_a_scheduled_messages_redelivery_counts_from_its_eta():
+    settings = settings_of(app_with(outbox_redeliver_after=60))
+    now = utcnow()
+    assert settings.first_redelivery(now) == now + timedelta(seconds=60)
+    assert settings.first_redelivery(now, now + timedelta(seconds=10)) == now + timedelta(seconds=70)
+    assert settings.first_redelivery(now, now - timedelta(seconds=10)) == now + timedelta(seconds=60)
 
 
 def test_overrides_win_and_are_validated():

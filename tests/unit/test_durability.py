@@ -4,7 +4,7 @@ tests/integration/test_durability_workers.py."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -51,21 +51,38 @@ def test_both_beat_tasks_are_scheduled_with_expiry(sqlite_url, table_prefix):
 
 
 @pytest.mark.parametrize("timing", ["countdown", "eta"])
-def test_a_durable_countdown_is_held_in_the_database_without_a_broker_eta(shop, timing):
+def test_a_long_durable_countdown_is_held_in_the_database_with_its_eta(shop, timing):
+    """Beyond the release window (``release_ahead``, 15 s by default) the message waits in the
+    outgoing table, its eta header intact; once released it reaches the broker with that eta,
+    once, so the worker holds it until then as in Celery."""
     options = {"countdown": 60} if timing == "countdown" else {"eta": utcnow() + timedelta(seconds=60)}
     with shop.outbox.transaction():
         result = shop.durable.apply_async(("later",), **options)
     (row,) = outgoing(shop)
+    eta = kombu_json.loads(row.headers)["eta"]
+    assert as_utc(row.deliver_at) == datetime.fromisoformat(eta), "deliver_at is the eta the sender set"
     assert as_utc(row.deliver_at) == pytest.approx(utcnow() + timedelta(seconds=60), abs=timedelta(seconds=5))
-    assert kombu_json.loads(row.headers)["eta"] is None, "the stored message carries no broker ETA"
-    assert nothing_more(shop.app, shop.durable_queue), "not published at the commit: it is not due"
-    assert shop.outbox.recover().relay.published == 0, "not published before it is due"
+    assert nothing_more(shop.app, shop.durable_queue), "not published at the commit: it is not in the window"
+    assert shop.outbox.recover().relay.published == 0, "not published before its window"
     make_due(shop)
     assert shop.outbox.recover().relay.published == 1
     (message,) = receive(shop.app, shop.durable_queue, 1)
-    assert (message.id, message.args, message.headers["eta"]) == (result.id, ["later"], None)
+    assert (message.id, message.args, message.headers["eta"]) == (result.id, ["later"], eta)
     assert shop.outbox.recover().relay.published == 0
     assert nothing_more(shop.app, shop.durable_queue), "published once"
+
+
+def test_a_short_durable_countdown_is_published_at_the_commit_with_its_eta(shop):
+    """Inside the release window the message goes out with the commit, eta kept; its redelivery
+    counts from its eta, so it is not published again while the worker holds it."""
+    with shop.outbox.transaction():
+        result = shop.durable.apply_async(("soon",), countdown=10)
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args) == (result.id, ["soon"])
+    (row,) = outgoing(shop)
+    eta = datetime.fromisoformat(message.headers["eta"])
+    assert as_utc(row.deliver_at) == eta and row.sent_at is not None
+    assert as_utc(row.redeliver_at) == eta + timedelta(seconds=shop.outbox.settings.redeliver_after)
 
 
 def test_a_durable_countdown_outside_a_unit_of_work_is_held_too(shop):
