@@ -67,7 +67,40 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
 
 class OutboxRequest(Request):
     """The worker's request (in the worker's main process): a pool process lost running an
-    inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it."""
+    inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; an
+    inbox attempt the worker discards unrun (revoked, expired) ends as ``revoked`` before
+    Celery acks it."""
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+        """Celery marks the task REVOKED and acks its message. Before that, an inbox attempt that
+        never ran (revoked before it started, or expired) is recorded as ended and its outgoing
+        rows acknowledged (``Inbox.end_revoked_attempt``), in one transaction: a later copy is a
+        duplicate, and delivery tracking does not publish the message again. When the store
+        cannot take it, that is logged and the revoke stands in this worker, as in plain Celery."""
+        if not terminated and self._goes_through_inbox():
+            self._end_revoked(reason)
+        super()._announce_revoked(reason, terminated, signum, expired)
+
+    def _goes_through_inbox(self) -> bool:
+        task = self.task
+        outbox = getattr(task.app, "_celery_outbox", None)
+        return outbox is not None and (isinstance(task, IdempotentTask)
+                                       or outbox.settings.is_durable(queue_of(self.delivery_info, task.app)))
+
+    def _end_revoked(self, reason: str) -> None:
+        task = self.task
+        outbox = outbox_of(task.app)
+        delivery = Delivery.from_context(task.name, self._context, outbox.settings.message_identity, task.app)
+        try:
+            outbox.inbox.end_revoked_attempt(delivery)
+        except Exception as error:  # noqa: BLE001 - Celery's revoke stands; delivery tracking may send it again
+            logger.error("celery-outbox: cannot record that %s[%s] was %s: %s; it is discarded here, as in "
+                         "plain Celery, but a durable message stays unacknowledged and is published again "
+                         "after outbox_redeliver_after (a worker that remembers the revoke discards it then)",
+                         task.name, self.id, reason, error)
+            return
+        logger.info("celery-outbox: %s[%s] %s: its attempt ended unrun, not to be redelivered", task.name,
+                    self.id, reason)
 
     def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception
@@ -81,9 +114,7 @@ class OutboxRequest(Request):
         task = self.task
         if not (isinstance(exc, WorkerLostError) and task.acks_late and task.retry_on_worker_lost):
             return False
-        outbox = getattr(task.app, "_celery_outbox", None)
-        if outbox is None or not (isinstance(task, IdempotentTask)
-                                  or outbox.settings.is_durable(queue_of(self.delivery_info, task.app))):
+        if not self._goes_through_inbox():
             return False
         return task.max_retries is not None and (self._context.retries or 0) >= task.max_retries
 
@@ -165,3 +196,4 @@ class IdempotentTask(Task):
             raise OutboxError(f"{self.name}.idempotency = {style!r} is not valid: expected one of {_STYLES}")
         return outbox.inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
                                 unit_of_work=True)
+
