@@ -43,7 +43,7 @@ from .outbox import outbox_of
 from .routing import queue_of
 from .store import utcnow
 
-__all__ = ["IdempotentTask", "InboxTask", "OutboxRequest"]
+__all__ = ["IdempotentTask", "InboxTask", "OutboxRequest", "give_inbox_to_every_task"]
 
 logger = logging.getLogger("celery_outbox.tasks")
 
@@ -197,3 +197,45 @@ class IdempotentTask(Task):
         return outbox.inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
                                 unit_of_work=True)
 
+
+def give_inbox_to_every_task(app: Any) -> list[str]:
+    """Run in the worker's main process at start-up (``worker_init``), before the pool forks or
+    the tracers are built: a registered task whose class does not derive from ``InboxTask`` or
+    ``IdempotentTask`` (``@app.task(base=celery.Task)``, a base of its own deriving from
+    ``celery.Task``) gets the ``InboxTask`` behaviour, and every task a request class that
+    derives from ``OutboxRequest``, so that such a task consumed from a durable queue goes
+    through the inbox too: it acknowledges its outgoing row and its duplicates are discarded.
+
+    The task object stays the same (its class is swapped for a subclass of its own, shared by
+    the tasks of that class), so references to it in the user's modules keep working; a
+    ``Request`` class of the user's is kept, combined with ``OutboxRequest``. Celery's own
+    tasks (``celery.*``) are left as they are. Returns the names of the tasks changed."""
+    changed = []
+    classes: dict[type, type] = {}
+    for name, task in list(app.tasks.items()):
+        if name.startswith("celery."):
+            continue
+        cls = type(task)
+        if cls not in classes:
+            classes[cls] = _with_inbox(cls)
+        if classes[cls] is not cls:
+            task.__class__ = classes[cls]
+            changed.append(name)
+    return changed
+
+
+def _with_inbox(cls: type) -> type:
+    """``cls``, or a subclass of it with the ``InboxTask`` behaviour and an ``OutboxRequest``."""
+    from celery.utils.imports import symbol_by_name
+
+    user_request = symbol_by_name(cls.Request) if isinstance(cls.Request, str) else cls.Request
+    has_inbox = issubclass(cls, (InboxTask, IdempotentTask))
+    has_request = issubclass(user_request, OutboxRequest)
+    if has_inbox and has_request:
+        return cls
+    request = user_request if has_request else (
+        OutboxRequest if user_request is Request
+        else type(user_request.__name__, (OutboxRequest, user_request), {"__module__": user_request.__module__}))
+    bases = (cls,) if has_inbox else (InboxTask, cls)
+    return type(cls.__name__, bases, {"Request": request, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
