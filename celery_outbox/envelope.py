@@ -200,7 +200,8 @@ def capture(
     """Run Celery's sender against a recording producer; return the messages it would publish,
     each with its routing key as its destination until a durable queue is found for it.
 
-    The task message comes first; a ``task-sent`` event, when enabled, follows it.
+    The task message comes first; a ``task-sent`` event, when enabled, follows it. A message of
+    protocol 1 takes its id and task name from its body (protocol 2 has them in its headers).
     """
     recorder = _RecordingProducer(producer)
     token = _callback_publish_retry.set(False)
@@ -216,10 +217,11 @@ def capture(
         exchange = exchange_name(kwargs.pop("exchange", ""))
         routing_key = kwargs.pop("routing_key", "") or ""
         sending = {key: kwargs.pop(key) for key in _SENDING_OPTIONS if key in kwargs}
+        named = headers if "id" in headers else _protocol_1_body(body) or headers
         captured.append(
             OutgoingMessage(
-                message_id=str(headers.get("id") or ""),
-                task_name=str(headers.get("task") or name),
+                message_id=str(named.get("id") or ""),
+                task_name=str(named.get("task") or name),
                 destination=routing_key,
                 body=payload,
                 content_type=content_type,
@@ -232,6 +234,14 @@ def capture(
             )
         )
     return captured
+
+
+def _protocol_1_body(body: Any) -> dict[str, Any] | None:
+    """The body of a task message of protocol 1 (``task_protocol = 1``), which carries the task's
+    id and name itself (its headers are empty), or None."""
+    if isinstance(body, dict) and "id" in body and "task" in body:
+        return body
+    return None
 
 
 def from_row(row: Any, queues: Any) -> OutgoingMessage:
