@@ -43,7 +43,7 @@ class Setup:
     """One worker (prefork, concurrency 1) of tests/apps/unacked_app.py, plain or with the outbox,
     and the same app in this process to send with."""
 
-    def __init__(self, mode: str, log_dir):
+    def __init__(self, mode: str, log_dir, worker_database_url: str | None = None):
         self.with_outbox = mode == "outbox"
         redis_url = require("redis")
         postgres_url = require("postgres") if self.with_outbox else ""
@@ -55,6 +55,7 @@ class Setup:
             "TEST_COUNTERS": f"unacked_runs_{suffix}", "TEST_WITH_OUTBOX": "1" if self.with_outbox else "0",
             "TEST_CONF": json.dumps(conf),
         }
+        self.worker_env = dict(self.env, TEST_DATABASE_URL=worker_database_url or postgres_url)
         self.shop = self._app()
         self.queue, self.late_queue = self.env["TEST_QUEUE"], self.env["TEST_LATE_QUEUE"]
         if self.with_outbox:
@@ -70,7 +71,7 @@ class Setup:
                                   self.with_outbox, **json.loads(env["TEST_CONF"]), **conf)
 
     def _start_worker(self) -> WorkerProcess:
-        worker = WorkerProcess("tests.apps.unacked_app", self.env, concurrency=1, queues=[self.env["TEST_QUEUE"]],
+        worker = WorkerProcess("tests.apps.unacked_app", self.worker_env, concurrency=1, queues=[self.queue],
                                log_path=self.log_dir / f"worker{len(self.workers)}.log").start()
         self.workers.append(worker)
         worker.wait_ready()
@@ -104,11 +105,14 @@ class Setup:
 
     def nothing_redelivered(self, sent_at: datetime) -> None:
         """After the redelivery time: recovery (what beat runs) publishes nothing again."""
-        wait_until(lambda: utcnow() >= sent_at + timedelta(seconds=REDELIVER_AFTER), timeout=10,
-                   message="the redelivery time to pass")
-        result = recover(self.shop.outbox)
+        result = self.recover_after_redelivery_time(sent_at)
         assert result.redelivered == 0, result
         assert result.relay.published == 0, result
+
+    def recover_after_redelivery_time(self, sent_at: datetime):
+        wait_until(lambda: utcnow() >= sent_at + timedelta(seconds=REDELIVER_AFTER), timeout=10,
+                   message="the redelivery time to pass")
+        return recover(self.shop.outbox)
 
     def close(self) -> None:
         for worker in self.workers:
@@ -207,3 +211,43 @@ def test_a_protocol_1_message_runs_once(setup):
     finally:
         if sender.outbox is not None:
             sender.outbox.engine.dispose()
+
+
+def test_a_revoke_the_store_cannot_record_stands_and_is_recorded_at_the_redelivery(tmp_path):
+    """The worker's database is unreachable when it discards a revoked message: the revoke stands
+    (never runs, REVOKED, acked as in plain Celery: see the test above), the failure is logged and
+    the outgoing row stays unacknowledged. Once the database is back, delivery tracking publishes
+    it again; the worker, which still remembers the revoke, discards the copy and records it then:
+    the row is acknowledged and nothing more is published."""
+    from sqlalchemy.engine import make_url
+
+    from ..services import TcpProxy
+
+    real = make_url(require("postgres"))
+    proxy = TcpProxy(real.host or "127.0.0.1", real.port or 5432).start()
+    proxied_url = real.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    setup = Setup("outbox", tmp_path, worker_database_url=proxied_url)
+    try:
+        task_id = f"revoked-{uuid.uuid4().hex[:8]}"
+        setup.control("revoke", task_id)
+        proxy.stop()
+        sent_at = utcnow()
+        result = setup.shop.count.apply_async(task_id=task_id, queue=setup.queue)
+        wait_until(lambda: setup.shop.runs(f"revoked:{task_id}") == 1, timeout=30,
+                   message=f"the worker to discard {task_id} (log: {setup.worker.log_path})")
+        assert f"cannot record that unacked.count[{task_id}] was revoked" in setup.worker.log()
+        assert len(setup.outgoing_rows(task_id)) == 1, "unacknowledged: the store could not take it"
+        assert result.state == "REVOKED"
+
+        proxy.start()
+        assert setup.recover_after_redelivery_time(sent_at).redelivered == 1
+        wait_until(lambda: setup.shop.runs(f"revoked:{task_id}") == 2, timeout=30,
+                   message=f"the worker to discard the copy of {task_id} (log: {setup.worker.log_path})")
+        assert setup.outgoing_rows(task_id) == [], "acknowledged with the copy"
+        assert setup.shop.outbox.store.get_incoming(task_id).status == IncomingStatus.REVOKED.value
+        assert setup.ran_after(task_id, setup.queue) == 0, "never runs"
+        assert result.state == "REVOKED"
+    finally:
+        proxy.start() if proxy._listener is None else None
+        setup.close()
+        proxy.stop()
