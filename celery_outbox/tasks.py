@@ -30,7 +30,7 @@ import logging
 from typing import Any, Callable
 
 from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
-from celery import Task
+from celery import Celery, Task
 from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 from sqlalchemy.engine import Connection
@@ -198,7 +198,7 @@ class IdempotentTask(Task):
                                 unit_of_work=True)
 
 
-def give_inbox_to_every_task(app: Any) -> list[str]:
+def give_inbox_to_every_task(app: Celery) -> list[str]:
     """Run in the worker's main process at start-up (``worker_init``), before the pool forks or
     the tracers are built: a registered task whose class does not derive from ``InboxTask`` or
     ``IdempotentTask`` (``@app.task(base=celery.Task)``, a base of its own deriving from
