@@ -228,7 +228,8 @@ def capture(
     The task message comes first. Its ``task-sent`` event, when enabled, is not a message of
     the list: the sender's call to the event dispatcher (the caller's ``event_dispatcher``
     option, else the one ``event_dispatcher()`` returns, Celery's default) is recorded as the
-    task message's ``sent_event``, which the publisher sends after it.
+    task message's ``sent_event``, which the publisher sends after it. A message of protocol 1
+    takes its id and task name from its body (protocol 2 has them in its headers).
     """
     recorder = _RecordingProducer(producer)
     events = None
@@ -248,10 +249,11 @@ def capture(
         exchange = exchange_name(kwargs.pop("exchange", ""))
         routing_key = kwargs.pop("routing_key", "") or ""
         sending = {key: kwargs.pop(key) for key in _SENDING_OPTIONS if key in kwargs}
+        named = headers if "id" in headers else _protocol_1_body(body) or headers
         captured.append(
             OutgoingMessage(
-                message_id=str(headers.get("id") or ""),
-                task_name=str(headers.get("task") or name),
+                message_id=str(named.get("id") or ""),
+                task_name=str(named.get("task") or name),
                 destination=routing_key,
                 body=payload,
                 content_type=content_type,
@@ -266,6 +268,14 @@ def capture(
     if events is not None and events.events and captured:
         captured[0].sent_event = events.events[0]
     return captured
+
+
+def _protocol_1_body(body: Any) -> dict[str, Any] | None:
+    """The body of a task message of protocol 1 (``task_protocol = 1``), which carries the task's
+    id and name itself (its headers are empty), or None."""
+    if isinstance(body, dict) and "id" in body and "task" in body:
+        return body
+    return None
 
 
 def from_row(row: Any, queues: Any) -> OutgoingMessage:

@@ -17,7 +17,8 @@ Transaction boundaries, by idempotency style:
 For durable queues the full envelope is stored and committed before the body runs
 (unowned for the optimistic style, already claimed for the eager one), so recovery
 can re-publish it. An attempt that ends in a retry is recorded
-as ``retried``; one that fails for good as ``dead``, with a dead letter. A
+as ``retried``; one that fails for good as ``dead``, with a dead letter; one the
+worker discards unrun (revoked or expired) as ``revoked``. A
 duplicate (the attempt already handled or ended) is acked, counted, logged at
 INFO, signalled and ends IGNORED.
 
@@ -63,7 +64,7 @@ from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
 from .relay import REDELIVERY_HEADER
 from .routing import queue_of
 from .signals import duplicate_discarded
-from .store import UNOWNED, utcnow
+from .store import UNOWNED, IncomingStatus, utcnow
 from .store.outage import is_outage
 
 if TYPE_CHECKING:
@@ -454,6 +455,26 @@ class Inbox:
         with store.begin() as conn:
             store.record_outcome(conn, row)
             store.insert_dead_letters(conn, [dead_letter])
+
+    def end_revoked_attempt(self, delivery: Delivery) -> None:
+        """The worker discards this delivery unrun (revoked, or expired), as Celery does: end its
+        attempt as ``revoked`` and, for a durable queue, acknowledge the sender's outgoing rows, in
+        one transaction, before Celery acks the message. A later copy of the attempt (one the
+        broker or recovery sends again, to a worker that has forgotten the revoke) is then a
+        duplicate, and delivery tracking stops re-publishing it.
+
+        The attempt is recorded by the claim's own rule (``Store.claim_incoming``): a new row, or
+        one this delivery could claim (an earlier attempt, a released claim). A row of an attempt
+        that is running in a live worker, or that ended, keeps its outcome. Raises on a store
+        error (the caller logs it; the revoke stands in this worker)."""
+        store = self.outbox.store
+        now = utcnow()
+        row = self._claim_row(delivery, IncomingStatus.REVOKED.value, UNOWNED, now)
+        row.update(handled_at=now, keep_until=self._keep_until(now), recover_after=None)
+        with store.begin() as conn:
+            store.claim_incoming(conn, row, self._stale_before(now), self.outbox.settings.silent_before(now))
+            if self.outbox.settings.is_durable(delivery.queue):
+                self._acknowledge(conn, delivery)
 
     def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
         """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""

@@ -132,12 +132,23 @@ class Outbox:
             return
         if sender is not None and hasattr(sender, "pool_cls"):
             self._size_engine_for(sender)
+            self._give_inbox_to_every_task()
         try:
             self.ready()
         except OutboxError as exc:
             logger.critical("celery-outbox: %s", exc)
             raise SystemExit(f"celery-outbox cannot start: {exc}") from None
         check_dedupe_window(self)
+
+    def _give_inbox_to_every_task(self) -> None:
+        """A worker: tasks whose class bypasses the app's task base go through the inbox too
+        (``tasks.give_inbox_to_every_task``), in this process and in the pool's, forked after it."""
+        from .tasks import give_inbox_to_every_task
+
+        changed = give_inbox_to_every_task(self.app)
+        if changed:
+            logger.info("celery-outbox: tasks whose class does not derive from the app's task base go through the "
+                        "inbox on durable queues: %s", ", ".join(sorted(changed)))
 
     def _size_engine_for(self, worker: Any) -> None:
         """A worker whose pool runs its tasks in threads or greenlets of one process (threads,

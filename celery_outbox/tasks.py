@@ -30,7 +30,7 @@ import logging
 from typing import Any, Callable
 
 from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
-from celery import Task
+from celery import Celery, Task
 from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 from sqlalchemy.engine import Connection
@@ -44,7 +44,7 @@ from .publishing import resending
 from .routing import queue_of
 from .store import utcnow
 
-__all__ = ["IdempotentTask", "InboxTask", "OutboxRequest"]
+__all__ = ["IdempotentTask", "InboxTask", "OutboxRequest", "give_inbox_to_every_task"]
 
 logger = logging.getLogger("celery_outbox.tasks")
 
@@ -68,7 +68,40 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
 
 class OutboxRequest(Request):
     """The worker's request (in the worker's main process): a pool process lost running an
-    inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it."""
+    inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; an
+    inbox attempt the worker discards unrun (revoked, expired) ends as ``revoked`` before
+    Celery acks it."""
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+        """Celery marks the task REVOKED and acks its message. Before that, an inbox attempt that
+        never ran (revoked before it started, or expired) is recorded as ended and its outgoing
+        rows acknowledged (``Inbox.end_revoked_attempt``), in one transaction: a later copy is a
+        duplicate, and delivery tracking does not publish the message again. When the store
+        cannot take it, that is logged and the revoke stands in this worker, as in plain Celery."""
+        if not terminated and self._goes_through_inbox():
+            self._end_revoked(reason)
+        super()._announce_revoked(reason, terminated, signum, expired)
+
+    def _goes_through_inbox(self) -> bool:
+        task = self.task
+        outbox = getattr(task.app, "_celery_outbox", None)
+        return outbox is not None and (isinstance(task, IdempotentTask)
+                                       or outbox.settings.is_durable(queue_of(self.delivery_info, task.app)))
+
+    def _end_revoked(self, reason: str) -> None:
+        task = self.task
+        outbox = outbox_of(task.app)
+        delivery = Delivery.from_context(task, self._context, outbox.settings)
+        try:
+            outbox.inbox.end_revoked_attempt(delivery)
+        except Exception as error:  # noqa: BLE001 - Celery's revoke stands; delivery tracking may send it again
+            logger.error("celery-outbox: cannot record that %s[%s] was %s: %s; it is discarded here, as in "
+                         "plain Celery, but a durable message stays unacknowledged and is published again "
+                         "after outbox_redeliver_after (a worker that remembers the revoke discards it then)",
+                         task.name, self.id, reason, error)
+            return
+        logger.info("celery-outbox: %s[%s] %s: its attempt ended unrun, not to be redelivered", task.name,
+                    self.id, reason)
 
     def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception
@@ -88,9 +121,7 @@ class OutboxRequest(Request):
         task = self.task
         if not (isinstance(exc, WorkerLostError) and task.acks_late and task.retry_on_worker_lost):
             return False
-        outbox = getattr(task.app, "_celery_outbox", None)
-        if outbox is None or not (isinstance(task, IdempotentTask)
-                                  or outbox.settings.is_durable(queue_of(self.delivery_info, task.app))):
+        if not self._goes_through_inbox():
             return False
         return task.max_retries is not None and (self._context.retries or 0) >= task.max_retries
 
@@ -172,3 +203,46 @@ class IdempotentTask(Task):
             raise OutboxError(f"{self.name}.idempotency = {style!r} is not valid: expected one of {_STYLES}")
         return outbox.inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
                                 unit_of_work=True)
+
+
+def give_inbox_to_every_task(app: Celery) -> list[str]:
+    """Run in the worker's main process at start-up (``worker_init``), before the pool forks or
+    the tracers are built: a registered task whose class does not derive from ``InboxTask`` or
+    ``IdempotentTask`` (``@app.task(base=celery.Task)``, a base of its own deriving from
+    ``celery.Task``) gets the ``InboxTask`` behaviour, and every task a request class that
+    derives from ``OutboxRequest``, so that such a task consumed from a durable queue goes
+    through the inbox too: it acknowledges its outgoing row and its duplicates are discarded.
+
+    The task object stays the same (its class is swapped for a subclass of its own, shared by
+    the tasks of that class), so references to it in the user's modules keep working; a
+    ``Request`` class of the user's is kept, combined with ``OutboxRequest``. Celery's own
+    tasks (``celery.*``) are left as they are. Returns the names of the tasks changed."""
+    changed = []
+    classes: dict[type, type] = {}
+    for name, task in list(app.tasks.items()):
+        if name.startswith("celery."):
+            continue
+        cls = type(task)
+        if cls not in classes:
+            classes[cls] = _with_inbox(cls)
+        if classes[cls] is not cls:
+            task.__class__ = classes[cls]
+            changed.append(name)
+    return changed
+
+
+def _with_inbox(cls: type) -> type:
+    """``cls``, or a subclass of it with the ``InboxTask`` behaviour and an ``OutboxRequest``."""
+    from celery.utils.imports import symbol_by_name
+
+    user_request = symbol_by_name(cls.Request) if isinstance(cls.Request, str) else cls.Request
+    has_inbox = issubclass(cls, (InboxTask, IdempotentTask))
+    has_request = issubclass(user_request, OutboxRequest)
+    if has_inbox and has_request:
+        return cls
+    request = user_request if has_request else (
+        OutboxRequest if user_request is Request
+        else type(user_request.__name__, (OutboxRequest, user_request), {"__module__": user_request.__module__}))
+    bases = (cls,) if has_inbox else (InboxTask, cls)
+    return type(cls.__name__, bases, {"Request": request, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})

@@ -9,8 +9,8 @@ optionally, the live tables over JDBC (``--jdbc-url``, with the PostgreSQL drive
 given by ``--jdbc-jar``) for what is not archived yet. Archived rows may repeat
 (archiving is at least once): every input is de-duplicated by its key.
 
-It computes lost messages (sent longer than the grace period ago, never handled nor
-dead-lettered, and not still held by the live tables), duplicates discarded, late
+It computes lost messages (sent longer than the grace period ago, never handled,
+dead-lettered nor revoked, and not still held by the live tables), duplicates discarded, late
 deliveries, stuck rows (live tables only), latency from sent to handled (p50, p95,
 p99, max; per task and per hour), throughput over time (per second, minute or hour,
 by the window's length) and dead letters by task
@@ -34,6 +34,7 @@ from typing import Any
 from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS, archive_schema, filesystem
 from celery_outbox.audit.report import render_report
 from celery_outbox.store.engine import is_secret_name, safe_url
+from celery_outbox.store.schema import IncomingStatus
 
 __all__ = ["AuditInputError", "AuditOptions", "main", "run_audit"]
 
@@ -271,6 +272,11 @@ def shuffle_partitions(spark, options: AuditOptions) -> int:
     return PARTITIONS_PER_CORE * spark.sparkContext.defaultParallelism
 
 
+#: an attempt the message will not go past: handled, failed for good, or revoked unrun (a retried
+#: attempt is followed by another)
+_FINAL_STATUSES = (IncomingStatus.HANDLED.value, IncomingStatus.DEAD.value, IncomingStatus.REVOKED.value)
+
+
 def _audit(spark, options: AuditOptions, cached: list[Any]) -> dict[str, Any]:
     partitions = shuffle_partitions(spark, options)
     spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
@@ -282,7 +288,7 @@ def _audit(spark, options: AuditOptions, cached: list[Any]) -> dict[str, Any]:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    ended = inputs.incoming.where(F.col("status").isin("handled", "dead"))
+    ended = inputs.incoming.where(F.col("status").isin(*_FINAL_STATUSES))
     lost = _without(_without(inputs.sent, ended), inputs.dead.select("message_id", "destination"), by_id_only=True)
     lost = lost.where(F.col("sent_at") < F.lit(now - timedelta(seconds=options.grace_seconds)))
     stuck = None

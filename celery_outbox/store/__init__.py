@@ -1,13 +1,24 @@
 """The message store: tables (one MetaData per prefix) and the only SQL of celery-outbox."""
 
 from .engine import build_engine, masked_options, redact, safe_url
-from .schema import SCHEMA_VERSION, SEND_ID_SIZE, UNOWNED, Tables, build_tables, text_problem
+from .schema import (
+    ENDED_STATUSES,
+    SCHEMA_VERSION,
+    SEND_ID_SIZE,
+    UNOWNED,
+    IncomingStatus,
+    Tables,
+    build_tables,
+    text_problem,
+)
 from .store import MigrationResult, Store, as_utc, is_content_error, is_unique_violation, utcnow
 
 __all__ = [
+    "ENDED_STATUSES",
     "SCHEMA_VERSION",
     "SEND_ID_SIZE",
     "UNOWNED",
+    "IncomingStatus",
     "MigrationResult",
     "Store",
     "Tables",

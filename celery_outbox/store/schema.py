@@ -28,6 +28,7 @@ claim, an unscheduled message) adds no entry to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from sqlalchemy import (
@@ -65,6 +66,22 @@ def _timestamp(name: str, **kwargs) -> Column:
 def _partial_index(name: str, column: Column, where) -> Index:
     """An index of ``column`` over the rows matching ``where`` only (PostgreSQL and SQLite)."""
     return Index(name, column, postgresql_where=where, sqlite_where=where)
+
+
+class IncomingStatus(str, Enum):
+    """How far an attempt of a delivered message got (the inbox's ``status`` column). Every status
+    but ``running`` is an ended attempt: it has ``handled_at`` and ``keep_until``, and cleanup
+    deletes it once ``keep_until`` passes. Write ``.value`` into statements."""
+
+    RUNNING = "running"  #: claimed, its body running (or its claim released: recovery re-publishes it)
+    HANDLED = "handled"  #: the body's transaction committed
+    RETRIED = "retried"  #: ended in a retry; the next attempt (retries + 1) may claim the message
+    DEAD = "dead"  #: failed for good (with a dead letter, unless rejected); a replay may claim it
+    REVOKED = "revoked"  #: the worker discarded it unrun (revoked or expired), as Celery does; never runs
+
+
+#: the statuses of an attempt that ended
+ENDED_STATUSES = frozenset(status.value for status in IncomingStatus if status is not IncomingStatus.RUNNING)
 
 
 def is_running(incoming: Table):
@@ -132,7 +149,7 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("send_id", String(SEND_ID_SIZE), primary_key=True, server_default=""),
         Column("task_name", String(255), nullable=False, server_default=""),
         Column("queue", String(255), nullable=False, server_default=""),
-        Column("status", String(16), nullable=False),  # running | handled | retried | dead
+        Column("status", String(16), nullable=False),  # an IncomingStatus value
         Column("owner", Integer, nullable=False, server_default=str(UNOWNED)),
         Column("retries", Integer, nullable=False, server_default="0"),
         Column("nesting", Integer, nullable=False, server_default="0"),
@@ -143,7 +160,7 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         _timestamp("received_at", nullable=False),
         _timestamp("claimed_at", nullable=True),
         _timestamp("handled_at", nullable=True),
-        _timestamp("keep_until", nullable=True),  # never NULL once status is handled, retried or dead
+        _timestamp("keep_until", nullable=True),  # never NULL once the attempt ended (not running)
         # durable queues: when recovery may re-publish the stored envelope of an unowned running row
         _timestamp("recover_after", nullable=True),
         Index(f"ix_{p}incoming_keep_until", "keep_until"),  # cleanup: ended rows by expiry
