@@ -213,6 +213,13 @@ def fake_consumer():
     return SimpleNamespace(timer=FakeTimer(), app=Celery("fake", set_as_current=False), event_dispatcher=None)
 
 
+def fake_outbox(**parts):
+    """An outbox with default settings (no durable queue) and no app."""
+    from celery_outbox.config import OutboxSettings
+
+    return SimpleNamespace(settings=OutboxSettings(), app=None, **parts)
+
+
 def no_sleep(seconds):
     raise AssertionError(f"the guard slept {seconds}s in the consumer")
 
@@ -222,13 +229,13 @@ def test_a_store_that_cannot_be_reached_requeues_from_the_timer_without_sleeping
 
     from sqlalchemy.exc import OperationalError
 
-    def down(outbox, row):
+    def down(outbox, row, acknowledged):
         raise OperationalError("INSERT", {}, ConnectionRefusedError("connection refused"))
 
     monkeypatch.setattr(guard, "_insert", down)
     monkeypatch.setattr(time, "sleep", no_sleep)
     consumer, message = fake_consumer(), FakeMessage({"task": "t.nope", "id": "1"})
-    guard._dead_letter(None, consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
+    guard._dead_letter(fake_outbox(), consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
     assert (message.acked, message.requeued, len(consumer.timer.entries)) == (0, 0, 1)
     seconds, fun, args = consumer.timer.entries[0]
     fun(*args)
@@ -239,7 +246,7 @@ def test_a_dead_letter_refused_for_its_content_is_stored_reduced_and_acked(store
     real_row = guard.dead_letter_row_of
     monkeypatch.setattr(guard, "dead_letter_row_of",  # a row not fitted to the table: refused by both databases
                         lambda *args: {**real_row(*args), "message_id": None})
-    outbox = SimpleNamespace(ready=lambda: SimpleNamespace(store=store))
+    outbox = fake_outbox(ready=lambda: SimpleNamespace(store=store))
     consumer, message = fake_consumer(), FakeMessage({"task": "t.nope", "id": "1"})
     guard._dead_letter(outbox, consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
     assert (message.acked, message.requeued, consumer.timer.entries) == (1, 0, [])
@@ -250,10 +257,10 @@ def test_a_dead_letter_refused_for_its_content_is_stored_reduced_and_acked(store
 def test_a_dead_letter_refused_even_reduced_is_acked_not_requeued(monkeypatch):
     from sqlalchemy.exc import DataError
 
-    def refused(outbox, row):
+    def refused(outbox, row, acknowledged):
         raise DataError("INSERT", {}, ValueError("value out of range"))
 
     monkeypatch.setattr(guard, "_insert", refused)
     consumer, message = fake_consumer(), FakeMessage({"task": "t.nope", "id": "1"})
-    guard._dead_letter(None, consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
+    guard._dead_letter(fake_outbox(), consumer, message, DeadLetterReason.UNKNOWN_TASK, "not registered")
     assert (message.acked, message.requeued, consumer.timer.entries) == (1, 0, [])
