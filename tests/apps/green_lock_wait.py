@@ -10,19 +10,8 @@ runs again and B's wait ends in that timeout. Prints one JSON line: psycopg's wa
 whether B got the lock, and B's error.
 """
 
-import sys
-
-LIBRARY = sys.argv[1]
-if LIBRARY == "gevent":
-    from gevent import monkey
-
-    monkey.patch_all()
-elif LIBRARY == "eventlet":
-    import eventlet
-
-    eventlet.monkey_patch()
-else:
-    raise SystemExit(f"unknown greenlet library {LIBRARY!r}")
+# ruff: noqa: I001 - the patching import comes first, as in an application
+from green_patch import LIBRARY, spawn  # patches the process (the script's directory is on sys.path)
 
 import json  # noqa: E402 - after the monkey-patching, as an application does
 import os  # noqa: E402
@@ -34,13 +23,6 @@ import psycopg.waiting  # noqa: E402
 LOCK = 715_517  # the advisory lock both greenlets want
 URL = os.environ["TEST_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
 
-
-def spawn(function):
-    if LIBRARY == "gevent":
-        import gevent
-
-        return gevent.spawn(function)
-    return eventlet.spawn(function)
 
 
 def main() -> None:

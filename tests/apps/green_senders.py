@@ -13,21 +13,11 @@ had not finished (blocked), the errors, the outgoing rows left unsent (Outbox mo
 what the process ran on (patched socket, psycopg's wait function).
 """
 
-import sys
+# ruff: noqa: I001 - the patching import comes first, as in an application
+from green_patch import LIBRARY, spawn  # patches the process (the script's directory is on sys.path)
 
-LIBRARY = sys.argv[1]
-if LIBRARY == "gevent":
-    from gevent import monkey
-
-    monkey.patch_all()
-elif LIBRARY == "eventlet":
-    import eventlet
-
-    eventlet.monkey_patch()
-else:
-    raise SystemExit(f"unknown greenlet library {LIBRARY!r}")
-
-import json  # noqa: E402 - after the monkey-patching, as an application does
+import json  # noqa: E402
+import sys  # noqa: E402 - after the monkey-patching, as an application does
 import os  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
@@ -38,13 +28,6 @@ GREENLETS = 50
 MESSAGES = 5
 DEADLINE = 60.0  # seconds for every greenlet together; a blocked greenlet never finishes
 
-
-def spawn(function, *args):
-    if LIBRARY == "gevent":
-        import gevent
-
-        return gevent.spawn(function, *args)
-    return eventlet.spawn(function, *args)
 
 
 def main() -> None:

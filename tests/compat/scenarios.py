@@ -3,7 +3,7 @@ returns a plain, comparable outcome (results, states, exception types, what the 
 order in which callbacks and errbacks ran), never a task id or a time.
 
 ``EXPECTED`` holds what plain Celery does in each scenario, as Celery documents it; every other
-mode must give the same outcome.
+mode must give the same outcome, except the deliberate differences ``DIFFERENCES`` names.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ TIMEOUT = 15.0  # how long a scenario waits for what plain Celery does at once
 
 SCENARIOS: list[Callable[[Context], Any]] = []
 EXPECTED: dict[str, Any] = {}
+#: (scenario, mode) -> the outcome of a deliberate difference from plain Celery, each with its reason
+DIFFERENCES: dict[tuple[str, str], Any] = {}
 
 
 def scenario(expected: Any) -> Callable[[Callable[[Context], Any]], Callable[[Context], Any]]:
@@ -445,6 +447,25 @@ def custom_state(ctx):
     ctx.redis.rpush(f"{key}:go", "1")
     ctx.redis.expire(f"{key}:go", 600)
     return state, info, outcome_of(result)
+
+
+@scenario(expected=("PROGRESS", "active", True, ("SUCCESS", "done")))
+def query_task_while_running(ctx):
+    """``inspect().query_task`` of a running task: its state and whether its message was acked."""
+    key = ctx.key()
+    result = ctx.progress.apply_async((key,))
+    state = settle(lambda: result.state, lambda state: state != "PENDING")
+    replies = ctx.app.control.inspect(timeout=3).query_task(result.id) or {}
+    seen = [answer[result.id] for answer in replies.values() if result.id in answer]
+    status, info = seen[0] if seen else (None, {})
+    ctx.redis.rpush(f"{key}:go", "1")
+    ctx.redis.expire(f"{key}:go", 600)
+    return state, status, info.get("acknowledged"), outcome_of(result)
+
+
+# A deliberate difference (docs/differences.md): an IdempotentTask is acks_late, so its message is
+# acked when the body's transaction has committed, not when the body starts.
+DIFFERENCES[("query_task_while_running", "idempotent")] = ("PROGRESS", "active", False, ("SUCCESS", "done"))
 
 
 @scenario(expected=(2, ["SUCCESS", "SUCCESS"]))

@@ -8,7 +8,7 @@ import pytest
 from ..apps.compat_app import MODES
 from ..services import require
 from . import harness as harness_module
-from .scenarios import EXPECTED, SCENARIOS
+from .scenarios import DIFFERENCES, EXPECTED, SCENARIOS
 
 pytestmark = [pytest.mark.compat, pytest.mark.worker, pytest.mark.redis, pytest.mark.postgres]
 
@@ -27,5 +27,10 @@ def test_same_outcome_as_plain_celery(harness, scenario, mode):
     plain = harness.outcome(scenario, "plain")
     if mode == "plain":
         assert plain == EXPECTED[scenario.__name__], "plain Celery does what Celery documents"
+        return
+    different = DIFFERENCES.get((scenario.__name__, mode))
+    if different is not None:
+        assert different != plain, "a listed difference is one"
+        assert harness.outcome(scenario, mode) == different, f"{mode}: the deliberate difference"
         return
     assert harness.outcome(scenario, mode) == plain, f"{mode} differs from plain Celery"

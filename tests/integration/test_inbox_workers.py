@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+from sqlalchemy import select
 
 from ..brokers import copy_options
 from ..scenario import Scenario
@@ -102,6 +103,10 @@ def test_worker_killed_mid_body_effects_exactly_once(scenario, victim, task):
     assert set(states(rows)) <= {"REJECTED", "SUCCESS"}, states(rows)
     assert len(scenario.shop.effects("order-4")) == 1
     assert len([e for e in scenario.shop.events("order-4") if e.kind == "body"]) == 2, "the body ran twice"
+    incoming = scenario.shop.outbox.store.tables.incoming
+    with scenario.shop.outbox.store.begin() as conn:
+        rows = conn.execute(select(incoming.c.status).where(incoming.c.message_id == "order-4")).scalars().all()
+    assert rows == ["handled"], "the attempt Celery re-sent kept its send's key: no other claim is left running"
 
 
 def test_id_and_destination_runs_one_id_on_two_queues_twice(broker_url, postgres_url, table_prefix, tmp_path):
@@ -142,8 +147,6 @@ def test_malformed_messages_are_dead_lettered_and_the_worker_stays_up(scenario):
         scenario.wait_events(f"good-{n}", "postrun", 1)
     store = scenario.shop.outbox.store
     with store.begin() as conn:
-        from sqlalchemy import select
-
         letters = conn.execute(select(store.tables.dead_letters).order_by(store.tables.dead_letters.c.id)).all()
     assert [(letter.reason, letter.queue) for letter in letters] == [(reason, durable) for _, _, reason, _ in bad]
     for letter, (body, _, _, expected) in zip(letters, bad, strict=True):

@@ -64,35 +64,10 @@ def test_threads_sending_to_a_durable_queue_never_block(with_outbox, threads, po
     def send(x):
         return x
 
-    sent: list[str] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
+    def send_some(n: int) -> list[str]:
+        return [send.delay(n * MESSAGES_PER_THREAD + i).id for i in range(MESSAGES_PER_THREAD)]
 
-    def sender(n: int) -> None:
-        try:
-            for i in range(MESSAGES_PER_THREAD):
-                result = send.delay(n * MESSAGES_PER_THREAD + i)
-                with lock:
-                    sent.append(result.id)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            errors.append(exc)
-
-    workers = [threading.Thread(target=sender, args=(n,), daemon=True) for n in range(threads)]
-    for worker in workers:
-        worker.start()
-    deadline = time.monotonic() + DEADLINE
-    for worker in workers:
-        worker.join(max(deadline - time.monotonic(), 0))
-    blocked = sum(worker.is_alive() for worker in workers)
-    assert blocked == 0, f"{blocked} of {threads} senders still blocked after {DEADLINE} s"
-    assert errors == []
-    expected = threads * MESSAGES_PER_THREAD
-    assert sorted(m.id for m in receive(app, queue, expected, timeout=30)) == sorted(sent)
-    if outbox is not None:
-        assert unsent_rows(outbox.store) == 0, "every stored message was published"
-        drop_store(outbox.store)
-        outbox.engine.dispose()
-    purge(app, queue)
+    _check_and_clean(app, outbox, queue, _run_senders(threads, send_some))
 
 
 def _run_senders(threads: int, send_some: Callable[[int], list[str]]) -> list[str]:
