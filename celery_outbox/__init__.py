@@ -5,6 +5,7 @@ tables under the default prefix, for Alembic autogenerate.
 """
 
 from .config import OutboxSettings
+from .envelope import SEND_HEADER
 from .errors import (
     ConfigurationError,
     IncompatibleSchema,
@@ -20,6 +21,7 @@ from .tasks import IdempotentTask
 metadata = build_tables().metadata
 
 __all__ = [
+    "SEND_HEADER",
     "ConfigurationError",
     "IdempotentTask",
     "IncompatibleSchema",

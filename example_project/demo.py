@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from werkzeug.serving import make_server
 
+    from celery_outbox import SEND_HEADER
     from example_project.shop.celery_app import app, outbox
     from example_project.shop.tasks import charge_payment
     from example_project.shop.web import api, create_tables
@@ -193,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
 
         paid = [order for order in placed if order["pay"]]
         duplicates = rng.sample(paid, int(len(paid) * args.duplicate_share))
-        for order in duplicates:  # the same message again: same task id, same attempt
-            charge_payment.apply_async((order["order_id"],), task_id=order["charge_task_id"])
+        for order in duplicates:  # the same message again, as a broker redelivers it: same task id, same send
+            charge_payment.apply_async((order["order_id"],), task_id=order["charge_task_id"],
+                                       headers={SEND_HEADER: send_id_of(outbox, order["charge_task_id"])})
         say(f"demo: {len(duplicates)} payment messages re-delivered as duplicates")
 
         summary = settle(outbox, placed, duplicates, args.settle_timeout, say)
@@ -268,6 +270,17 @@ def reset_tables(outbox: Any) -> None:
 
     Base.metadata.drop_all(outbox.engine)
     outbox.store.tables.metadata.drop_all(outbox.engine)
+
+
+def send_id_of(outbox: Any, task_id: str, timeout: float = 60.0) -> str:
+    """The publish identity of a sent message, as its inbox row records it once a worker took it
+    (a copy must carry it to be a copy, not a new send of the same task id)."""
+    deadline = time.monotonic() + timeout
+    while (row := outbox.store.get_incoming(task_id)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the payment {task_id} never reached a worker")
+        time.sleep(0.1)
+    return row.send_id
 
 
 def settle(outbox: Any, placed: list[dict[str, Any]], duplicates: list[dict[str, Any]], timeout: float,

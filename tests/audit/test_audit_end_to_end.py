@@ -7,6 +7,7 @@ import os
 
 from celery_outbox.audit.job import EXIT_CLEAN, main
 
+from ..brokers import copy_options
 from ..scenario import Scenario
 from ..services import wait_until
 from .conftest import JDBC_JAR
@@ -23,11 +24,12 @@ def test_a_worker_runs_traffic_is_archived_and_audits_clean(spark, postgres_url,
         ids = [f"e2e-{n}" for n in range(30)]
         with shop.outbox.transaction():
             for task_id in ids:
-                shop.pay.apply_async((task_id,), task_id=task_id, queue=durable)
-        # a duplicate, sent once the original ran: a copy sent while the original's inbox claim commits
-        # may be acknowledged before it is published, and then it is (rightly) never sent
+                shop.pay.apply_async((task_id,), **copy_options(task_id), queue=durable)
+        # a duplicate (a copy of the same send), sent once the original ran: a copy sent while the
+        # original's inbox claim commits may be acknowledged before it is published, and then it is
+        # (rightly) never sent
         scenario.wait_events(ids[0], "postrun", 1)
-        shop.pay.apply_async((ids[0],), task_id=ids[0], queue=durable)
+        shop.pay.apply_async((ids[0],), **copy_options(ids[0]), queue=durable)
         scenario.wait_events(ids[0], "postrun", 2)
         for task_id in ids:
             wait_until(lambda task_id=task_id: (row := store.get_incoming(task_id)) and row.status == "handled",
