@@ -20,7 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import OperationalError
 
 from .pipeline import OneMessage, _pipelined_query
-from .schema import _INCOMING_KEY, UNOWNED, _incoming_key, is_running
+from .schema import _INCOMING_KEY, UNOWNED, IncomingStatus, _incoming_key, is_running
 
 __all__ = ["ExpiredDeleted", "IncomingStatements"]
 
@@ -107,9 +107,11 @@ class IncomingStatements(OneMessage):
             free = free | (table.c.claimed_at < stale_before)
         claimable = (
             (new.nesting > table.c.nesting)
-            | (table.c.status.in_(("retried", "running")) & _later_attempt(new, table))
-            | ((table.c.status == "dead") & (new.nesting == table.c.nesting) & (new.replays > table.c.replays))
-            | ((table.c.status == "running") & same_attempt & free)
+            | (table.c.status.in_((IncomingStatus.RETRIED.value, IncomingStatus.RUNNING.value))
+               & _later_attempt(new, table))
+            | ((table.c.status == IncomingStatus.DEAD.value) & (new.nesting == table.c.nesting)
+               & (new.replays > table.c.replays))
+            | ((table.c.status == IncomingStatus.RUNNING.value) & same_attempt & free)
         )
         updates = {key: getattr(new, key) for key in row
                    if key not in (*_INCOMING_KEY, "received_at", "recoveries")}
@@ -176,7 +178,7 @@ class IncomingStatements(OneMessage):
             .where(table.c.owner == bindparam("claim_owner"), is_running(table))
             .where(table.c.nesting == bindparam("claim_nesting"), table.c.replays == bindparam("claim_replays"))
             .where(table.c.retries == bindparam("claim_retries"))
-            .values(status=literal_column("'handled'"), owner=literal_column(str(UNOWNED)),
+            .values(status=literal_column(f"'{IncomingStatus.HANDLED.value}'"), owner=literal_column(str(UNOWNED)),
                     handled_at=bindparam("finished_at"), keep_until=bindparam("finished_keep_until"))
         )
 
@@ -226,7 +228,7 @@ class IncomingStatements(OneMessage):
         updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
         conn.execute(insert.on_conflict_do_update(
             index_elements=_INCOMING_KEY, set_=updates,
-            where=not_older & (table.c.status != "handled"),
+            where=not_older & (table.c.status != IncomingStatus.HANDLED.value),
         ))
 
     def claim_in_flight(self, conn: Connection, message_id: str, destination: str,
@@ -298,7 +300,8 @@ class IncomingStatements(OneMessage):
         table = self.tables.incoming
         conn.execute(
             update(table).where(tuple_(*_incoming_key(table)).in_(list(keys)))
-            .values(status="dead", owner=UNOWNED, handled_at=now, keep_until=keep_until, recover_after=None)
+            .values(status=IncomingStatus.DEAD.value, owner=UNOWNED, handled_at=now, keep_until=keep_until,
+                    recover_after=None)
         )
 
     def delete_expired_incoming(self, conn: Connection, now: datetime, limit: int,
