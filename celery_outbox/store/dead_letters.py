@@ -16,6 +16,7 @@ from .base import StoreBase
 
 __all__ = ["DeadLetterStatements"]
 
+
 class DeadLetterStatements(StoreBase):
     """The statements of the ``dead_letters`` table."""
 

@@ -1,5 +1,5 @@
 """Reads that only the command line and the tests use: row counts, one inbox row, one dead letter,
-listings of dead letters and nodes. Nothing in the library's own paths depends on them.
+listings of dead letters and nodes. No other path of the library calls them.
 
 Each read runs in a short transaction of its own; a count given a ``conn`` runs inside the
 caller's transaction instead. None of them writes.
@@ -12,6 +12,7 @@ from sqlalchemy import Connection, Row, func, select
 from .base import StoreBase
 
 __all__ = ["Inspection"]
+
 
 class Inspection(StoreBase):
     """Counts and listings for operators and tests."""

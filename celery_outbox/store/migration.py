@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MigrationResult", "SchemaStatements"]
 
+
 @dataclass
 class MigrationResult:
     created_tables: list[str] = field(default_factory=list)

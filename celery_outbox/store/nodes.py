@@ -22,6 +22,7 @@ from .schema import UNOWNED, is_running
 
 __all__ = ["NodeStatements"]
 
+
 class NodeStatements(StoreBase):
     """The statements of the ``nodes`` table."""
 

@@ -16,6 +16,7 @@ from .schema import is_running
 
 __all__ = ["StatusStatements"]
 
+
 class StatusStatements(StoreBase):
     """The status report of the store."""
 

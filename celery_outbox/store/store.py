@@ -6,9 +6,9 @@
 (worker processes and their liveness), ``status`` (the status report) and ``inspection`` (reads
 for the command line and the tests). They all build on ``base.StoreBase`` (the engine, ``begin``,
 the errors the store tells apart); the inbox also on ``pipeline.OneMessage``, the one module that
-touches psycopg's internals. Each module says the transaction boundary of its statements: a method that takes
-a ``conn`` runs inside the caller's transaction and never commits unless its module says so;
-methods without one open their own short transaction.
+touches psycopg's internals. Each module says the transaction boundary of its statements: a method
+that takes a ``conn`` runs inside the caller's transaction and never commits unless its module says
+so; methods without one open their own short transaction.
 """
 
 from __future__ import annotations
