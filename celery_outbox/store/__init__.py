@@ -1,6 +1,8 @@
 """The message store: tables (one MetaData per prefix) and the only SQL of celery-outbox."""
 
+from .base import as_utc, is_content_error, is_unique_violation, utcnow
 from .engine import build_engine, masked_options, redact, safe_url
+from .migration import MigrationResult
 from .schema import (
     ENDED_STATUSES,
     SCHEMA_VERSION,
@@ -11,7 +13,7 @@ from .schema import (
     build_tables,
     text_problem,
 )
-from .store import MigrationResult, Store, as_utc, is_content_error, is_unique_violation, utcnow
+from .store import Store
 
 __all__ = [
     "ENDED_STATUSES",

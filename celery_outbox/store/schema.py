@@ -92,6 +92,15 @@ def is_running(incoming: Table):
     return incoming.c.status == literal_column("'running'")
 
 
+#: the inbox's primary key, as column names
+_INCOMING_KEY = ("message_id", "destination", "send_id")
+
+
+def _incoming_key(table: Table) -> tuple[Any, ...]:
+    """The inbox's primary key columns."""
+    return tuple(table.c[name] for name in _INCOMING_KEY)
+
+
 def _envelope_columns() -> list[Column]:
     """The fully built message: everything needed to publish it again, byte for byte."""
     return [

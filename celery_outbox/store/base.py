@@ -1,0 +1,162 @@
+"""What every statement family of the store builds on: the engine and its short transactions,
+the errors the store tells apart, and the SQL pieces more than one family puts in its statements.
+
+``StoreBase.begin`` opens a transaction of its own (``_Transaction``): it commits when its block
+ends, rolls back on an error, and turns a database that cannot be reached into
+``StoreUnavailable``. ``ping`` runs in one. The pieces (``_id_predicate`` and the node liveness
+predicates) run in whatever statement, and so whatever transaction, takes them;
+``_release_incoming``, the release of inbox claims that the inbox's stale-claim release and the
+nodes' release of dead owners' claims share, runs inside the caller's transaction. PostgreSQL gets
+its fast paths (``= ANY(array)``, advisory locks); SQLite gets equivalents that are correct
+because every SQLite transaction of the store is ``BEGIN IMMEDIATE`` (one writer at a time).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Sequence
+
+from sqlalchemy import BigInteger, Connection, bindparam, case, false, func, literal_column, select, tuple_, update
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
+
+from ..errors import StoreUnavailable
+from .engine import redact, safe_url
+from .schema import UNOWNED, Tables, _incoming_key, build_tables
+
+__all__ = ["StoreBase", "as_utc", "is_content_error", "is_unique_violation", "utcnow"]
+
+PG_UNIQUE_VIOLATION = "23505"
+SQLITE_CONSTRAINT_PRIMARYKEY = 1555
+SQLITE_CONSTRAINT_UNIQUE = 2067
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes: the store only ever writes UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=timezone.utc)
+
+
+def is_unique_violation(exc: BaseException) -> bool:
+    """True when ``exc`` is a primary-key or unique violation, judged by SQLSTATE / driver error code."""
+    orig = getattr(exc, "orig", exc)
+    if getattr(orig, "sqlstate", None) == PG_UNIQUE_VIOLATION:
+        return True
+    return getattr(orig, "sqlite_errorcode", None) in (SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE)
+
+
+def is_content_error(exc: BaseException) -> bool:
+    """True when the database (or its driver) refused a statement for the values it carried: a
+    data exception or constraint violation (SQLSTATE classes 22 and 23, the DBAPI's
+    ``DataError``/``IntegrityError``), or text the driver cannot encode. Anything else (a lost
+    connection, a pool timeout, a missing table) is not the values' fault."""
+    if isinstance(exc, (DataError, IntegrityError, UnicodeError)):
+        return True
+    sqlstate = getattr(getattr(exc, "orig", exc), "sqlstate", None) or ""
+    return sqlstate[:2] in ("22", "23")
+
+
+class StoreBase:
+    """The tables of one table prefix on one engine; the statement families of ``Store`` are its
+    subclasses."""
+
+    def __init__(self, engine: Engine, table_prefix: str = "celery_outbox_", tables: Tables | None = None):
+        self.engine = engine
+        self.tables = tables if tables is not None else build_tables(table_prefix)
+        self.prefix = table_prefix
+        self.dialect = engine.dialect.name
+        self.is_postgres = self.dialect == "postgresql"
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return safe_url(self.engine.url)
+
+    def unavailable(self, exc: BaseException) -> StoreUnavailable:
+        """A ``StoreUnavailable`` naming the store and the driver's reason, with no password in it."""
+        reason = getattr(exc, "orig", None) or exc
+        message = " ".join(str(reason).split())
+        return StoreUnavailable(
+            f"cannot use the message store at {self.describe()}: {redact(message, self.engine.url)}"
+        )
+
+    def begin(self, durable: bool = True):
+        """A short transaction of its own: ``with store.begin() as conn: ...``.
+
+        ``durable=False`` is for bookkeeping that no irreversible act (an ack, a reply,
+        an effect) waits for, and whose loss in a database crash only makes a message
+        go out again, for the inbox to discard: on PostgreSQL it commits without
+        waiting for the WAL flush (``synchronous_commit = off``). The next durable
+        commit of any session makes it durable too: the WAL is flushed in order.
+        """
+        return _Transaction(self, durable)
+
+    def ping(self) -> None:
+        """Raise ``StoreUnavailable`` unless the database answers."""
+        with self.begin() as conn:
+            conn.execute(select(literal_column("1")))
+
+    # -- shared SQL ------------------------------------------------------------------------------
+
+    def _id_predicate(self, column, ids: Sequence[int]):
+        if self.is_postgres:
+            return column == func.any(bindparam("ids", list(ids), type_=postgresql.ARRAY(BigInteger)))
+        return column.in_(list(ids))
+
+    def _silent_and_unlocked(self, silent, node_id_column):
+        """SQL: ``silent`` and the node's liveness lock free, the lock tried only for a silent node
+        (trying it takes it for the rest of the transaction)."""
+        return case((silent, self._liveness_lock_free(node_id_column)), else_=false())
+
+    def _liveness_lock_free(self, node_id_column):
+        """SQL (PostgreSQL): the node's process no longer holds its liveness lock. Takes the
+        lock for the rest of the transaction when it is free."""
+        from ..node import node_lock_namespace
+
+        lock_key = literal_column(str(node_lock_namespace(self.prefix) << 32), BigInteger) + node_id_column
+        return func.pg_try_advisory_xact_lock(lock_key)
+
+    def _release_incoming(self, conn: Connection, where, limit: int, now: datetime) -> int:
+        """Release up to ``limit`` claims matching ``where`` (skipping locked rows); due for recovery at once."""
+        table = self.tables.incoming
+        keys = select(*_incoming_key(table)).where(where).limit(limit)
+        if self.is_postgres:
+            keys = keys.with_for_update(skip_locked=True)
+        return conn.execute(
+            update(table).where(tuple_(*_incoming_key(table)).in_(keys))
+            .values(owner=UNOWNED, recover_after=now)
+        ).rowcount
+
+
+class _Transaction:
+    """``with store.begin() as conn``: commit on success, roll back on error, and turn a
+    database that cannot be reached into ``StoreUnavailable`` naming the store."""
+
+    def __init__(self, store: StoreBase, durable: bool = True):
+        self.store = store
+        self.durable = durable
+        self._context = None
+
+    def __enter__(self) -> Connection:
+        try:
+            self._context = self.store.engine.begin()
+            conn = self._context.__enter__()
+            if not self.durable and self.store.is_postgres:
+                conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+            return conn
+        except OperationalError as exc:
+            raise self.store.unavailable(exc) from exc
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return self._context.__exit__(exc_type, exc, tb)
+        except OperationalError as error:
+            if exc is None:
+                raise self.store.unavailable(error) from error
+            raise

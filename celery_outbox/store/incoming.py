@@ -1,0 +1,382 @@
+"""The inbox's statements: the ``incoming`` table, where a delivery claims its message for one
+attempt and a duplicate is told apart, and where maintenance releases, recovers and expires claims.
+
+A method that takes a ``conn`` runs inside the caller's transaction (the body's unit of work, a
+recover or cleanup batch) and never commits, with two exceptions that end a transaction
+themselves on PostgreSQL: ``claim_incoming_alone`` claims in a transaction of its own that commits
+without waiting for the WAL flush (on ``then_begin`` it opens the body's transaction behind that
+commit), and ``finish_incoming`` with ``commit`` sends the body's COMMIT in the same message
+(``pipeline``).
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime
+from typing import Any, Sequence
+
+from sqlalchemy import Connection, Row, bindparam, delete, func, literal_column, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import OperationalError
+
+from .pipeline import OneMessage, _pipelined_query
+from .schema import _INCOMING_KEY, UNOWNED, IncomingStatus, _incoming_key, is_running
+
+__all__ = ["ExpiredDeleted", "IncomingStatements"]
+
+# envelope columns are only overwritten by a claim that carries them
+_ENVELOPE_KEYS = frozenset({"exchange", "routing_key", "body", "content_type", "content_encoding", "headers",
+                            "properties"})
+_PG_DIVISION_BY_ZERO = "22012"
+
+
+class IncomingStatements(OneMessage):
+    """The statements of the ``incoming`` table."""
+
+    def _upsert(self, table):
+        return (postgresql.insert if self.is_postgres else sqlite.insert)(table)
+
+    @functools.cached_property
+    def _insert_new_incoming(self):
+        """``INSERT ... ON CONFLICT DO NOTHING RETURNING``, built once: the row comes as parameters,
+        so SQLAlchemy compiles it once per set of columns (building ``.values(**row)`` for every
+        claim cost more than running it)."""
+        table = self.tables.incoming
+        return (self._upsert(table).on_conflict_do_nothing(index_elements=_INCOMING_KEY)
+                .returning(table.c.message_id))
+
+    def insert_incoming(self, conn: Connection, row: dict[str, Any]) -> bool:
+        """Insert an inbox row; False (and nothing written) when its key exists.
+
+        ``INSERT ... ON CONFLICT DO NOTHING``; a concurrent insert of the same key
+        waits for the first transaction and then conflicts.
+        """
+        if self.is_postgres and self._can_open_in_one_message(conn):  # its BEGIN goes with it: one round trip
+            return self._insert_incoming_in_one_message(conn, row, (b"BEGIN",))
+        return conn.execute(self._insert_new_incoming, row).first() is not None
+
+    def _owner_is_dead(self, table, silent_before: datetime | None):
+        """SQL: the row's owner node is gone (declared dead or deregistered) or, on PostgreSQL,
+        silent (no heartbeat since ``silent_before``) with its advisory liveness lock free: its
+        process is gone. A live node whose liveness connection dropped keeps heartbeating while
+        it takes its lock again, so it is never taken for dead."""
+        nodes = self.tables.nodes
+        gone = ~select(nodes.c.id).where(nodes.c.id == table.c.owner, nodes.c.dead_at.is_(None)) \
+            .correlate(table).exists()
+        if not self.is_postgres or silent_before is None:
+            return gone
+        silent = select(nodes.c.id).where(nodes.c.id == table.c.owner, nodes.c.heartbeat_at < silent_before) \
+            .correlate(table).exists()
+        return gone | self._silent_and_unlocked(silent, table.c.owner)
+
+    def claim_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None = None,
+                       silent_before: datetime | None = None) -> bool:
+        """Claim a received message for one attempt; False when it is a duplicate.
+
+        ``row`` carries the key, the attempt (``nesting``, ``retries``), the new
+        ``status`` (``handled`` for an optimistic claim inside the body's transaction,
+        ``running`` for an eager claim), ``owner`` and ``claimed_at``. An attempt is
+        ordered by (``nesting``, ``replays``, ``retries``). One
+        ``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` statement: an existing row is
+        taken over only by
+
+        * a ``replace`` (greater ``nesting``), always;
+        * a later attempt of a row that ended in a retry or is still running (a retry,
+          or Celery re-sending the task of a lost worker process);
+        * a dead-letter replay (greater ``replays``) of a row that ended dead;
+        * the same attempt of a running row whose owner is unowned (released), dead (see
+          ``_owner_is_dead``: silent since ``silent_before`` and unlocked counts), or claimed
+          before ``stale_before``: a recovery, not a duplicate.
+
+        A concurrent claim of the same key waits for the first transaction, then
+        re-checks these conditions against the committed row.
+        """
+        return self.insert_incoming(conn, row) or self._take_over_incoming(conn, row, stale_before, silent_before)
+
+    def _take_over_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None,
+                            silent_before: datetime | None) -> bool:
+        """The key exists (or a concurrent claim just committed it): a second statement, with a
+        fresh snapshot, decides whether this delivery may take the row over."""
+        table = self.tables.incoming
+        insert = self._upsert(table).values(**row)
+        new = insert.excluded
+        same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
+            new.retries == table.c.retries)
+        free = (table.c.owner == UNOWNED) | self._owner_is_dead(table, silent_before)
+        if stale_before is not None:
+            free = free | (table.c.claimed_at < stale_before)
+        claimable = (
+            (new.nesting > table.c.nesting)
+            | (table.c.status.in_((IncomingStatus.RETRIED.value, IncomingStatus.RUNNING.value))
+               & _later_attempt(new, table))
+            | ((table.c.status == IncomingStatus.DEAD.value) & (new.nesting == table.c.nesting)
+               & (new.replays > table.c.replays))
+            | ((table.c.status == IncomingStatus.RUNNING.value) & same_attempt & free)
+        )
+        updates = {key: getattr(new, key) for key in row
+                   if key not in (*_INCOMING_KEY, "received_at", "recoveries")}
+        updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
+        statement = (
+            insert.on_conflict_do_update(
+                index_elements=_INCOMING_KEY, set_=updates, where=claimable
+            ).returning(table.c.message_id)
+        )
+        return conn.execute(statement).first() is not None
+
+    def claim_incoming_alone(self, row: dict[str, Any], stale_before: datetime | None = None,
+                             then_begin: Connection | None = None, silent_before: datetime | None = None) -> bool:
+        """``claim_incoming`` in a transaction of its own that commits without waiting for the
+        WAL flush (``begin(durable=False)``): the eager claim, made durable by the body's commit.
+
+        On PostgreSQL a new key, the common case, costs one round trip instead of four: BEGIN,
+        ``SET LOCAL synchronous_commit TO OFF``, the ``INSERT ... ON CONFLICT DO NOTHING`` and
+        COMMIT go in one network write (``_insert_incoming_in_one_message``). Given
+        ``then_begin``, a connection between transactions, the claim goes on it and a BEGIN
+        follows the COMMIT in the same write: the body's transaction is open when the claim
+        returns, and the body's first statement does not wait for a BEGIN of its own. A key
+        that exists already takes ``claim_incoming``'s second statement in a transaction of
+        its own; the first wrote nothing."""
+        inserted = None
+        if self.is_postgres:
+            try:
+                conn = then_begin if then_begin is not None else self.engine.connect()
+                try:
+                    if self._can_open_in_one_message(conn):
+                        inserted = self._insert_incoming_in_one_message(
+                            conn, row, (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"),
+                            (b"COMMIT",) if then_begin is None else (b"COMMIT", b"BEGIN"))
+                finally:
+                    if then_begin is None:
+                        conn.close()
+            except OperationalError as exc:
+                raise self.unavailable(exc) from exc
+        if inserted:
+            return True
+        with self.begin(durable=False) as conn:
+            if inserted is None:  # not sent as one message
+                return self.claim_incoming(conn, row, stale_before, silent_before)
+            return self._take_over_incoming(conn, row, stale_before, silent_before)
+
+    def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: tuple[bytes, ...],
+                                        after: tuple[bytes, ...] = ()) -> bool:
+        """PostgreSQL: the statements ``before``, the inbox INSERT ... ON CONFLICT DO NOTHING
+        RETURNING and the statements ``after`` in one message (``_send_one_message``); True when
+        the row went in."""
+        claim = _pipelined_query(self._insert_new_incoming, conn.dialect, tuple(row), "claim")
+        result, _ = self._send_one_message(conn, claim, row, before, after)
+        return result.ntuples > 0
+
+    @functools.cached_property
+    def _finish_incoming(self):
+        """The UPDATE that marks an eager claim handled, built once: its values are the named
+        parameters, its constants written in the statement."""
+        table = self.tables.incoming
+        return (
+            update(table)
+            .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
+            .where(table.c.send_id == bindparam("key_send"))
+            .where(table.c.owner == bindparam("claim_owner"), is_running(table))
+            .where(table.c.nesting == bindparam("claim_nesting"), table.c.replays == bindparam("claim_replays"))
+            .where(table.c.retries == bindparam("claim_retries"))
+            .values(status=literal_column(f"'{IncomingStatus.HANDLED.value}'"), owner=literal_column(str(UNOWNED)),
+                    handled_at=bindparam("finished_at"), keep_until=bindparam("finished_keep_until"))
+        )
+
+    @functools.cached_property
+    def _finish_incoming_or_fail(self):
+        """PostgreSQL: ``_finish_incoming`` as a query that fails (division by zero) when it marks
+        no row, so that a COMMIT sent right behind it does not commit a claim no longer ours."""
+        finished = self._finish_incoming.returning(literal_column("1")).cte("finished")
+        return select(literal_column("1") / func.count()).select_from(finished)
+
+    def finish_incoming(self, conn: Connection, message_id: str, destination: str, owner: int,
+                        attempt: tuple[int, int, int], now: datetime, keep_until: datetime,
+                        commit: bool = False, send_id: str = "") -> bool:
+        """Mark an eagerly claimed row handled, inside the body's transaction; False when
+        the claim is no longer ours (another node took it over): the caller rolls back.
+        ``attempt`` is (nesting, replays, retries).
+
+        With ``commit``, the last statement of the body's transaction, on PostgreSQL the
+        transaction's COMMIT goes with it in one round trip (and its BEGIN too when the body
+        wrote nothing): the UPDATE is sent as a query that fails when it marks no row, so a claim
+        no longer ours aborts the transaction instead of committing it. The caller's own commit
+        then finds the transaction ended (psycopg sends nothing); it still ends SQLAlchemy's."""
+        nesting, replays, retries = attempt
+        values = {
+            "key_id": message_id, "key_destination": destination, "key_send": send_id, "claim_owner": owner,
+            "claim_nesting": nesting, "claim_replays": replays, "claim_retries": retries,
+            "finished_at": now, "finished_keep_until": keep_until,
+        }
+        opening = self._opening(conn) if commit and self.is_postgres else None
+        if opening is not None:
+            finish = _pipelined_query(self._finish_incoming_or_fail, conn.dialect, tuple(values), "finish")
+            _, failed = self._send_one_message(conn, finish, values, opening, (b"COMMIT",),
+                                               tolerate=(_PG_DIVISION_BY_ZERO,))
+            return failed is None
+        return conn.execute(self._finish_incoming, values).rowcount == 1
+
+    def record_outcome(self, conn: Connection, row: dict[str, Any]) -> None:
+        """Record how an attempt ended without committing its effects (``retried`` or
+        ``dead``), unless a later attempt or a handled row is already there."""
+        table = self.tables.incoming
+        insert = self._upsert(table).values(**row)
+        new = insert.excluded
+        same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
+            new.retries == table.c.retries)
+        not_older = _later_attempt(new, table) | same_attempt
+        updates = {key: getattr(new, key) for key in row if key not in (*_INCOMING_KEY, "received_at")}
+        updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
+        conn.execute(insert.on_conflict_do_update(
+            index_elements=_INCOMING_KEY, set_=updates,
+            where=not_older & (table.c.status != IncomingStatus.HANDLED.value),
+        ))
+
+    def claim_in_flight(self, conn: Connection, message_id: str, destination: str,
+                        attempt: tuple[int, int, int], send_id: str = "") -> bool:
+        """Whether the message's row is a running claim of this very attempt (nesting, replays,
+        retries): after a claim that failed, its owner is alive and may still finish it, so a
+        copy of it is not a duplicate yet."""
+        table = self.tables.incoming
+        nesting, replays, retries = attempt
+        return conn.execute(
+            select(table.c.message_id).where(
+                table.c.message_id == message_id, table.c.destination == destination,
+                table.c.send_id == send_id, is_running(table), table.c.nesting == nesting,
+                table.c.replays == replays, table.c.retries == retries)
+        ).first() is not None
+
+    def count_duplicate(self, conn: Connection, message_id: str, destination: str, send_id: str = "") -> None:
+        table = self.tables.incoming
+        conn.execute(
+            update(table)
+            .where(table.c.message_id == message_id, table.c.destination == destination, table.c.send_id == send_id)
+            .values(duplicates=table.c.duplicates + 1)
+        )
+
+    def release_stale_incoming(self, conn: Connection, claimed_before: datetime, limit: int, now: datetime) -> int:
+        """Release up to ``limit`` running rows claimed before ``claimed_before`` (opt-in stale time)."""
+        table = self.tables.incoming
+        return self._release_incoming(conn, is_running(table) & (table.c.owner != UNOWNED)
+                                      & (table.c.claimed_at < claimed_before), limit, now)
+
+    def lock_recoverable_incoming(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
+        """Lock up to ``limit`` stranded envelopes: running, unowned, due for recovery.
+
+        On PostgreSQL ``SKIP LOCKED`` also skips the row of an optimistic claim still in
+        flight (its ``ON CONFLICT DO UPDATE`` holds the row lock) and rows another
+        recover run holds; on SQLite a body in flight holds the write lock.
+        """
+        table = self.tables.incoming
+        query = (
+            select(table)
+            .where(is_running(table), table.c.owner == UNOWNED, table.c.recover_after <= now)
+            .order_by(table.c.recover_after)
+            .limit(limit)
+        )
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def mark_recovered(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Count a re-publish of each row (``message_id``, ``destination``, ``send_id``, ``recover_after``)."""
+        if not rows:
+            return
+        table = self.tables.incoming
+        conn.execute(
+            update(table)
+            .where(table.c.message_id == bindparam("key_id"), table.c.destination == bindparam("key_destination"))
+            .where(table.c.send_id == bindparam("key_send"))
+            .values(recoveries=table.c.recoveries + 1, recover_after=bindparam("next_recovery")),
+            [{"key_id": r["message_id"], "key_destination": r["destination"], "key_send": r["send_id"],
+              "next_recovery": r["recover_after"]} for r in rows],
+        )
+
+    def mark_incoming_dead(self, conn: Connection, keys: Sequence[tuple[str, str, str]], now: datetime,
+                           keep_until: datetime) -> None:
+        """End running rows of ``keys`` (message id, destination, send id) as ``dead`` (recovery gave
+        up on them)."""
+        if not keys:
+            return
+        table = self.tables.incoming
+        conn.execute(
+            update(table).where(tuple_(*_incoming_key(table)).in_(list(keys)))
+            .values(status=IncomingStatus.DEAD.value, owner=UNOWNED, handled_at=now, keep_until=keep_until,
+                    recover_after=None)
+        )
+
+    def delete_expired_incoming(self, conn: Connection, now: datetime, limit: int,
+                                after: datetime | None = None) -> "ExpiredDeleted":
+        """Delete up to ``limit`` ended rows whose ``keep_until`` passed (and, with ``after``, is not
+        before it), oldest first; one statement. Returns the count, an int whose ``last_keep_until`` is
+        the latest ``keep_until`` deleted: the next batch of a run passes it as ``after``.
+
+        On PostgreSQL the rows are locked (``SKIP LOCKED``) and deleted by ``ctid``, with no join back
+        through the primary key. ``after`` matters there: deleted rows stay in the ``keep_until`` index
+        until vacuum, and while any transaction older than the delete is open (a task body in its unit
+        of work) each of them costs the next batch's scan a heap visit; without ``after`` every batch
+        of a run would wade through all the rows the run deleted before it.
+        """
+        table = self.tables.incoming
+        if not self.is_postgres:
+            return ExpiredDeleted(conn.execute(
+                delete(table).where(tuple_(*_incoming_key(table)).in_(
+                    self._expired_incoming(now, limit, _incoming_key(table), after)))
+            ).rowcount)
+        ctid = literal_column("ctid")
+        expired = self._expired_incoming(now, limit, (ctid,), after).select_from(table)
+        gone = (delete(table).where(ctid == func.any(func.array(expired.scalar_subquery())))
+                .returning(table.c.keep_until).cte("gone"))
+        count, last = conn.execute(select(func.count(), func.max(gone.c.keep_until))).one()
+        return ExpiredDeleted(count, last)
+
+    def lock_expired_incoming(self, conn: Connection, now: datetime, limit: int,
+                              after: datetime | None = None) -> list[Row]:
+        """Lock up to ``limit`` ended rows whose ``keep_until`` passed (and is not before ``after``),
+        oldest first (to archive, then delete)."""
+        table = self.tables.incoming
+        return list(conn.execute(self._expired_incoming(now, limit, tuple(table.c), after)))
+
+    def _expired_incoming(self, now: datetime, limit: int, columns: tuple, after: datetime | None = None):
+        table = self.tables.incoming
+        query = select(*columns).where(table.c.keep_until < now)
+        if after is not None:
+            query = query.where(table.c.keep_until >= after)
+        query = query.order_by(table.c.keep_until).limit(limit)
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return query
+
+    def delete_incoming(self, conn: Connection, keys: Sequence[tuple[str, str, str]]) -> int:
+        """Delete the rows of ``keys`` (message id, destination, send id); on PostgreSQL three array
+        parameters (``unnest``) instead of three bound parameters a row."""
+        if not keys:
+            return 0
+        table = self.tables.incoming
+        key = tuple_(*_incoming_key(table))
+        if not self.is_postgres:
+            return conn.execute(delete(table).where(key.in_(list(keys)))).rowcount
+        strings = postgresql.ARRAY(table.c.message_id.type)
+        triples = select(func.unnest(bindparam("key_ids", [k[0] for k in keys], type_=strings)),
+                         func.unnest(bindparam("key_destinations", [k[1] for k in keys], type_=strings)),
+                         func.unnest(bindparam("key_sends", [k[2] for k in keys], type_=strings)))
+        return conn.execute(delete(table).where(key.in_(triples))).rowcount
+
+
+def _later_attempt(new, table):
+    """SQL: the proposed row is a later attempt than the stored one, by (nesting, replays, retries)."""
+    return (new.nesting > table.c.nesting) | (
+        (new.nesting == table.c.nesting) & (new.replays > table.c.replays)
+    ) | (
+        (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (new.retries > table.c.retries)
+    )
+
+
+class ExpiredDeleted(int):
+    """How many expired inbox rows one cleanup batch deleted, and the latest ``keep_until`` among them."""
+
+    last_keep_until: datetime | None
+
+    def __new__(cls, count: int, last_keep_until: datetime | None = None) -> "ExpiredDeleted":
+        deleted = super().__new__(cls, count)
+        deleted.last_keep_until = last_keep_until
+        return deleted

@@ -1,0 +1,295 @@
+"""The outbox's statements: the ``outgoing`` table (messages waiting to be published, and sent
+messages waiting for their acknowledgment) and the ``sent`` table (records of first publishes, for
+the delivery audit).
+
+Every method runs inside the caller's transaction (the unit of work that writes messages, a
+relay's batch, a cleanup batch) and never commits. A relay's rows stay locked until that
+transaction ends: ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, the ``BEGIN IMMEDIATE`` write lock on
+SQLite; if the relay dies, the database releases them.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from datetime import datetime
+from typing import Any, Sequence
+
+from sqlalchemy import (
+    Connection,
+    LargeBinary,
+    Row,
+    String,
+    Text,
+    bindparam,
+    cast,
+    delete,
+    func,
+    literal_column,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+
+from .base import StoreBase
+
+__all__ = ["INSERT_CHUNK", "RECORD_COLUMNS", "OutgoingStatements"]
+
+# Rows per INSERT statement: keeps every statement under both databases' parameter limits.
+INSERT_CHUNK = 1000
+# The columns of an outgoing row a record of its send (the ``sent`` table) keeps.
+RECORD_COLUMNS = ("message_id", "destination", "task_name", "created_at")
+
+
+@functools.lru_cache(maxsize=64)
+def _insert_from_json(table: Any, names: tuple[str, ...]) -> Any:
+    """PostgreSQL: ``INSERT INTO table (names) SELECT ... FROM jsonb_array_elements(:rows) WITH
+    ORDINALITY ORDER BY ordinality RETURNING id``: the rows travel as one JSON text, each row an
+    array of its values in the order of ``names`` (bytes in base64, see ``_json_rows``). The ids
+    come from the table's sequence in the rows' order, so the ascending ids match the rows in order."""
+    def value(position: int, name: str) -> Any:
+        field = literal_column("given.doc").op("->>")(literal_column(str(position)))
+        kind = table.c[name].type
+        if isinstance(kind, LargeBinary):
+            return func.decode(field, "base64")
+        return field if isinstance(kind, (String, Text)) else cast(field, kind)
+
+    given = func.jsonb_array_elements(cast(bindparam("rows", type_=Text), postgresql.JSONB)).table_valued(
+        "doc", with_ordinality="ordinality").render_derived(name="given")
+    rows = select(*[value(position, name) for position, name in enumerate(names)]).select_from(given) \
+        .order_by(given.c.ordinality)
+    return table.insert().from_select(list(names), rows).returning(table.c.id)
+
+
+def _json_rows(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> str:
+    """The rows as one JSON array of arrays for ``_insert_from_json``: each row's values in the
+    order of ``names``, a column a row lacks as null; bytes in base64, datetimes in ISO 8601 (the
+    only values the encoder hands to ``_json_value``)."""
+    return json.dumps([[row.get(name) for name in names] for row in rows], default=_json_value,
+                      separators=(",", ":"))
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"an outgoing row holds a {type(value).__name__}, which JSON cannot carry: {value!r}")
+
+
+class OutgoingStatements(StoreBase):
+    """The statements of the ``outgoing`` and ``sent`` tables."""
+
+    def insert_outgoing(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> list[int]:
+        """Insert fully built messages. Returns their ids in the rows' order. PostgreSQL: one
+        INSERT from one JSON array of the rows, whatever their count; SQLite: one multi-row
+        INSERT per 1000 rows."""
+        if not rows:
+            return []
+        table = self.tables.outgoing
+        columns = {key for row in rows for key in row}
+        if self.is_postgres:
+            # the rows as one JSON parameter: the same short statement at any row count, so psycopg
+            # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
+            names = tuple(sorted(columns))
+            return sorted(conn.execute(_insert_from_json(table, names), {"rows": _json_rows(rows, names)}).scalars())
+        rows = [{key: row.get(key) for key in columns} for row in rows]
+        ids: list[int] = []
+        for start in range(0, len(rows), INSERT_CHUNK):
+            # one explicit multi-row INSERT; SQLite's rowids ascend in VALUES order under the
+            # store's exclusive write lock
+            statement = table.insert().values(rows[start:start + INSERT_CHUNK]).returning(table.c.id)
+            ids.extend(sorted(conn.execute(statement).scalars()))
+        return ids
+
+    def delete_outgoing(self, conn: Connection, ids: Sequence[int]) -> int:
+        """Delete rows in one statement (``= ANY(array)`` on PostgreSQL)."""
+        if not ids:
+            return 0
+        table = self.tables.outgoing
+        return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
+
+    def finish_sent(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime | None,
+                    record: bool = False) -> int:
+        """After a publish of unsent rows, in one statement: keep the rows as sent until the
+        consuming inbox acknowledges them (redelivered at ``redeliver_at`` if it has not), or,
+        with delivery tracking off (``redeliver_at`` None), delete them. With ``record`` (an
+        archive is configured) each send is also written to the ``sent`` table."""
+        if not ids:
+            return 0
+        table = self.tables.outgoing
+        if record:
+            self.record_sent(conn, ids, now)
+        if redeliver_at is None:
+            return self.delete_outgoing(conn, ids)
+        return conn.execute(
+            update(table).where(self._id_predicate(table.c.id, ids))
+            .values(sent_at=func.coalesce(table.c.sent_at, now), redeliver_at=redeliver_at)
+        ).rowcount
+
+    def record_sent(self, conn: Connection, ids: Sequence[int], now: datetime) -> None:
+        """Write the first send of the given rows, at ``now``, to the ``sent`` table (the audit's)."""
+        table, sent = self.tables.outgoing, self.tables.sent
+        conn.execute(sent.insert().from_select(
+            [*RECORD_COLUMNS, "sent_at"],
+            select(*(table.c[name] for name in RECORD_COLUMNS), bindparam("sent_now", now, type_=sent.c.sent_at.type))
+            .where(self._id_predicate(table.c.id, ids))))
+
+    def record_sends(self, conn: Connection, rows: Sequence[Row], now: datetime) -> None:
+        """Write the sends of rows already taken out of the table (``take_outgoing_to_delete``
+        with ``record``), at ``now``, to the ``sent`` table, in one statement."""
+        if rows:
+            conn.execute(self.tables.sent.insert(),
+                         [{**{name: row._mapping[name] for name in RECORD_COLUMNS}, "sent_at": now} for row in rows])
+
+    def take_outgoing(self, conn: Connection, ids: Sequence[int], now: datetime, redeliver_at: datetime) -> list[int]:
+        """Before publishing them: lock the given rows that still exist, are unsent and no relay
+        holds, and mark them sent (redelivered at ``redeliver_at`` unless acknowledged), in one
+        statement; return their ids. The marks commit with the caller's transaction, after the
+        publish; ``unmark_sent`` takes them back from rows whose publish failed."""
+        if not ids:
+            return []
+        table = self.tables.outgoing
+        return list(conn.execute(
+            update(table).where(table.c.id.in_(self._unsent_unlocked(ids)))
+            .values(sent_at=now, redeliver_at=redeliver_at).returning(table.c.id)).scalars())
+
+    def take_outgoing_to_delete(self, conn: Connection, ids: Sequence[int], record: bool = False) -> list[Row]:
+        """Before publishing them, with delivery tracking off: delete the given rows that still
+        exist, are unsent and no relay holds, in one statement; return their ``id`` (and, with
+        ``record``, the columns ``record_sends`` writes). The delete commits with the caller's
+        transaction, after the publish; a caller whose publish failed rolls it back, and
+        finishes the published rows alone (``finish_sent``) in a new one."""
+        if not ids:
+            return []
+        table = self.tables.outgoing
+        returned = [table.c.id, *(table.c[name] for name in RECORD_COLUMNS)] if record else [table.c.id]
+        return list(conn.execute(delete(table).where(table.c.id.in_(self._unsent_unlocked(ids))).returning(*returned)))
+
+    def postpone_redelivery(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Set the ``redeliver_at`` of sent rows (``id``, ``redeliver_at``), in one statement: a
+        scheduled message released before its eta is held by the worker until then, and its
+        redelivery counts from its eta."""
+        if rows:
+            table = self.tables.outgoing
+            conn.execute(update(table).where(table.c.id == bindparam("row_id"))
+                         .values(redeliver_at=bindparam("postponed_to")),
+                         [{"row_id": r["id"], "postponed_to": r["redeliver_at"]} for r in rows])
+
+    def unmark_sent(self, conn: Connection, ids: Sequence[int]) -> None:
+        """Rows ``take_outgoing`` marked whose publish failed: unsent again, for the relay."""
+        if ids:
+            table = self.tables.outgoing
+            conn.execute(update(table).where(self._id_predicate(table.c.id, ids))
+                         .values(sent_at=None, redeliver_at=None))
+
+    def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None,
+                             attempt: tuple[int, int, int], send_id: str = "") -> int:
+        """The consuming inbox has attempt ``attempt`` (nesting, replays, retries) of the message
+        sent as ``send_id``, or a later one: delete that send's outgoing rows up to that attempt (of
+        ``destination`` only, when given). A later attempt (a scheduled retry) stays, and so do the
+        rows of another send of the same task id. A row a publisher holds is waited
+        for (PostgreSQL row lock, SQLite write lock), so an acknowledgment that overtakes its own
+        publisher's commit still deletes the row."""
+        table = self.tables.outgoing
+        query = delete(table).where(table.c.message_id == message_id, table.c.send_id == send_id).where(
+            tuple_(table.c.nesting, table.c.replays, table.c.retries) <= tuple_(*attempt))
+        if destination is not None:
+            query = query.where(table.c.destination == destination)
+        return conn.execute(query).rowcount
+
+    def lock_sent_records(self, conn: Connection, limit: int) -> list[Row]:
+        """Lock up to ``limit`` records of sent messages, oldest first (to archive, then delete)."""
+        table = self.tables.sent
+        query = select(table).order_by(table.c.id).limit(limit)
+        if self.is_postgres:
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def delete_sent_records(self, conn: Connection, ids: Sequence[int]) -> int:
+        if not ids:
+            return 0
+        table = self.tables.sent
+        return conn.execute(delete(table).where(self._id_predicate(table.c.id, ids))).rowcount
+
+    def lock_unacknowledged_outgoing(self, conn: Connection, now: datetime, limit: int) -> list[Row]:
+        """Lock up to ``limit`` sent rows whose consumer has not acknowledged them by ``redeliver_at``,
+        read in the order of the ``redeliver_at`` index (see ``lock_pending_outgoing``)."""
+        table = self.tables.outgoing
+        query = select(table).where(table.c.redeliver_at <= now).order_by(table.c.redeliver_at).limit(limit)
+        if self.is_postgres:
+            self._read_in_index_order(conn)
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    def mark_redelivered(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Count a redelivery of each row (``id``, ``redeliver_at``: the next one)."""
+        if rows:
+            table = self.tables.outgoing
+            conn.execute(
+                update(table).where(table.c.id == bindparam("row_id"))
+                .values(redeliveries=table.c.redeliveries + 1, redeliver_at=bindparam("next_redelivery")),
+                [{"row_id": r["id"], "next_redelivery": r["redeliver_at"]} for r in rows],
+            )
+
+    def _unsent_unlocked(self, ids: Sequence[int]):
+        """SELECT the ids among ``ids`` of rows that exist and are unsent, locking them, skipping
+        the ones another transaction holds (SQLite: the store's write lock serialises instead)."""
+        table = self.tables.outgoing
+        query = select(table.c.id).where(self._id_predicate(table.c.id, ids)).where(table.c.sent_at.is_(None))
+        return query.with_for_update(skip_locked=True) if self.is_postgres else query
+
+    def lock_pending_outgoing(self, conn: Connection, limit: int, release_before: datetime,
+                              after_id: int = 0) -> list[Row]:
+        """Lock up to ``limit`` unsent outgoing rows with ``id > after_id``, oldest first, that are
+        released: no ``deliver_at`` (eta), or one before ``release_before``
+        (``OutboxSettings.release_before``).
+
+        ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so concurrent relays take disjoint
+        rows; on SQLite the ``BEGIN IMMEDIATE`` write lock gives the same guarantee.
+        The rows stay locked until the caller deletes them and commits; if the caller
+        dies, the database releases them.
+
+        On PostgreSQL the rows are read in the order of the ``(sent_at, id)`` index (see
+        ``_read_in_index_order``).
+        """
+        table = self.tables.outgoing
+        query = (
+            select(table)
+            .where(table.c.sent_at.is_(None))
+            .where((table.c.deliver_at.is_(None)) | (table.c.deliver_at <= release_before))
+            .where(table.c.id > after_id)
+            .order_by(table.c.sent_at, table.c.id)
+            .limit(limit)
+        )
+        if self.is_postgres:
+            self._read_in_index_order(conn)
+            query = query.with_for_update(skip_locked=True)
+        return list(conn.execute(query))
+
+    @staticmethod
+    def _read_in_index_order(conn: Connection) -> None:
+        """PostgreSQL: no sorting for the rest of this transaction, so a batch query ordered like
+        an index walks that index and stops at its limit. A backlog piles up faster than
+        autovacuum analyzes the table, and on such stale statistics the planner otherwise reads
+        and sorts every matching row for each batch (70 ms per batch of 500 at 100 k unsent
+        rows, instead of 0.5 ms)."""
+        conn.exec_driver_sql("SET LOCAL enable_sort = off")
+
+    def limit_lock_holding(self, conn: Connection, seconds: float | None) -> None:
+        """PostgreSQL: end this session if it idles in its transaction longer than ``seconds``
+        (a publish hung on the broker), so the rows it locked go to another relay."""
+        if self.is_postgres and seconds:
+            conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {int(seconds * 1000)}")
+
+    def record_outgoing_failure(self, conn: Connection, row_id: int, error: str) -> int:
+        """Count a failed publish of one row; returns the row's attempts so far."""
+        table = self.tables.outgoing
+        return conn.execute(
+            update(table)
+            .where(table.c.id == row_id)
+            .values(attempts=table.c.attempts + 1, last_error=error[:4000])
+            .returning(table.c.attempts)
+        ).scalar_one()

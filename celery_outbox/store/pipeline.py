@@ -1,0 +1,335 @@
+"""PostgreSQL with psycopg: statements sent in one network message, the only code of
+celery-outbox that touches psycopg and libpq directly.
+
+A message queues a statement and the statements around it (a BEGIN, ``SET LOCAL``, a COMMIT) in
+libpq's pipeline mode and sends them with one Sync in one network write
+(``OneMessage._send_one_message``); the statement goes prepared, once per connection, where that
+is safe. The transaction boundary is the caller's: the message runs on the caller's connection
+and opens, continues or ends its transaction with the statements the caller puts before and
+after it; ``_prepare_ahead`` prepares statements only between transactions. The connection's
+prepared statements are followed alongside psycopg's own (``_prepared_statements``). SQLite, and
+PostgreSQL through another driver or a libpq without pipeline mode, never get here
+(``OneMessage._opening`` says None).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import select as io_select
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
+
+from .base import StoreBase
+
+__all__ = ["OneMessage"]
+
+# psycopg.pq values, without importing psycopg for SQLite
+_PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
+_COMMAND_OK = 1  # ExecStatus.COMMAND_OK
+_TUPLES_OK = 2  # ExecStatus.TUPLES_OK
+_PIPELINE_SYNC = 10  # ExecStatus.PIPELINE_SYNC
+_PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
+_PSYCOPG_INTRANS = 2  # TransactionStatus.INTRANS
+_PG_NO_SUCH_PREPARED = "26000"
+_PG_PREPARED_EXISTS = "42P05"
+# Seconds a claim interrupted by a signal waits for its cancelled query to end
+CANCEL_WAIT = 5.0
+# Per pooled connection: the names of the statements prepared on it by ``_send_one_message``, and
+# the statements to prepare before its next message that opens a transaction (None: not followed)
+_PREPARED = "celery_outbox_prepared"
+_TO_PREPARE = "celery_outbox_to_prepare"
+
+
+@dataclass(frozen=True)
+class _PipelinedQuery:
+    """A statement with positional parameters (``$1``, ...) for libpq's pipeline mode:
+    ``statement`` takes the values of ``keys`` in that order; ``name`` is the name it is
+    prepared under on a connection."""
+
+    name: str
+    statement: str
+    keys: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=16)
+def _pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind: str) -> _PipelinedQuery:
+    """PostgreSQL: ``statement`` (the inbox claim's INSERT, or the eager finish) taking the
+    parameters ``names``, prepared as ``celery_outbox_<kind>_<checksum>``."""
+    compiled = statement.compile(dialect=dialect, column_keys=list(names))
+    if set(compiled.binds) != set(names):  # every value must be a plain bound value
+        raise ValueError(f"cannot send the {kind} of parameters {names} as one message")
+    order: list[str] = []
+
+    def number(match: re.Match) -> str:
+        if match.group(1) not in order:
+            order.append(match.group(1))
+        return f"${order.index(match.group(1)) + 1}"
+
+    positional = re.sub(r"%\((\w+)\)s", number, compiled.string).replace("%%", "%")
+    return _PipelinedQuery(f"celery_outbox_{kind}_{zlib.crc32(positional.encode()):08x}", positional,
+                           tuple(order))
+
+
+@functools.cache
+def _pipeline_supported() -> bool:
+    """psycopg's libpq has pipeline mode (libpq 14 and later)."""
+    import psycopg
+
+    return psycopg.Pipeline.is_supported()
+
+
+def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
+    """Queue the queries ``send(pgconn)`` sends on psycopg connection ``driver``'s libpq
+    connection in pipeline mode, then one Sync, all in one network write; return each query's
+    result (``PIPELINE_ABORTED`` for those after an error). It waits in ``select``, as psycopg
+    does, so a signal handler (Celery's soft time limit) can interrupt a claim that waits for a
+    concurrent claim of the same key; the queries are then cancelled and their end awaited, so
+    that a claim ending in COMMIT does not commit after its caller gave up."""
+    pgconn = driver.pgconn
+    pgconn.enter_pipeline_mode()
+    try:
+        send(pgconn)
+        pgconn.pipeline_sync()
+        while pgconn.flush():
+            io_select.select([], [pgconn.socket], [])
+        results = _pipeline_results(pgconn)
+    except BaseException:
+        if pgconn.status == _PSYCOPG_CONNECTION_OK and pgconn.is_busy():
+            driver.cancel()
+            _pipeline_results(pgconn, timeout=CANCEL_WAIT)
+        try:
+            pgconn.exit_pipeline_mode()
+        except Exception:  # noqa: BLE001 - results left unread: the caller drops the connection
+            pass
+        raise
+    pgconn.exit_pipeline_mode()
+    return results
+
+
+def _exchange_on(conn: Connection, send: Callable[[Any], None]) -> list[Any]:
+    """``_exchange`` on ``conn``'s psycopg connection; a connection it was interrupted on (a
+    signal such as a soft time limit, or a lost connection) is not reused."""
+    try:
+        return _exchange(conn.connection.driver_connection, send)
+    except BaseException:
+        conn.invalidate()
+        raise
+
+
+def _sqlstate(result: Any) -> str:
+    """The SQLSTATE of a libpq result ('' when it carries none)."""
+    from psycopg import pq
+
+    return (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+
+
+def _prepared_statements(conn: Connection) -> tuple[set[str], dict[str, str] | None]:
+    """PostgreSQL: the names of the statements ``_send_one_message`` prepared on ``conn``'s
+    session, and the statements to prepare before its next message that opens a transaction;
+    that dict is None when psycopg's deallocations cannot be followed. They are followed by
+    wrapping the ``clear`` of psycopg's prepared-statement manager on the connection (psycopg
+    calls it on every rollback and every DROP, ALTER, DISCARD ALL or DEALLOCATE ALL it runs,
+    and only then deallocates every prepared statement): our set empties with psycopg's. A
+    statement the set names is then there, unless something else deallocated it (SQL run
+    with psycopg holding no prepared statement of its own): inside a transaction that fails
+    its message, and the name is dropped."""
+    info = conn.connection.info
+    prepared = info.get(_PREPARED)
+    if prepared is None:
+        prepared = info[_PREPARED] = set()
+        info[_TO_PREPARE] = {} if _forget_when_psycopg_clears(conn.connection.driver_connection, prepared) else None
+    return prepared, info[_TO_PREPARE]
+
+
+def _forget_when_psycopg_clears(driver: Any, prepared: set[str]) -> bool:
+    """Empty ``prepared`` whenever psycopg clears its own prepared statements (False when this
+    psycopg has no such hook)."""
+    manager = getattr(driver, "_prepared", None)
+    clear = getattr(manager, "clear", None)
+    if not callable(clear):
+        return False
+
+    def clear_and_forget() -> Any:
+        deallocating = clear()
+        if deallocating is not False:  # True: psycopg sends DEALLOCATE ALL next (anything else: forget too)
+            prepared.clear()
+        return deallocating
+
+    manager.clear = clear_and_forget
+    return True
+
+
+def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | None:
+    """Wait for the results of the pipeline in flight on ``pgconn`` up to its Sync; return the
+    last result of each query (None when ``timeout`` seconds passed first)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    results: list[Any] = []
+    last = None
+    while True:
+        while pgconn.is_busy():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            io_select.select([pgconn.socket], [], [], remaining)
+            pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:  # the end of one query's results
+            results.append(last)
+            last = None
+        elif result.status == _PIPELINE_SYNC:
+            return results
+        else:
+            last = result
+
+
+class OneMessage(StoreBase):
+    """Statements sent in one network message on PostgreSQL with psycopg."""
+
+    def _can_open_in_one_message(self, conn: Connection) -> bool:
+        """PostgreSQL: ``conn`` is between transactions, and a message sent on it may open its own."""
+        return self._opening(conn) == (b"BEGIN",)
+
+    def _opening(self, conn: Connection) -> tuple[bytes, ...] | None:
+        """PostgreSQL: what statements sent in one message on ``conn`` must start with: ``(b"BEGIN",)``
+        when its psycopg connection is between transactions in the default transaction mode (they
+        open the transaction themselves, as psycopg would have), ``()`` inside a transaction, and
+        None when they cannot go in one message (another driver, a libpq without pipeline mode, a
+        transaction in error, or non-default transaction settings)."""
+        if conn.dialect.driver != "psycopg" or not _pipeline_supported():
+            return None
+        driver = conn.connection.driver_connection
+        status = driver.pgconn.transaction_status
+        if status == _PSYCOPG_INTRANS:
+            return ()
+        if (status == _PSYCOPG_IDLE and not driver.autocommit and driver.isolation_level is None
+                and driver.read_only is None and driver.deferrable is None):
+            return (b"BEGIN",)
+        return None
+
+    def _send_one_message(self, conn: Connection, query: _PipelinedQuery, values: dict[str, Any],
+                          before: tuple[bytes, ...], after: tuple[bytes, ...],
+                          tolerate: tuple[str, ...] = ()) -> tuple[Any, str | None]:
+        """PostgreSQL: the statements ``before``, ``query`` with ``values`` and the statements
+        ``after``, queued in libpq's pipeline mode and sent with one Sync in one network write.
+        Returns (``query``'s result, None), or (None, the SQLSTATE) when a statement failed with
+        one of the SQLSTATEs ``tolerate`` names: the transaction is then in error, for the caller
+        to roll back. Any other error is raised as psycopg would have (``StoreUnavailable`` when
+        the connection is lost).
+
+        The values travel as parameters, in text. A message that opens its transaction
+        (``before`` starts with BEGIN) sends ``query`` as a statement prepared once per
+        connection (its Parse goes with its first message); when that statement turns out to
+        be gone (psycopg deallocates every prepared statement on a rollback once it prepared
+        some of its own) or there already, it is put right and the message sent again: nothing
+        but the message itself ran in that transaction. A message inside a transaction could
+        not be sent again: there ``query`` goes prepared only when it is known to be (the
+        connection's set of prepared names follows psycopg's deallocations:
+        ``_prepared_statements``); otherwise it goes as an unnamed statement, parsed, and is
+        prepared before the connection's next message that opens a transaction, where a
+        Parse that fails harms nothing. With psycopg's prepared statements off
+        (``prepare_threshold = None``, as behind a transaction-pooling PgBouncer) every
+        statement goes unnamed."""
+        import psycopg
+
+        driver = conn.connection.driver_connection
+        prepared, to_prepare = _prepared_statements(conn)
+        in_step = (_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS)
+        opens = before[:1] == (b"BEGIN",)
+        try:
+            if opens and to_prepare:
+                self._prepare_ahead(conn, prepared, to_prepare)
+            named = opens or (to_prepare is not None and query.name in prepared)
+            if not named and to_prepare is not None and driver.prepare_threshold is not None:
+                to_prepare[query.name] = query.statement
+            result, failed = self._run_one_message(conn, query, prepared, before, after, values, named=named)
+            if failed is not None and opens:
+                sqlstate = self._error_of(conn, failed, expected=(*in_step, *tolerate))
+                if sqlstate in in_step:
+                    driver.rollback()
+                    (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(query.name)
+                    result, failed = self._run_one_message(conn, query, prepared, before, after, values,
+                                                           named=True)
+            if failed is not None:
+                if _sqlstate(failed) == _PG_NO_SUCH_PREPARED:  # gone behind psycopg's back: prepare it anew
+                    prepared.discard(query.name)
+                return None, self._error_of(conn, failed, expected=tolerate)
+        except psycopg.Error as exc:  # from libpq or psycopg's adaptation of the values
+            if conn.invalidated or driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
+                if not conn.invalidated:
+                    conn.invalidate()
+                raise self.unavailable(exc) from exc
+            raise DBAPIError.instance(query.statement, values, exc, psycopg.Error) from exc
+        return result, None
+
+    def _prepare_ahead(self, conn: Connection, prepared: set[str], to_prepare: dict[str, str]) -> None:
+        """Between transactions, in one round trip: prepare the statements a message inside a
+        transaction sent unnamed (``_send_one_message``). One that exists already counts as
+        prepared; one that failed otherwise is left to go unnamed. Nothing runs in a
+        transaction, so a failed Parse costs nothing else."""
+        driver = conn.connection.driver_connection
+        wanted = list(to_prepare.items())
+        to_prepare.clear()
+        if driver.prepare_threshold is None:
+            return
+        encoding = driver.info.encoding
+
+        def send(pgconn: Any) -> None:
+            for name, statement in wanted:
+                pgconn.send_prepare(name.encode(), statement.encode(encoding))
+
+        results = _exchange_on(conn, send)
+        for (name, _), result in zip(wanted, results, strict=True):
+            if result.status == _COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
+                prepared.add(name)
+
+    def _run_one_message(self, conn: Connection, query: _PipelinedQuery, prepared: set[str],
+                         before: tuple[bytes, ...], after: tuple[bytes, ...], values: dict[str, Any],
+                         named: bool) -> tuple[Any, Any]:
+        """Send the pipeline; (``query``'s result, the first result that is an error or None).
+        ``query`` goes as a prepared statement when ``named`` and psycopg's prepared statements
+        are on; it counts as prepared on the connection once its Parse succeeded, whatever came
+        after."""
+        from psycopg.adapt import PyFormat, Transformer
+
+        driver = conn.connection.driver_connection
+        params = Transformer(driver).dump_sequence([values[key] for key in query.keys],
+                                                   [PyFormat.TEXT] * len(query.keys))
+        statement, name = query.statement.encode(driver.info.encoding), query.name.encode()
+        unnamed = not named or driver.prepare_threshold is None
+        prepare = not unnamed and query.name not in prepared
+
+        def send(pgconn: Any) -> None:
+            if prepare:
+                pgconn.send_prepare(name, statement)
+            for each in before:
+                pgconn.send_query_params(each, None)
+            if unnamed:
+                pgconn.send_query_params(statement, params)
+            else:
+                pgconn.send_query_prepared(name, params)
+            for each in after:
+                pgconn.send_query_params(each, None)
+
+        results = _exchange_on(conn, send)
+        if prepare and results[0].status == _COMMAND_OK:
+            prepared.add(query.name)
+        failed = next((result for result in results if result.status not in (_COMMAND_OK, _TUPLES_OK)), None)
+        return results[len(before) + prepare], failed
+
+    def _error_of(self, conn: Connection, result: Any, expected: tuple[str, ...]) -> str:
+        """The SQLSTATE of the error ``result`` carries when it is one of ``expected``; otherwise
+        raise it as psycopg would have."""
+        import psycopg
+
+        driver = conn.connection.driver_connection
+        message = (result.error_message or driver.pgconn.error_message).decode(errors="replace").strip()
+        sqlstate = _sqlstate(result)
+        if sqlstate in expected and driver.pgconn.status == _PSYCOPG_CONNECTION_OK:
+            return sqlstate
+        raise (psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.OperationalError)(message)

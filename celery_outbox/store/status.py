@@ -1,0 +1,84 @@
+"""The store's status report: counts per table by status and destination, the age of the oldest
+pending rows, the nodes (``Outbox.status`` and the ``status`` command).
+
+``status`` reads everything in one transaction of its own and writes nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, case, func, select
+
+from .base import StoreBase, as_utc, utcnow
+from .schema import is_running
+
+__all__ = ["StatusStatements"]
+
+
+class StatusStatements(StoreBase):
+    """The status report of the store."""
+
+    def status(self, now: datetime | None = None) -> dict[str, Any]:
+        """Counts per table by status and destination, the oldest pending rows' age, the nodes."""
+        now = now or utcnow()
+        t = self.tables
+        with self.begin() as conn:
+            incoming = _grouped_counts(conn, t.incoming.c.status, t.incoming.c.queue, ("status", "queue"))
+            outgoing = _grouped_counts(conn, _outgoing_state(t.outgoing, now), t.outgoing.c.destination,
+                                       ("status", "destination"))
+            dead_letters = _grouped_counts(conn, t.dead_letters.c.reason, t.dead_letters.c.task_name,
+                                           ("reason", "task"))
+            oldest_outgoing = as_utc(conn.execute(
+                select(func.min(t.outgoing.c.created_at)).where(t.outgoing.c.sent_at.is_(None))
+                .where((t.outgoing.c.deliver_at.is_(None)) | (t.outgoing.c.deliver_at <= now))
+            ).scalar())
+            duplicates, recoveries = conn.execute(
+                select(func.coalesce(func.sum(t.incoming.c.duplicates), 0),
+                       func.coalesce(func.sum(t.incoming.c.recoveries), 0))
+            ).one()
+            oldest_incoming = as_utc(conn.execute(
+                select(func.min(t.incoming.c.received_at)).where(is_running(t.incoming))
+            ).scalar())
+            nodes = [
+                {
+                    "id": row.id,
+                    "name": row.name,
+                    "hostname": row.hostname,
+                    "pid": row.pid,
+                    "heartbeat_age_seconds": _age(now, as_utc(row.heartbeat_at)),
+                    "stale_checks": row.stale_checks,
+                }
+                for row in conn.execute(select(t.nodes).order_by(t.nodes.c.id))
+            ]
+        return {
+            "store": self.describe(),
+            "incoming": incoming,
+            "outgoing": outgoing,
+            "dead_letters": dead_letters,
+            "duplicates_discarded": int(duplicates),
+            "messages_recovered": int(recoveries),
+            "oldest_pending_outgoing_age_seconds": _age(now, oldest_outgoing),
+            "oldest_running_incoming_age_seconds": _age(now, oldest_incoming),
+            "nodes": nodes,
+        }
+
+
+def _grouped_counts(conn: Connection, first, second, names: tuple[str, str]) -> list[dict[str, Any]]:
+    """Row counts grouped by two columns, as dicts keyed by ``names`` and ``count``."""
+    rows = conn.execute(select(first, second, func.count()).group_by(first, second).order_by(first, second))
+    return [{names[0]: a, names[1]: b, "count": count} for a, b, count in rows]
+
+
+def _outgoing_state(table, now: datetime):
+
+    return case(
+        (table.c.sent_at.is_not(None), "sent"),
+        ((table.c.deliver_at.is_not(None)) & (table.c.deliver_at > now), "scheduled"),
+        else_="pending",
+    ).label("status")
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else round((now - then).total_seconds(), 3)
