@@ -188,7 +188,7 @@ SETTINGS: tuple[Setting, ...] = (
             "`False` (as in Celery): a task id sent again (`apply_async(task_id=...)` twice, a frozen "
             "signature applied again) runs again; only copies of one send (a broker redelivery, the relay, "
             "recovery) are duplicates. `True`: a delivery whose task id the inbox already handled is a "
-            "duplicate, whichever send it came from (the task id as a dedupe key). A task's "
+            "duplicate, whichever send it came from (the task id as a dedupe key, per task). A task's "
             "`deduplicate_task_ids` attribute overrides it."),
     Setting("idempotency_style", "optimistic", _choice("optimistic", "eager"),
             "`optimistic`: the inbox claim commits with the task's own DB writes. `eager`: the claim commits "

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_outbox import ConfigurationError, OutboxSettings
-from celery_outbox.config import SETTINGS, read_settings
+from celery_outbox.config import SETTINGS, read_settings, setting_docs
 from celery_outbox.store import utcnow
 
 
@@ -178,12 +178,38 @@ def test_overrides_win_and_are_validated():
         read_settings({}, nope=1)
 
 
-def test_every_setting_is_documented_in_the_readme():
+def shown_default(default):
+    """A default as docs/settings.md shows it: `repr`, "unset" for None, days spelled out."""
+    if default is None:
+        return "unset"
+    cell = f"`{default!r}`"
+    if isinstance(default, float) and default >= 86400 and default % 86400 == 0:
+        cell += f" ({int(default // 86400)} days)"
+    return cell
+
+
+def settings_table() -> str:
+    """The table of docs/settings.md, from SETTINGS. Print it with
+    `python -c "from tests.unit.test_config import settings_table; print(settings_table())"`."""
+    lines = ["| setting | uppercase / Django spelling | default | what it does |", "|---|---|---|---|"]
+    for key, upper, default, doc in setting_docs():
+        lines.append(f"| `{key}` | `{upper}` | {shown_default(default)} | {doc} |")
+    return "\n".join(lines)
+
+
+def test_every_setting_is_documented_with_its_default():
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "settings.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| `outbox_")}
     for setting in SETTINGS:
-        assert f"`{setting.key}`" in readme, f"README.md does not document {setting.key}"
+        assert f"`{setting.key}`" in rows, f"docs/settings.md does not document {setting.key}"
+        cells = [cell.strip() for cell in rows[f"`{setting.key}`"].split("|")[1:-1]]
+        assert cells[1] == f"`CELERY_{setting.key.upper()}`", setting.key
+        assert cells[2] == shown_default(setting.default), (
+            f"docs/settings.md gives {setting.key} the default {cells[2]}, the code {setting.default!r}")
+    assert set(rows) == {f"`{s.key}`" for s in SETTINGS}, "docs/settings.md documents a setting the code lacks"
+    assert settings_table() in page, "docs/settings.md's table differs from SETTINGS: regenerate it (settings_table)"
 
 
 @pytest.mark.parametrize(
