@@ -5,7 +5,6 @@ tables under the default prefix, for Alembic autogenerate.
 """
 
 from .config import OutboxSettings
-from .envelope import SEND_HEADER
 from .errors import (
     ConfigurationError,
     IncompatibleSchema,
@@ -17,6 +16,7 @@ from .errors import (
 from .outbox import Outbox
 from .store import build_tables
 from .tasks import IdempotentTask
+from .vocabulary import SEND_HEADER
 
 metadata = build_tables().metadata
 

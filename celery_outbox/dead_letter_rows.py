@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import traceback as traceback_module
 from datetime import datetime
-from enum import Enum
 from typing import Any
 
 from kombu.utils import json as kombu_json
 from sqlalchemy import String
 
 from .store import build_tables
+from .vocabulary import DeadLetterReason
 
 __all__ = ["DeadLetterReason", "dead_letter_row", "is_storable_id", "stored_text"]
 
@@ -28,17 +28,6 @@ _COLUMN_SIZES: dict[str, int] = {
 _TEXT_SIZES = {"exception_message": 4000, "traceback": 20000}
 _INTEGER_MAX = 2**31 - 1  # the Integer columns (retries, nesting, replays)
 ID_SIZE = _COLUMN_SIZES["message_id"]
-
-
-class DeadLetterReason(str, Enum):
-    """Why a message ended in dead letters (the ``reason`` column)."""
-
-    FAILED = "failed"  #: the task raised, and will not be retried
-    EXPIRED = "expired"  #: a durable message expired before it was published
-    MALFORMED = "malformed"  #: the message cannot be run as is: its envelope, headers, id or body
-    UNKNOWN_TASK = "unknown_task"  #: no task of that name is registered in the worker
-    POISON = "poison"  #: the relay failed to publish it too many times
-    WORKER_LOST = "worker_lost"  #: the worker running it was lost too many times
 
 
 def stored_text(value: Any, size: int | None = None) -> str:

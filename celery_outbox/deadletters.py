@@ -23,10 +23,10 @@ from kombu.serialization import loads
 
 from .envelope import OutgoingMessage, from_row
 from .guard import malformed_reason
-from .inbox import REPLAY_HEADER
 from .publishing import current_unit_of_work
 from .routing import published_route
 from .store import utcnow
+from .vocabulary import REPLAY_HEADER
 
 if TYPE_CHECKING:
     from .outbox import Outbox

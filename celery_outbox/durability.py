@@ -45,11 +45,12 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from .broker import BoundQueues, connect_quickly, connection_errors
 from .crashpoints import crashpoint
-from .dead_letter_rows import DeadLetterReason, dead_letter_row
+from .dead_letter_rows import dead_letter_row
 from .envelope import from_row
 from .relay import RelayResult, redeliver, relay
 from .results import EndedMessage, store_dead_letter_results
 from .store import utcnow
+from .vocabulary import DeadLetterReason
 
 if TYPE_CHECKING:
     from .outbox import Outbox

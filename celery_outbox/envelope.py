@@ -28,6 +28,7 @@ from .errors import UnstorableMessage
 from .routing import exchange_name
 from .sent_events import RecordingDispatcher, SentEvent
 from .store import SEND_ID_SIZE, as_utc, text_problem
+from .vocabulary import SEND_HEADER
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
     from celery.app.amqp import _callback_publish_retry
@@ -37,11 +38,6 @@ except ImportError:  # pragma: no cover - older Celery
 __all__ = ["SEND_HEADER", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text", "new_send_id",
            "send_id_of"]
 
-#: The header that carries a message's publish identity: one per ``apply_async`` (or ``send_task``),
-#: kept by the retries and replacements of the task it sends and by every copy the broker, the relay,
-#: redelivery or recovery delivers. The inbox keys a delivery by it with the task id, so a task id sent
-#: again is a new message (as in Celery) while a copy of a send is a duplicate.
-SEND_HEADER = "celery_outbox_send"
 
 #: ``kombu.utils.json.dumps`` (the same text: datetimes, UUIDs and decimals kept) with one encoder
 #: for every call instead of a new one per call, as ``json.dumps`` does for its default arguments

@@ -35,12 +35,12 @@ from celery import bootsteps, signals
 from celery.exceptions import NotRegistered
 from kombu.transport import virtual
 
-from .dead_letter_rows import ID_SIZE, DeadLetterReason, dead_letter_row, is_storable_id, stored_text
+from .dead_letter_rows import ID_SIZE, dead_letter_row, is_storable_id, stored_text
 from .envelope import header_count, send_id_of
-from .inbox import REPLAY_HEADER, REQUEUE_BACKOFF
 from .results import EndedMessage, store_dead_letter_results
 from .routing import queue_of
 from .store import is_content_error, utcnow
+from .vocabulary import REPLAY_HEADER, REQUEUE_BACKOFF, Attempt, DeadLetterReason
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -339,25 +339,25 @@ def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason,
         return False
 
 
-def _acknowledgment(outbox: "Outbox", message: Any) -> tuple[str, str | None, tuple[int, int, int], str] | None:
+def _acknowledgment(outbox: "Outbox", message: Any) -> tuple[str, str | None, Attempt, str] | None:
     """For a message from a durable queue: the key and attempt by which its sender's outgoing row
     is acknowledged (``Store.acknowledge_outgoing``), so delivery tracking does not publish a
     dead-lettered message again; None for other messages."""
     headers = message.headers
-    if not isinstance(headers, dict) or not isinstance(headers.get("id"), str):
-        return None
+    if not isinstance(headers, dict) or not isinstance(headers.get("id"), str) or not is_storable_id(headers["id"]):
+        return None  # no sender's row can have this id: the outbox stores only ids it can hold
     settings = outbox.settings
     queue = queue_of(message.delivery_info, getattr(outbox, "app", None))
     if not settings.is_durable(queue):
         return None
     by_queue = queue if settings.message_identity == "id_and_destination" else None
-    attempt = (header_count(headers.get("replaced_task_nesting")), header_count(headers.get(REPLAY_HEADER)),
-               header_count(headers.get("retries")))
+    attempt = Attempt(header_count(headers.get("replaced_task_nesting")), header_count(headers.get(REPLAY_HEADER)),
+                      header_count(headers.get("retries")))
     return headers["id"], by_queue, attempt, send_id_of(headers)
 
 
 def _insert(outbox: "Outbox", row: dict[str, Any],
-            acknowledged: tuple[str, str | None, tuple[int, int, int], str] | None) -> None:
+            acknowledged: tuple[str, str | None, Attempt, str] | None) -> None:
     """Insert the dead letter and, in the same transaction, acknowledge the sender's outgoing row."""
     store = outbox.ready().store
     with store.begin() as conn:

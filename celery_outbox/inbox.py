@@ -59,13 +59,13 @@ from sqlalchemy.orm import Session
 
 from . import dead_letter_rows
 from .crashpoints import crashpoint
-from .envelope import SEND_HEADER, header_count, json_text, send_id_of
+from .envelope import header_count, json_text, send_id_of
 from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
-from .relay import REDELIVERY_HEADER
 from .routing import queue_of
 from .signals import duplicate_discarded
-from .store import UNOWNED, IncomingStatus, utcnow
+from .store import UNOWNED, utcnow
 from .store.outage import is_outage
+from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, REQUEUE_BACKOFF, SEND_HEADER, Attempt, IncomingStatus
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -75,13 +75,6 @@ __all__ = ["Delivery", "Inbox", "current_connection", "current_session"]
 logger = logging.getLogger("celery_outbox.inbox")
 
 _task_unit_of_work: ContextVar[UnitOfWork | None] = ContextVar("celery_outbox_task_unit_of_work", default=None)
-
-# Seconds to wait before handing a message back to the broker when the database is down,
-# so a worker does not spin on a message it cannot claim.
-REQUEUE_BACKOFF = 1.0
-
-# The header a dead-letter replay carries: the replay number, part of the attempt.
-REPLAY_HEADER = "celery_outbox_replay"
 
 
 def current_session() -> Session | None:
@@ -148,8 +141,8 @@ class Delivery:
         )
 
     @property
-    def attempt(self) -> tuple[int, int, int]:
-        return self.nesting, self.replays, self.retries
+    def attempt(self) -> Attempt:
+        return Attempt(self.nesting, self.replays, self.retries)
 
     def key(self) -> dict[str, Any]:
         return {"message_id": self.message_id, "destination": self.destination, "send_id": self.send_id}
@@ -237,13 +230,14 @@ class Inbox:
 
     # -- the two styles ------------------------------------------------------------------------
 
-    def _claim_row(self, delivery: Delivery, status: str, owner: int, now: datetime) -> dict[str, Any]:
+    def _claim_row(self, delivery: Delivery, status: IncomingStatus, owner: int, now: datetime) -> dict[str, Any]:
+        status = IncomingStatus(status)
         row = {
-            **delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": status,
+            **delivery.key(), "task_name": delivery.task_name, "queue": delivery.queue, "status": status.value,
             "owner": owner, "retries": delivery.retries, "nesting": delivery.nesting,
             "replays": delivery.replays, "received_at": now, "claimed_at": now,
         }
-        if status == "handled":
+        if status == IncomingStatus.HANDLED:
             row.update(handled_at=now, keep_until=self._keep_until(now))
         else:
             row.update(keep_until=None)
@@ -270,8 +264,9 @@ class Inbox:
         with self._attempt(task, delivery, unit_of_work=True) as uow:
             now = utcnow()
             with _store_errors():
-                claimed = store.claim_incoming(uow.connection, self._claim_row(delivery, "handled", UNOWNED, now),
-                                               self._stale_before(now), self.outbox.settings.silent_before(now))
+                row = self._claim_row(delivery, IncomingStatus.HANDLED, UNOWNED, now)
+                claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
+                                               self.outbox.settings.silent_before(now))
             if not claimed:
                 raise self._not_claimed(uow.connection, delivery)
             crashpoint("after_claim")
@@ -331,8 +326,8 @@ class Inbox:
                 # committed without waiting for the disk (the body's commit makes it durable), on the
                 # attempt's connection: the body's transaction begins in the same round trip
                 with _store_errors():
-                    claimed = store.claim_incoming_alone(self._claim_row(delivery, "running", node_id, now),
-                                                         self._stale_before(now), uow.connection_before_begin,
+                    row = self._claim_row(delivery, IncomingStatus.RUNNING, node_id, now)
+                    claimed = store.claim_incoming_alone(row, self._stale_before(now), uow.connection_before_begin,
                                                          self.outbox.settings.silent_before(now))
                 if not claimed:
                     with _store_errors(), store.begin(durable=False) as conn:
@@ -379,15 +374,15 @@ class Inbox:
             raise
         except Reject as reject:
             if not reject.requeue:
-                self._record(task, delivery, "dead")
+                self._record(task, delivery, IncomingStatus.DEAD)
             raise
         except Retry:
-            self._record(task, delivery, "retried")
+            self._record(task, delivery, IncomingStatus.RETRIED)
             raise
         except Exception as exc:
             if is_outage(exc) or uow.connection_lost():
                 raise _StoreDown(exc) from exc
-            self._record(task, delivery, "dead", exc)
+            self._record(task, delivery, IncomingStatus.DEAD, exc)
             raise
         finally:
             uow.close()
@@ -414,7 +409,7 @@ class Inbox:
         store = self.outbox.store
         now = utcnow()
         grace = timedelta(seconds=self.outbox.settings.node_stale_after)
-        row = {**self._claim_row(delivery, "running", owner, now), "recoveries": delivery.redelivered,
+        row = {**self._claim_row(delivery, IncomingStatus.RUNNING, owner, now), "recoveries": delivery.redelivered,
                "recover_after": now + grace, **envelope}
         if owner == UNOWNED:
             del row["claimed_at"]  # nobody has claimed it yet
@@ -423,7 +418,7 @@ class Inbox:
                 raise self._not_claimed(conn, delivery)
             self._acknowledge(conn, delivery)  # the inbox has the message now: the sender's row can go
 
-    def _record(self, task: Any, delivery: Delivery, status: str, exc: BaseException | None = None) -> None:
+    def _record(self, task: Any, delivery: Delivery, status: IncomingStatus, exc: BaseException | None = None) -> None:
         """After a rollback: remember that this attempt ended (retried, or dead, with a dead letter
         when it failed). A dead attempt whose record meets a store outage is an outage: its
         message goes back to the broker rather than be acked with no dead letter."""
@@ -438,7 +433,7 @@ class Inbox:
                     failed = dead_letter_rows.DeadLetterReason.FAILED
                     store.insert_dead_letters(conn, [dead_letter_row(task, delivery, failed, exc, now)])
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
-            if status == "dead" and is_outage(error, transient=True):
+            if status == IncomingStatus.DEAD and is_outage(error, transient=True):
                 raise _StoreDown(error) from error
             logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
                          delivery.task_name, delivery.message_id, status, error)
@@ -450,7 +445,7 @@ class Inbox:
         message must then go back to the broker instead."""
         store = self.outbox.store
         now = utcnow()
-        row = self._claim_row(delivery, "dead", UNOWNED, now)
+        row = self._claim_row(delivery, IncomingStatus.DEAD, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
         with store.begin() as conn:
             store.record_outcome(conn, row)
@@ -469,7 +464,7 @@ class Inbox:
         error (the caller logs it; the revoke stands in this worker)."""
         store = self.outbox.store
         now = utcnow()
-        row = self._claim_row(delivery, IncomingStatus.REVOKED.value, UNOWNED, now)
+        row = self._claim_row(delivery, IncomingStatus.REVOKED, UNOWNED, now)
         row.update(handled_at=now, keep_until=self._keep_until(now), recover_after=None)
         with store.begin() as conn:
             store.claim_incoming(conn, row, self._stale_before(now), self.outbox.settings.silent_before(now))

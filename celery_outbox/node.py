@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .store import utcnow
+from .vocabulary import Attempt
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -59,7 +60,7 @@ class PendingRelease:
 
     message_id: str
     destination: str
-    attempt: tuple[int, int, int]
+    attempt: Attempt
     send_id: str = ""
 
 
@@ -176,7 +177,7 @@ class Node:
         connection.invalidate()  # not back to the pool: it may hold the lock
         connection.close()
 
-    def release_later(self, message_id: str, destination: str, attempt: tuple[int, int, int],
+    def release_later(self, message_id: str, destination: str, attempt: Attempt,
                       send_id: str = "") -> None:
         """Remember a claim of this node that its attempt could not release (the database was
         unreachable): the heartbeat thread releases it as soon as the database answers."""

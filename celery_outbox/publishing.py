@@ -43,11 +43,12 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
-from .envelope import SEND_HEADER, OutgoingMessage, capture, check_storable, new_send_id, send_id_of
+from .envelope import OutgoingMessage, capture, check_storable, new_send_id, send_id_of
 from .errors import OutboxError
 from .routing import durable_destination, published_route
 from .signals import message_published, publish_failed
 from .store import utcnow
+from .vocabulary import SEND_HEADER
 
 if TYPE_CHECKING:
     from .outbox import Outbox

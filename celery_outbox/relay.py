@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
-from .dead_letter_rows import DeadLetterReason, dead_letter_row
+from .dead_letter_rows import dead_letter_row
 from .envelope import OutgoingMessage, from_row
 from .results import EndedMessage, store_dead_letter_results
 from .signals import message_published, publish_failed
 from .store import as_utc, utcnow
+from .vocabulary import REDELIVERY_HEADER, DeadLetterReason
 
 if TYPE_CHECKING:
     from .outbox import Outbox
@@ -43,9 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["RelayResult", "redeliver", "relay"]
 
 logger = logging.getLogger("celery_outbox.relay")
-
-# Header of a redelivered message: how many times delivery tracking published it again.
-REDELIVERY_HEADER = "celery_outbox_redelivery"
 
 
 @dataclass

@@ -35,7 +35,7 @@ from celery.exceptions import NotRegistered, WorkerLostError
 from celery.utils.objects import Bunch
 from kombu.utils import json as kombu_json
 
-from .dead_letter_rows import DeadLetterReason
+from .vocabulary import DeadLetterReason
 
 if TYPE_CHECKING:
     from celery import Celery

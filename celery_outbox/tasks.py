@@ -36,13 +36,13 @@ from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from .dead_letter_rows import DeadLetterReason
 from .errors import OutboxError
 from .inbox import Delivery, current_connection, current_session, dead_letter_row
 from .outbox import outbox_of
 from .publishing import resending
 from .routing import queue_of
 from .store import utcnow
+from .vocabulary import DeadLetterReason
 
 __all__ = ["IdempotentTask", "InboxTask", "OutboxRequest", "give_inbox_to_every_task"]
 

@@ -77,6 +77,6 @@ def copy_options(task_id: str) -> dict[str, Any]:
     """``apply_async`` options that make every call with them a copy of one send, as a broker
     redelivery is: the same task id and the same publish identity (an explicit header wins over
     the one the outbox stamps). Calls without them are new sends of the task id."""
-    from celery_outbox.envelope import SEND_HEADER
+    from celery_outbox.vocabulary import SEND_HEADER
 
     return {"task_id": task_id, "headers": {SEND_HEADER: f"send-of-{task_id}"}}

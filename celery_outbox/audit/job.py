@@ -34,7 +34,7 @@ from typing import Any
 from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS, archive_schema, filesystem
 from celery_outbox.audit.report import render_report
 from celery_outbox.store.engine import is_secret_name, safe_url
-from celery_outbox.store.schema import IncomingStatus
+from celery_outbox.vocabulary import IncomingStatus
 
 __all__ = ["AuditInputError", "AuditOptions", "main", "run_audit"]
 
@@ -294,17 +294,17 @@ def _audit(spark, options: AuditOptions, cached: list[Any]) -> dict[str, Any]:
     stuck = None
     if inputs.live:
         held = inputs.outgoing.select("message_id").unionByName(
-            inputs.incoming.where(F.col("status") == "running").select("message_id"))
+            inputs.incoming.where(F.col("status") == IncomingStatus.RUNNING.value).select("message_id"))
         lost = lost.join(held, "message_id", "left_anti")
     lost = lost.cache()  # its examples, its count and its aggregate
     cached.append(lost)
     if inputs.live:
         stuck_before = F.lit(now - timedelta(seconds=options.stuck_after_seconds))
         stuck = (inputs.outgoing.where(F.col("sent_at").isNull() & (F.col("created_at") < stuck_before)).count()
-                 + inputs.incoming.where((F.col("status") == "running") & (F.col("received_at") < stuck_before))
-                 .count())
+                 + inputs.incoming.where((F.col("status") == IncomingStatus.RUNNING.value)
+                                         & (F.col("received_at") < stuck_before)).count())
 
-    handled = inputs.incoming.where(F.col("status") == "handled")
+    handled = inputs.incoming.where(F.col("status") == IncomingStatus.HANDLED.value)
     latency = _matched(handled, inputs.sent).withColumn(
         "latency", F.col("handled_at").cast("double") - F.col("sent_at").cast("double"))
     latency = latency.where(F.col("latency").isNotNull()).cache()

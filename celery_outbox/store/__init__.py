@@ -4,11 +4,9 @@ from .base import as_utc, is_content_error, is_unique_violation, utcnow
 from .engine import build_engine, masked_options, redact, safe_url
 from .migration import MigrationResult
 from .schema import (
-    ENDED_STATUSES,
     SCHEMA_VERSION,
     SEND_ID_SIZE,
     UNOWNED,
-    IncomingStatus,
     Tables,
     build_tables,
     text_problem,
@@ -16,11 +14,9 @@ from .schema import (
 from .store import Store
 
 __all__ = [
-    "ENDED_STATUSES",
     "SCHEMA_VERSION",
     "SEND_ID_SIZE",
     "UNOWNED",
-    "IncomingStatus",
     "MigrationResult",
     "Store",
     "Tables",

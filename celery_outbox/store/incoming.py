@@ -19,8 +19,9 @@ from sqlalchemy import Connection, Row, bindparam, delete, func, literal_column,
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import OperationalError
 
+from ..vocabulary import Attempt, IncomingStatus
 from .pipeline import OneMessage, _pipelined_query
-from .schema import _INCOMING_KEY, UNOWNED, IncomingStatus, _incoming_key, is_running
+from .schema import _INCOMING_KEY, UNOWNED, _incoming_key, is_running
 
 __all__ = ["ExpiredDeleted", "IncomingStatements"]
 
@@ -190,7 +191,7 @@ class IncomingStatements(OneMessage):
         return select(literal_column("1") / func.count()).select_from(finished)
 
     def finish_incoming(self, conn: Connection, message_id: str, destination: str, owner: int,
-                        attempt: tuple[int, int, int], now: datetime, keep_until: datetime,
+                        attempt: Attempt, now: datetime, keep_until: datetime,
                         commit: bool = False, send_id: str = "") -> bool:
         """Mark an eagerly claimed row handled, inside the body's transaction; False when
         the claim is no longer ours (another node took it over): the caller rolls back.
@@ -232,7 +233,7 @@ class IncomingStatements(OneMessage):
         ))
 
     def claim_in_flight(self, conn: Connection, message_id: str, destination: str,
-                        attempt: tuple[int, int, int], send_id: str = "") -> bool:
+                        attempt: Attempt, send_id: str = "") -> bool:
         """Whether the message's row is a running claim of this very attempt (nesting, replays,
         retries): after a claim that failed, its owner is alive and may still finish it, so a
         copy of it is not a duplicate yet."""

@@ -17,6 +17,7 @@ from typing import Sequence
 from sqlalchemy import Connection, Integer, bindparam, delete, func, literal_column, select, update
 from sqlalchemy.dialects import postgresql
 
+from ..vocabulary import Attempt
 from .base import StoreBase, utcnow
 from .schema import UNOWNED, is_running
 
@@ -133,7 +134,7 @@ class NodeStatements(StoreBase):
         return self._release_incoming(conn, owned, limit, now)
 
     def release_claim(self, conn: Connection, message_id: str, destination: str, owner: int,
-                      attempt: tuple[int, int, int], now: datetime, send_id: str = "") -> int:
+                      attempt: Attempt, now: datetime, send_id: str = "") -> int:
         """Release ``owner``'s running claim of this attempt (nesting, replays, retries) of the
         message, so that a redelivered copy takes it over; returns how many rows (0: the claim
         was not there, not ours, or already ended). Due for recovery at once, as ``release_owned``."""

@@ -33,6 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 
+from ..vocabulary import Attempt
 from .base import StoreBase
 
 __all__ = ["INSERT_CHUNK", "RECORD_COLUMNS", "OutgoingStatements"]
@@ -186,7 +187,7 @@ class OutgoingStatements(StoreBase):
                          .values(sent_at=None, redeliver_at=None))
 
     def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None,
-                             attempt: tuple[int, int, int], send_id: str = "") -> int:
+                             attempt: Attempt, send_id: str = "") -> int:
         """The consuming inbox has attempt ``attempt`` (nesting, replays, retries) of the message
         sent as ``send_id``, or a later one: delete that send's outgoing rows up to that attempt (of
         ``destination`` only, when given). A later attempt (a scheduled retry) stays, and so do the

@@ -28,7 +28,6 @@ claim, an unscheduled message) adds no entry to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from sqlalchemy import (
@@ -66,22 +65,6 @@ def _timestamp(name: str, **kwargs) -> Column:
 def _partial_index(name: str, column: Column, where) -> Index:
     """An index of ``column`` over the rows matching ``where`` only (PostgreSQL and SQLite)."""
     return Index(name, column, postgresql_where=where, sqlite_where=where)
-
-
-class IncomingStatus(str, Enum):
-    """How far an attempt of a delivered message got (the inbox's ``status`` column). Every status
-    but ``running`` is an ended attempt: it has ``handled_at`` and ``keep_until``, and cleanup
-    deletes it once ``keep_until`` passes. Write ``.value`` into statements."""
-
-    RUNNING = "running"  #: claimed, its body running (or its claim released: recovery re-publishes it)
-    HANDLED = "handled"  #: the body's transaction committed
-    RETRIED = "retried"  #: ended in a retry; the next attempt (retries + 1) may claim the message
-    DEAD = "dead"  #: failed for good (with a dead letter, unless rejected); a replay may claim it
-    REVOKED = "revoked"  #: the worker discarded it unrun (revoked or expired), as Celery does; never runs
-
-
-#: the statuses of an attempt that ended
-ENDED_STATUSES = frozenset(status.value for status in IncomingStatus if status is not IncomingStatus.RUNNING)
 
 
 def is_running(incoming: Table):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from celery_outbox.envelope import SEND_HEADER
+from celery_outbox.vocabulary import SEND_HEADER
 
 from ..scenario import Scenario
 from ..services import require, wait_until

@@ -28,7 +28,8 @@ import pytest
 from sqlalchemy import select
 
 from celery_outbox.durability import recover
-from celery_outbox.store import IncomingStatus, utcnow
+from celery_outbox.store import utcnow
+from celery_outbox.vocabulary import IncomingStatus
 
 from ..apps import unacked_app
 from ..brokers import purge

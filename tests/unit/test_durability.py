@@ -12,8 +12,8 @@ from kombu.utils import json as kombu_json
 from sqlalchemy import select, update
 
 from celery_outbox.deadletters import DeadLetterFilter, purge, replay
-from celery_outbox.envelope import SEND_HEADER
 from celery_outbox.store import as_utc, utcnow
+from celery_outbox.vocabulary import SEND_HEADER
 
 from ..apps.factory import make_shop, strand
 from ..brokers import nothing_more, receive

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kombu import Connection
 
 from celery_outbox import guard
-from celery_outbox.dead_letter_rows import DeadLetterReason, dead_letter_row, stored_text
+from celery_outbox.dead_letter_rows import dead_letter_row, stored_text
 from celery_outbox.guard import (
     body_reason,
     dead_letter_row_of,
@@ -21,8 +21,8 @@ from celery_outbox.guard import (
     store_limits_reason,
     tolerate_any_envelope,
 )
-from celery_outbox.inbox import REQUEUE_BACKOFF
 from celery_outbox.store import utcnow
+from celery_outbox.vocabulary import REQUEUE_BACKOFF, DeadLetterReason
 
 KNOWN = {"t.add"}
 HEADER_NAMES = ["task", "id", "retries", "replaced_task_nesting", "root_id", "eta", "timelimit", "compression",

@@ -1,0 +1,63 @@
+"""The closed sets of values celery-outbox writes and reads: inbox statuses, dead-letter reasons,
+the headers it adds to messages, and the attempt of a delivery.
+
+The bottom of the import graph: it imports nothing of the package, and every layer (the store,
+the publishing side, the consumer side, maintenance) names these values from here.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+__all__ = ["REDELIVERY_HEADER", "REPLAY_HEADER", "REQUEUE_BACKOFF", "SEND_HEADER", "Attempt",
+           "DeadLetterReason", "IncomingStatus"]
+
+
+class IncomingStatus(str, Enum):
+    """How far an attempt of a delivered message got (the inbox's ``status`` column). Every status
+    but ``running`` is an ended attempt: it has ``handled_at`` and ``keep_until``, and cleanup
+    deletes it once ``keep_until`` passes. Write ``.value`` into statements."""
+
+    RUNNING = "running"  #: claimed, its body running (or its claim released: recovery re-publishes it)
+    HANDLED = "handled"  #: the body's transaction committed
+    RETRIED = "retried"  #: ended in a retry; the next attempt (retries + 1) may claim the message
+    DEAD = "dead"  #: failed for good (with a dead letter, unless rejected); a replay may claim it
+    REVOKED = "revoked"  #: the worker discarded it unrun (revoked or expired), as Celery does; never runs
+
+
+class DeadLetterReason(str, Enum):
+    """Why a message ended in dead letters (the ``reason`` column)."""
+
+    FAILED = "failed"  #: the task raised, and will not be retried
+    EXPIRED = "expired"  #: a durable message expired before it was published
+    MALFORMED = "malformed"  #: the message cannot be run as is: its envelope, headers, id or body
+    UNKNOWN_TASK = "unknown_task"  #: no task of that name is registered in the worker
+    POISON = "poison"  #: the relay failed to publish it too many times
+    WORKER_LOST = "worker_lost"  #: the worker running it was lost too many times
+
+
+class Attempt(NamedTuple):
+    """One attempt of a delivered message, ordered as compared: a ``replace`` (``nesting``) outranks
+    a dead-letter replay (``replays``), which outranks a Celery retry (``retries``)."""
+
+    nesting: int
+    replays: int
+    retries: int
+
+
+#: The header that carries a message's publish identity: one per ``apply_async`` (or ``send_task``),
+#: kept by the retries and replacements of the task it sends and by every copy the broker, the relay,
+#: redelivery or recovery delivers. The inbox keys a delivery by it with the task id, so a task id sent
+#: again is a new message (as in Celery) while a copy of a send is a duplicate.
+SEND_HEADER = "celery_outbox_send"
+
+#: The header a dead-letter replay carries: the replay number, part of the attempt.
+REPLAY_HEADER = "celery_outbox_replay"
+
+#: The header of a message delivery tracking published again: how many times (not part of the attempt).
+REDELIVERY_HEADER = "celery_outbox_redelivery"
+
+#: Seconds to wait before handing a message back to the broker when the database is down, or a copy
+#: meets its own running attempt, so a worker does not spin on a message it cannot claim.
+REQUEUE_BACKOFF = 1.0
