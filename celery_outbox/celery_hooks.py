@@ -37,6 +37,7 @@ __all__ = [
     "set_app_task_base",
     "start_publish_batch",
     "swap_task_class",
+    "tracer_pushed_request",
     "task_consumer_channel",
     "task_strategies",
     "uncache_exchange_bindings",
@@ -127,6 +128,19 @@ def set_app_task_base(app: Any, cls: type) -> None:
     next ``app.Task`` (and ``@app.task``) is built from ``cls``."""
     app.__dict__.pop("Task", None)
     app.task_cls = cls
+
+
+def tracer_pushed_request(task: Any, next_call: Callable[..., Any]) -> bool:
+    """Whether ``next_call`` (the next ``__call__`` of ``task``'s classes) is Celery's own
+    ``Task.__call__`` while Celery's tracer runs the task, so that the body can run directly.
+
+    Relies on ``celery.app.trace.build_tracer`` (Celery 4 to 5.7, a worker and ``Task.apply``):
+    a task with a ``__call__`` of its own is called as ``task(*args, **kwargs)`` after the tracer
+    pushed the task and its request (``request.called_directly`` is False); a task without one
+    is run through ``task.run``. ``Task.__call__`` pushes the task and a new request again."""
+    from celery import Task
+
+    return not task.request.called_directly and getattr(next_call, "__func__", None) is Task.__call__
 
 
 def swap_task_class(task: Any, cls: type) -> None:

@@ -36,7 +36,7 @@ from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from .celery_hooks import HookedRequest, request_context, swap_task_class, unwrap_exception
+from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
 from .dead_letter_rows import DeadLetterReason
 from .errors import OutboxError
 from .inbox import Delivery, current_connection, current_session, dead_letter_row
@@ -61,7 +61,7 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
     Celery runs a task without a ``__call__`` of its own. Called directly (no request pushed),
     and with a ``__call__`` of another class in between, the next one runs as usual."""
     call = super(cls, task).__call__
-    if not task.request.called_directly and getattr(call, "__func__", None) is Task.__call__:
+    if tracer_pushed_request(task, call):
         run = task.run
         return lambda: run(*args, **kwargs)
     return lambda: call(*args, **kwargs)
