@@ -8,6 +8,21 @@ the tests run). Each has a test in
 Celery or kombu upgrade that changes one of them fails there first, by name, instead of somewhere
 deep in an integration test. The rest of the package uses only what this module exports and
 Celery's and kombu's public API.
+
+Where each is used: ``without_callback_publish_retry`` (envelope), ``install_task_sender`` and
+``default_event_dispatcher`` (publishing), ``app_task_base_used``, ``set_app_task_base``,
+``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``request_context``,
+``unwrap_exception``, ``tracer_pushed_request`` and ``swap_task_class`` (tasks),
+``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
+``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
+``can_batch_publish``, ``start_publish_batch``, ``cache_exchange_bindings`` and
+``uncache_exchange_bindings`` (broker).
+
+Two undocumented call shapes are relied on without touching a private name, and are pinned by
+the same tests: ``send_task_message`` publishes with one ``producer.publish(body, **kwargs)``
+call (``envelope._RecordingProducer`` records it), and sends ``task-sent`` with
+``dispatcher.publish(type, fields, producer, retry=..., retry_policy=...)``
+(``sent_events.RecordingDispatcher`` records it).
 """
 
 from __future__ import annotations
