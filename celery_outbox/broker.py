@@ -6,6 +6,8 @@ from typing import Any
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
+from .celery_hooks import cache_exchange_bindings, can_batch_publish, start_publish_batch, uncache_exchange_bindings
+
 __all__ = ["PublishBatch", "connection_errors", "connect_quickly"]
 
 
@@ -40,24 +42,22 @@ class PublishBatch:
         self.error: BaseException | None = None
 
     def __enter__(self) -> "PublishBatch":
-        start = getattr(self._producer, "batch", None)
-        if start is None or not getattr(self._producer, "supports_batch_publish", False):
+        if not can_batch_publish(self._producer):
             return self
         try:
             channel = self._producer.channel  # connects: a broker that is down leaves the publishes unbatched
         except Exception:  # noqa: BLE001 - each publish then fails on its own, as without a batch
             return self
         # room for every command of every message, so it is flushed once, at the end
-        self._context = start(max_size=max(1000, 8 * self._messages))
-        self._context.__enter__()
+        self._context = start_publish_batch(self._producer, max(1000, 8 * self._messages))
         self._channel = channel
-        _remember_bindings(channel)
+        cache_exchange_bindings(channel)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if self._context is None:
             return False
-        _forget_bindings(self._channel)
+        uncache_exchange_bindings(self._channel)
         if exc_type is not None:
             self._context.__exit__(exc_type, exc, tb)  # discards what was not flushed
             return False
@@ -66,26 +66,6 @@ class PublishBatch:
         except Exception as error:  # noqa: BLE001 - kombu's BatchPublishError or the broker's own error
             self.error = error
         return False
-
-
-def _remember_bindings(channel: Any) -> None:
-    """While a batch lasts, look up each exchange's bindings (kombu's virtual transports keep
-    them in the broker: one round trip per publish otherwise) once."""
-    lookup = getattr(type(channel), "get_table", None)
-    if lookup is None:
-        return
-    tables: dict[str, Any] = {}
-
-    def get_table(exchange: str) -> Any:
-        if exchange not in tables:
-            tables[exchange] = lookup(channel, exchange)
-        return tables[exchange]
-
-    channel.get_table = get_table
-
-
-def _forget_bindings(channel: Any) -> None:
-    channel.__dict__.pop("get_table", None)
 
 
 class BoundQueues:

@@ -12,7 +12,6 @@ datetimes, UUIDs and decimals); nothing is pickled into a table.
 
 from __future__ import annotations
 
-import contextvars
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,16 +23,12 @@ from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
 from sqlalchemy import Table
 
+from .celery_hooks import without_callback_publish_retry
 from .errors import UnstorableMessage
 from .routing import exchange_name
 from .sent_events import RecordingDispatcher, SentEvent
 from .store import SEND_ID_SIZE, as_utc, text_problem
 from .vocabulary import SEND_HEADER
-
-try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
-    from celery.app.amqp import _callback_publish_retry
-except ImportError:  # pragma: no cover - older Celery
-    _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
 
 __all__ = ["SEND_HEADER", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text", "new_send_id",
            "send_id_of"]
@@ -232,11 +227,8 @@ def capture(
     if getattr(message, "sent_event", None) and event_dispatcher is not None:
         events = RecordingDispatcher(options.get("event_dispatcher") or event_dispatcher())
         options = {**options, "event_dispatcher": events}
-    token = _callback_publish_retry.set(False)
-    try:
+    with without_callback_publish_retry():  # Celery >= 5.6 retries worker callbacks itself; we defer
         sender(recorder, name, message, **options)
-    finally:
-        _callback_publish_retry.reset(token)
     captured = []
     for body, kwargs in recorder.records:
         kwargs = dict(kwargs)

@@ -33,8 +33,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from celery import bootsteps, signals
 from celery.exceptions import NotRegistered
-from kombu.transport import virtual
 
+from .celery_hooks import (
+    TASKS_STEP,
+    build_channel_messages_with,
+    call_later,
+    consumer_event_dispatcher,
+    task_consumer_channel,
+    task_strategies,
+    wrap_task_handler,
+)
 from .dead_letter_rows import ID_SIZE, dead_letter_row, is_storable_id, stored_text
 from .envelope import header_count, send_id_of
 from .results import EndedMessage, store_dead_letter_results
@@ -165,8 +173,7 @@ def tolerate_any_envelope(channel: Any) -> None:
     the message already taken off the queue. The message is now built from a sound copy of the
     envelope and carries what was wrong (``envelope_fault``) for the guard to dead-letter it.
     Other transports (py-amqp: headers are always a table) are left as they are."""
-    if isinstance(channel, virtual.Channel) and not issubclass(channel.Message, _TolerantMessage):
-        channel.Message = type(f"Tolerant{channel.Message.__name__}", (_TolerantMessage, channel.Message), {})
+    build_channel_messages_with(channel, _TolerantMessage)
 
 
 class _TolerantMessage:
@@ -224,18 +231,15 @@ class MessageGuard(bootsteps.StartStopStep):
     """Consumer step: wraps Celery's task message handler with the checks above, and makes the task
     consumer's channel on a virtual transport (Redis) build a message from any envelope."""
 
-    requires = ("celery.worker.consumer.tasks:Tasks",)
+    requires = (TASKS_STEP,)
 
     def __init__(self, c: Any, **kwargs: Any):
         super().__init__(c, **kwargs)
         outbox: "Outbox | None" = getattr(c.app, "_celery_outbox", None)
         if outbox is None:
             return
-        create = c.create_task_handler
 
-        def create_task_handler(*args: Any, **kwargs: Any) -> Callable[[Any], Any]:
-            handler = create(*args, **kwargs)
-
+        def guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
             def on_task_received(message: Any) -> Any:
                 verdict = _verdict(outbox, c, message)
                 if verdict is None:
@@ -245,12 +249,13 @@ class MessageGuard(bootsteps.StartStopStep):
 
             return on_task_received
 
-        c.create_task_handler = create_task_handler
+        wrap_task_handler(c, guarded)
 
     def start(self, c: Any) -> None:
         """Runs after the Tasks step made the task consumer, at each (re)connection."""
-        if getattr(c.app, "_celery_outbox", None) is not None and c.task_consumer is not None:
-            tolerate_any_envelope(c.task_consumer.channel)
+        channel = task_consumer_channel(c)
+        if getattr(c.app, "_celery_outbox", None) is not None and channel is not None:
+            tolerate_any_envelope(channel)
 
 
 def _verdict(outbox: "Outbox", consumer: Any, message: Any) -> tuple[DeadLetterReason, str] | None:
@@ -261,7 +266,7 @@ def _verdict(outbox: "Outbox", consumer: Any, message: Any) -> tuple[DeadLetterR
     headers = message.headers
     if isinstance(headers, dict) and "task" not in headers and _is_protocol_one(message):
         return None  # Celery's own protocol 1 checks apply
-    verdict = malformed_reason(headers, consumer.strategies)
+    verdict = malformed_reason(headers, task_strategies(consumer))
     if verdict is not None:
         return verdict
     durable = outbox.settings.is_durable(queue_of(message.delivery_info, consumer.app))
@@ -305,7 +310,7 @@ def _announce_unknown_task(consumer: Any, message: Any) -> None:
     task_id, name = headers["id"], headers["task"]
     store_dead_letter_results(consumer.app, DeadLetterReason.UNKNOWN_TASK,
                               [EndedMessage(task_id, name, headers, message.properties)])
-    dispatcher = getattr(consumer, "event_dispatcher", None)
+    dispatcher = consumer_event_dispatcher(consumer)
     if dispatcher:
         try:
             dispatcher.send("task-failed", uuid=task_id, exception=f"NotRegistered({name!r})")
@@ -371,7 +376,7 @@ def _requeue_later(consumer: Any, message: Any) -> None:
     timer (the event loop's own, where there is one): the consumer goes on meanwhile, and the
     store is not asked again at once. Until then the message stays unacked: a worker that dies
     meanwhile leaves it to the broker, which restores it."""
-    consumer.timer.call_after(REQUEUE_BACKOFF, _requeue, (message,))
+    call_later(consumer, REQUEUE_BACKOFF, _requeue, (message,))
 
 
 def _requeue(message: Any) -> None:

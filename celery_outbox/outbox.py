@@ -22,6 +22,7 @@ from celery import Celery, signals
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from .celery_hooks import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
 from .config import OutboxSettings, read_settings
 from .durability import Archiver, CleanupResult, RecoverResult, cleanup, recover
 from .errors import ConfigurationError, OutboxError
@@ -313,19 +314,9 @@ class Outbox:
 def threaded_concurrency(worker: Any) -> int | None:
     """The number of tasks a worker runs at once in one process (threads, gevent, eventlet
     pools); None for a pool of processes (prefork: each has its own engine) or solo."""
-    from celery import concurrency
-
-    pool = worker.pool_cls
-    if isinstance(pool, str):  # an alias or "module:Class": read, not imported
-        module = concurrency.ALIASES.get(pool, pool).split(":", 1)[0]
-    else:
-        module = getattr(pool, "__module__", "")
-    if module not in THREADED_POOL_MODULES:
+    if pool_module(worker) not in THREADED_POOL_MODULES:
         return None
-    count = worker.concurrency
-    if not isinstance(count, int) or count <= 0:
-        count = os.cpu_count() or 1
-    return count
+    return worker_concurrency(worker)
 
 
 def _install_task_base(app: Celery) -> None:
@@ -337,11 +328,10 @@ def _install_task_base(app: Celery) -> None:
     base = symbol_by_name(app.task_cls) if isinstance(app.task_cls, str) else app.task_cls
     if issubclass(base, InboxTask):
         return
-    if "Task" in app.__dict__:
+    if app_task_base_used(app):
         logger.warning("celery-outbox: Outbox(app) was called after app.Task was used; tasks defined before it "
                        "do not store envelopes for durable queues. Call Outbox(app) before defining tasks.")
-        app.__dict__.pop("Task")
-    app.task_cls = type("InboxTask", (InboxTask, base), {"abstract": True, "__module__": InboxTask.__module__})
+    set_app_task_base(app, type("InboxTask", (InboxTask, base), {"abstract": True, "__module__": InboxTask.__module__}))
 
 
 def outbox_of(app: Celery) -> Outbox:

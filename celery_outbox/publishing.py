@@ -42,6 +42,7 @@ from sqlalchemy.engine import Connection, RootTransaction
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
+from .celery_hooks import default_event_dispatcher, install_task_sender
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage, capture, check_storable, new_send_id, send_id_of
 from .errors import OutboxError
@@ -500,7 +501,7 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
         uow = _current.get()
         if uow is None and durable_queue(*published_route(amqp, options)) is None:
             return celery_sender(producer, name, message, **options)
-        captured = capture(celery_sender, producer, name, message, options, lambda: amqp._event_dispatcher)
+        captured = capture(celery_sender, producer, name, message, options, lambda: default_event_dispatcher(amqp))
         if captured:
             task_message = captured[0]
             destination = durable_queue(task_message.exchange, task_message.routing_key)  # as it is published
@@ -583,20 +584,4 @@ def _continues(request: Any, headers: dict[str, Any]) -> bool:
 
 def install_publish_hook(outbox: "Outbox") -> None:
     """Make the app's AMQP an ``OutboxAMQP``: every publish passes through ``send_task_message``."""
-    app = outbox.app
-    base = app.amqp_cls
-    if isinstance(base, str):
-        from celery.utils.imports import symbol_by_name
-
-        base = symbol_by_name(base)
-    if getattr(base, "_celery_outbox", None) is outbox:
-        return
-
-    class OutboxAMQP(base):  # type: ignore[misc, valid-type]
-        _celery_outbox = outbox
-
-        def _create_task_sender(self) -> Callable[..., Any]:
-            return _make_sender(outbox, self, super()._create_task_sender())
-
-    app.amqp_cls = OutboxAMQP
-    app.__dict__.pop("amqp", None)  # an AMQP built before Outbox(app) is rebuilt with the hook
+    install_task_sender(outbox.app, outbox, lambda amqp, celery_sender: _make_sender(outbox, amqp, celery_sender))

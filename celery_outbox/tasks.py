@@ -27,15 +27,16 @@ rejected (eager style: the claim commits before the body) whether or not it is a
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
-from billiard.einfo import ExceptionInfo, ExceptionWithTraceback
+from billiard.einfo import ExceptionInfo
 from celery import Celery, Task
 from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
 from .errors import OutboxError
 from .inbox import Delivery, current_connection, current_session, dead_letter_row
 from .outbox import outbox_of
@@ -60,19 +61,19 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
     Celery runs a task without a ``__call__`` of its own. Called directly (no request pushed),
     and with a ``__call__`` of another class in between, the next one runs as usual."""
     call = super(cls, task).__call__
-    if not task.request.called_directly and getattr(call, "__func__", None) is Task.__call__:
+    if tracer_pushed_request(task, call):
         run = task.run
         return lambda: run(*args, **kwargs)
     return lambda: call(*args, **kwargs)
 
 
-class OutboxRequest(Request):
+class OutboxRequest(HookedRequest):
     """The worker's request (in the worker's main process): a pool process lost running an
     inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; an
     inbox attempt the worker discards unrun (revoked, expired) ends as ``revoked`` before
     Celery acks it."""
 
-    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+    def before_revoked_announced(self, reason: str, terminated: bool) -> None:
         """Celery marks the task REVOKED and acks its message. Before that, an inbox attempt that
         never ran (revoked before it started, or expired) is recorded as ended and its outgoing
         rows acknowledged (``Inbox.end_revoked_attempt``), in one transaction: a later copy is a
@@ -80,7 +81,6 @@ class OutboxRequest(Request):
         cannot take it, that is logged and the revoke stands in this worker, as in plain Celery."""
         if not terminated and self._goes_through_inbox():
             self._end_revoked(reason)
-        super()._announce_revoked(reason, terminated, signum, expired)
 
     def _goes_through_inbox(self) -> bool:
         task = self.task
@@ -91,7 +91,7 @@ class OutboxRequest(Request):
     def _end_revoked(self, reason: str) -> None:
         task = self.task
         outbox = outbox_of(task.app)
-        delivery = Delivery.from_context(task, self._context, outbox.settings)
+        delivery = Delivery.from_context(task, request_context(self), outbox.settings)
         try:
             outbox.inbox.end_revoked_attempt(delivery)
         except Exception as error:  # noqa: BLE001 - Celery's revoke stands; delivery tracking may send it again
@@ -105,17 +105,16 @@ class OutboxRequest(Request):
 
     def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception
-        exc = getattr(exc, "exc", exc) if isinstance(exc, ExceptionWithTraceback) else exc
+        exc = unwrap_exception(exc)
         if self._lost_past_the_cap(exc) and not self._dead_lettered(exc):
             self.reject(requeue=True)  # the store could not take the dead letter: the message comes back
             return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
-    def _retry_worker_lost(self, exc: BaseException, exc_info: ExceptionInfo) -> bool:
+    def resending_lost_attempt(self) -> ContextManager[Any]:
         """Celery re-sends the attempt of a lost worker process as its next retry: the message keeps
         the publish identity of this delivery, so the inbox takes it for the same message."""
-        with resending(self._context):
-            return super()._retry_worker_lost(exc, exc_info)
+        return resending(request_context(self))
 
     def _lost_past_the_cap(self, exc: BaseException) -> bool:
         task = self.task
@@ -123,11 +122,11 @@ class OutboxRequest(Request):
             return False
         if not self._goes_through_inbox():
             return False
-        return task.max_retries is not None and (self._context.retries or 0) >= task.max_retries
+        return task.max_retries is not None and (request_context(self).retries or 0) >= task.max_retries
 
     def _dead_lettered(self, exc: BaseException) -> bool:
         """Write the dead letter; False (logged) when the store cannot take it."""
-        task, context = self.task, self._context
+        task, context = self.task, request_context(self)
         outbox = outbox_of(task.app)
         delivery = Delivery.from_context(task, context, outbox.settings)
         task.request_stack.push(context)
@@ -226,7 +225,7 @@ def give_inbox_to_every_task(app: Celery) -> list[str]:
         if cls not in classes:
             classes[cls] = _with_inbox(cls)
         if classes[cls] is not cls:
-            task.__class__ = classes[cls]
+            swap_task_class(task, classes[cls])
             changed.append(name)
     return changed
 

@@ -1,0 +1,345 @@
+"""Every place celery-outbox relies on a private (undocumented, underscore-prefixed or internal)
+part of Celery or kombu, and nowhere else.
+
+Each function or class below touches one such internal; its docstring says which, why, and for
+which versions it is known to hold (checked against Celery 5.7 and kombu 5.7, the versions
+the tests run). Each has a test in
+``tests/unit/test_celery_hooks.py`` that pins the Celery or kombu behaviour it relies on, so a
+Celery or kombu upgrade that changes one of them fails there first, by name, instead of somewhere
+deep in an integration test. The rest of the package uses only what this module exports and
+Celery's and kombu's public API.
+
+Where each is used: ``without_callback_publish_retry`` (envelope), ``install_task_sender`` and
+``default_event_dispatcher`` (publishing), ``app_task_base_used``, ``set_app_task_base``,
+``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``request_context``,
+``unwrap_exception``, ``tracer_pushed_request`` and ``swap_task_class`` (tasks),
+``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
+``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
+``can_batch_publish``, ``start_publish_batch``, ``cache_exchange_bindings`` and
+``uncache_exchange_bindings`` (broker).
+
+Two undocumented call shapes are relied on without touching a private name, and are pinned by
+the same tests: ``send_task_message`` publishes with one ``producer.publish(body, **kwargs)``
+call (``envelope._RecordingProducer`` records it), and sends ``task-sent`` with
+``dispatcher.publish(type, fields, producer, retry=..., retry_policy=...)``
+(``sent_events.RecordingDispatcher`` records it).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, ContextManager, Iterator
+
+from billiard.einfo import ExceptionWithTraceback
+from celery.worker.request import Request
+from kombu.transport import virtual
+
+__all__ = [
+    "TASKS_STEP",
+    "HookedRequest",
+    "app_task_base_used",
+    "build_channel_messages_with",
+    "cache_exchange_bindings",
+    "call_later",
+    "can_batch_publish",
+    "consumer_event_dispatcher",
+    "default_event_dispatcher",
+    "install_task_sender",
+    "pool_module",
+    "request_context",
+    "set_app_task_base",
+    "start_publish_batch",
+    "swap_task_class",
+    "tracer_pushed_request",
+    "task_consumer_channel",
+    "task_strategies",
+    "uncache_exchange_bindings",
+    "unwrap_exception",
+    "without_callback_publish_retry",
+    "worker_concurrency",
+    "wrap_task_handler",
+]
+
+# -- publishing: the app's AMQP and its task sender (publishing.py, envelope.py) -----------------
+
+try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
+    from celery.app.amqp import _callback_publish_retry
+except ImportError:  # pragma: no cover - older Celery
+    _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
+
+
+@contextmanager
+def without_callback_publish_retry() -> Iterator[None]:
+    """While the block runs, Celery's sender publishes with a plain ``producer.publish`` call.
+
+    Touches ``celery.app.amqp._callback_publish_retry`` (a ``ContextVar``, Celery >= 5.6; a
+    stand-in before): ``AMQP._retry_publish`` sets it while a worker publishes a task's callbacks,
+    and ``send_task_message`` then wraps ``producer.publish`` in ``retry_over_time``. The outbox
+    captures the publish instead (``envelope.capture``): the recording producer must see the one
+    ``publish`` call, not a retry loop around it."""
+    token = _callback_publish_retry.set(False)
+    try:
+        yield
+    finally:
+        _callback_publish_retry.reset(token)
+
+
+def install_task_sender(app: Any, owner: Any, wrap: Callable[[Any, Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Make ``app``'s AMQP send every task message through ``wrap(amqp, celery_sender)``.
+
+    Touches ``Celery.amqp_cls`` (a class or a ``"module:Class"`` string) and
+    ``AMQP._create_task_sender`` (Celery 4 to 5.7): the app's AMQP class is swapped for a subclass
+    whose ``_create_task_sender`` wraps the sender Celery builds, which ``AMQP.send_task_message``
+    (a cached property) returns and ``Task.apply_async``, ``Celery.send_task``, retries, canvas
+    and worker callbacks all call. ``app.amqp`` is a cached property: an AMQP built before the
+    swap is dropped from ``app.__dict__`` so that it is rebuilt from the new class. Calling it
+    again with the same ``owner`` changes nothing."""
+    base = app.amqp_cls
+    if isinstance(base, str):
+        from celery.utils.imports import symbol_by_name
+
+        base = symbol_by_name(base)
+    if getattr(base, "_celery_outbox", None) is owner:
+        return
+
+    class OutboxAMQP(base):  # type: ignore[misc, valid-type]
+        _celery_outbox = owner
+
+        def _create_task_sender(self) -> Callable[..., Any]:
+            return wrap(self, super()._create_task_sender())
+
+    app.amqp_cls = OutboxAMQP
+    app.__dict__.pop("amqp", None)
+
+
+def default_event_dispatcher(amqp: Any) -> Any:
+    """The event dispatcher Celery's sender sends ``task-sent`` events with when the caller gives none.
+
+    Touches ``AMQP._event_dispatcher`` (Celery 4 to 5.7, a cached property): ``_create_task_sender``
+    takes it as ``default_evd`` and ``send_task_message`` calls its ``publish('task-sent', fields,
+    producer, retry=..., retry_policy=...)``. The outbox records that call and makes it later on
+    the same dispatcher (``sent_events``), so it must be the very object Celery would use."""
+    return amqp._event_dispatcher
+
+
+# -- the app's task base and the worker's tasks (outbox.py, tasks.py) ----------------------------
+
+
+def app_task_base_used(app: Any) -> bool:
+    """Whether ``app.Task`` (the task base built from ``app.task_cls``) was already built.
+
+    Touches ``Celery.Task``, a cached property (Celery 4 to 5.7) whose value lives in
+    ``app.__dict__``."""
+    return "Task" in app.__dict__
+
+
+def set_app_task_base(app: Any, cls: type) -> None:
+    """Make ``cls`` the app's task base: tasks defined from now on derive from it.
+
+    Touches ``Celery.task_cls`` and the cached property ``Celery.Task`` (Celery 4 to 5.7): a
+    ``Task`` already built from the old ``task_cls`` is dropped from ``app.__dict__`` so that the
+    next ``app.Task`` (and ``@app.task``) is built from ``cls``."""
+    app.__dict__.pop("Task", None)
+    app.task_cls = cls
+
+
+def tracer_pushed_request(task: Any, next_call: Callable[..., Any]) -> bool:
+    """Whether ``next_call`` (the next ``__call__`` of ``task``'s classes) is Celery's own
+    ``Task.__call__`` while Celery's tracer runs the task, so that the body can run directly.
+
+    Relies on ``celery.app.trace.build_tracer`` (Celery 4 to 5.7, a worker and ``Task.apply``):
+    a task with a ``__call__`` of its own is called as ``task(*args, **kwargs)`` after the tracer
+    pushed the task and its request (``request.called_directly`` is False); a task without one
+    is run through ``task.run``. ``Task.__call__`` pushes the task and a new request again."""
+    from celery import Task
+
+    return not task.request.called_directly and getattr(next_call, "__func__", None) is Task.__call__
+
+
+def swap_task_class(task: Any, cls: type) -> None:
+    """Give a registered task object the class ``cls`` (a subclass of its own class) in place.
+
+    Relies on Celery (4 to 5.7) reading a task's ``Request`` class and ``__call__`` only when the
+    worker builds its strategies (``Consumer.update_strategies``, ``Task.start_strategy``, which
+    resolves ``task.Request``) and tracers, after ``worker_init``; and on ``app.tasks`` holding the
+    task objects themselves, which the user's modules refer to, so the object must stay the same."""
+    task.__class__ = cls
+
+
+class HookedRequest(Request):
+    """The worker's request class with two hooks into its private steps.
+
+    Touches ``Request._announce_revoked(reason, terminated, signum, expired)`` (Celery 5 up to
+    5.7), which ``Request.revoked()`` (a revoked or expired message, before it runs) and
+    ``Request.terminate`` call to mark the task REVOKED and ack its message, and
+    ``Request._retry_worker_lost(exc, exc_info)`` (Celery 5.7, ``retry_on_worker_lost``), which
+    ``on_failure`` calls for a ``WorkerLostError`` to re-send the task as its next retry through
+    ``task.signature_from_request(request._context, ...).apply_async()``."""
+
+    def before_revoked_announced(self, reason: str, terminated: bool) -> None:
+        """Runs before Celery marks the task REVOKED and acks its message."""
+
+    def resending_lost_attempt(self) -> ContextManager[Any]:
+        """Entered while Celery re-sends the attempt of a lost worker process."""
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+        self.before_revoked_announced(reason, terminated)
+        super()._announce_revoked(reason, terminated, signum, expired)
+
+    def _retry_worker_lost(self, exc: BaseException, exc_info: Any) -> bool:
+        with self.resending_lost_attempt():
+            return super()._retry_worker_lost(exc, exc_info)
+
+
+def request_context(request: Any) -> Any:
+    """The task ``Context`` a worker's ``Request`` runs with, as the task sees it in ``task.request``.
+
+    Touches ``Request._context`` (Celery 4 to 5.7, a cached property): the same ``Context``
+    Celery passes to the backend, the signals and ``signature_from_request``."""
+    return request._context
+
+
+def unwrap_exception(exc: BaseException) -> BaseException:
+    """The exception a pool process raised, as the worker's main process sees it.
+
+    Touches billiard's ``ExceptionWithTraceback`` (billiard 4): the prefork pool sends an
+    exception back wrapped in it, and ``Request.on_failure`` receives it as
+    ``exc_info.exception``; the original is its ``exc``."""
+    return getattr(exc, "exc", exc) if isinstance(exc, ExceptionWithTraceback) else exc
+
+
+def pool_module(worker: Any) -> str:
+    """The module of the worker's pool class, without importing it.
+
+    Touches ``WorkController.pool_cls`` (a class, an alias such as ``"threads"`` or a
+    ``"module:Class"`` string, as set before the pool is built, at ``worker_init``) and
+    ``celery.concurrency.ALIASES`` (Celery 5)."""
+    from celery import concurrency
+
+    pool = worker.pool_cls
+    if isinstance(pool, str):  # an alias or "module:Class": read, not imported
+        return concurrency.ALIASES.get(pool, pool).split(":", 1)[0]
+    return getattr(pool, "__module__", "")
+
+
+def worker_concurrency(worker: Any) -> int:
+    """How many tasks the worker runs at once: ``WorkController.concurrency`` (Celery 5; 0 or
+    None at ``worker_init`` means the CPU count, as Celery decides later)."""
+    count = worker.concurrency
+    if not isinstance(count, int) or count <= 0:
+        count = os.cpu_count() or 1
+    return count
+
+
+# -- the consumer (guard.py) ---------------------------------------------------------------------
+
+#: The consumer step that makes the task consumer (Celery 4 to 5.7); the guard's step requires it.
+TASKS_STEP = "celery.worker.consumer.tasks:Tasks"
+
+
+def wrap_task_handler(consumer: Any, wrap: Callable[[Callable[[Any], Any]], Callable[[Any], Any]]) -> None:
+    """Make the consumer's task message handler ``wrap(handler)``.
+
+    Touches ``Consumer.create_task_handler`` (Celery 4 to 5.7): the Tasks step calls it on the
+    consumer when it builds the task consumer, and its result is the ``on_message`` callback
+    that receives every task message. Replaced on the consumer object, before that step starts."""
+    create = consumer.create_task_handler
+
+    def create_task_handler(*args: Any, **kwargs: Any) -> Callable[[Any], Any]:
+        return wrap(create(*args, **kwargs))
+
+    consumer.create_task_handler = create_task_handler
+
+
+def task_consumer_channel(consumer: Any) -> Any:
+    """The channel of the consumer's task consumer, or None before the Tasks step made it.
+
+    Touches ``Consumer.task_consumer`` (Celery 4 to 5.7, set by the Tasks step at each
+    (re)connection)."""
+    task_consumer = getattr(consumer, "task_consumer", None)
+    return task_consumer.channel if task_consumer is not None else None
+
+
+def task_strategies(consumer: Any) -> Any:
+    """The consumer's registered task names, as the mapping from a name to its strategy.
+
+    Touches ``Consumer.strategies`` (Celery 4 to 5.7): the handler made by
+    ``create_task_handler`` looks a message's task up there, and a name missing there is an
+    unknown task (``on_unknown_task``)."""
+    return consumer.strategies
+
+
+def call_later(consumer: Any, seconds: float, fun: Callable[..., Any], args: tuple) -> None:
+    """Call ``fun(*args)`` after ``seconds`` in the consumer's thread.
+
+    Touches ``Consumer.timer`` (Celery 4 to 5.7): the event loop's own timer (the hub's, on
+    py-amqp and Redis) whose ``call_after`` schedules without blocking the consumer."""
+    consumer.timer.call_after(seconds, fun, args)
+
+
+def consumer_event_dispatcher(consumer: Any) -> Any:
+    """The consumer's event dispatcher, or None: ``Consumer.event_dispatcher`` (Celery 4 to 5.7,
+    set by the Events step; a disabled dispatcher when events are off)."""
+    return getattr(consumer, "event_dispatcher", None)
+
+
+def build_channel_messages_with(channel: Any, mixin: type) -> None:
+    """Make a kombu virtual-transport ``channel`` build its messages from a class with ``mixin``
+    first in its bases (once per channel); channels of other transports are left as they are.
+
+    Touches ``kombu.transport.virtual.Channel.Message`` (kombu 5): a virtual channel (Redis, SQS,
+    memory...) builds each delivered message with ``self.Message(payload, channel=self)`` in
+    ``_restore``, ``basic_get`` and ``_deliver``, so an instance attribute replaces the class for
+    that channel only. ``mixin.__init__(payload, channel=None, **kwargs)`` must call the
+    transport's ``Message.__init__`` with that signature."""
+    if isinstance(channel, virtual.Channel) and not issubclass(channel.Message, mixin):
+        channel.Message = type(f"Tolerant{channel.Message.__name__}", (mixin, channel.Message), {})
+
+
+# -- the broker (broker.py) ----------------------------------------------------------------------
+
+
+def can_batch_publish(producer: Any) -> bool:
+    """Whether ``producer`` and its transport can batch publishes (``start_publish_batch``).
+
+    Touches ``Producer.batch`` and ``Producer.supports_batch_publish`` (kombu 5.7, absent before;
+    the latter connects to ask the channel)."""
+    return getattr(producer, "batch", None) is not None and bool(getattr(producer, "supports_batch_publish", False))
+
+
+def start_publish_batch(producer: Any, max_size: int) -> Any:
+    """An entered ``producer.batch(max_size=...)`` (kombu 5.7): publishes made until its
+    ``__exit__`` go out together (one pipeline on Redis), flushed at the exit, discarded when
+    it exits with an exception; a failed flush raises there (``BatchPublishError``)."""
+    context = producer.batch(max_size=max_size)
+    context.__enter__()
+    return context
+
+
+def cache_exchange_bindings(channel: Any) -> None:
+    """Until ``uncache_exchange_bindings``, look up each exchange's bindings once on ``channel``.
+
+    Touches ``virtual.Channel.get_table(exchange)`` (kombu 5): a virtual transport looks an
+    exchange's bindings up in the broker (one Redis round trip) on each publish through
+    ``_lookup``; an instance attribute of the same name answers instead, from a cache."""
+    lookup = getattr(type(channel), "get_table", None)
+    if lookup is None:
+        return
+    tables: dict[str, Any] = {}
+
+    def get_table(exchange: str) -> Any:
+        if exchange not in tables:
+            tables[exchange] = lookup(channel, exchange)
+        return tables[exchange]
+
+    channel.get_table = get_table
+
+
+def uncache_exchange_bindings(channel: Any) -> None:
+    """Undo ``cache_exchange_bindings``: the channel's own ``get_table`` answers again."""
+    channel.__dict__.pop("get_table", None)
