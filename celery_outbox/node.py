@@ -30,11 +30,10 @@ import os
 import socket
 import threading
 import uuid
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .store import utcnow
+from .store import node_lock_key, utcnow
 from .vocabulary import Attempt
 
 if TYPE_CHECKING:
@@ -43,16 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["Node", "node_lock_key"]
 
 logger = logging.getLogger("celery_outbox.node")
-
-def node_lock_namespace(table_prefix: str) -> int:
-    """High 32 bits of the advisory lock keys of one table prefix's nodes (node ids repeat across prefixes)."""
-    return zlib.crc32(f"celery_outbox.node:{table_prefix}".encode()) & 0x7FFFFFFF
-
-
-def node_lock_key(node_id: int, table_prefix: str) -> int:
-    """The advisory lock key of a node: one 64-bit key per node id and table prefix."""
-    return (node_lock_namespace(table_prefix) << 32) | (node_id & 0xFFFFFFFF)
-
 
 @dataclass(frozen=True)
 class PendingRelease:

@@ -1,6 +1,6 @@
 """The message store: tables (one MetaData per prefix) and the only SQL of celery-outbox."""
 
-from .base import as_utc, is_content_error, is_unique_violation, utcnow
+from .base import as_utc, is_content_error, is_unique_violation, node_lock_key, utcnow
 from .engine import build_engine, masked_options, redact, safe_url
 from .migration import MigrationResult
 from .schema import (
@@ -26,6 +26,7 @@ __all__ = [
     "is_content_error",
     "is_unique_violation",
     "masked_options",
+    "node_lock_key",
     "redact",
     "safe_url",
     "text_problem",

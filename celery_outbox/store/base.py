@@ -13,6 +13,7 @@ because every SQLite transaction of the store is ``BEGIN IMMEDIATE`` (one writer
 
 from __future__ import annotations
 
+import zlib
 from datetime import datetime, timezone
 from typing import Sequence
 
@@ -60,6 +61,16 @@ def is_content_error(exc: BaseException) -> bool:
         return True
     sqlstate = getattr(getattr(exc, "orig", exc), "sqlstate", None) or ""
     return sqlstate[:2] in ("22", "23")
+
+
+def node_lock_namespace(table_prefix: str) -> int:
+    """High 32 bits of the advisory lock keys of one table prefix's nodes (node ids repeat across prefixes)."""
+    return zlib.crc32(f"celery_outbox.node:{table_prefix}".encode()) & 0x7FFFFFFF
+
+
+def node_lock_key(node_id: int, table_prefix: str) -> int:
+    """The advisory lock key of a node's liveness lock: one 64-bit key per node id and table prefix."""
+    return (node_lock_namespace(table_prefix) << 32) | (node_id & 0xFFFFFFFF)
 
 
 class StoreBase:
@@ -117,8 +128,6 @@ class StoreBase:
     def _liveness_lock_free(self, node_id_column):
         """SQL (PostgreSQL): the node's process no longer holds its liveness lock. Takes the
         lock for the rest of the transaction when it is free."""
-        from ..node import node_lock_namespace
-
         lock_key = literal_column(str(node_lock_namespace(self.prefix) << 32), BigInteger) + node_id_column
         return func.pg_try_advisory_xact_lock(lock_key)
 

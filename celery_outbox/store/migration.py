@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from sqlalchemy import Connection, func, inspect, select, update
 from sqlalchemy.schema import CreateIndex, CreateTable
@@ -20,9 +20,6 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 from ..errors import IncompatibleSchema
 from .base import StoreBase, utcnow
 from .schema import SCHEMA_VERSION, SEND_ID_SIZE
-
-if TYPE_CHECKING:
-    from .store import Store
 
 __all__ = ["MigrationResult", "SchemaStatements"]
 
@@ -124,21 +121,21 @@ class SchemaStatements(StoreBase):
         return conn.execute(select(schema.c.version).where(schema.c.id == 1)).scalar()
 
 
-def _upgrade_to_2(store: Store, conn: Connection) -> None:
+def _upgrade_to_2(store: StoreBase, conn: Connection) -> None:
     """Version 2: the outgoing table's indexes for delivery tracking and scheduling became partial
     (created above under new names); drop the full ones they replace."""
     for old in ("redeliver", "deliver"):
         conn.exec_driver_sql(f'DROP INDEX IF EXISTS "ix_{store.prefix}outgoing_{old}"')
 
 
-def _upgrade_to_3(store: Store, conn: Connection) -> None:
+def _upgrade_to_3(store: StoreBase, conn: Connection) -> None:
     """Version 3: the inbox's indexes of claims became partial, of running rows only (created above
     under new names); drop the full ones they replace."""
     for old in ("owner_status", "status_claimed", "recover_after"):
         conn.exec_driver_sql(f'DROP INDEX IF EXISTS "ix_{store.prefix}incoming_{old}"')
 
 
-def _upgrade_to_4(store: Store, conn: Connection) -> None:
+def _upgrade_to_4(store: StoreBase, conn: Connection) -> None:
     """Version 4: the publish identity ``send_id`` on outgoing rows and in the inbox's primary key
     (existing rows get ``''``: keyed by their task id, as before). PostgreSQL changes the primary
     key in place; SQLite, which cannot, copies the inbox into a new table."""
@@ -167,4 +164,4 @@ def _upgrade_to_4(store: Store, conn: Connection) -> None:
 
 
 # version -> the step that brings the tables from the version before it to that one
-_UPGRADES: dict[int, Callable[[Store, Connection], None]] = {2: _upgrade_to_2, 3: _upgrade_to_3, 4: _upgrade_to_4}
+_UPGRADES: dict[int, Callable[[StoreBase, Connection], None]] = {2: _upgrade_to_2, 3: _upgrade_to_3, 4: _upgrade_to_4}
