@@ -61,6 +61,9 @@ from ..workers import ROOT, BeatProcess, WorkerProcess
 # whose delay doubles while a backlog keeps the consumer from acknowledging it (4, 12, 28, 60 and
 # 124 s after its send with FAST_MAINTENANCE): on a slow host the last one it needs may come late.
 SETTLE_TIMEOUT = 180.0
+# How long a pool process's exit may wait for Celery's answer: its ``worker_lost_wait`` (10 s by
+# default) and a margin.
+LOST_WORKER_GRACE = 15.0
 # Fast maintenance, so a run settles in seconds: recovery every second, a node dead after two
 # stale checks, a sent message nobody acknowledged published again after a few seconds.
 FAST_MAINTENANCE = {
@@ -190,6 +193,7 @@ class FaultRun:
         self.external_kills = 0
         self._faults: list[tuple[float, Callable[[], None]]] = []
         self._copied: dict[str, int] = {}
+        self._exits_seen: list[float] = []  # when the run first saw each pool process exit
         self._conditions: list[tuple[str, Callable[[], bool]]] = []
         self.played = 0  # tricks played (FAULT_TRICKS), read when the run settles
         with self.shop.app.connection_for_write() as connection:  # not connected: only its error types
@@ -386,13 +390,21 @@ class FaultRun:
 
     def _lost_tasks_unanswered(self) -> int:
         """Pool processes of the consuming worker that a crash point ended, less the tasks the worker
-        has answered with ``WorkerLostError`` (re-sent as a new attempt, or failed) so far."""
+        has answered with ``WorkerLostError`` (re-sent as a new attempt, or failed) so far.
+
+        A child that dies before its parent has read that it accepted the job is never answered so:
+        the pool puts the job back and another child runs it. So an exit counts as unanswered only
+        until ``LOST_WORKER_GRACE`` after the run first saw it (Celery answers an accepted job's loss
+        within ``worker_lost_wait``)."""
         text = self._log_text("consumer")
-        unanswered = 0
+        unanswered = exits = 0
         for status in (f"exitcode {EXIT_CODE}", "signal 9 (SIGKILL)"):  # a crash point; a body that kills itself
-            exits = text.count(f"exited with '{status}'")
-            unanswered += max(exits - text.count(f"WorkerLostError('Worker exited prematurely: {status}"), 0)
-        return unanswered
+            exited = text.count(f"exited with '{status}'")
+            exits += exited
+            unanswered += max(exited - text.count(f"WorkerLostError('Worker exited prematurely: {status}"), 0)
+        now = time.monotonic()
+        self._exits_seen += [now] * (exits - len(self._exits_seen))
+        return min(unanswered, sum(1 for seen in self._exits_seen if now - seen < LOST_WORKER_GRACE))
 
     def _settled(self) -> bool:
         return not self._unsettled(self.outcome(0.0))
