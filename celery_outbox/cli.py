@@ -294,7 +294,7 @@ def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_al
         missing = ", ".join(str(i) for i in sorted(set(dead_letter_ids) - found))
         raise click.ClickException(f"no dead letter with id {missing}; nothing replayed")
     with click.progressbar(length=total, label="replaying", file=click.get_text_stream("stderr")) as bar:
-        replayed = replay(box, which, progress=bar.update)
+        replayed = replay(box.publisher, which, progress=bar.update)
     click.echo(f"replayed {len(replayed.message_ids)} dead letter(s)")
     for letter_id, reason in replayed.refused:
         click.echo(f"refused dead letter {letter_id}: {printable(reason)}", err=True)
@@ -313,7 +313,7 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
     store = box.ready().store
     total = store.count_matching_dead_letters(which.where(store))
     with click.progressbar(length=total, label="purging", file=click.get_text_stream("stderr")) as bar:
-        deleted = purge(box, which, progress=bar.update)
+        deleted = purge(box.runtime, which, progress=bar.update)
     click.echo(f"purged {deleted} dead letter(s)")
 
 

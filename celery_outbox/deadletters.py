@@ -17,19 +17,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from kombu.serialization import loads
 
 from .envelope import OutgoingMessage, from_row
 from .guard import malformed_reason
-from .publishing import current_unit_of_work
+from .publishing import Publisher, current_unit_of_work
 from .routing import published_route
+from .runtime import Runtime
 from .store import utcnow
 from .vocabulary import REPLAY_HEADER
-
-if TYPE_CHECKING:
-    from .outbox import Outbox
 
 __all__ = ["DeadLetterFilter", "Replayed", "purge", "replay"]
 
@@ -62,17 +60,18 @@ class Replayed:
     refused: list[tuple[int, str]] = field(default_factory=list)
 
 
-def replay(outbox: "Outbox", which: DeadLetterFilter,
+def replay(publisher: Publisher, which: DeadLetterFilter,
            progress: Callable[[int], None] | None = None) -> Replayed:
     """Re-publish the matching dead letters through the outbox, each checked as the consumer guard
     checks a new message and routed by its task's current route; a malformed letter is refused
     (left as it is, with the reason in ``Replayed.refused``), never re-published."""
-    store = outbox.ready().store
+    runtime = publisher.runtime
+    store = runtime.ready().store
     where = which.where(store)
     result = Replayed()
     last_id = 0
     while True:
-        with outbox.transaction() as session:
+        with publisher.transaction() as session:
             conn = session.connection()
             rows = store.lock_dead_letters(conn, where, REPLAY_BATCH, after_id=last_id)
             if not rows:
@@ -80,7 +79,7 @@ def replay(outbox: "Outbox", which: DeadLetterFilter,
             last_id = rows[-1].id
             messages, taken = [], []
             for row in rows:
-                message = _replay_message(row, outbox.app)
+                message = _replay_message(row, runtime.app)
                 if isinstance(message, str):
                     result.refused.append((row.id, message))
                 else:
@@ -131,12 +130,12 @@ def _route_now(message: OutgoingMessage, app: Any, body: Any) -> None:
     message.sending["declare"] = [route["queue"]]
 
 
-def purge(outbox: "Outbox", which: DeadLetterFilter, batch_size: int | None = None,
+def purge(runtime: Runtime, which: DeadLetterFilter, batch_size: int | None = None,
           progress: Callable[[int], None] | None = None) -> int:
     """Delete the matching dead letters in batches, each its own transaction; returns how many."""
-    store = outbox.ready().store
+    store = runtime.ready().store
     where = which.where(store)
-    batch = batch_size or outbox.settings.cleanup_batch_size
+    batch = batch_size or runtime.settings.cleanup_batch_size
     deleted = 0
     while True:
         with store.begin() as conn:

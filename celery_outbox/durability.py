@@ -1,6 +1,6 @@
 """Recovery and cleanup: the maintenance that makes sure no row is stranded and no table grows forever.
 
-``recover(outbox)`` and ``cleanup(outbox)`` are what the beat tasks
+``recover(runtime)`` and ``cleanup(runtime)`` are what the beat tasks
 ``celery_outbox.recover`` and ``celery_outbox.cleanup`` run, and what
 ``celery -A proj outbox recover|cleanup`` runs by hand. Each step is a small
 function working in bounded batches (``outbox_recover_batch_size``,
@@ -41,7 +41,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from .broker import BoundQueues, connect_quickly, connection_errors
 from .crashpoints import crashpoint
@@ -49,11 +49,9 @@ from .dead_letter_rows import dead_letter_row
 from .envelope import from_row
 from .relay import RelayResult, redeliver, relay
 from .results import EndedMessage, store_dead_letter_results
+from .runtime import Archiver, Runtime
 from .store import utcnow
 from .vocabulary import DeadLetterReason
-
-if TYPE_CHECKING:
-    from .outbox import Outbox
 
 __all__ = ["Archiver", "CleanupResult", "RecoverResult", "cleanup", "recover"]
 
@@ -61,16 +59,6 @@ logger = logging.getLogger("celery_outbox.durability")
 
 # Longest back-off between two re-publishes of one stranded envelope.
 MAX_RECOVERY_BACKOFF = timedelta(hours=1)
-
-
-class Archiver(Protocol):
-    """Receives rows cleanup is about to delete, inside the deleting transaction.
-
-    ``kind`` is ``"incoming"`` or ``"dead_letters"``. If it raises, the batch is
-    not deleted and the next cleanup tries again: archiving is at least once.
-    """
-
-    def archive(self, kind: str, rows: Sequence[Any]) -> None: ...
 
 
 @dataclass
@@ -132,27 +120,27 @@ class CleanupResult:
 # -- recover ---------------------------------------------------------------------------------------
 
 
-def recover(outbox: "Outbox", max_batches: int | None = None) -> RecoverResult:
+def recover(runtime: Runtime, max_batches: int | None = None) -> RecoverResult:
     """One recover pass (beat task ``celery_outbox.recover``, ``celery outbox recover``)."""
-    outbox.ready()
+    runtime.ready()
     result = RecoverResult()
-    result.nodes_declared_dead = detect_dead_nodes(outbox)
-    result.claims_released = release_dead_claims(outbox, max_batches)
-    result.stale_claims_released = release_stale_claims(outbox, max_batches)
-    result.relay = relay(outbox, max_batches)
+    result.nodes_declared_dead = detect_dead_nodes(runtime)
+    result.claims_released = release_dead_claims(runtime, max_batches)
+    result.stale_claims_released = release_stale_claims(runtime, max_batches)
+    result.relay = relay(runtime, max_batches)
     if not result.relay.broker_error:
-        result.redelivered, result.broker_error = redeliver(outbox, max_batches)
+        result.redelivered, result.broker_error = redeliver(runtime, max_batches)
     if not result.broker_error and not result.relay.broker_error:
-        republish_stranded_envelopes(outbox, result, max_batches)
+        republish_stranded_envelopes(runtime, result, max_batches)
     if result.nodes_declared_dead or result.claims_released or result.stale_claims_released \
             or result.redelivered or result.envelopes_republished or result.envelopes_dead_lettered:
         logger.info("celery-outbox recover: %s", "; ".join(str(result).splitlines()))
     return result
 
 
-def detect_dead_nodes(outbox: "Outbox") -> list[int]:
+def detect_dead_nodes(runtime: Runtime) -> list[int]:
     """Count one stale check per node and declare dead those that reached the threshold."""
-    settings, store = outbox.settings, outbox.store
+    settings, store = runtime.settings, runtime.store
     now = utcnow()
     with store.begin() as conn:
         dead = store.check_nodes(
@@ -167,7 +155,7 @@ def detect_dead_nodes(outbox: "Outbox") -> list[int]:
     return dead
 
 
-def _in_batches(outbox: "Outbox", batch_size: int, max_batches: int | None,
+def _in_batches(runtime: Runtime, batch_size: int, max_batches: int | None,
                 step: Callable[[Any], int], durable: bool = True, rest: float = 0.0) -> tuple[int, int]:
     """Run ``step(conn)`` (which handles at most ``batch_size`` rows and returns how many), each time in
     its own short transaction, until a batch comes back short or the cap per run is reached.
@@ -177,11 +165,11 @@ def _in_batches(outbox: "Outbox", batch_size: int, max_batches: int | None,
     Returns (rows handled, batches that handled any)."""
     total = batches = 0
     took = 0.0
-    for _ in range(max_batches or outbox.settings.max_batches_per_run):
+    for _ in range(max_batches or runtime.settings.max_batches_per_run):
         if rest and took:
             time.sleep(rest * took)
         started = time.monotonic()
-        with outbox.store.begin(durable=durable) as conn:
+        with runtime.store.begin(durable=durable) as conn:
             count = step(conn)
         took = time.monotonic() - started
         total += count
@@ -191,22 +179,22 @@ def _in_batches(outbox: "Outbox", batch_size: int, max_batches: int | None,
     return total, batches
 
 
-def release_dead_claims(outbox: "Outbox", max_batches: int | None = None) -> int:
+def release_dead_claims(runtime: Runtime, max_batches: int | None = None) -> int:
     """Release the inbox claims of dead nodes and orphaned owners; forget fully released nodes."""
-    settings, store = outbox.settings, outbox.store
+    settings, store = runtime.settings, runtime.store
 
     def release(conn: Any) -> int:
         return store.release_owned(conn, store.dead_owners(conn), settings.recover_batch_size, utcnow())
 
-    released, _ = _in_batches(outbox, settings.recover_batch_size, max_batches, release)
+    released, _ = _in_batches(runtime, settings.recover_batch_size, max_batches, release)
     with store.begin() as conn:
         store.forget_released_nodes(conn)  # only nodes that own nothing any more
     return released
 
 
-def release_stale_claims(outbox: "Outbox", max_batches: int | None = None) -> int:
+def release_stale_claims(runtime: Runtime, max_batches: int | None = None) -> int:
     """With ``outbox_inbox_stale_time`` set, release claims older than that, live owner or not."""
-    settings, store = outbox.settings, outbox.store
+    settings, store = runtime.settings, runtime.store
     if settings.inbox_stale_time is None:
         return 0
 
@@ -215,17 +203,17 @@ def release_stale_claims(outbox: "Outbox", max_batches: int | None = None) -> in
         return store.release_stale_incoming(
             conn, now - timedelta(seconds=settings.inbox_stale_time), settings.recover_batch_size, now)
 
-    return _in_batches(outbox, settings.recover_batch_size, max_batches, release)[0]
+    return _in_batches(runtime, settings.recover_batch_size, max_batches, release)[0]
 
 
-def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_batches: int | None = None) -> None:
+def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_batches: int | None = None) -> None:
     """Re-publish stored envelopes of durable-queue deliveries nobody is running.
 
     Transaction boundary: per batch, the rows are locked, published and marked
     (``recoveries + 1``, next recovery after a back-off) in one transaction. A crash
     after the publish re-publishes them on a later pass: the inbox discards the copy.
     """
-    settings, store, app = outbox.settings, outbox.store, outbox.app
+    settings, store, app = runtime.settings, runtime.store, runtime.app
     grace = timedelta(seconds=settings.node_stale_after)
     with app.producer_or_acquire() as producer:
         broker_errors = connection_errors(producer.connection)
@@ -245,7 +233,7 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
                     queues = BoundQueues(app.amqp.queues, producer)
                 exhausted = [row for row in rows if row.recoveries >= settings.relay_max_attempts]
                 if exhausted:
-                    _give_up(outbox, conn, exhausted, now)
+                    _give_up(runtime, conn, exhausted, now)
                     result.envelopes_dead_lettered += len(exhausted)
                 marked = []
                 for row in rows:
@@ -273,8 +261,8 @@ def republish_stranded_envelopes(outbox: "Outbox", result: RecoverResult, max_ba
                 return
 
 
-def _give_up(outbox: "Outbox", conn: Any, rows: Sequence[Any], now: datetime) -> None:
-    store, settings = outbox.store, outbox.settings
+def _give_up(runtime: Runtime, conn: Any, rows: Sequence[Any], now: datetime) -> None:
+    store, settings = runtime.store, runtime.settings
     keep_until = now + timedelta(seconds=settings.keep_after_handling)
     store.mark_incoming_dead(conn, [(row.message_id, row.destination, row.send_id) for row in rows], now, keep_until)
     store.insert_dead_letters(conn, [dead_letter_row(
@@ -293,26 +281,26 @@ def _give_up(outbox: "Outbox", conn: Any, rows: Sequence[Any], now: datetime) ->
 # -- cleanup ---------------------------------------------------------------------------------------
 
 
-def cleanup(outbox: "Outbox", max_batches: int | None = None) -> CleanupResult:
+def cleanup(runtime: Runtime, max_batches: int | None = None) -> CleanupResult:
     """One cleanup pass (beat task ``celery_outbox.cleanup``, ``celery outbox cleanup``)."""
-    outbox.ready()
+    runtime.ready()
     result = CleanupResult()
-    delete_expired_inbox_rows(outbox, result, max_batches)
-    expire_dead_letters(outbox, result, max_batches)
-    archive_sent_records(outbox, result, max_batches)
+    delete_expired_inbox_rows(runtime, result, max_batches)
+    expire_dead_letters(runtime, result, max_batches)
+    archive_sent_records(runtime, result, max_batches)
     if result.incoming_deleted or result.dead_letters_deleted:
         logger.info("celery-outbox %s", result)
     return result
 
 
-def delete_expired_inbox_rows(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
+def delete_expired_inbox_rows(runtime: Runtime, result: CleanupResult, max_batches: int | None = None) -> None:
     """Delete ended inbox rows past ``keep_until``, a batch per short transaction, oldest first.
 
     Each batch starts at the latest ``keep_until`` the batch before it deleted, not at the start of
     the index again: the entries of rows deleted moments ago are still there (see
     ``Store.delete_expired_incoming``). A row skipped because it was locked is left to the next run.
     """
-    store, archiver, batch = outbox.store, outbox.archiver, outbox.settings.cleanup_batch_size
+    store, archiver, batch = runtime.store, runtime.archiver, runtime.settings.cleanup_batch_size
     after = None
 
     def delete(conn: Any) -> int:
@@ -333,15 +321,15 @@ def delete_expired_inbox_rows(outbox: "Outbox", result: CleanupResult, max_batch
         return count
 
     # a lost commit: the rows are deleted again
-    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False,
-                                   rest=outbox.settings.cleanup_rest)
+    deleted, batches = _in_batches(runtime, batch, max_batches, delete, durable=False,
+                                   rest=runtime.settings.cleanup_rest)
     result.incoming_deleted += deleted
     result.batches += batches
 
 
-def expire_dead_letters(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
+def expire_dead_letters(runtime: Runtime, result: CleanupResult, max_batches: int | None = None) -> None:
     """With ``outbox_dead_letter_retention`` set, delete dead letters that failed longer ago."""
-    settings, store, archiver = outbox.settings, outbox.store, outbox.archiver
+    settings, store, archiver = runtime.settings, runtime.store, runtime.archiver
     if settings.dead_letter_retention is None:
         return
     batch = settings.cleanup_batch_size
@@ -356,15 +344,15 @@ def expire_dead_letters(outbox: "Outbox", result: CleanupResult, max_batches: in
         return store.delete_dead_letters(conn, [row.id for row in rows])
 
     # a lost commit: the rows are deleted again
-    deleted, batches = _in_batches(outbox, batch, max_batches, delete, durable=False,
-                                   rest=outbox.settings.cleanup_rest)
+    deleted, batches = _in_batches(runtime, batch, max_batches, delete, durable=False,
+                                   rest=runtime.settings.cleanup_rest)
     result.dead_letters_deleted += deleted
     result.batches += batches
 
 
-def archive_sent_records(outbox: "Outbox", result: CleanupResult, max_batches: int | None = None) -> None:
+def archive_sent_records(runtime: Runtime, result: CleanupResult, max_batches: int | None = None) -> None:
     """With an archiver, move the records of sent messages to the archive (the audit's "sent" side)."""
-    store, archiver, batch = outbox.store, outbox.archiver, outbox.settings.cleanup_batch_size
+    store, archiver, batch = runtime.store, runtime.archiver, runtime.settings.cleanup_batch_size
     if archiver is None:
         return
 
@@ -375,7 +363,7 @@ def archive_sent_records(outbox: "Outbox", result: CleanupResult, max_batches: i
         return store.delete_sent_records(conn, [row.id for row in rows])
 
     # a lost commit: the rows are archived again
-    archived, batches = _in_batches(outbox, batch, max_batches, move, durable=False,
-                                    rest=outbox.settings.cleanup_rest)
+    archived, batches = _in_batches(runtime, batch, max_batches, move, durable=False,
+                                    rest=runtime.settings.cleanup_rest)
     result.archived += archived
     result.batches += batches

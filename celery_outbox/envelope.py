@@ -144,7 +144,11 @@ def new_send_id() -> str:
 def send_id_of(headers: Any) -> str:
     """The publish identity a message's headers carry; '' when absent or not one the store can hold
     (a message from a sender without the outbox: its task id alone is its key)."""
-    value = headers.get(SEND_HEADER) if isinstance(headers, dict) else None
+    return valid_send_id(headers.get(SEND_HEADER) if isinstance(headers, dict) else None)
+
+
+def valid_send_id(value: Any) -> str:
+    """``value`` when it is a publish identity the store can hold, else ''."""
     if isinstance(value, str) and 0 < len(value) <= SEND_ID_SIZE and value.isascii() and value.isprintable():
         return value
     return ""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from celery import bootsteps, signals
 from celery.exceptions import NotRegistered
@@ -43,15 +43,14 @@ from .celery_hooks import (
     task_strategies,
     wrap_task_handler,
 )
+from .config import OutboxSettings
 from .dead_letter_rows import ID_SIZE, dead_letter_row, is_storable_id, stored_text
 from .envelope import header_count, send_id_of
 from .results import EndedMessage, store_dead_letter_results
 from .routing import queue_of
+from .runtime import Runtime, runtime_of
 from .store import is_content_error, utcnow
 from .vocabulary import REPLAY_HEADER, REQUEUE_BACKOFF, Attempt, DeadLetterReason
-
-if TYPE_CHECKING:
-    from .outbox import Outbox
 
 __all__ = ["MessageGuard", "body_reason", "dead_letter_row_of", "malformed_reason", "sound_envelope",
            "store_limits_reason", "tolerate_any_envelope"]
@@ -134,15 +133,16 @@ def _shown(value: Any, size: int = 200) -> str:
     return text if len(text) <= size else f"{text[:size]}... ({len(text)} characters)"
 
 
-def dead_letter_row_of(message: Any, reason: DeadLetterReason, description: str, app: Any = None) -> dict[str, Any]:
+def dead_letter_row_of(message: Any, reason: DeadLetterReason, description: str,
+                       queue: str | None = None) -> dict[str, Any]:
     """The dead-letter row of a received ``message`` (its headers as received), fitted to the table;
-    its queue resolved from the delivery's exchange and routing key when ``app`` is given."""
+    its queue is ``queue`` when resolved, else the delivery's routing key."""
     headers = getattr(message, "received_headers", message.headers)
     mapping = headers if isinstance(headers, dict) else {}
     delivery_info = message.delivery_info
     return dead_letter_row(
         reason=reason, failed_at=utcnow(), message_id=mapping.get("id"), task_name=mapping.get("task"),
-        queue=queue_of(delivery_info, app) if app is not None else delivery_info.get("routing_key"),
+        queue=queue if queue is not None else delivery_info.get("routing_key"),
         description=description, retries=mapping.get("retries"),
         nesting=mapping.get("replaced_task_nesting"), exchange=delivery_info.get("exchange"),
         routing_key=delivery_info.get("routing_key"), body=message.body, content_type=message.content_type,
@@ -235,16 +235,16 @@ class MessageGuard(bootsteps.StartStopStep):
 
     def __init__(self, c: Any, **kwargs: Any):
         super().__init__(c, **kwargs)
-        outbox: "Outbox | None" = getattr(c.app, "_celery_outbox", None)
-        if outbox is None:
+        runtime = runtime_of(c.app)
+        if runtime is None:
             return
 
         def guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
             def on_task_received(message: Any) -> Any:
-                verdict = _verdict(outbox, c, message)
+                verdict = _verdict(runtime, c, message)
                 if verdict is None:
                     return handler(message)
-                _dead_letter(outbox, c, message, *verdict)
+                _dead_letter(runtime, c, message, *verdict)
                 return None
 
             return on_task_received
@@ -254,11 +254,11 @@ class MessageGuard(bootsteps.StartStopStep):
     def start(self, c: Any) -> None:
         """Runs after the Tasks step made the task consumer, at each (re)connection."""
         channel = task_consumer_channel(c)
-        if getattr(c.app, "_celery_outbox", None) is not None and channel is not None:
+        if runtime_of(c.app) is not None and channel is not None:
             tolerate_any_envelope(channel)
 
 
-def _verdict(outbox: "Outbox", consumer: Any, message: Any) -> tuple[DeadLetterReason, str] | None:
+def _verdict(runtime: Runtime, consumer: Any, message: Any) -> tuple[DeadLetterReason, str] | None:
     """(reason, description) when ``message`` must be dead-lettered instead of run, else None."""
     fault = getattr(message, "envelope_fault", None)
     if fault is not None:
@@ -269,7 +269,7 @@ def _verdict(outbox: "Outbox", consumer: Any, message: Any) -> tuple[DeadLetterR
     verdict = malformed_reason(headers, task_strategies(consumer))
     if verdict is not None:
         return verdict
-    durable = outbox.settings.is_durable(queue_of(message.delivery_info, consumer.app))
+    durable = runtime.settings.is_durable(_queue(runtime, message))
     if durable or _uses_inbox(consumer.app, headers["task"]):
         verdict = store_limits_reason(headers)
     if verdict is None and durable:
@@ -278,16 +278,16 @@ def _verdict(outbox: "Outbox", consumer: Any, message: Any) -> tuple[DeadLetterR
 
 
 def _uses_inbox(app: Any, task_name: str) -> bool:
-    from .tasks import IdempotentTask  # the tasks import the composition root, which installs this step
+    from .tasks import IdempotentTask  # the tasks module imports celery.worker: loaded when a consumer starts
 
     return isinstance(app.tasks.get(task_name), IdempotentTask)
 
 
-def _dead_letter(outbox: "Outbox", consumer: Any, message: Any, reason: DeadLetterReason, description: str) -> None:
+def _dead_letter(runtime: Runtime, consumer: Any, message: Any, reason: DeadLetterReason, description: str) -> None:
     """Dead-letter ``message`` and ack it; if the store cannot be reached, ack nothing: the message
     goes back to the broker after a back-off (``_requeue_later``)."""
     try:
-        stored = _store_dead_letter(outbox, message, reason, description)
+        stored = _store_dead_letter(runtime, message, reason, description)
     except Exception as exc:  # noqa: BLE001 - not the row's fault: the store cannot be reached or used
         logger.error("celery-outbox: cannot dead-letter a %s message (%s); handing it back to the broker in %ss: "
                      "%s", reason.value, description, REQUEUE_BACKOFF, exc)
@@ -319,20 +319,21 @@ def _announce_unknown_task(consumer: Any, message: Any) -> None:
     signals.task_unknown.send(sender=consumer, message=message, exc=KeyError(name), name=name, id=task_id)
 
 
-def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason, description: str) -> bool:
+def _store_dead_letter(runtime: Runtime, message: Any, reason: DeadLetterReason, description: str) -> bool:
     """Insert the message's dead letter, each try in a transaction of its own. A row the database
     refuses for its content is stored again reduced to the reason and the refusal; False when even
     that is refused (logged). Any other error (the store is down) propagates."""
-    acknowledged = _acknowledgment(outbox, message)
+    queue = _queue(runtime, message)
+    acknowledged = _acknowledgment(runtime.settings, message, queue)
     try:
-        _insert(outbox, dead_letter_row_of(message, reason, description, getattr(outbox, "app", None)), acknowledged)
+        _insert(runtime, dead_letter_row_of(message, reason, description, queue), acknowledged)
         return True
     except Exception as exc:
         if not is_content_error(exc):
             raise
         refusal = exc
     try:
-        _insert(outbox, dead_letter_row(reason=reason, failed_at=utcnow(), error=refusal,
+        _insert(runtime, dead_letter_row(reason=reason, failed_at=utcnow(), error=refusal,
                                         description=f"{description}; its dead letter was refused: {refusal!r}"),
                 acknowledged)
         return True
@@ -344,15 +345,21 @@ def _store_dead_letter(outbox: "Outbox", message: Any, reason: DeadLetterReason,
         return False
 
 
-def _acknowledgment(outbox: "Outbox", message: Any) -> tuple[str, str | None, Attempt, str] | None:
+def _queue(runtime: Runtime, message: Any) -> str | None:
+    """The queue ``message`` came from (``routing.queue_of``), or its routing key without an app."""
+    if runtime.app is None:
+        return message.delivery_info.get("routing_key")
+    return queue_of(message.delivery_info, runtime.app, runtime.settings.durable_queues)
+
+
+def _acknowledgment(settings: OutboxSettings, message: Any, queue: str | None,
+                    ) -> tuple[str, str | None, Attempt, str] | None:
     """For a message from a durable queue: the key and attempt by which its sender's outgoing row
     is acknowledged (``Store.acknowledge_outgoing``), so delivery tracking does not publish a
     dead-lettered message again; None for other messages."""
     headers = message.headers
     if not isinstance(headers, dict) or not isinstance(headers.get("id"), str) or not is_storable_id(headers["id"]):
         return None  # no sender's row can have this id: the outbox stores only ids it can hold
-    settings = outbox.settings
-    queue = queue_of(message.delivery_info, getattr(outbox, "app", None))
     if not settings.is_durable(queue):
         return None
     by_queue = queue if settings.message_identity == "id_and_destination" else None
@@ -361,10 +368,10 @@ def _acknowledgment(outbox: "Outbox", message: Any) -> tuple[str, str | None, At
     return headers["id"], by_queue, attempt, send_id_of(headers)
 
 
-def _insert(outbox: "Outbox", row: dict[str, Any],
+def _insert(runtime: Runtime, row: dict[str, Any],
             acknowledged: tuple[str, str | None, Attempt, str] | None) -> None:
     """Insert the dead letter and, in the same transaction, acknowledge the sender's outgoing row."""
-    store = outbox.ready().store
+    store = runtime.ready().store
     with store.begin() as conn:
         store.insert_dead_letters(conn, [row])
         if acknowledged is not None:

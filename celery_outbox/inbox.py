@@ -49,7 +49,7 @@ from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.serialization import dumps
@@ -59,18 +59,17 @@ from sqlalchemy.orm import Session
 
 from . import dead_letter_rows
 from .crashpoints import crashpoint
-from .envelope import header_count, json_text, send_id_of
-from .publishing import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work
+from .envelope import header_count, json_text, valid_send_id
+from .node import Node
+from .publishing import ConnectionUnitOfWork, Publisher, UnitOfWork, current_unit_of_work
 from .routing import queue_of
+from .runtime import Runtime
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
 from .store.outage import is_outage
 from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, REQUEUE_BACKOFF, SEND_HEADER, Attempt, IncomingStatus
 
-if TYPE_CHECKING:
-    from .outbox import Outbox
-
-__all__ = ["Delivery", "Inbox", "current_connection", "current_session"]
+__all__ = ["Delivery", "Inbox", "current_connection", "current_session", "inbox_of"]
 
 logger = logging.getLogger("celery_outbox.inbox")
 
@@ -117,14 +116,16 @@ class Delivery:
     send_id: str = ""  # the key part: ``sent_as``, or the task's own key when its task id is the dedupe key
 
     @classmethod
-    def from_request(cls, task: Any, settings: Any) -> "Delivery":
-        return cls.from_context(task, task.request, settings)
+    def from_request(cls, task: Any, settings: Any, queue: str | None = None) -> "Delivery":
+        return cls.from_context(task, task.request, settings, queue)
 
     @classmethod
-    def from_context(cls, task: Any, request: Any, settings: Any) -> "Delivery":
-        """The delivery a task's request context (``task.request``, or a worker Request's context) names."""
-        queue = queue_of(request.delivery_info, task.app) or ""
-        sent_as = send_id_of({SEND_HEADER: getattr(request, SEND_HEADER, None)})
+    def from_context(cls, task: Any, request: Any, settings: Any, queue: str | None = None) -> "Delivery":
+        """The delivery a task's request context (``task.request``, or a worker Request's context) names;
+        ``queue`` when the caller resolved it already (``routing.queue_of``)."""
+        if queue is None:
+            queue = queue_of(request.delivery_info, task.app, settings.durable_queues) or ""
+        sent_as = valid_send_id(getattr(request, SEND_HEADER, None))
         by_task_id = getattr(task, "deduplicate_task_ids", None)
         by_task_id = settings.deduplicate_task_ids if by_task_id is None else bool(by_task_id)
         return cls(
@@ -168,7 +169,7 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "root_id": request.root_id, "parent_id": request.parent_id, "group": request.group,
         "eta": request.eta, "expires": request.expires, "origin": getattr(request, "origin", None),
         REPLAY_HEADER: header_count(getattr(request, REPLAY_HEADER, 0)),
-        SEND_HEADER: send_id_of({SEND_HEADER: getattr(request, SEND_HEADER, None)}) or None,
+        SEND_HEADER: valid_send_id(getattr(request, SEND_HEADER, None)) or None,
     }
     delivery_info = request.delivery_info or {}
     return {
@@ -183,21 +184,36 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     }
 
 
-class Inbox:
-    """Runs task bodies behind an inbox claim."""
+_APP_ATTRIBUTE = "_celery_outbox_inbox"
 
-    def __init__(self, outbox: "Outbox"):
-        self.outbox = outbox
+
+def inbox_of(app: Any) -> "Inbox | None":
+    """The inbox installed on ``app`` (``Inbox.install``), or None."""
+    return getattr(app, _APP_ATTRIBUTE, None)
+
+
+class Inbox:
+    """Runs task bodies behind an inbox claim: claims in the store, units of work published by
+    ``publisher``, eager claims held by ``node``."""
+
+    def __init__(self, runtime: Runtime, publisher: Publisher, node: Node):
+        self.runtime = runtime
+        self.publisher = publisher
+        self.node = node
+
+    def install(self) -> None:
+        """Make this the inbox the app's tasks run through (``inbox_of``)."""
+        setattr(self.runtime.app, _APP_ATTRIBUTE, self)
 
     def run(self, task: Any, args: tuple, kwargs: dict, body: Callable[[], Any], style: str,
-            unit_of_work: bool) -> Any:
-        """Run ``body`` once per delivery of ``task``'s current request."""
-        outbox = self.outbox
-        settings = outbox.settings
+            unit_of_work: bool, queue: str | None = None) -> Any:
+        """Run ``body`` once per delivery of ``task``'s current request (from ``queue``, when the caller
+        resolved it already)."""
+        settings = self.runtime.settings
         request = task.request
         if request.called_directly or request.is_eager or not request.id:
             return self._without_claim(body, unit_of_work)  # no message, nothing to deduplicate
-        delivery = Delivery.from_request(task, settings)
+        delivery = Delivery.from_request(task, settings, queue)
         durable = settings.is_durable(delivery.queue)
         envelope = envelope_of(task, args, kwargs) if durable else {}
         try:
@@ -244,29 +260,29 @@ class Inbox:
         return row
 
     def _keep_until(self, now: datetime) -> datetime:
-        return now + timedelta(seconds=self.outbox.settings.keep_after_handling)
+        return now + timedelta(seconds=self.runtime.settings.keep_after_handling)
 
     def _stale_before(self, now: datetime) -> datetime | None:
-        stale = self.outbox.settings.inbox_stale_time
+        stale = self.runtime.settings.inbox_stale_time
         return None if stale is None else now - timedelta(seconds=stale)
 
     def _not_claimed(self, conn: Connection, delivery: Delivery) -> Exception:
         """Why a claim failed: ``InFlight`` when a running claim of this attempt may still finish,
         else ``Duplicate``."""
         with _store_errors():
-            in_flight = self.outbox.store.claim_in_flight(conn, delivery.message_id, delivery.destination,
+            in_flight = self.runtime.store.claim_in_flight(conn, delivery.message_id, delivery.destination,
                                                           delivery.attempt, delivery.send_id)
         return InFlight() if in_flight else Duplicate()
 
     def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any]) -> Any:
-        store = self.outbox.store
+        store = self.runtime.store
         outcome: BaseException | None = None
         with self._attempt(task, delivery, unit_of_work=True) as uow:
             now = utcnow()
             with _store_errors():
                 row = self._claim_row(delivery, IncomingStatus.HANDLED, UNOWNED, now)
                 claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
-                                               self.outbox.settings.silent_before(now))
+                                               self.runtime.settings.silent_before(now))
             if not claimed:
                 raise self._not_claimed(uow.connection, delivery)
             crashpoint("after_claim")
@@ -280,7 +296,7 @@ class Inbox:
 
     def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                    envelope: dict[str, Any]) -> Any:
-        node_id = self.outbox.node.id
+        node_id = self.node.id
         try:
             return self._run_eager_claimed(task, delivery, body, unit_of_work, envelope, node_id)
         except _StoreDown:
@@ -298,18 +314,18 @@ class Inbox:
         cannot be reached for that either, the node's heartbeat thread releases it later; until
         then a copy goes back to the broker again."""
         try:
-            with self.outbox.store.begin() as conn:
-                self.outbox.store.release_claim(conn, delivery.message_id, delivery.destination, node_id,
+            with self.runtime.store.begin() as conn:
+                self.runtime.store.release_claim(conn, delivery.message_id, delivery.destination, node_id,
                                                 delivery.attempt, utcnow(), delivery.send_id)
         except Exception as error:  # noqa: BLE001 - the node's heartbeat thread tries again
             logger.warning("celery-outbox: could not release the claim of %s[%s] (the node releases it when the "
                            "database answers): %s", delivery.task_name, delivery.message_id, error)
-            self.outbox.node.release_later(delivery.message_id, delivery.destination, delivery.attempt,
+            self.node.release_later(delivery.message_id, delivery.destination, delivery.attempt,
                                            delivery.send_id)
 
     def _run_eager_claimed(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                            envelope: dict[str, Any], node_id: int) -> Any:
-        store = self.outbox.store
+        store = self.runtime.store
         if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
             self._store_envelope(delivery, envelope, owner=node_id)
 
@@ -328,7 +344,7 @@ class Inbox:
                 with _store_errors():
                     row = self._claim_row(delivery, IncomingStatus.RUNNING, node_id, now)
                     claimed = store.claim_incoming_alone(row, self._stale_before(now), uow.connection_before_begin,
-                                                         self.outbox.settings.silent_before(now))
+                                                         self.runtime.settings.silent_before(now))
                 if not claimed:
                     with _store_errors(), store.begin(durable=False) as conn:
                         raise self._not_claimed(conn, delivery)
@@ -351,7 +367,7 @@ class Inbox:
         are captured into it. When the attempt failed, how it ended is recorded after the
         rollback (``_ending``)."""
         with _store_errors():
-            uow = ConnectionUnitOfWork(self.outbox)
+            uow = ConnectionUnitOfWork(self.publisher)
         with self._ending(task, delivery, uow), uow.opened() if unit_of_work else nullcontext():
             try:
                 yield uow
@@ -390,7 +406,7 @@ class Inbox:
     def _without_claim(self, body: Callable[[], Any], unit_of_work: bool) -> Any:
         if not unit_of_work:
             return body()
-        with self.outbox.transaction():  # joins a unit of work already open in this context
+        with self.publisher.transaction():  # joins a unit of work already open in this context
             uow = current_unit_of_work()
             assert uow is not None
             return _call_body(body, uow)
@@ -406,15 +422,15 @@ class Inbox:
         acknowledged (deleted): from here on the inbox answers for the message. Raises
         ``Duplicate`` when the attempt was already claimed or handled: the same rules as
         the claim itself."""
-        store = self.outbox.store
+        store = self.runtime.store
         now = utcnow()
-        grace = timedelta(seconds=self.outbox.settings.node_stale_after)
+        grace = timedelta(seconds=self.runtime.settings.node_stale_after)
         row = {**self._claim_row(delivery, IncomingStatus.RUNNING, owner, now), "recoveries": delivery.redelivered,
                "recover_after": now + grace, **envelope}
         if owner == UNOWNED:
             del row["claimed_at"]  # nobody has claimed it yet
         with _store_errors(), store.begin(durable=False) as conn:  # the body's commit makes it durable
-            if not store.claim_incoming(conn, row, self._stale_before(now), self.outbox.settings.silent_before(now)):
+            if not store.claim_incoming(conn, row, self._stale_before(now), self.runtime.settings.silent_before(now)):
                 raise self._not_claimed(conn, delivery)
             self._acknowledge(conn, delivery)  # the inbox has the message now: the sender's row can go
 
@@ -422,7 +438,7 @@ class Inbox:
         """After a rollback: remember that this attempt ended (retried, or dead, with a dead letter
         when it failed). A dead attempt whose record meets a store outage is an outage: its
         message goes back to the broker rather than be acked with no dead letter."""
-        store = self.outbox.store
+        store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, status, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
@@ -443,7 +459,7 @@ class Inbox:
         lost attempt only up to ``max_retries``): end the attempt as ``dead`` and keep its message
         in dead letters, in one transaction, before Celery acks it. Raises on a store error: the
         message must then go back to the broker instead."""
-        store = self.outbox.store
+        store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, IncomingStatus.DEAD, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
@@ -462,33 +478,33 @@ class Inbox:
         one this delivery could claim (an earlier attempt, a released claim). A row of an attempt
         that is running in a live worker, or that ended, keeps its outcome. Raises on a store
         error (the caller logs it; the revoke stands in this worker)."""
-        store = self.outbox.store
+        store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, IncomingStatus.REVOKED, UNOWNED, now)
         row.update(handled_at=now, keep_until=self._keep_until(now), recover_after=None)
         with store.begin() as conn:
-            store.claim_incoming(conn, row, self._stale_before(now), self.outbox.settings.silent_before(now))
-            if self.outbox.settings.is_durable(delivery.queue):
+            store.claim_incoming(conn, row, self._stale_before(now), self.runtime.settings.silent_before(now))
+            if self.runtime.settings.is_durable(delivery.queue):
                 self._acknowledge(conn, delivery)
 
     def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
         """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""
-        by_queue = delivery.destination if self.outbox.settings.message_identity == "id_and_destination" else None
-        self.outbox.store.acknowledge_outgoing(conn, delivery.message_id, by_queue, delivery.attempt,
+        by_queue = delivery.destination if self.runtime.settings.message_identity == "id_and_destination" else None
+        self.runtime.store.acknowledge_outgoing(conn, delivery.message_id, by_queue, delivery.attempt,
                                                delivery.sent_as)
 
     def _discard(self, delivery: Delivery) -> None:
         try:
-            with self.outbox.store.begin(durable=False) as conn:
-                self.outbox.store.count_duplicate(conn, delivery.message_id, delivery.destination, delivery.send_id)
-                if self.outbox.settings.is_durable(delivery.queue):
+            with self.runtime.store.begin(durable=False) as conn:
+                self.runtime.store.count_duplicate(conn, delivery.message_id, delivery.destination, delivery.send_id)
+                if self.runtime.settings.is_durable(delivery.queue):
                     self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it
         except Exception as error:  # noqa: BLE001 - best effort: the discard stands, a redelivery comes again
             logger.warning("celery-outbox: could not record a duplicate of %s: %s", delivery.message_id, error)
         logger.info("celery-outbox: discarded duplicate %s[%s] from queue %r (attempt %d.%d)",
                     delivery.task_name, delivery.message_id, delivery.queue, delivery.nesting, delivery.retries)
-        duplicate_discarded.send(sender=self.outbox, message_id=delivery.message_id, task_name=delivery.task_name,
-                                 queue=delivery.queue)
+        duplicate_discarded.send(sender=self.runtime.owner, message_id=delivery.message_id,
+                                 task_name=delivery.task_name, queue=delivery.queue)
 
 
 def dead_letter_row(task: Any, delivery: Delivery, reason: "dead_letter_rows.DeadLetterReason", exc: BaseException,

@@ -10,10 +10,10 @@ workers at once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .outbox import Outbox
+from .durability import cleanup, recover
+from .runtime import Runtime
 
 __all__ = ["CLEANUP_TASK", "RECOVER_TASK", "register_beat_tasks", "schedule_beat_tasks"]
 
@@ -21,24 +21,24 @@ RECOVER_TASK = "celery_outbox.recover"
 CLEANUP_TASK = "celery_outbox.cleanup"
 
 
-def register_beat_tasks(outbox: "Outbox") -> None:
+def register_beat_tasks(runtime: Runtime) -> None:
     """Define the maintenance tasks on the app (names above)."""
-    app = outbox.app
+    app = runtime.app
 
     @app.task(name=RECOVER_TASK, ignore_result=True, shared=False)
-    def recover() -> dict[str, Any]:
+    def recover_task() -> dict[str, Any]:
         """Dead nodes, released claims, unsent and due outgoing rows, stranded envelopes."""
-        return outbox.recover().as_dict()
+        return recover(runtime).as_dict()
 
     @app.task(name=CLEANUP_TASK, ignore_result=True, shared=False)
-    def cleanup() -> dict[str, Any]:
+    def cleanup_task() -> dict[str, Any]:
         """Delete handled inbox rows past their keep-until and dead letters past retention."""
-        return outbox.cleanup().as_dict()
+        return cleanup(runtime).as_dict()
 
 
-def schedule_beat_tasks(outbox: "Outbox") -> None:
+def schedule_beat_tasks(runtime: Runtime) -> None:
     """Add the maintenance tasks to the beat schedule (called once the settings are read)."""
-    app, settings = outbox.app, outbox.settings
+    app, settings = runtime.app, runtime.settings
     for name, interval in ((RECOVER_TASK, settings.recover_interval), (CLEANUP_TASK, settings.cleanup_interval)):
         options: dict[str, Any] = {"expires": interval}
         if settings.maintenance_queue:

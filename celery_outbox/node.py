@@ -31,17 +31,16 @@ import socket
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .runtime import Runtime
 from .store import node_lock_key, utcnow
 from .vocabulary import Attempt
-
-if TYPE_CHECKING:
-    from .outbox import Outbox
 
 __all__ = ["Node", "node_lock_key"]
 
 logger = logging.getLogger("celery_outbox.node")
+
 
 @dataclass(frozen=True)
 class PendingRelease:
@@ -56,8 +55,8 @@ class PendingRelease:
 class Node:
     """This process's node; ``Node.id`` registers it on first use."""
 
-    def __init__(self, outbox: "Outbox"):
-        self.outbox = outbox
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
         self._lock = threading.Lock()
         self._id: int | None = None
         self._pid: int | None = None
@@ -92,7 +91,7 @@ class Node:
         # After a fork the parent's thread and connection are not ours: start afresh.
         self._stop = threading.Event()
         self._liveness_connection = None
-        store = self.outbox.ready().store
+        store = self.runtime.ready().store
         hostname = socket.gethostname()
         pid = os.getpid()
         name = f"{hostname}:{pid}:{uuid.uuid4().hex[:12]}"
@@ -106,14 +105,14 @@ class Node:
             node_id = store.register_node(name, hostname, pid)
             self._lock_key = None
         self._id, self._pid, self._name = node_id, pid, name
-        interval = self.outbox.settings.node_heartbeat_interval
+        interval = self.runtime.settings.node_heartbeat_interval
         self._thread = threading.Thread(target=self._beat, args=(node_id, interval, self._stop),
                                         name="celery-outbox-heartbeat", daemon=True)
         self._thread.start()
         logger.info("celery-outbox: node %s registered as %d", name, node_id)
 
     def _beat(self, node_id: int, interval: float, stop: threading.Event) -> None:
-        store = self.outbox.store
+        store = self.runtime.store
         while not stop.wait(interval):
             try:
                 if not store.heartbeat(node_id):
@@ -135,7 +134,7 @@ class Node:
         Only this thread uses the connection once the node is registered."""
         if self._lock_key is None:
             return
-        store = self.outbox.store
+        store = self.runtime.store
         connection = self._liveness_connection
         try:
             if connection is None:
@@ -178,7 +177,7 @@ class Node:
     def _release_pending(self, node_id: int) -> None:
         with self._lock:
             pending = [claim for claim, owner in self._pending_releases.items() if owner == node_id]
-        store = self.outbox.store
+        store = self.runtime.store
         for claim in pending:
             try:
                 with store.begin() as conn:
@@ -201,7 +200,7 @@ class Node:
             self._stop.set()
             self._id = None
             try:
-                self.outbox.store.deregister_node(node_id)
+                self.runtime.store.deregister_node(node_id)
             finally:
                 self._drop_liveness()
         logger.info("celery-outbox: node %d deregistered", node_id)

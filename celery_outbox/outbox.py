@@ -1,9 +1,10 @@
-"""``Outbox(app)``: the single entry point that installs celery-outbox on a Celery app.
+"""``Outbox(app)``: the composition root that installs celery-outbox on a Celery app.
 
-``Outbox(app)`` reads and validates the settings (as soon as the app is
-configured, never at import time of this library), builds the engine and the
-store, and is where the publish hook, the inbox, the node and the beat tasks hang
-their hooks. Calling it twice on one app returns the same object.
+``Outbox(app)`` builds one ``Runtime`` (the app, its settings, the store, the sessions,
+the archiver: see ``runtime``), the parts that use it (the publisher, the node, the
+inbox), and installs the hooks: the publish hook, the app's task base, the consumer
+guard, the beat tasks and the worker signals. Each part is handed what it uses; none
+reaches back here. Calling it twice on one app returns the same object.
 
 No connection is made until the store is first used (``outbox.ready()``), which
 workers and beat do at start-up: a database that cannot be reached stops them with
@@ -14,39 +15,32 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from celery import Celery, signals
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from .celery_hooks import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
-from .config import OutboxSettings, read_settings
-from .durability import Archiver, CleanupResult, RecoverResult, cleanup, recover
+from .config import OutboxSettings
+from .durability import CleanupResult, RecoverResult, cleanup, recover
 from .errors import ConfigurationError, OutboxError
 from .guard import MessageGuard
 from .inbox import Inbox
 from .maintenance import register_beat_tasks, schedule_beat_tasks
 from .node import Node
-from .publishing import (
-    Publisher,
-    UnitOfWork,
-    current_unit_of_work,
-    install_publish_hook,
-    listen_to_sessions,
-    session_info,
-)
+from .publishing import Publisher, install_publish_hook
 from .relay import RelayResult, relay
-from .store import Store, build_engine
+from .runtime import Archiver, Runtime, runtime_of
+from .store import Store
+from .tasks import InboxTask, give_inbox_to_every_task
 from .window import check_dedupe_window
 
 __all__ = ["Outbox"]
 
 logger = logging.getLogger("celery_outbox")
 
-_APP_ATTRIBUTE = "_celery_outbox"
 # Pools whose tasks share one process, and so one engine
 THREADED_POOL_MODULES = ("celery.concurrency.thread", "celery.concurrency.gevent", "celery.concurrency.eventlet")
 # Connections a node holds beside its tasks': the heartbeat's, and the liveness lock's (PostgreSQL)
@@ -65,60 +59,49 @@ class Outbox:
     app: Celery
 
     def __new__(cls, app: Celery, engine: Engine | None = None, **overrides: Any) -> "Outbox":
-        existing = getattr(app, _APP_ATTRIBUTE, None)
-        if existing is not None:
-            if (engine is not None and engine is not existing._given_engine) or (
-                overrides and overrides != existing._overrides
+        runtime = runtime_of(app)
+        if runtime is not None:
+            if (engine is not None and engine is not runtime.given_engine) or (
+                overrides and overrides != runtime.overrides
             ):
                 raise ConfigurationError(
                     f"Outbox(app) was already called on app {app.main!r} with other arguments; "
                     "call it once and share the object"
                 )
-            return existing
+            return runtime.owner
         return super().__new__(cls)
 
     def __init__(self, app: Celery, engine: Engine | None = None, **overrides: Any) -> None:
-        if getattr(app, _APP_ATTRIBUTE, None) is self:
+        runtime = runtime_of(app)
+        if runtime is not None and runtime.owner is self:
             return
         self.app = app
-        self._given_engine = engine
-        self._overrides = dict(overrides)
-        self._lock = threading.RLock()
-        self._settings: OutboxSettings | None = None
-        self._store: Store | None = None
-        self._ready = False
-        self._sessionmaker: sessionmaker | None = None
-        self.publisher = Publisher(self)
-        self.inbox = Inbox(self)
-        self.node = Node(self)
-        # receives the rows cleanup deletes: the delivery audit's archive (outbox_archive_path)
-        self.archiver: Archiver | None = None
-        setattr(app, _APP_ATTRIBUTE, self)
-        install_publish_hook(self)
+        self.runtime = Runtime(app, self, engine, overrides)
+        self.publisher = Publisher(self.runtime)
+        self.node = Node(self.runtime)
+        self.inbox = Inbox(self.runtime, self.publisher, self.node)
+        self.inbox.install()
+        install_publish_hook(self.publisher)
         _install_task_base(app)
         if MessageGuard not in app.steps["consumer"]:
             app.steps["consumer"].add(MessageGuard)
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        os.register_at_fork(after_in_child=self.runtime.after_fork_in_child)
         signals.worker_init.connect(self._on_worker_init, weak=False)
         signals.beat_init.connect(self._on_worker_init, weak=False)
         # warm shutdown: the pool has drained; release what this process's node owns
         signals.worker_process_shutdown.connect(self._on_process_shutdown, weak=False)
         signals.worker_shutdown.connect(self._on_process_shutdown, weak=False)
-        register_beat_tasks(self)
+        register_beat_tasks(self.runtime)
+        self.runtime.when_loaded(lambda: schedule_beat_tasks(self.runtime))
         if app.configured:
-            self._load()
+            self.runtime.load()
         else:
             app.on_after_configure.connect(self._on_after_configure, weak=False)
 
     def __repr__(self) -> str:
         return f"<Outbox app={self.app.main!r}>"
 
-    # -- settings and store ---------------------------------------------------------------------
-
-    def _after_fork_in_child(self) -> None:
-        """A forked child (a prefork pool process) must not reuse its parent's database connections."""
-        if self._store is not None:
-            self._store.engine.dispose(close=False)
+    # -- worker and beat start-up and shutdown -----------------------------------------------------
 
     def _on_process_shutdown(self, sender: Any = None, **_: Any) -> None:
         try:
@@ -139,13 +122,11 @@ class Outbox:
         except OutboxError as exc:
             logger.critical("celery-outbox: %s", exc)
             raise SystemExit(f"celery-outbox cannot start: {exc}") from None
-        check_dedupe_window(self)
+        check_dedupe_window(self.app, self.settings.keep_after_handling)
 
     def _give_inbox_to_every_task(self) -> None:
         """A worker: tasks whose class bypasses the app's task base go through the inbox too
         (``tasks.give_inbox_to_every_task``), in this process and in the pool's, forked after it."""
-        from .tasks import give_inbox_to_every_task
-
         changed = give_inbox_to_every_task(self.app)
         if changed:
             logger.info("celery-outbox: tasks whose class does not derive from the app's task base go through the "
@@ -161,92 +142,55 @@ class Outbox:
         concurrency = threaded_concurrency(worker)
         if concurrency is None:
             return
-        settings, store = self.settings, self.store
+        runtime = self.runtime
         wanted = {"pool_size": concurrency + NODE_CONNECTIONS, "max_overflow": concurrency}
-        pool_size = getattr(store.engine.pool, "size", lambda: None)()
-        if self._given_engine is not None or "pool_size" in settings.engine_options:
+        pool_size = getattr(runtime.store.engine.pool, "size", lambda: None)()
+        if runtime.given_engine is not None or "pool_size" in runtime.settings.engine_options:
             if pool_size is not None and pool_size < wanted["pool_size"]:
                 logger.warning("celery-outbox: the engine's pool holds %d connections and the worker runs %d tasks "
                                "at once: give it pool_size=%d or more", pool_size, concurrency, wanted["pool_size"])
             return
         if pool_size is None or pool_size >= wanted["pool_size"]:
             return
-        with self._lock:
-            old = store.engine
-            engine = build_engine(settings.database_url, {**settings.engine_options, **wanted})
-            self._store = Store(engine, settings.table_prefix)
-            assert self._sessionmaker is not None
-            self._sessionmaker.configure(bind=engine)
-            self._ready = False
-        old.dispose()
+        runtime.rebuild_engine(wanted)
         logger.info("celery-outbox: engine pool sized for %d concurrent tasks (pool_size %d, max_overflow %d)",
                     concurrency, wanted["pool_size"], wanted["max_overflow"])
 
     def _on_after_configure(self, sender: Celery | None = None, **_: Any) -> None:
         if sender is self.app:
-            self._load()
+            self.runtime.load()
 
-    def _load(self) -> None:
-        with self._lock:
-            if self._settings is not None:
-                return
-            conf = self.app.conf  # may configure the app, which re-enters _load via on_after_configure
-            if self._settings is not None:
-                return
-            settings = read_settings(conf, namespace=self.app.namespace, **self._overrides)
-            engine = self._given_engine or build_engine(settings.database_url, settings.engine_options)
-            self._store = Store(engine, settings.table_prefix)
-            self._sessionmaker = sessionmaker(engine, expire_on_commit=False, info=session_info())
-            listen_to_sessions(self._sessionmaker)
-            if settings.archive_path and self.archiver is None:
-                from .audit.archive import ParquetArchiver
-
-                self.archiver = ParquetArchiver(settings.archive_path)
-            self._settings = settings
-        schedule_beat_tasks(self)
+    # -- settings and store ---------------------------------------------------------------------
 
     @property
     def settings(self) -> OutboxSettings:
         """The validated, frozen settings (read from ``app.conf`` on first need)."""
-        if self._settings is None:
-            self._load()
-        assert self._settings is not None
-        return self._settings
+        return self.runtime.settings
 
     @property
     def store(self) -> Store:
         """The message store; use ``ready()`` first to be sure its tables exist."""
-        if self._store is None:
-            self._load()
-        assert self._store is not None
-        return self._store
+        return self.runtime.store
 
     @property
     def engine(self) -> Engine:
-        return self.store.engine
+        return self.runtime.engine
+
+    @property
+    def archiver(self) -> Archiver | None:
+        """Receives the rows cleanup deletes: the delivery audit's archive (``outbox_archive_path``)."""
+        return self.runtime.archiver
+
+    @archiver.setter
+    def archiver(self, archiver: Archiver | None) -> None:
+        self.runtime.archiver = archiver
 
     def ready(self) -> "Outbox":
         """Check the database answers and its tables exist (creating them when
         ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable``,
         ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with one clear
         message. Safe to call often."""
-        if self._ready:
-            return self
-        with self._lock:
-            if self._ready:
-                return self
-            store = self.store
-            if self.settings.auto_create_schema:
-                store.migrate()
-            else:
-                missing = store.missing_tables()
-                if missing:
-                    raise ConfigurationError(
-                        f"the message store at {store.describe()} has no tables {', '.join(missing)} and "
-                        "outbox_auto_create_schema is off: run 'celery -A <your app> outbox migrate'"
-                    )
-                store.refuse_newer_schema()
-            self._ready = True
+        self.runtime.ready()
         return self
 
     # -- units of work ---------------------------------------------------------------------------
@@ -262,53 +206,36 @@ class Outbox:
         inside an open one joins it. Messages for durable queues are stored in the
         outgoing table inside the same database transaction.
         """
-        outer = current_unit_of_work()
-        if session is None and outer is not None:
-            yield outer.session
-            return
-        self.ready()
-        if session is not None:
-            with UnitOfWork.of(self, session).opened():
-                yield session
-            return
-        assert self._sessionmaker is not None
-        with self._sessionmaker() as own:
-            with UnitOfWork.of(self, own).opened(), own.begin():
-                yield own
+        with self.publisher.transaction(session) as joined:
+            yield joined
 
     def new_session(self, bind: Connection | None = None) -> Session:
         """A new Session on the outbox's engine (the caller closes it). With ``bind``, a Session
         that joins that connection's open transaction: its ``commit()`` only flushes, the
         connection's owner commits; its ``rollback()`` rolls the transaction back."""
-        self.ready()
-        assert self._sessionmaker is not None
-        if bind is None:
-            return self._sessionmaker()
-        return self._sessionmaker(bind=bind, join_transaction_mode="rollback_only")
+        return self.runtime.new_session(bind)
 
     # -- maintenance ---------------------------------------------------------------------------
 
     def relay(self, max_batches: int | None = None) -> RelayResult:
         """Publish outgoing rows left after their commit (what beat and ``outbox relay`` run)."""
-        return relay(self, max_batches)
+        return relay(self.runtime, max_batches)
 
     def recover(self, max_batches: int | None = None) -> RecoverResult:
         """One recover pass (what beat's ``celery_outbox.recover`` and ``outbox recover`` run)."""
-        return recover(self, max_batches)
+        return recover(self.runtime, max_batches)
 
     def cleanup(self, max_batches: int | None = None) -> CleanupResult:
         """One cleanup pass (what beat's ``celery_outbox.cleanup`` and ``outbox cleanup`` run)."""
-        return cleanup(self, max_batches)
+        return cleanup(self.runtime, max_batches)
 
     def migrate(self):
         """Create or upgrade the tables (what ``celery -A proj outbox migrate`` runs)."""
-        result = self.store.migrate()
-        self._ready = True
-        return result
+        return self.runtime.migrate()
 
     def status(self) -> dict[str, Any]:
         """Counts, ages and nodes (what ``celery -A proj outbox status`` prints)."""
-        return self.ready().store.status()
+        return self.runtime.ready().store.status()
 
 
 def threaded_concurrency(worker: Any) -> int | None:
@@ -323,8 +250,6 @@ def _install_task_base(app: Celery) -> None:
     """Make the app's task base an ``InboxTask``: deliveries from durable queues go through the inbox."""
     from celery.utils.imports import symbol_by_name
 
-    from .tasks import InboxTask
-
     base = symbol_by_name(app.task_cls) if isinstance(app.task_cls, str) else app.task_cls
     if issubclass(base, InboxTask):
         return
@@ -336,7 +261,7 @@ def _install_task_base(app: Celery) -> None:
 
 def outbox_of(app: Celery) -> Outbox:
     """The ``Outbox`` installed on ``app``; a clear error when there is none."""
-    outbox = getattr(app, _APP_ATTRIBUTE, None)
-    if outbox is None:
+    runtime = runtime_of(app)
+    if runtime is None:
         raise OutboxError(f"no Outbox is installed on app {app.main!r}: call Outbox(app) in your Celery module")
-    return outbox
+    return runtime.owner

@@ -33,35 +33,30 @@ from contextvars import ContextVar
 from datetime import datetime
 from itertools import groupby
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from celery.app.amqp import AMQP
 from kombu.exceptions import OperationalError as KombuOperationalError
-from sqlalchemy import event
 from sqlalchemy.engine import Connection, RootTransaction
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .celery_hooks import default_event_dispatcher, install_task_sender
 from .crashpoints import crashpoint
-from .envelope import OutgoingMessage, capture, check_storable, new_send_id, send_id_of
+from .envelope import OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
 from .errors import OutboxError
 from .routing import durable_destination, published_route
+from .runtime import Runtime
+from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions
 from .signals import message_published, publish_failed
 from .store import utcnow
 from .vocabulary import SEND_HEADER
 
-if TYPE_CHECKING:
-    from .outbox import Outbox
-
-__all__ = ["UnitOfWork", "ConnectionUnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook",
-           "listen_to_sessions", "session_info"]
+__all__ = ["UnitOfWork", "ConnectionUnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook"]
 
 logger = logging.getLogger("celery_outbox.publishing")
 
 _current: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_unit_of_work", default=None)
-_SESSION_KEY = "celery_outbox.unit_of_work"
-_LISTENED_KEY = "celery_outbox.listened"  # the session's events already reach its unit of work
 
 
 def current_unit_of_work() -> "UnitOfWork | None":
@@ -76,8 +71,8 @@ class UnitOfWork:
     outermost commit wherever the commit happens.
     """
 
-    def __init__(self, outbox: "Outbox", session: Session | None):
-        self.outbox = outbox
+    def __init__(self, publisher: "Publisher", session: Session | None):
+        self.publisher = publisher
         self._session = session
         self.pending: list[OutgoingMessage] = []
         self._savepoints: dict[SessionTransaction, int] = {}
@@ -96,13 +91,13 @@ class UnitOfWork:
         return self.session.connection()
 
     @classmethod
-    def of(cls, outbox: "Outbox", session: Session) -> "UnitOfWork":
-        uow = session.info.get(_SESSION_KEY)
+    def of(cls, publisher: "Publisher", session: Session) -> "UnitOfWork":
+        uow = session.info.get(UNIT_OF_WORK_KEY)
         if uow is None:
-            if not session.info.get(_LISTENED_KEY):  # a Session of the caller's own: listen to it
+            if not session.info.get(LISTENED_KEY):  # a Session of the caller's own: listen to it
                 listen_to_sessions(session)
-                session.info[_LISTENED_KEY] = True
-            uow = session.info[_SESSION_KEY] = cls(outbox, session)
+                session.info[LISTENED_KEY] = True
+            uow = session.info[UNIT_OF_WORK_KEY] = cls(publisher, session)
         return uow
 
     @contextmanager
@@ -158,7 +153,7 @@ class UnitOfWork:
         """Just before the outermost commit: insert the durable messages, in its transaction."""
         durable = [m for m in self.pending if m.durable and m.row_id is None]
         if durable:
-            store_durable(self.outbox.store, connection, durable)
+            store_durable(self.publisher.runtime.store, connection, durable)
         self._committing = True
         crashpoint("before_commit")
 
@@ -170,7 +165,7 @@ class UnitOfWork:
         messages, self.pending = self.pending, []
         crashpoint("after_commit")
         if messages:
-            self.outbox.publisher.publish_committed(messages)
+            self.publisher.publish_committed(messages)
 
     def _rolled_back(self) -> None:
         """After the outermost rollback: drop what was captured, except a retry or replace of the
@@ -182,7 +177,7 @@ class UnitOfWork:
         survivors = [m for m in self.pending if m.survives_rollback]
         self.pending.clear()
         if survivors:
-            self.outbox.publisher.store_and_forward(survivors)
+            self.publisher.store_and_forward(survivors)
 
 
 class ConnectionUnitOfWork(UnitOfWork):
@@ -197,9 +192,10 @@ class ConnectionUnitOfWork(UnitOfWork):
     before ``commit`` commits, and everything captured is published just after.
     """
 
-    def __init__(self, outbox: "Outbox"):
-        super().__init__(outbox, None)
-        self._connection = outbox.ready().engine.connect()  # like every entry point: the store answers, tables exist
+    def __init__(self, publisher: "Publisher"):
+        super().__init__(publisher, None)
+        # like every entry point: the store answers, tables exist
+        self._connection = publisher.runtime.ready().engine.connect()
         self._transaction: RootTransaction | None = None
 
     @property
@@ -218,8 +214,8 @@ class ConnectionUnitOfWork(UnitOfWork):
     @property
     def session(self) -> Session:
         if self._session is None:
-            session = self._session = self.outbox.new_session(bind=self.connection)
-            session.info[_SESSION_KEY] = self
+            session = self._session = self.publisher.runtime.new_session(bind=self.connection)
+            session.info[UNIT_OF_WORK_KEY] = self
         return self._session
 
     def commit(self, last: Callable[[Connection], bool] | None = None) -> bool:
@@ -272,36 +268,6 @@ class ConnectionUnitOfWork(UnitOfWork):
         return None
 
 
-_EVENT_HANDLERS = {
-    "after_transaction_create": "_on_transaction_create",
-    "after_transaction_end": "_on_transaction_end",
-    "after_soft_rollback": "_on_soft_rollback",
-    "before_commit": "_before_commit",
-    "after_commit": "_after_commit",
-}
-
-
-def listen_to_sessions(target: Any) -> None:
-    """Deliver the session events of ``target`` (one Session, or a sessionmaker: all its Sessions,
-    registered once instead of per Session) to the unit of work in each Session's ``info``."""
-    for name, handler in _EVENT_HANDLERS.items():
-        event.listen(target, name, _dispatcher(handler))
-
-
-def session_info() -> dict[str, Any]:
-    """The ``info`` of a sessionmaker whose sessions ``listen_to_sessions`` already covers."""
-    return {_LISTENED_KEY: True}
-
-
-def _dispatcher(handler: str) -> Callable[..., None]:
-    def dispatch(session: Session, *args: Any) -> None:
-        uow = session.info.get(_SESSION_KEY)
-        if uow is not None:
-            getattr(uow, handler)(session, *args)
-
-    return dispatch
-
-
 def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> None:
     """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids."""
     ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages])
@@ -310,10 +276,29 @@ def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> Non
 
 
 class Publisher:
-    """Publishes committed messages; the one place that talks to the broker on commit."""
+    """Publishes committed messages; the one place that talks to the broker on commit. Opens the
+    units of work whose messages it publishes (``transaction``)."""
 
-    def __init__(self, outbox: "Outbox"):
-        self.outbox = outbox
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    @contextmanager
+    def transaction(self, session: Session | None = None) -> Iterator[Session]:
+        """A unit of work (``Outbox.transaction``): on a Session of its own, committed when the block
+        ends and rolled back on an exception; or joining ``session``, published after that
+        Session's commit; a block inside an open one joins it."""
+        outer = current_unit_of_work()
+        if session is None and outer is not None:
+            yield outer.session
+            return
+        self.runtime.ready()
+        if session is not None:
+            with UnitOfWork.of(self, session).opened():
+                yield session
+            return
+        with self.runtime.new_session() as own:
+            with UnitOfWork.of(self, own).opened(), own.begin():
+                yield own
 
     def store_and_forward(self, messages: list[OutgoingMessage], producer: Any = None) -> None:
         """Outside a unit of work: store durable messages in their own transaction, then publish
@@ -321,7 +306,7 @@ class Publisher:
         holding the first deadlocks once the pool is exhausted), or one from the pool."""
         durable = [m for m in messages if m.durable]
         if durable:
-            store = self.outbox.ready().store
+            store = self.runtime.ready().store
             with store.begin() as conn:
                 store_durable(store, conn, durable)
             crashpoint("after_commit")
@@ -345,11 +330,11 @@ class Publisher:
         one's is sent now, as Celery sends it with the message).
         """
         now = utcnow()
-        settings = self.outbox.settings
+        settings = self.runtime.settings
         release_before = settings.release_before(now)
         held = [m for m in messages if m.durable and not m.is_due(release_before)]  # wait in the store
         if any(m.sent_event is not None for m in held):
-            with self.outbox.app.producer_or_acquire(producer) as event_producer:
+            with self.runtime.app.producer_or_acquire(producer) as event_producer:
                 for message in held:
                     self._send_event(message, event_producer, broker_down=False)
         messages = [m for m in messages if not m.durable or m.is_due(release_before)]
@@ -357,7 +342,7 @@ class Publisher:
         if not durable_ids:
             self._publish_all(messages, set(), producer)
             return
-        store = self.outbox.store
+        store = self.runtime.store
         redeliver_at = settings.first_redelivery(now)
         try:
             if redeliver_at is None:
@@ -370,7 +355,7 @@ class Publisher:
                     for m in messages if m.row_id in owned and m.deliver_at is not None and m.deliver_at > now])
                 sent = self._publish_all(messages, owned, producer)
                 crashpoint("after_publish")
-                if sent and self.outbox.archiver is not None:
+                if sent and self.runtime.archiver is not None:
                     store.record_sent(conn, sent, now)
                 store.unmark_sent(conn, sorted(owned.difference(sent)))
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
@@ -383,8 +368,8 @@ class Publisher:
         transaction rolls back (every row is back) and a new one deletes, and records, the
         published rows: the failed ones stay for the relay (which may, between the two, send a
         published one again: the inbox discards it)."""
-        store = self.outbox.store
-        record = self.outbox.archiver is not None
+        store = self.runtime.store
+        record = self.runtime.archiver is not None
         try:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 taken = store.take_outgoing_to_delete(conn, durable_ids, record)
@@ -402,7 +387,7 @@ class Publisher:
     def _publish_all(self, messages: list[OutgoingMessage], owned: set[int], producer: Any) -> list[int]:
         """Publish in call order; durable messages in batches (one pipeline on Redis), plain ones
         one by one with Celery's own retry. Returns the row ids of the durable messages sent."""
-        app = self.outbox.app
+        app = self.runtime.app
         sent: list[int] = []
         with app.producer_or_acquire(producer) as producer:
             entities = BoundQueues(app.amqp.queues, producer)
@@ -418,7 +403,7 @@ class Publisher:
                             broker_down = broker_down or isinstance(exc, broker_errors)
                             self._failed(message, exc)
                         else:
-                            message_published.send(sender=self.outbox, message=message, relayed=False)
+                            message_published.send(sender=self.runtime.owner, message=message, relayed=False)
                             self._send_event(message, producer, broker_down)
                     continue
                 run = list(run)
@@ -465,7 +450,7 @@ class Publisher:
                 self._failed(message, batch.error)
             return [], True
         for message in published:
-            message_published.send(sender=self.outbox, message=message, relayed=False)
+            message_published.send(sender=self.runtime.owner, message=message, relayed=False)
         return published, broker_down
 
     def _failed(self, message: OutgoingMessage, exc: BaseException) -> None:
@@ -480,7 +465,7 @@ class Publisher:
                 "the message is lost: %r",
                 message.task_name, message.message_id, message.destination, exc,
             )
-        publish_failed.send(sender=self.outbox, message=message, exception=exc)
+        publish_failed.send(sender=self.runtime.owner, message=message, exception=exc)
 
 
 class _PartlyPublished(Exception):
@@ -491,13 +476,15 @@ class _PartlyPublished(Exception):
         self.sent = sent
 
 
-def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
+def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
+    runtime = publisher.runtime
+
     def durable_queue(exchange: str, routing_key: str) -> str | None:
-        durable = outbox.settings.durable_queues
+        durable = runtime.settings.durable_queues
         return durable_destination(amqp.queues, durable, exchange, routing_key) if durable else None
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
-        stamp_send_id(outbox.app, message.headers)
+        continued = stamp_send_id(runtime.app, message.headers)
         uow = _current.get()
         if uow is None and durable_queue(*published_route(amqp, options)) is None:
             return celery_sender(producer, name, message, **options)
@@ -508,13 +495,13 @@ def _make_sender(outbox: "Outbox", amqp: AMQP, celery_sender: Callable[..., Any]
             if destination is not None:
                 task_message.destination = destination
                 task_message.make_durable()
-                check_storable(task_message, outbox.store.tables.outgoing)  # fails the call, not the commit
+                check_storable(task_message, runtime.store.tables.outgoing)  # fails the call, not the commit
                 _declare_also(task_message, amqp.queues.get(destination))
-            task_message.survives_rollback = _running_request_continued(outbox.app, task_message.headers) is not None
+            task_message.survives_rollback = continued
         if uow is not None:
             uow.add(captured)
         else:
-            outbox.publisher.store_and_forward(captured, producer)
+            publisher.store_and_forward(captured, producer)
         return None
 
     return send_task_message
@@ -543,24 +530,26 @@ def resending(request: Any) -> Iterator[None]:
         _resent_attempt.reset(token)
 
 
-def stamp_send_id(app: Any, headers: Any) -> None:
+def stamp_send_id(app: Any, headers: Any) -> bool:
     """Give a task message its publish identity (``SEND_HEADER``): a new one per send, except for a
     later attempt of a delivery, a ``retry`` or ``replace`` of the task running now or Celery's
-    re-send of a lost one, which keeps the identity of the delivery it continues."""
+    re-send of a lost one, which keeps the identity of the delivery it continues. Returns whether
+    the message continues the task running now (Celery decided on it: it survives a rollback)."""
     if not isinstance(headers, dict):
-        return
-    request = _running_request_continued(app, headers)
+        return False
+    running = request = _running_request_continued(app, headers)
     if request is None:
         resent = _resent_attempt.get()
         request = resent if resent is not None and _continues(resent, headers) else None
     if request is None:
         headers[SEND_HEADER] = new_send_id()
-        return
-    inherited = send_id_of({SEND_HEADER: getattr(request, SEND_HEADER, None)})
+        return False
+    inherited = valid_send_id(getattr(request, SEND_HEADER, None))
     if inherited:
         headers[SEND_HEADER] = inherited
     else:  # the delivery came from a sender without the outbox: keyed by its task id, so is this attempt
         headers.pop(SEND_HEADER, None)
+    return running is not None
 
 
 def _running_request_continued(app: Any, headers: dict[str, Any]) -> Any:
@@ -582,6 +571,7 @@ def _continues(request: Any, headers: dict[str, Any]) -> bool:
     )
 
 
-def install_publish_hook(outbox: "Outbox") -> None:
+def install_publish_hook(publisher: Publisher) -> None:
     """Make the app's AMQP an ``OutboxAMQP``: every publish passes through ``send_task_message``."""
-    install_task_sender(outbox.app, outbox, lambda amqp, celery_sender: _make_sender(outbox, amqp, celery_sender))
+    install_task_sender(publisher.runtime.app, publisher,
+                        lambda amqp, celery_sender: _make_sender(publisher, amqp, celery_sender))

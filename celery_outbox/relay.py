@@ -27,19 +27,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
 from .crashpoints import crashpoint
 from .dead_letter_rows import dead_letter_row
 from .envelope import OutgoingMessage, from_row
 from .results import EndedMessage, store_dead_letter_results
+from .runtime import Runtime
 from .signals import message_published, publish_failed
 from .store import as_utc, utcnow
 from .vocabulary import REDELIVERY_HEADER, DeadLetterReason
-
-if TYPE_CHECKING:
-    from .outbox import Outbox
 
 __all__ = ["RelayResult", "redeliver", "relay"]
 
@@ -63,11 +61,11 @@ class RelayResult:
         return text
 
 
-def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
+def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
     """Publish pending outgoing rows, in bounded batches; what beat and ``outbox relay`` run."""
-    store = outbox.ready().store
-    settings = outbox.settings
-    app = outbox.app
+    store = runtime.ready().store
+    settings = runtime.settings
+    app = runtime.app
     result = RelayResult()
     limit = max_batches or settings.max_batches_per_run
     with app.producer_or_acquire() as producer:
@@ -101,11 +99,11 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                             message.publish(producer, retry=False)
                         except broker_errors as exc:
                             result.broker_error = f"{type(exc).__name__}: {exc}"
-                            publish_failed.send(sender=outbox, message=message, exception=exc)
+                            publish_failed.send(sender=runtime.owner, message=message, exception=exc)
                             break
                         except Exception as exc:  # noqa: BLE001 - a row-specific failure, counted per row
                             result.failed += 1
-                            publish_failed.send(sender=outbox, message=message, exception=exc)
+                            publish_failed.send(sender=runtime.owner, message=message, exception=exc)
                             attempts = store.record_outgoing_failure(conn, row.id, f"{type(exc).__name__}: {exc}")
                             if attempts >= settings.relay_max_attempts:
                                 poisoned.append((row, exc))
@@ -114,11 +112,11 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                 if batch.error is not None:  # nothing of it counts as sent: the rows wait for the next pass
                     result.broker_error = f"{type(batch.error).__name__}: {batch.error}"
                     for message in published:
-                        publish_failed.send(sender=outbox, message=message, exception=batch.error)
+                        publish_failed.send(sender=runtime.owner, message=message, exception=batch.error)
                     published = []
                 for message in published:
                     result.published += 1
-                    _announce(outbox, message)
+                    _announce(runtime, message)
                     crashpoint("during_relay")
                 sent = [message.row_id for message in published]
                 if expired:
@@ -130,7 +128,7 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
                                                      for row, exc in poisoned])
                 result.dead_lettered += len(poisoned) + len(expired)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
-                store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=outbox.archiver is not None)
+                store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=runtime.archiver is not None)
                 if settings.redeliver_after is not None:
                     store.postpone_redelivery(conn, [
                         {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
@@ -145,14 +143,14 @@ def relay(outbox: "Outbox", max_batches: int | None = None) -> RelayResult:
     return result
 
 
-def redeliver(outbox: "Outbox", max_batches: int | None = None) -> tuple[int, str | None]:
+def redeliver(runtime: Runtime, max_batches: int | None = None) -> tuple[int, str | None]:
     """Publish again the sent durable messages no inbox acknowledged by their ``redeliver_at``
     (the broker lost them, or they wait behind a backlog: the inbox discards a copy). One
     transaction per batch; each redelivery doubles the wait for the next. A message past its
     ``expires`` is not published again (the worker discarded it as expired, as Celery does, or
     it would now): it goes to dead letters, reason ``expired``. Returns how many were
     published and the broker error that stopped the pass, if any."""
-    store, settings, app = outbox.ready().store, outbox.settings, outbox.app
+    store, settings, app = runtime.ready().store, runtime.settings, runtime.app
     if settings.redeliver_after is None:
         return 0, None
     published = 0
@@ -208,8 +206,8 @@ def with_eta(message: OutgoingMessage) -> OutgoingMessage:
     return message
 
 
-def _announce(outbox: "Outbox", message: OutgoingMessage) -> None:
-    message_published.send(sender=outbox, message=message, relayed=True)
+def _announce(runtime: Runtime, message: OutgoingMessage) -> None:
+    message_published.send(sender=runtime.owner, message=message, relayed=True)
 
 
 def _expired(row: Any, now: datetime) -> bool:

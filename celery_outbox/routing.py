@@ -102,10 +102,11 @@ def durable_destination(queues: Mapping[str, Queue], durable: frozenset[str], ex
     return None
 
 
-def queue_of(delivery_info: Mapping[str, Any] | None, app: Celery) -> str | None:
+def queue_of(delivery_info: Mapping[str, Any] | None, app: Celery,
+             durable: frozenset[str] | set[str] = frozenset()) -> str | None:
     """The queue a delivered message came from, decided from its exchange and routing key as the
     producer decides it: among the reached queues this worker consumes (all declared ones when it
-    consumes none of them), a durable one first; None for a route to no declared queue."""
+    consumes none of them), a ``durable`` one first; None for a route to no declared queue."""
     delivery_info = delivery_info if isinstance(delivery_info, Mapping) else {}
     exchange = exchange_name(delivery_info.get("exchange"))
     routing_key = delivery_info.get("routing_key")
@@ -115,8 +116,6 @@ def queue_of(delivery_info: Mapping[str, Any] | None, app: Celery) -> str | None
     queues = app.amqp.queues
     reached = (reached_queues(queues.consume_from, exchange, routing_key)
                or reached_queues(queues, exchange, routing_key))
-    outbox = getattr(app, "_celery_outbox", None)
-    durable = outbox.settings.durable_queues if outbox is not None else frozenset()
     return next((name for name in reached if name in durable), reached[0] if reached else None)
 
 

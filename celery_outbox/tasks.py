@@ -38,10 +38,10 @@ from sqlalchemy.orm import Session
 
 from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
 from .errors import OutboxError
-from .inbox import Delivery, current_connection, current_session, dead_letter_row
-from .outbox import outbox_of
+from .inbox import Delivery, Inbox, current_connection, current_session, dead_letter_row, inbox_of
 from .publishing import resending
 from .routing import queue_of
+from .runtime import runtime_of
 from .store import utcnow
 from .vocabulary import DeadLetterReason
 
@@ -50,6 +50,14 @@ __all__ = ["IdempotentTask", "InboxTask", "OutboxRequest", "give_inbox_to_every_
 logger = logging.getLogger("celery_outbox.tasks")
 
 _STYLES = ("optimistic", "eager")
+
+
+def installed_inbox(app: Celery) -> Inbox:
+    """The inbox of the outbox installed on ``app``; a clear error when there is none."""
+    inbox = inbox_of(app)
+    if inbox is None:
+        raise OutboxError(f"no Outbox is installed on app {app.main!r}: call Outbox(app) in your Celery module")
+    return inbox
 
 
 def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], Any]:
@@ -84,16 +92,19 @@ class OutboxRequest(HookedRequest):
 
     def _goes_through_inbox(self) -> bool:
         task = self.task
-        outbox = getattr(task.app, "_celery_outbox", None)
-        return outbox is not None and (isinstance(task, IdempotentTask)
-                                       or outbox.settings.is_durable(queue_of(self.delivery_info, task.app)))
+        inbox = inbox_of(task.app)
+        if inbox is None:
+            return False
+        settings = inbox.runtime.settings
+        return isinstance(task, IdempotentTask) or settings.is_durable(
+            queue_of(self.delivery_info, task.app, settings.durable_queues))
 
     def _end_revoked(self, reason: str) -> None:
         task = self.task
-        outbox = outbox_of(task.app)
-        delivery = Delivery.from_context(task, request_context(self), outbox.settings)
+        inbox = installed_inbox(task.app)
+        delivery = Delivery.from_context(task, request_context(self), inbox.runtime.settings)
         try:
-            outbox.inbox.end_revoked_attempt(delivery)
+            inbox.end_revoked_attempt(delivery)
         except Exception as error:  # noqa: BLE001 - Celery's revoke stands; delivery tracking may send it again
             logger.error("celery-outbox: cannot record that %s[%s] was %s: %s; it is discarded here, as in "
                          "plain Celery, but a durable message stays unacknowledged and is published again "
@@ -127,12 +138,12 @@ class OutboxRequest(HookedRequest):
     def _dead_lettered(self, exc: BaseException) -> bool:
         """Write the dead letter; False (logged) when the store cannot take it."""
         task, context = self.task, request_context(self)
-        outbox = outbox_of(task.app)
-        delivery = Delivery.from_context(task, context, outbox.settings)
+        inbox = installed_inbox(task.app)
+        delivery = Delivery.from_context(task, context, inbox.runtime.settings)
         task.request_stack.push(context)
         try:
             dead_letter = dead_letter_row(task, delivery, DeadLetterReason.WORKER_LOST, exc, utcnow())
-            outbox.inbox.end_lost_worker_attempt(delivery, dead_letter)
+            inbox.end_lost_worker_attempt(delivery, dead_letter)
         except Exception as error:  # noqa: BLE001 - without a dead letter the message must not be acked
             logger.error("celery-outbox: cannot dead-letter %s[%s], lost with its worker process %d times; the "
                          "message goes back to the broker: %s", task.name, self.id, (context.retries or 0) + 1, error)
@@ -151,15 +162,16 @@ class InboxTask(Task):
     Request = "celery_outbox.tasks:OutboxRequest"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outbox = getattr(self.app, "_celery_outbox", None)
-        if outbox is None:
+        inbox = inbox_of(self.app)
+        if inbox is None:
             return super().__call__(*args, **kwargs)
         request = self.request
-        queue = queue_of(request.delivery_info, self.app)
-        if request.called_directly or not outbox.settings.is_durable(queue):
+        settings = inbox.runtime.settings
+        queue = None if request.called_directly else queue_of(request.delivery_info, self.app, settings.durable_queues)
+        if not settings.is_durable(queue):
             return super().__call__(*args, **kwargs)
-        return outbox.inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
-                                unit_of_work=False)
+        return inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
+                         unit_of_work=False, queue=queue)
 
 
 class IdempotentTask(Task):
@@ -193,15 +205,19 @@ class IdempotentTask(Task):
 
     @property
     def outbox(self) -> Any:
-        return outbox_of(self.app)
+        """The ``Outbox`` installed on the task's app."""
+        installed_inbox(self.app)
+        runtime = runtime_of(self.app)
+        assert runtime is not None
+        return runtime.owner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outbox = outbox_of(self.app)
-        style = self.idempotency or outbox.settings.idempotency_style
+        inbox = installed_inbox(self.app)
+        style = self.idempotency or inbox.runtime.settings.idempotency_style
         if style not in _STYLES:
             raise OutboxError(f"{self.name}.idempotency = {style!r} is not valid: expected one of {_STYLES}")
-        return outbox.inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
-                                unit_of_work=True)
+        return inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
+                         unit_of_work=True)
 
 
 def give_inbox_to_every_task(app: Celery) -> list[str]:

@@ -10,10 +10,7 @@ the window, a redelivered copy could run again: this says so, clearly, at start-
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .outbox import Outbox
+from typing import Any
 
 __all__ = ["check_dedupe_window", "redelivery_horizons"]
 
@@ -51,11 +48,11 @@ def redelivery_horizons(app: Any) -> list[tuple[str, float]]:
     return horizons
 
 
-def check_dedupe_window(outbox: "Outbox") -> list[str]:
-    """Warn for every redelivery horizon at least as long as the dedupe window; return the warnings."""
-    window = outbox.settings.keep_after_handling
+def check_dedupe_window(app: Any, window: float) -> list[str]:
+    """Warn for every redelivery horizon of ``app`` at least as long as the dedupe ``window``
+    (``outbox_keep_after_handling``); return the warnings."""
     warnings = []
-    for what, seconds in redelivery_horizons(outbox.app):
+    for what, seconds in redelivery_horizons(app):
         if seconds >= window:
             warnings.append(
                 f"celery-outbox: {what} reaches beyond outbox_keep_after_handling ({window:g}s): a copy "

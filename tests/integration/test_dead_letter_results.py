@@ -21,7 +21,6 @@ from celery.result import AsyncResult
 from kombu.messaging import Producer
 from sqlalchemy import func, select, update
 
-from celery_outbox.durability import recover
 from celery_outbox.store import utcnow
 
 from ..apps import results_app
@@ -213,7 +212,7 @@ def test_a_lost_worker_fails_with_worker_lost_error(world, shop):
         plain.get(timeout=TIMEOUT)
 
     task_id = envelope_row(shop, "lost", recoveries=2)
-    result = recover(shop.outbox)
+    result = shop.outbox.recover()
     assert (result.envelopes_republished, result.envelopes_dead_lettered) == (0, 1)
     outboxed = AsyncResult(task_id, app=shop.app)
     with pytest.raises(WorkerLostError):
@@ -243,7 +242,7 @@ def test_a_message_that_expired_before_it_was_published_is_revoked_expired(world
 
     (outboxed,) = strand(shop, 5, expires=utcnow() + timedelta(seconds=30))
     expire_outgoing(shop, outboxed.id)
-    assert recover(shop.outbox).relay.expired == 1
+    assert shop.outbox.recover().relay.expired == 1
     with pytest.raises(TaskRevokedError):
         outboxed.get(timeout=TIMEOUT)
     assert (plain.state, outboxed.state) == ("REVOKED", "REVOKED")
@@ -264,7 +263,7 @@ def test_an_expired_message_that_ignores_its_result_stores_none(world, shop):
 
     (outboxed,) = strand(shop, 5, expires=utcnow() + timedelta(seconds=30), ignore_result=True)
     expire_outgoing(shop, outboxed.id)
-    assert recover(shop.outbox).relay.expired == 1
+    assert shop.outbox.recover().relay.expired == 1
     assert (plain.state, outboxed.state) == ("PENDING", "PENDING")
     (letter,) = dead_letters(shop.outbox, outboxed.id)
     assert letter.reason == "expired"
@@ -289,7 +288,7 @@ def test_a_poison_message_fails_with_its_publish_error(world, shop, monkeypatch)
         world.plain.add.apply_async((1, "poison"), queue=world.queues.plain)
 
     (outboxed,) = strand(shop, "poison")
-    first, second = recover(shop.outbox), recover(shop.outbox)
+    first, second = shop.outbox.recover(), shop.outbox.recover()
     assert (first.relay.failed, first.relay.dead_lettered, second.relay.dead_lettered) == (1, 0, 1)
     with pytest.raises(ValueError, match="refuses"):
         outboxed.get(timeout=TIMEOUT)
@@ -318,7 +317,7 @@ def test_a_result_backend_that_fails_is_logged_and_the_dead_letter_kept(world, c
         for message in sent:
             expire_outgoing(sender, message.id)
         with caplog.at_level(logging.ERROR, logger="celery_outbox.results"):
-            assert recover(maintenance.outbox).relay.expired == 2
+            assert maintenance.outbox.recover().relay.expired == 2
         for message in sent:
             (letter,) = dead_letters(sender.outbox, message.id)
             assert letter.reason == "expired"

@@ -44,7 +44,7 @@ def test_a_cut_liveness_connection_is_taken_again_and_the_node_never_declared_de
             terminate(outbox, holder)
             new_holder = wait_until(lambda old=holder: (pid := lock_holder(outbox, node_id)) not in (None, old) and pid,
                                     timeout=10, message="the node holding its lock again on a new connection")
-            assert detect_dead_nodes(outbox) == []
+            assert detect_dead_nodes(outbox.runtime) == []
             holder = new_holder
         assert outbox.node.id == node_id, "the node kept its id: never declared dead"
         assert [n.id for n in outbox.store.live_nodes() if n.dead_at is None] == [node_id]
@@ -66,7 +66,7 @@ def test_a_node_whose_process_is_gone_is_declared_dead_once_silent(postgres_url,
         wait_until(lambda: lock_holder(outbox, node_id), message="the node holding its lock")
         outbox.node._stop.set()  # the heartbeat thread ends, as it does with its process
         outbox.node._drop_liveness()
-        dead = wait_until(lambda: detect_dead_nodes(outbox), timeout=10, message="the node declared dead")
+        dead = wait_until(lambda: detect_dead_nodes(outbox.runtime), timeout=10, message="the node declared dead")
         assert dead == [node_id]
     finally:
         drop_store(outbox.store)

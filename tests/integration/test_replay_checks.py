@@ -49,7 +49,7 @@ def insert(shop, *letters) -> list[int]:
 
 def test_a_replay_goes_where_the_task_is_routed_now_not_where_it_was(shop):
     insert(shop, letter("moved-1", headers_of("moved-1")))
-    result = replay(shop.outbox, DeadLetterFilter())
+    result = replay(shop.outbox.publisher, DeadLetterFilter())
     assert (result.message_ids, result.refused) == (["moved-1"], [])
     (message,) = receive(shop.app, shop.plain_queue, 1)
     assert (message.id, message.args) == ("moved-1", ["again"])
@@ -67,7 +67,7 @@ def test_a_replay_goes_where_the_task_is_routed_now_not_where_it_was(shop):
 )
 def test_a_malformed_dead_letter_is_refused_with_its_reason_and_left_as_it_is(shop, headers, body, reason):
     bad, good = insert(shop, letter("bad", headers, body), letter("good-1", headers_of("good-1")))
-    result = replay(shop.outbox, DeadLetterFilter())
+    result = replay(shop.outbox.publisher, DeadLetterFilter())
     assert result.message_ids == ["good-1"]
     assert [(letter_id, text[:len(reason)]) for letter_id, text in result.refused] == [(bad, reason)]
     assert shop.outbox.store.get_dead_letter(bad).replay_count == 0, "a refused letter is not counted as replayed"

@@ -250,14 +250,15 @@ def test_replay_republishes_through_the_outbox_as_a_new_attempt(shop):
     store = shop.outbox.store
     (letter,) = store.list_dead_letters(store.dead_letter_filter())
     progress = []
-    assert replay(shop.outbox, DeadLetterFilter(ids=(letter.id,)), progress=progress.append).message_ids == [task_id]
+    replayed = replay(shop.outbox.publisher, DeadLetterFilter(ids=(letter.id,)), progress=progress.append)
+    assert replayed.message_ids == [task_id]
     assert progress == [1]
     (message,) = receive(shop.app, shop.durable_queue, 1)
     assert (message.id, message.args, message.headers["celery_outbox_replay"]) == (task_id, ["again"], 1)
     letter = store.get_dead_letter(letter.id)
     assert letter.replay_count == 1 and letter.replayed_at is not None
     assert unsent_rows(shop.outbox.store) == 0, "the outgoing row was published"
-    replay(shop.outbox, DeadLetterFilter(ids=(letter.id,)))
+    replay(shop.outbox.publisher, DeadLetterFilter(ids=(letter.id,)))
     (second,) = receive(shop.app, shop.durable_queue, 1)
     assert second.headers["celery_outbox_replay"] == 2, "each replay is a later attempt"
 
@@ -270,7 +271,8 @@ def test_purge_deletes_only_the_old_matching_letters(shop):
     with store.begin() as conn:
         conn.execute(update(table).where(table.c.id == first.id).values(failed_at=utcnow() - timedelta(days=30)))
     counted = []
-    deleted = purge(shop.outbox, DeadLetterFilter(failed_before=utcnow() - timedelta(days=7)), progress=counted.append)
+    old = DeadLetterFilter(failed_before=utcnow() - timedelta(days=7))
+    deleted = purge(shop.outbox.runtime, old, progress=counted.append)
     assert (deleted, counted) == (1, [1])
     assert first.id not in [r.id for r in store.list_dead_letters(store.dead_letter_filter())]
     assert store.count_dead_letters() == 2

@@ -40,6 +40,11 @@ def test_good_headers_pass_and_non_mappings_do_not():
     assert malformed_reason(["not", "a", "dict"], {"t.add"})[0] == "malformed"
 
 
+def dedupe_warnings(outbox: Outbox) -> list[str]:
+    """What the worker's start-up check says of ``outbox``'s app and dedupe window."""
+    return check_dedupe_window(outbox.app, outbox.settings.keep_after_handling)
+
+
 def make_app(**conf) -> Celery:
     app = Celery("w", broker="redis://127.0.0.1:6379/0", set_as_current=False)
     app.conf.update(outbox_database_url="sqlite://", **conf)
@@ -48,7 +53,7 @@ def make_app(**conf) -> Celery:
 
 def test_window_shorter_than_the_visibility_timeout_warns():
     app = make_app(outbox_keep_after_handling=600)
-    warnings = check_dedupe_window(Outbox(app))
+    warnings = dedupe_warnings(Outbox(app))
     assert len(warnings) == 1 and "visibility_timeout (3600s)" in warnings[0]
     assert "Raise outbox_keep_after_handling above 3600s" in warnings[0]
 
@@ -62,18 +67,18 @@ def test_window_shorter_than_a_retry_policy_warns():
     def retrier(self):
         return None
 
-    warnings = check_dedupe_window(outbox)
+    warnings = dedupe_warnings(outbox)
     assert len(warnings) == 1 and "slow.retrier's retries (10 x 3600s)" in warnings[0]
 
 
 def test_a_long_enough_window_is_quiet():
-    assert check_dedupe_window(Outbox(make_app())) == []
+    assert dedupe_warnings(Outbox(make_app())) == []
 
 
 def test_amqp_has_no_visibility_horizon():
     app = Celery("w", broker="amqp://guest@localhost//", set_as_current=False)
     app.conf.update(outbox_database_url="sqlite://", outbox_keep_after_handling=60)
-    assert check_dedupe_window(Outbox(app)) == []
+    assert dedupe_warnings(Outbox(app)) == []
 
 
 def test_crashpoint_specs_are_validated():

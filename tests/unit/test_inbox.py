@@ -295,8 +295,9 @@ def test_connection_and_session_are_one_transaction_with_the_claim(harness_on_ea
 
 def test_a_body_that_never_touches_the_session_makes_none(harness, monkeypatch):
     made = []
-    new_session = harness.outbox.new_session
-    monkeypatch.setattr(harness.outbox, "new_session", lambda *a, **kw: made.append(1) or new_session(*a, **kw))
+    runtime = harness.outbox.runtime
+    new_session = runtime.new_session
+    monkeypatch.setattr(runtime, "new_session", lambda *a, **kw: made.append(1) or new_session(*a, **kw))
 
     @harness.app.task(base=IdempotentTask, bind=True, name="shop.core_only", shared=False)
     def core_only(self, note):

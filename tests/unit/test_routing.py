@@ -254,7 +254,8 @@ def test_the_consumer_finds_the_queue_the_producer_stored_for(routes, way):
         result = _send(routes, way)
         (message,) = [m for m in current_unit_of_work().pending if m.message_id == result.id]
     delivery_info = {"exchange": message.exchange, "routing_key": message.routing_key}
-    assert queue_of(delivery_info, routes.app) == message.destination == routes.names[WAYS[way]]
+    durable = routes.outbox.settings.durable_queues
+    assert queue_of(delivery_info, routes.app, durable) == message.destination == routes.names[WAYS[way]]
 
 
 def test_the_consumer_prefers_the_queue_it_consumes(sqlite_url, table_prefix):
@@ -263,10 +264,11 @@ def test_the_consumer_prefers_the_queue_it_consumes(sqlite_url, table_prefix):
     routes = make_routes(sqlite_url, table_prefix, durable=("audit",))
     n, queues = routes.names, routes.app.amqp.queues
     delivery_info = {"exchange": n["events"], "routing_key": "payment.refund"}  # audit (durable) and multi
+    durable = routes.outbox.settings.durable_queues
     queues.select([n["multi"]])
-    assert queue_of(delivery_info, routes.app) == n["multi"]
+    assert queue_of(delivery_info, routes.app, durable) == n["multi"]
     queues.select([n["multi"], n["audit"]])
-    assert queue_of(delivery_info, routes.app) == n["audit"]
+    assert queue_of(delivery_info, routes.app, durable) == n["audit"]
 
 
 def test_the_consumer_reads_the_default_exchange_routing_key_as_the_queue(routes):

@@ -1,0 +1,178 @@
+"""The runtime of one app: what every operation of the outbox uses.
+
+``Outbox(app)`` builds one ``Runtime`` and hands it to the parts it composes (the
+publisher, the inbox, the node, the maintenance and the consumer guard); none of them
+reaches back to the ``Outbox``. The runtime holds the app, its validated settings, the
+store, the sessions and the archiver. The settings are read when the app is configured
+(never at import time of this library); no connection is made until ``ready()``, which
+the entry points call (worker and beat start-up, a unit of work, the CLI): a database
+that cannot be reached stops them with one clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Protocol, Sequence
+
+from celery import Celery
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from .config import OutboxSettings, read_settings
+from .errors import ConfigurationError
+from .sessions import listen_to_sessions, session_info
+from .store import Store, build_engine
+
+__all__ = ["Archiver", "Runtime", "runtime_of"]
+
+logger = logging.getLogger("celery_outbox")
+
+_APP_ATTRIBUTE = "_celery_outbox_runtime"
+
+
+class Archiver(Protocol):
+    """Receives rows cleanup is about to delete, inside the deleting transaction.
+
+    ``kind`` is ``"incoming"``, ``"dead_letters"`` or ``"sent"``. If it raises, the batch is
+    not deleted and the next cleanup tries again: archiving is at least once.
+    """
+
+    def archive(self, kind: str, rows: Sequence[Any]) -> None: ...
+
+
+class Runtime:
+    """The app, its settings, the store, the sessions and the archiver of one installed outbox.
+
+    ``owner`` is the object the library's signals name as their sender (the ``Outbox``).
+    """
+
+    def __init__(self, app: Celery, owner: Any, engine: Engine | None = None,
+                 overrides: dict[str, Any] | None = None):
+        self.app = app
+        self.owner = owner
+        self.given_engine = engine
+        self.overrides = dict(overrides or {})
+        self.archiver: Archiver | None = None  # the delivery audit's archive (outbox_archive_path)
+        self._lock = threading.RLock()
+        self._settings: OutboxSettings | None = None
+        self._store: Store | None = None
+        self._sessions: sessionmaker | None = None
+        self._ready = False
+        self._when_loaded: list[Callable[[], None]] = []
+        setattr(app, _APP_ATTRIBUTE, self)
+
+    def __repr__(self) -> str:
+        return f"<Runtime app={self.app.main!r}>"
+
+    def when_loaded(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the settings are read (now, if they are)."""
+        if self._settings is not None:
+            callback()
+        else:
+            self._when_loaded.append(callback)
+
+    def load(self) -> None:
+        """Read and validate the settings, build the engine, the store and the sessions (once)."""
+        with self._lock:
+            if self._settings is not None:
+                return
+            conf = self.app.conf  # may configure the app, which re-enters load via on_after_configure
+            if self._settings is not None:
+                return
+            settings = read_settings(conf, namespace=self.app.namespace, **self.overrides)
+            engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
+            self._store = Store(engine, settings.table_prefix)
+            self._sessions = sessionmaker(engine, expire_on_commit=False, info=session_info())
+            listen_to_sessions(self._sessions)
+            if settings.archive_path and self.archiver is None:
+                from .audit.archive import ParquetArchiver
+
+                self.archiver = ParquetArchiver(settings.archive_path)
+            self._settings = settings
+            callbacks, self._when_loaded = self._when_loaded, []
+        for callback in callbacks:
+            callback()
+
+    @property
+    def settings(self) -> OutboxSettings:
+        """The validated, frozen settings (read from ``app.conf`` on first need)."""
+        if self._settings is None:
+            self.load()
+        assert self._settings is not None
+        return self._settings
+
+    @property
+    def store(self) -> Store:
+        """The message store; ``ready()`` first makes sure its tables exist."""
+        if self._store is None:
+            self.load()
+        assert self._store is not None
+        return self._store
+
+    @property
+    def engine(self) -> Engine:
+        return self.store.engine
+
+    def ready(self) -> "Runtime":
+        """Check the database answers and its tables exist (creating them when
+        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable``,
+        ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with one clear
+        message. Cheap once it has passed."""
+        if self._ready:
+            return self
+        with self._lock:
+            if self._ready:
+                return self
+            store = self.store
+            if self.settings.auto_create_schema:
+                store.migrate()
+            else:
+                missing = store.missing_tables()
+                if missing:
+                    raise ConfigurationError(
+                        f"the message store at {store.describe()} has no tables {', '.join(missing)} and "
+                        "outbox_auto_create_schema is off: run 'celery -A <your app> outbox migrate'"
+                    )
+                store.refuse_newer_schema()
+            self._ready = True
+        return self
+
+    def migrate(self) -> Any:
+        """Create or upgrade the tables; the store is ready after it."""
+        result = self.store.migrate()
+        self._ready = True
+        return result
+
+    def new_session(self, bind: Connection | None = None) -> Session:
+        """A new Session on the engine (the caller closes it). With ``bind``, a Session that joins
+        that connection's open transaction: its ``commit()`` only flushes, the connection's owner
+        commits; its ``rollback()`` rolls the transaction back."""
+        self.ready()
+        assert self._sessions is not None
+        if bind is None:
+            return self._sessions()
+        return self._sessions(bind=bind, join_transaction_mode="rollback_only")
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (a prefork pool process) must not reuse its parent's database connections."""
+        if self._store is not None:
+            self._store.engine.dispose(close=False)
+
+    def rebuild_engine(self, engine_options: dict[str, Any]) -> None:
+        """Replace the engine by one built with ``engine_options`` added to the settings' (a worker
+        sizing its pool); the old one's connections are closed, the store checks again on ``ready()``."""
+        settings = self.settings
+        with self._lock:
+            old = self.store.engine
+            engine = build_engine(settings.database_url, {**settings.engine_options, **engine_options})
+            self._store = Store(engine, settings.table_prefix)
+            assert self._sessions is not None
+            self._sessions.configure(bind=engine)
+            self._ready = False
+        old.dispose()
+
+
+def runtime_of(app: Any) -> Runtime | None:
+    """The runtime of the outbox installed on ``app``, or None."""
+    return getattr(app, _APP_ATTRIBUTE, None)

@@ -1,0 +1,48 @@
+"""Session events for units of work: each Session's transaction events reach the unit of work
+kept in its ``info``.
+
+A sessionmaker listened to once (``listen_to_sessions(maker)``, with ``info=session_info()``)
+covers all its Sessions; a Session of the caller's own is listened to when a unit of work
+first joins it. The handler names are the unit of work's methods (``publishing.UnitOfWork``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+__all__ = ["LISTENED_KEY", "UNIT_OF_WORK_KEY", "listen_to_sessions", "session_info"]
+
+UNIT_OF_WORK_KEY = "celery_outbox.unit_of_work"
+LISTENED_KEY = "celery_outbox.listened"  # the session's events already reach its unit of work
+
+_EVENT_HANDLERS = {
+    "after_transaction_create": "_on_transaction_create",
+    "after_transaction_end": "_on_transaction_end",
+    "after_soft_rollback": "_on_soft_rollback",
+    "before_commit": "_before_commit",
+    "after_commit": "_after_commit",
+}
+
+
+def listen_to_sessions(target: Any) -> None:
+    """Deliver the session events of ``target`` (one Session, or a sessionmaker: all its Sessions,
+    registered once instead of per Session) to the unit of work in each Session's ``info``."""
+    for name, handler in _EVENT_HANDLERS.items():
+        event.listen(target, name, _dispatcher(handler))
+
+
+def session_info() -> dict[str, Any]:
+    """The ``info`` of a sessionmaker whose sessions ``listen_to_sessions`` already covers."""
+    return {LISTENED_KEY: True}
+
+
+def _dispatcher(handler: str) -> Callable[..., None]:
+    def dispatch(session: Session, *args: Any) -> None:
+        uow = session.info.get(UNIT_OF_WORK_KEY)
+        if uow is not None:
+            getattr(uow, handler)(session, *args)
+
+    return dispatch
