@@ -1,14 +1,23 @@
-"""Talking to the broker without hanging on it: a quick reachability check, its error types."""
+"""Talking to the broker without hanging on it: a quick reachability check, its error types, and
+the one publish loop (``Outlet.publish_each``) that every path publishing stored or committed
+messages goes through: the commit-time publisher, the relay, redelivery and the re-publish of
+stranded envelopes."""
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Generic, Iterator, Sequence, TypeVar
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from .celery_hooks import cache_exchange_bindings, can_batch_publish, start_publish_batch, uncache_exchange_bindings
+from .crashpoints import crashpoint
+from .envelope import OutgoingMessage
 
-__all__ = ["PublishBatch", "connection_errors", "connect_quickly"]
+__all__ = ["BoundQueues", "Outlet", "PublishBatch", "PublishPass", "connection_errors", "connect_quickly", "outlet"]
+
+T = TypeVar("T")
 
 
 def connection_errors(connection: Any) -> tuple[type[BaseException], ...]:
@@ -96,3 +105,76 @@ class BoundQueues:
                 copy = self._bound[id(entity)] = entity.bind(self._producer.channel)
             bound.append(copy)
         return bound
+
+
+@dataclass
+class PublishPass(Generic[T]):
+    """What one ``Outlet.publish_each`` did with its ``(item, message)`` pairs: each is published,
+    failed for a reason of its own (with the error), or not sent because the broker failed."""
+
+    published: list[tuple[T, OutgoingMessage]] = field(default_factory=list)
+    failed: list[tuple[T, OutgoingMessage, BaseException]] = field(default_factory=list)
+    not_sent: list[tuple[T, OutgoingMessage]] = field(default_factory=list)
+    broker_error: BaseException | None = None
+
+    @property
+    def broker_error_text(self) -> str | None:
+        """The broker error as ``Type: message``, or None."""
+        error = self.broker_error
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+
+class Outlet:
+    """One producer of the app and what a publish loop needs with it: the broker's error types,
+    the app's queues bound to it, a quick reachability check."""
+
+    def __init__(self, app: Any, producer: Any):
+        self.producer = producer
+        self.broker_errors = connection_errors(producer.connection)
+        self.queues = app.amqp.queues
+        self._bound = BoundQueues(app.amqp.queues, producer)
+
+    def unreachable(self) -> str | None:
+        """Why the broker does not answer (one quick attempt), or None when it does."""
+        return connect_quickly(self.producer.connection)
+
+    def publish_each(self, pairs: Sequence[tuple[T, OutgoingMessage]], crash_point: str | None = None,
+                     ) -> PublishPass[T]:
+        """Publish each pair's message in order, without retries, batched where the transport can
+        (``PublishBatch``). A publish that fails for a reason of its own (the message) is
+        ``failed`` and the loop goes on; a broker error stops it: that message and the rest are
+        ``not_sent``. When the batch could not be flushed, nothing of it counts as published
+        (``not_sent``; ``broker_error`` says why). Once the batch is flushed, ``crash_point`` is
+        passed once per published message."""
+        result: PublishPass[T] = PublishPass()
+        with PublishBatch(self.producer, len(pairs)) as batch:
+            for index, (item, message) in enumerate(pairs):
+                try:
+                    message.publish(self.producer, retry=False, entities=self._bound)
+                except self.broker_errors as exc:
+                    result.broker_error = exc
+                    result.not_sent = list(pairs[index:])
+                    break
+                except Exception as exc:  # noqa: BLE001 - the message's own failure: the caller counts it
+                    result.failed.append((item, message, exc))
+                else:
+                    result.published.append((item, message))
+        if batch.error is not None:
+            result.broker_error = batch.error
+            result.not_sent = result.published + result.not_sent
+            result.published = []
+        if crash_point is not None:
+            for _ in result.published:
+                crashpoint(crash_point)
+        return result
+
+    def publish_one(self, message: OutgoingMessage) -> None:
+        """Publish ``message`` with Celery's retry policy (a message with no row to wait in)."""
+        message.publish(self.producer, entities=self._bound)
+
+
+@contextmanager
+def outlet(app: Any, producer: Any = None) -> Iterator[Outlet]:
+    """An ``Outlet`` on ``producer``, or on one from the app's pool for the block."""
+    with app.producer_or_acquire(producer) as acquired:
+        yield Outlet(app, acquired)

@@ -19,7 +19,7 @@ from sqlalchemy import String
 from .store import build_tables
 from .vocabulary import DeadLetterReason
 
-__all__ = ["DeadLetterReason", "dead_letter_row", "is_storable_id", "stored_text"]
+__all__ = ["DeadLetterReason", "dead_letter_row", "is_storable_id", "stored_dead_letter_row", "stored_text"]
 
 _COLUMN_SIZES: dict[str, int] = {
     column.name: column.type.length for column in build_tables().dead_letters.columns
@@ -76,6 +76,16 @@ def _error_columns(error: BaseException | None, description: str | None) -> dict
         "exception_message": None if message is None else stored_text(message, _TEXT_SIZES["exception_message"]),
         "traceback": None if error is None else stored_text(_traceback(error), _TEXT_SIZES["traceback"]),
     }
+
+
+def stored_dead_letter_row(row: Any, *, reason: DeadLetterReason, failed_at: datetime, **fields: Any,
+                           ) -> dict[str, Any]:
+    """The dead-letter row of a stored message (an outgoing row, or an inbox row's envelope): its id,
+    task, routing and envelope from ``row``; ``fields`` as for ``dead_letter_row``."""
+    return dead_letter_row(
+        reason=reason, failed_at=failed_at, message_id=row.message_id, task_name=row.task_name,
+        exchange=row.exchange, routing_key=row.routing_key, body=row.body, content_type=row.content_type,
+        content_encoding=row.content_encoding, headers=row.headers, properties=row.properties, **fields)
 
 
 def _identifier(value: Any, column: str) -> str:

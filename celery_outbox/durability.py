@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Sequence
 
-from .broker import BoundQueues, connect_quickly, connection_errors
+from .broker import outlet
 from .crashpoints import crashpoint
-from .dead_letter_rows import dead_letter_row
+from .dead_letter_rows import stored_dead_letter_row
 from .envelope import from_row
 from .relay import RelayResult, redeliver, relay
 from .results import EndedMessage, store_dead_letter_results
@@ -215,45 +215,36 @@ def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_ba
     """
     settings, store, app = runtime.settings, runtime.store, runtime.app
     grace = timedelta(seconds=settings.node_stale_after)
-    with app.producer_or_acquire() as producer:
-        broker_errors = connection_errors(producer.connection)
-        queues = None  # bound once connected
+    with outlet(app) as out:
+        connected = False
         for _ in range(max_batches or settings.max_batches_per_run):
             with store.begin(durable=False) as conn:  # lost in a crash, the envelopes are only sent again
                 now = utcnow()
                 rows = store.lock_recoverable_incoming(conn, now, settings.recover_batch_size)
                 if not rows:
                     return
-                if queues is None:
-                    result.broker_error = connect_quickly(producer.connection)
+                if not connected:
+                    result.broker_error = out.unreachable()
                     if result.broker_error:
                         logger.warning("celery-outbox recover: broker unavailable, envelopes wait: %s",
                                        result.broker_error)
                         return
-                    queues = BoundQueues(app.amqp.queues, producer)
+                    connected = True
                 exhausted = [row for row in rows if row.recoveries >= settings.relay_max_attempts]
                 if exhausted:
                     _give_up(runtime, conn, exhausted, now)
                     result.envelopes_dead_lettered += len(exhausted)
-                marked = []
-                for row in rows:
-                    if row.recoveries >= settings.relay_max_attempts:
-                        continue
-                    try:
-                        from_row(row, queues).publish(producer, retry=False)
-                    except broker_errors as exc:
-                        result.broker_error = f"{type(exc).__name__}: {exc}"
-                        break
-                    except Exception as exc:  # noqa: BLE001 - counted as a recovery; it dies after the cap
-                        logger.error("celery-outbox recover: cannot re-publish %s[%s]: %r",
-                                     row.task_name, row.message_id, exc)
-                    else:
-                        result.envelopes_republished += 1
-                        crashpoint("during_recover")
-                    backoff = min(grace * 2 ** row.recoveries, MAX_RECOVERY_BACKOFF)
-                    marked.append({"message_id": row.message_id, "destination": row.destination, "send_id": row.send_id,
-                                   "recover_after": now + backoff})
-                store.mark_recovered(conn, marked)
+                done = out.publish_each([(row, from_row(row, out.queues)) for row in rows
+                                         if row.recoveries < settings.relay_max_attempts], crash_point="during_recover")
+                for row, _, exc in done.failed:  # counted as a recovery; it dies after the cap
+                    logger.error("celery-outbox recover: cannot re-publish %s[%s]: %r",
+                                 row.task_name, row.message_id, exc)
+                result.envelopes_republished += len(done.published)
+                result.broker_error = done.broker_error_text
+                store.mark_recovered(conn, [
+                    {"message_id": row.message_id, "destination": row.destination, "send_id": row.send_id,
+                     "recover_after": now + min(grace * 2 ** row.recoveries, MAX_RECOVERY_BACKOFF)}
+                    for row, *_ in done.published + done.failed])
             # committed: their callers get FAILURE(WorkerLostError), as from Celery past its re-send cap
             store_dead_letter_results(app, DeadLetterReason.WORKER_LOST, [
                 EndedMessage(row.message_id, row.task_name, row.headers, row.properties) for row in exhausted])
@@ -265,13 +256,10 @@ def _give_up(runtime: Runtime, conn: Any, rows: Sequence[Any], now: datetime) ->
     store, settings = runtime.store, runtime.settings
     keep_until = now + timedelta(seconds=settings.keep_after_handling)
     store.mark_incoming_dead(conn, [(row.message_id, row.destination, row.send_id) for row in rows], now, keep_until)
-    store.insert_dead_letters(conn, [dead_letter_row(
-        reason=DeadLetterReason.WORKER_LOST, failed_at=now, message_id=row.message_id, destination=row.destination,
-        task_name=row.task_name, queue=row.queue,
+    store.insert_dead_letters(conn, [stored_dead_letter_row(
+        row, reason=DeadLetterReason.WORKER_LOST, failed_at=now, destination=row.destination, queue=row.queue,
         description=f"the worker running it was lost {row.recoveries} time(s); recovery gave up",
-        retries=row.retries, nesting=row.nesting, replays=row.replays, exchange=row.exchange,
-        routing_key=row.routing_key, body=row.body, content_type=row.content_type,
-        content_encoding=row.content_encoding, headers=row.headers, properties=row.properties,
+        retries=row.retries, nesting=row.nesting, replays=row.replays,
     ) for row in rows])
     for row in rows:
         logger.error("celery-outbox: %s[%s] was recovered %d time(s) and never finished; dead-lettered",

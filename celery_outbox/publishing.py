@@ -40,7 +40,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from sqlalchemy.engine import Connection, RootTransaction
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
+from .broker import Outlet, outlet
 from .celery_hooks import default_event_dispatcher, install_task_sender
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
@@ -385,33 +385,29 @@ class Publisher:
                     store.finish_sent(conn, partly.sent, now, None, record=record)
 
     def _publish_all(self, messages: list[OutgoingMessage], owned: set[int], producer: Any) -> list[int]:
-        """Publish in call order; durable messages in batches (one pipeline on Redis), plain ones
+        """Publish in call order; durable messages in batches (``Outlet.publish_each``), plain ones
         one by one with Celery's own retry. Returns the row ids of the durable messages sent."""
-        app = self.runtime.app
         sent: list[int] = []
-        with app.producer_or_acquire(producer) as producer:
-            entities = BoundQueues(app.amqp.queues, producer)
-            broker_errors = connection_errors(producer.connection)
+        with outlet(self.runtime.app, producer) as out:
             # durable messages fail fast when the broker is down: their rows wait for the relay
-            broker_down = bool(owned) and connect_quickly(producer.connection) is not None
+            broker_down = bool(owned) and out.unreachable() is not None
             for durable, run in groupby(messages, key=attrgetter("durable")):
                 if not durable:
                     for message in run:
                         try:
-                            message.publish(producer, entities=entities)
+                            out.publish_one(message)
                         except Exception as exc:  # noqa: BLE001 - reported: a plain message is lost
-                            broker_down = broker_down or isinstance(exc, broker_errors)
+                            broker_down = broker_down or isinstance(exc, out.broker_errors)
                             self._failed(message, exc)
                         else:
                             message_published.send(sender=self.runtime.owner, message=message, relayed=False)
-                            self._send_event(message, producer, broker_down)
+                            self._send_event(message, out.producer, broker_down)
                     continue
                 run = list(run)
-                published, broker_down = self._publish_durable(producer, entities, run, owned,
-                                                               broker_down, broker_errors)
+                published, broker_down = self._publish_durable(out, run, owned, broker_down)
                 sent += [message.row_id for message in published]
                 for message in run:  # stored: sent, whether the broker has it now or the relay sends it
-                    self._send_event(message, producer, broker_down)
+                    self._send_event(message, out.producer, broker_down)
         return sent
 
     @staticmethod
@@ -423,8 +419,7 @@ class Publisher:
             event, message.sent_event = message.sent_event, None
             event.send(producer, retry=False if broker_down else None)
 
-    def _publish_durable(self, producer: Any, entities: BoundQueues, run: list[OutgoingMessage], owned: set[int],
-                         broker_down: bool, broker_errors: tuple[type[BaseException], ...],
+    def _publish_durable(self, out: Outlet, run: list[OutgoingMessage], owned: set[int], broker_down: bool,
                          ) -> tuple[list[OutgoingMessage], bool]:
         """One batch of consecutive durable messages; a failed one keeps its row for the relay."""
         run = [message for message in run if message.row_id in owned]  # the others, a relay took
@@ -432,26 +427,15 @@ class Publisher:
             for message in run:
                 self._failed(message, KombuOperationalError("the broker did not answer"))
             return [], True
-        published: list[OutgoingMessage] = []
-        with PublishBatch(producer, len(run)) as batch:
-            for message in run:
-                if broker_down:
-                    self._failed(message, KombuOperationalError("the broker did not answer"))
-                    continue
-                try:
-                    message.publish(producer, retry=False, entities=entities)
-                except Exception as exc:  # noqa: BLE001 - reported, and its row stays
-                    broker_down = isinstance(exc, broker_errors)
-                    self._failed(message, exc)
-                else:
-                    published.append(message)
-        if batch.error is not None:
-            for message in published:
-                self._failed(message, batch.error)
-            return [], True
+        done = out.publish_each([(message, message) for message in run])
+        for message, _, exc in done.failed:
+            self._failed(message, exc)
+        for message, _ in done.not_sent:
+            self._failed(message, done.broker_error or KombuOperationalError("the broker did not answer"))
+        published = [message for message, _ in done.published]
         for message in published:
             message_published.send(sender=self.runtime.owner, message=message, relayed=False)
-        return published, broker_down
+        return published, done.broker_error is not None
 
     def _failed(self, message: OutgoingMessage, exc: BaseException) -> None:
         if message.durable:

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .broker import BoundQueues, PublishBatch, connect_quickly, connection_errors
-from .crashpoints import crashpoint
-from .dead_letter_rows import dead_letter_row
+from .broker import outlet
+from .dead_letter_rows import stored_dead_letter_row
 from .envelope import OutgoingMessage, from_row
 from .results import EndedMessage, store_dead_letter_results
 from .runtime import Runtime
@@ -68,13 +67,12 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
     app = runtime.app
     result = RelayResult()
     limit = max_batches or settings.max_batches_per_run
-    with app.producer_or_acquire() as producer:
-        broker_errors = connection_errors(producer.connection)
-        result.broker_error = connect_quickly(producer.connection)
-        if result.broker_error:
-            logger.warning("celery-outbox relay: broker unavailable, nothing relayed: %s", result.broker_error)
+    with outlet(app) as out:
+        broker_error = out.unreachable()
+        if broker_error:
+            result.broker_error = broker_error
+            logger.warning("celery-outbox relay: broker unavailable, nothing relayed: %s", broker_error)
             return result
-        queues = BoundQueues(app.amqp.queues, producer)
         last_id = 0  # one pass walks the table once: a failing row is tried once per pass
         while result.batches < limit:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
@@ -86,39 +84,24 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                     break
                 result.batches += 1
                 last_id = rows[-1].id
-                published: list[OutgoingMessage] = []
-                poisoned: list[tuple[Any, BaseException]] = []
                 expired = [row for row in rows if _expired(row, now)]
-                expired_ids = {row.id for row in expired}
-                with PublishBatch(producer, len(rows)) as batch:  # one pipeline on Redis
-                    for row in rows:
-                        if row.id in expired_ids:
-                            continue
-                        message = with_eta(from_row(row, queues))
-                        try:
-                            message.publish(producer, retry=False)
-                        except broker_errors as exc:
-                            result.broker_error = f"{type(exc).__name__}: {exc}"
-                            publish_failed.send(sender=runtime.owner, message=message, exception=exc)
-                            break
-                        except Exception as exc:  # noqa: BLE001 - a row-specific failure, counted per row
-                            result.failed += 1
-                            publish_failed.send(sender=runtime.owner, message=message, exception=exc)
-                            attempts = store.record_outgoing_failure(conn, row.id, f"{type(exc).__name__}: {exc}")
-                            if attempts >= settings.relay_max_attempts:
-                                poisoned.append((row, exc))
-                            continue
-                        published.append(message)
-                if batch.error is not None:  # nothing of it counts as sent: the rows wait for the next pass
-                    result.broker_error = f"{type(batch.error).__name__}: {batch.error}"
-                    for message in published:
-                        publish_failed.send(sender=runtime.owner, message=message, exception=batch.error)
-                    published = []
+                done = out.publish_each([(row, with_eta(from_row(row, out.queues))) for row in rows
+                                         if not _expired(row, now)], crash_point="during_relay")
+                poisoned: list[tuple[Any, BaseException]] = []
+                for row, message, exc in done.failed:
+                    result.failed += 1
+                    publish_failed.send(sender=runtime.owner, message=message, exception=exc)
+                    if store.record_outgoing_failure(conn, row.id, f"{type(exc).__name__}: {exc}") \
+                            >= settings.relay_max_attempts:
+                        poisoned.append((row, exc))
+                if done.broker_error is not None:  # the rows not sent wait for the next pass
+                    result.broker_error = done.broker_error_text
+                    for _, message in done.not_sent:
+                        publish_failed.send(sender=runtime.owner, message=message, exception=done.broker_error)
+                published = [message for _, message in done.published]
                 for message in published:
                     result.published += 1
                     _announce(runtime, message)
-                    crashpoint("during_relay")
-                sent = [message.row_id for message in published]
                 if expired:
                     store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED)
                                                      for row in expired])
@@ -128,7 +111,8 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                                                      for row, exc in poisoned])
                 result.dead_lettered += len(poisoned) + len(expired)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
-                store.finish_sent(conn, sent, now, settings.first_redelivery(now), record=runtime.archiver is not None)
+                store.finish_sent(conn, [message.row_id for message in published], now,
+                                  settings.first_redelivery(now), record=runtime.archiver is not None)
                 if settings.redeliver_after is not None:
                     store.postpone_redelivery(conn, [
                         {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
@@ -154,48 +138,46 @@ def redeliver(runtime: Runtime, max_batches: int | None = None) -> tuple[int, st
     if settings.redeliver_after is None:
         return 0, None
     published = 0
-    with app.producer_or_acquire() as producer:
-        broker_errors = connection_errors(producer.connection)
-        queues = None  # bound once connected
+    with outlet(app) as out:
+        connected = False
         for _ in range(max_batches or settings.max_batches_per_run):
             with store.begin(durable=False) as conn:
                 now = utcnow()
                 rows = store.lock_unacknowledged_outgoing(conn, now, settings.relay_batch_size)
                 if not rows:
                     return published, None
-                if queues is None:
-                    error = connect_quickly(producer.connection)
+                if not connected:
+                    error = out.unreachable()
                     if error:
                         return published, error
-                    queues = BoundQueues(app.amqp.queues, producer)
-                marked = []
+                    connected = True
                 expired = [row for row in rows if _expired(row, now)]
                 if expired:  # the worker discarded it as expired (Celery: revoked): nothing runs it now
                     store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED, sent=True)
                                                      for row in expired])
                     store.delete_outgoing(conn, [row.id for row in expired])
-                for row in rows:
-                    if _expired(row, now):
-                        continue
-                    message = with_eta(from_row(row, queues))
-                    message.headers[REDELIVERY_HEADER] = row.redeliveries + 1  # the inbox counts it as a recovery
-                    try:
-                        message.publish(producer, retry=False)
-                    except broker_errors as exc:
-                        store.mark_redelivered(conn, marked)
-                        return published, f"{type(exc).__name__}: {exc}"
-                    except Exception as exc:  # noqa: BLE001 - it waits for its next redelivery
-                        logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc)
-                    else:
-                        published += 1
-                        crashpoint("during_relay")
-                    marked.append({"id": row.id, "redeliver_at": settings.next_redelivery(now, row.redeliveries)})
-                store.mark_redelivered(conn, marked)
+                done = out.publish_each([(row, _redelivery(row, out.queues)) for row in rows if not _expired(row, now)],
+                                        crash_point="during_relay")
+                for row, _, exc in done.failed:  # it waits for its next redelivery
+                    logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc)
+                published += len(done.published)
+                store.mark_redelivered(conn, [
+                    {"id": row.id, "redeliver_at": settings.next_redelivery(now, row.redeliveries)}
+                    for row, *_ in done.published + done.failed])
+            if done.broker_error is not None:
+                return published, done.broker_error_text
             if len(rows) < settings.relay_batch_size:
                 break
     if published:
         logger.warning("celery-outbox: redelivered %d sent message(s) no inbox had acknowledged", published)
     return published, None
+
+
+def _redelivery(row: Any, queues: Any) -> OutgoingMessage:
+    """The message a redelivery of ``row`` publishes: the inbox counts it as a recovery."""
+    message = with_eta(from_row(row, queues))
+    message.headers[REDELIVERY_HEADER] = row.redeliveries + 1
+    return message
 
 
 def with_eta(message: OutgoingMessage) -> OutgoingMessage:
@@ -222,9 +204,5 @@ def _ended(row: Any, exc: BaseException | None = None) -> EndedMessage:
 def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason, sent: bool = False) -> dict[str, Any]:
     when = "unacknowledged by any inbox" if sent else "before it was published"
     expired = None if exc is not None else f"expired at {as_utc(row.expires_at).isoformat()} {when}"
-    return dead_letter_row(
-        reason=reason, failed_at=utcnow(), message_id=row.message_id, task_name=row.task_name,
-        queue=row.destination, error=exc, description=expired, exchange=row.exchange, routing_key=row.routing_key,
-        body=row.body, content_type=row.content_type, content_encoding=row.content_encoding, headers=row.headers,
-        properties=row.properties,
-    )
+    return stored_dead_letter_row(row, reason=reason, failed_at=utcnow(), queue=row.destination, error=exc,
+                                  description=expired)

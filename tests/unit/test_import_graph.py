@@ -1,0 +1,103 @@
+"""The package's import graph has no cycle: every module can be read, imported and tested with
+only the modules below it. Every import counts: at the top of a module, inside a function, and
+under ``TYPE_CHECKING``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import celery_outbox
+
+PACKAGE = Path(celery_outbox.__file__).parent
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            for alias in node.names:
+                if f"{target}.{alias.name}" in modules:
+                    found.add(f"{target}.{alias.name}")
+                elif target in modules:
+                    found.add(target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+    found.discard(name)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    modules = module_names()
+    # a package imports its own modules to re-export them: that edge is not a layer going up
+    return {name: {target for target in imports_of(name, path, modules) if not target.startswith(f"{name}.")}
+            for name, path in modules.items()}
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = package_graph()
+    found = cycles(graph)
+    assert not found, "import cycles: " + "; ".join(
+        " / ".join(f"{module} -> {sorted(graph[module] & set(cycle))}" for module in cycle) for cycle in found)
+
+
+def test_the_check_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_parts_never_import_the_composition_root():
+    """Only the CLI (and the package, which re-exports it) imports ``Outbox``: the parts it composes
+    are handed what they use."""
+    importers = sorted(name for name, targets in package_graph().items() if "celery_outbox.outbox" in targets)
+    assert importers == ["celery_outbox.cli"]
