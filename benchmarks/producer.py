@@ -37,9 +37,9 @@ from typing import Any, Callable
 from celery import Celery
 
 from celery_outbox import Outbox
-from celery_outbox.publishing import current_unit_of_work
 from celery_outbox.store import utcnow
 from celery_outbox.store.outgoing import _insert_from_json, _json_rows
+from celery_outbox.unit_of_work import current_unit_of_work
 
 from .common import (
     POSTGRES_URL,

@@ -62,7 +62,7 @@ __all__ = [
     "wrap_task_handler",
 ]
 
-# -- publishing: the app's AMQP and its task sender (publishing.py, envelope.py) -----------------
+# -- publishing: the app's AMQP and its task sender (publish_hook.py, envelope.py) -----------------
 
 try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
     from celery.app.amqp import _callback_publish_retry

@@ -23,10 +23,11 @@ from kombu.serialization import loads
 
 from .envelope import OutgoingMessage, from_row
 from .guard import malformed_reason
-from .publishing import Publisher, current_unit_of_work
+from .publishing import Publisher
 from .routing import published_route
 from .runtime import Runtime
 from .store import utcnow
+from .unit_of_work import current_unit_of_work, transaction
 from .vocabulary import REPLAY_HEADER
 
 __all__ = ["DeadLetterFilter", "Replayed", "purge", "replay"]
@@ -71,7 +72,7 @@ def replay(publisher: Publisher, which: DeadLetterFilter,
     result = Replayed()
     last_id = 0
     while True:
-        with publisher.transaction() as session:
+        with transaction(publisher) as session:
             conn = session.connection()
             rows = store.lock_dead_letters(conn, where, REPLAY_BATCH, after_id=last_id)
             if not rows:

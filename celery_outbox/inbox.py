@@ -61,12 +61,13 @@ from . import dead_letter_rows
 from .crashpoints import crashpoint
 from .envelope import header_count, json_text, valid_send_id
 from .node import Node
-from .publishing import ConnectionUnitOfWork, Publisher, UnitOfWork, current_unit_of_work
+from .publishing import Publisher
 from .routing import queue_of
 from .runtime import Runtime
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
 from .store.outage import is_outage
+from .unit_of_work import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work, transaction
 from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, REQUEUE_BACKOFF, SEND_HEADER, Attempt, IncomingStatus
 
 __all__ = ["Delivery", "Inbox", "current_connection", "current_session", "inbox_of"]
@@ -406,7 +407,7 @@ class Inbox:
     def _without_claim(self, body: Callable[[], Any], unit_of_work: bool) -> Any:
         if not unit_of_work:
             return body()
-        with self.publisher.transaction():  # joins a unit of work already open in this context
+        with transaction(self.publisher):  # joins a unit of work already open in this context
             uow = current_unit_of_work()
             assert uow is not None
             return _call_body(body, uow)

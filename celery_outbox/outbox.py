@@ -30,11 +30,13 @@ from .guard import MessageGuard
 from .inbox import Inbox
 from .maintenance import register_beat_tasks, schedule_beat_tasks
 from .node import Node
-from .publishing import Publisher, install_publish_hook
+from .publish_hook import install_publish_hook
+from .publishing import Publisher
 from .relay import RelayResult, relay
 from .runtime import Archiver, Runtime, runtime_of
 from .store import Store
 from .tasks import InboxTask, give_inbox_to_every_task
+from .unit_of_work import transaction
 from .window import check_dedupe_window
 
 __all__ = ["Outbox"]
@@ -206,7 +208,7 @@ class Outbox:
         inside an open one joins it. Messages for durable queues are stored in the
         outgoing table inside the same database transaction.
         """
-        with self.publisher.transaction(session) as joined:
+        with transaction(self.publisher, session) as joined:
             yield joined
 
     def new_session(self, bind: Connection | None = None) -> Session:

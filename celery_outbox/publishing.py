@@ -1,271 +1,37 @@
-"""The publish hook and the unit of work.
+"""The publisher: publishes what a unit of work committed, and stores and forwards a durable
+message sent outside one.
 
-Transaction boundary: while a unit of work is open (``outbox.transaction()``, or
-an ``IdempotentTask`` body), every publish of the app (``delay``, ``apply_async``,
-``send_task``, canvas, callbacks, ``retry``, ``replace``) is captured, fully built,
-into the unit of work instead of going to the broker:
+Transaction boundary: after the commit, the durable rows are taken (locked and marked sent)
+with one UPDATE, every captured message is published in call order with one producer
+(``broker.Outlet``), and the marks commit (the consuming inbox deletes the rows when it has
+the message; redelivery publishes them again if it never does); with delivery tracking off,
+one DELETE takes them instead. Outside a unit of work, a durable message is stored in a
+transaction of its own, then published.
 
-* before the Session's outermost commit, messages for durable queues are written
-  to the outgoing table with one INSERT, inside that same transaction;
-* after the commit, the durable rows are taken (locked and marked sent) with one
-  UPDATE, every captured message is published in call order with one producer,
-  and the marks commit (the consuming inbox deletes the rows when it has the
-  message; redelivery publishes them again if it never does); with delivery
-  tracking off, one DELETE takes them instead;
-* on rollback nothing is published; a rolled-back SAVEPOINT discards only the
-  messages captured inside it.
-
-Guarantee: nothing is published unless the transaction commits; a durable message
-whose publish fails after the commit (broker down, process killed) stays in the
-outgoing table for the relay, so it is delayed, never lost. Outside a unit of work
-plain Celery behaviour is unchanged, except that a message for a durable queue is
-stored, published and deleted (store-and-forward).
-
-State lives in a ``ContextVar``: it follows the thread or task that opened it, in
-prefork, threads and eventlet/gevent pools alike.
+Guarantee: never raises for a broker error once the commit happened; a durable message whose
+publish fails stays in the outgoing table for the relay, so it is delayed, never lost.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from contextvars import ContextVar
 from datetime import datetime
 from itertools import groupby
 from operator import attrgetter
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from celery.app.amqp import AMQP
 from kombu.exceptions import OperationalError as KombuOperationalError
-from sqlalchemy.engine import Connection, RootTransaction
-from sqlalchemy.orm import Session, SessionTransaction
 
 from .broker import Outlet, outlet
-from .celery_hooks import default_event_dispatcher, install_task_sender
 from .crashpoints import crashpoint
-from .envelope import OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
-from .errors import OutboxError
-from .routing import durable_destination, published_route
+from .envelope import OutgoingMessage
 from .runtime import Runtime
-from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions
 from .signals import message_published, publish_failed
 from .store import utcnow
-from .vocabulary import SEND_HEADER
 
-__all__ = ["UnitOfWork", "ConnectionUnitOfWork", "current_unit_of_work", "Publisher", "install_publish_hook"]
+__all__ = ["Publisher", "store_durable"]
 
 logger = logging.getLogger("celery_outbox.publishing")
-
-_current: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_unit_of_work", default=None)
-
-
-def current_unit_of_work() -> "UnitOfWork | None":
-    """The unit of work open in this thread or task, if any."""
-    return _current.get()
-
-
-class UnitOfWork:
-    """The messages captured while one Session's transaction is open.
-
-    Bound to the Session through its events, so it publishes at that Session's
-    outermost commit wherever the commit happens.
-    """
-
-    def __init__(self, publisher: "Publisher", session: Session | None):
-        self.publisher = publisher
-        self._session = session
-        self.pending: list[OutgoingMessage] = []
-        self._savepoints: dict[SessionTransaction, int] = {}
-        self._committing = False
-        self._committed = False  # the outermost commit happened; publish once the Session gave back its connection
-
-    @property
-    def session(self) -> Session:
-        """The Session whose transaction this unit of work follows."""
-        assert self._session is not None
-        return self._session
-
-    @property
-    def connection(self) -> Connection:
-        """The connection of the Session's transaction."""
-        return self.session.connection()
-
-    @classmethod
-    def of(cls, publisher: "Publisher", session: Session) -> "UnitOfWork":
-        uow = session.info.get(UNIT_OF_WORK_KEY)
-        if uow is None:
-            if not session.info.get(LISTENED_KEY):  # a Session of the caller's own: listen to it
-                listen_to_sessions(session)
-                session.info[LISTENED_KEY] = True
-            uow = session.info[UNIT_OF_WORK_KEY] = cls(publisher, session)
-        return uow
-
-    @contextmanager
-    def opened(self) -> Iterator["UnitOfWork"]:
-        """Make this the current unit of work of the running context."""
-        token = _current.set(self)
-        try:
-            yield self
-        finally:
-            _current.reset(token)
-
-    def add(self, messages: list[OutgoingMessage]) -> None:
-        self.pending.extend(messages)
-
-    # -- session events ------------------------------------------------------------------------
-
-    def _on_transaction_create(self, session: Session, transaction: SessionTransaction) -> None:
-        if transaction.nested:
-            self._savepoints[transaction] = len(self.pending)
-
-    def _on_transaction_end(self, session: Session, transaction: SessionTransaction) -> None:
-        # A savepoint's mark is read by after_soft_rollback, which fires after this event;
-        # marks of released savepoints are dropped when the outermost transaction ends.
-        if transaction.parent is None:
-            self._savepoints.clear()
-            if self._committed:  # the Session's connection is back in the pool: publishing takes its own
-                self._committed = False
-                self._publish_committed()
-
-    def _on_soft_rollback(self, session: Session, previous: SessionTransaction) -> None:
-        if previous.nested:
-            for message in self.pending:
-                message.row_id = None  # rows inserted by a failed commit are gone with it
-            start = self._savepoints.pop(previous, None)
-            if start is not None:
-                self.pending[start:] = [m for m in self.pending[start:] if m.survives_rollback]
-            return
-        self._rolled_back()
-
-    def _before_commit(self, session: Session) -> None:
-        if not session.in_nested_transaction():
-            self._store_durable(session.connection())
-
-    def _after_commit(self, session: Session) -> None:
-        # Not published here: the Session still holds its connection until the transaction ends, and
-        # publishing takes a second one; units of work committing at once would wait on the pool.
-        if not session.in_nested_transaction():
-            self._committed = True
-
-    # -- the transaction's ends ----------------------------------------------------------------
-
-    def _store_durable(self, connection: Connection) -> None:
-        """Just before the outermost commit: insert the durable messages, in its transaction."""
-        durable = [m for m in self.pending if m.durable and m.row_id is None]
-        if durable:
-            store_durable(self.publisher.runtime.store, connection, durable)
-        self._committing = True
-        crashpoint("before_commit")
-
-    def _publish_committed(self) -> None:
-        """Just after the outermost commit: publish what was captured, in call order."""
-        if not self._committing:
-            return
-        self._committing = False
-        messages, self.pending = self.pending, []
-        crashpoint("after_commit")
-        if messages:
-            self.publisher.publish_committed(messages)
-
-    def _rolled_back(self) -> None:
-        """After the outermost rollback: drop what was captured, except a retry or replace of the
-        running task, which Celery decided on: it still goes out."""
-        for message in self.pending:
-            message.row_id = None  # rows inserted by a failed commit are gone with it
-        self._committing = False
-        self._savepoints.clear()
-        survivors = [m for m in self.pending if m.survives_rollback]
-        self.pending.clear()
-        if survivors:
-            self.publisher.store_and_forward(survivors)
-
-
-class ConnectionUnitOfWork(UnitOfWork):
-    """A task attempt's unit of work: one transaction on one pooled Core connection, which its
-    owner (the inbox) ends with ``commit`` or ``rollback``.
-
-    A Session is made on that connection, inside the same transaction, only when the body
-    asks for ``session``: an attempt that never touches it pays for no ORM. That Session's
-    own ``commit()`` only flushes (it cannot end the owner's transaction), its
-    ``rollback()`` rolls the whole transaction back, and its savepoints work as in any
-    unit of work. Guarantee: as for ``UnitOfWork``; durable messages are inserted just
-    before ``commit`` commits, and everything captured is published just after.
-    """
-
-    def __init__(self, publisher: "Publisher"):
-        super().__init__(publisher, None)
-        # like every entry point: the store answers, tables exist
-        self._connection = publisher.runtime.ready().engine.connect()
-        self._transaction: RootTransaction | None = None
-
-    @property
-    def connection(self) -> Connection:
-        """The connection, its transaction begun (on first use: on SQLite, BEGIN takes the write lock)."""
-        if self._transaction is None:
-            self._transaction = self._connection.begin()
-        return self._connection
-
-    @property
-    def connection_before_begin(self) -> Connection | None:
-        """The connection, while SQLAlchemy has begun no transaction on it (None after): for a
-        statement that opens the database transaction itself (the eager claim)."""
-        return self._connection if self._transaction is None else None
-
-    @property
-    def session(self) -> Session:
-        if self._session is None:
-            session = self._session = self.publisher.runtime.new_session(bind=self.connection)
-            session.info[UNIT_OF_WORK_KEY] = self
-        return self._session
-
-    def commit(self, last: Callable[[Connection], bool] | None = None) -> bool:
-        """Flush the Session, insert the durable messages, run ``last`` (the transaction's last
-        statement, which may send the COMMIT with it), commit, then publish. False, with nothing
-        committed or published, when ``last`` returns False: the caller rolls back."""
-        if self._transaction is not None and not self._transaction.is_active:
-            raise OutboxError("the task's transaction was rolled back inside its body (self.session.rollback()), "
-                              "its inbox claim with it: raise an exception to fail the task instead")
-        if self._session is not None:
-            self._session.flush()
-        connection = self.connection
-        self._store_durable(connection)
-        if last is not None and not last(connection):
-            return False
-        connection.commit()
-        self._publish_committed()
-        return True
-
-    def connection_lost(self) -> bool:
-        """Whether the attempt's connection was invalidated or closed under it (the server ended
-        its session): its transaction cannot commit, whatever the body made of the error."""
-        return self._connection.invalidated or self._connection.closed
-
-    def rollback(self) -> None:
-        """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop
-        what was captured."""
-        try:
-            if self._transaction is not None and self._transaction.is_active:
-                self._transaction.rollback()
-        except Exception as exc:  # noqa: BLE001 - the error that led here is the one to raise; closing ends it
-            logger.warning("celery-outbox: could not roll back a task's transaction (closing its connection): %s",
-                           exc)
-        finally:
-            self._rolled_back()
-
-    def close(self) -> None:
-        """Close the Session, if one was made, and give the connection back to the pool."""
-        try:
-            if self._session is not None:
-                self._session.close()
-        finally:
-            self._connection.close()
-
-    # The Session joined the owner's transaction: its commit only flushes; the owner commits.
-    def _before_commit(self, session: Session) -> None:
-        return None
-
-    def _after_commit(self, session: Session) -> None:
-        return None
 
 
 def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> None:
@@ -276,29 +42,10 @@ def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> Non
 
 
 class Publisher:
-    """Publishes committed messages; the one place that talks to the broker on commit. Opens the
-    units of work whose messages it publishes (``transaction``)."""
+    """Publishes committed messages; the one place that talks to the broker on commit."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
-
-    @contextmanager
-    def transaction(self, session: Session | None = None) -> Iterator[Session]:
-        """A unit of work (``Outbox.transaction``): on a Session of its own, committed when the block
-        ends and rolled back on an exception; or joining ``session``, published after that
-        Session's commit; a block inside an open one joins it."""
-        outer = current_unit_of_work()
-        if session is None and outer is not None:
-            yield outer.session
-            return
-        self.runtime.ready()
-        if session is not None:
-            with UnitOfWork.of(self, session).opened():
-                yield session
-            return
-        with self.runtime.new_session() as own:
-            with UnitOfWork.of(self, own).opened(), own.begin():
-                yield own
 
     def store_and_forward(self, messages: list[OutgoingMessage], producer: Any = None) -> None:
         """Outside a unit of work: store durable messages in their own transaction, then publish
@@ -458,104 +205,3 @@ class _PartlyPublished(Exception):
     def __init__(self, sent: list[int]):
         super().__init__(f"{len(sent)} published")
         self.sent = sent
-
-
-def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
-    runtime = publisher.runtime
-
-    def durable_queue(exchange: str, routing_key: str) -> str | None:
-        durable = runtime.settings.durable_queues
-        return durable_destination(amqp.queues, durable, exchange, routing_key) if durable else None
-
-    def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
-        continued = stamp_send_id(runtime.app, message.headers)
-        uow = _current.get()
-        if uow is None and durable_queue(*published_route(amqp, options)) is None:
-            return celery_sender(producer, name, message, **options)
-        captured = capture(celery_sender, producer, name, message, options, lambda: default_event_dispatcher(amqp))
-        if captured:
-            task_message = captured[0]
-            destination = durable_queue(task_message.exchange, task_message.routing_key)  # as it is published
-            if destination is not None:
-                task_message.destination = destination
-                task_message.make_durable()
-                check_storable(task_message, runtime.store.tables.outgoing)  # fails the call, not the commit
-                _declare_also(task_message, amqp.queues.get(destination))
-            task_message.survives_rollback = continued
-        if uow is not None:
-            uow.add(captured)
-        else:
-            publisher.store_and_forward(captured, producer)
-        return None
-
-    return send_task_message
-
-
-def _declare_also(message: OutgoingMessage, queue: Any) -> None:
-    """Declare the durable queue a message reaches with its publish, as the relay does: Celery
-    declares only the queue it resolved, and a message routed by exchange and routing key to a
-    queue no consumer has declared yet would reach no queue."""
-    declare = list(message.sending.get("declare") or ())
-    if queue is not None and queue not in declare:
-        message.sending["declare"] = [*declare, queue]
-
-
-_resent_attempt: ContextVar[Any] = ContextVar("celery_outbox_resent_attempt", default=None)
-
-
-@contextmanager
-def resending(request: Any) -> Iterator[None]:
-    """While Celery re-sends ``request``'s task as a later attempt from outside its body (the
-    worker's main process, after a lost worker process), the message keeps its publish identity."""
-    token = _resent_attempt.set(request)
-    try:
-        yield
-    finally:
-        _resent_attempt.reset(token)
-
-
-def stamp_send_id(app: Any, headers: Any) -> bool:
-    """Give a task message its publish identity (``SEND_HEADER``): a new one per send, except for a
-    later attempt of a delivery, a ``retry`` or ``replace`` of the task running now or Celery's
-    re-send of a lost one, which keeps the identity of the delivery it continues. Returns whether
-    the message continues the task running now (Celery decided on it: it survives a rollback)."""
-    if not isinstance(headers, dict):
-        return False
-    running = request = _running_request_continued(app, headers)
-    if request is None:
-        resent = _resent_attempt.get()
-        request = resent if resent is not None and _continues(resent, headers) else None
-    if request is None:
-        headers[SEND_HEADER] = new_send_id()
-        return False
-    inherited = valid_send_id(getattr(request, SEND_HEADER, None))
-    if inherited:
-        headers[SEND_HEADER] = inherited
-    else:  # the delivery came from a sender without the outbox: keyed by its task id, so is this attempt
-        headers.pop(SEND_HEADER, None)
-    return running is not None
-
-
-def _running_request_continued(app: Any, headers: dict[str, Any]) -> Any:
-    """The request of the task running now when ``headers`` are a ``retry`` or ``replace`` of it
-    (same id, later attempt), else None."""
-    task = app.current_task
-    if task is None:
-        return None
-    request = task.request
-    return request if _continues(request, headers) else None
-
-
-def _continues(request: Any, headers: dict[str, Any]) -> bool:
-    """Whether ``headers`` are a later attempt (more retries, or a replacement) of ``request``."""
-    if not headers.get("id") or headers.get("id") != request.id:
-        return False
-    return (headers.get("retries") or 0) > (request.retries or 0) or (
-        (headers.get("replaced_task_nesting") or 0) > (getattr(request, "replaced_task_nesting", 0) or 0)
-    )
-
-
-def install_publish_hook(publisher: Publisher) -> None:
-    """Make the app's AMQP an ``OutboxAMQP``: every publish passes through ``send_task_message``."""
-    install_task_sender(publisher.runtime.app, publisher,
-                        lambda amqp, celery_sender: _make_sender(publisher, amqp, celery_sender))

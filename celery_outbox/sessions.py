@@ -3,7 +3,7 @@ kept in its ``info``.
 
 A sessionmaker listened to once (``listen_to_sessions(maker)``, with ``info=session_info()``)
 covers all its Sessions; a Session of the caller's own is listened to when a unit of work
-first joins it. The handler names are the unit of work's methods (``publishing.UnitOfWork``).
+first joins it. The handler names are the unit of work's methods (``unit_of_work.UnitOfWork``).
 """
 
 from __future__ import annotations

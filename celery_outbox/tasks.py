@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
 from .errors import OutboxError
 from .inbox import Delivery, Inbox, current_connection, current_session, dead_letter_row, inbox_of
-from .publishing import resending
+from .publish_hook import resending
 from .routing import queue_of
 from .runtime import runtime_of
 from .store import utcnow

@@ -13,10 +13,10 @@ from celery import Celery
 from kombu import Exchange, Queue, binding
 
 from celery_outbox import Outbox
-from celery_outbox import publishing as publishing_module
+from celery_outbox import publish_hook as publish_hook_module
 from celery_outbox.errors import UndecidableRoute
-from celery_outbox.publishing import current_unit_of_work
 from celery_outbox.routing import published_route, queue_of, reached_queues
+from celery_outbox.unit_of_work import current_unit_of_work
 
 from ..brokers import nothing_more, receive
 from ..conftest import unsent_rows
@@ -175,13 +175,13 @@ def test_the_predicted_route_is_the_route_celery_publishes_with(routes, way, mon
     """``published_route`` mirrors Celery's sender: for every way, what it predicts from the
     router's options is the exchange and routing key Celery's sender publishes with."""
     predicted, published = [], []
-    real = publishing_module.published_route
+    real = publish_hook_module.published_route
 
     def recording(amqp, options):
         predicted.append(real(amqp, options))
         return predicted[-1]
 
-    monkeypatch.setattr(publishing_module, "published_route", recording)
+    monkeypatch.setattr(publish_hook_module, "published_route", recording)
     from celery.signals import before_task_publish
 
     def on_publish(exchange, routing_key, **_):

@@ -1,0 +1,125 @@
+"""The publish hook: every task message the app sends passes through ``send_task_message``.
+
+Inside a unit of work the message is captured into it (``unit_of_work``); outside one, a
+message for a durable queue is stored and forwarded (``Publisher.store_and_forward``) and
+any other goes to Celery's own sender, unchanged. Each send is stamped with its publish
+identity (``SEND_HEADER``), which a later attempt of the same delivery keeps.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+from celery.app.amqp import AMQP
+
+from .celery_hooks import default_event_dispatcher, install_task_sender
+from .envelope import OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
+from .publishing import Publisher
+from .routing import durable_destination, published_route
+from .unit_of_work import current_unit_of_work
+from .vocabulary import SEND_HEADER
+
+__all__ = ["install_publish_hook", "resending", "stamp_send_id"]
+
+
+def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
+    runtime = publisher.runtime
+
+    def durable_queue(exchange: str, routing_key: str) -> str | None:
+        durable = runtime.settings.durable_queues
+        return durable_destination(amqp.queues, durable, exchange, routing_key) if durable else None
+
+    def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        continued = stamp_send_id(runtime.app, message.headers)
+        uow = current_unit_of_work()
+        if uow is None and durable_queue(*published_route(amqp, options)) is None:
+            return celery_sender(producer, name, message, **options)
+        captured = capture(celery_sender, producer, name, message, options, lambda: default_event_dispatcher(amqp))
+        if captured:
+            task_message = captured[0]
+            destination = durable_queue(task_message.exchange, task_message.routing_key)  # as it is published
+            if destination is not None:
+                task_message.destination = destination
+                task_message.make_durable()
+                check_storable(task_message, runtime.store.tables.outgoing)  # fails the call, not the commit
+                _declare_also(task_message, amqp.queues.get(destination))
+            task_message.survives_rollback = continued
+        if uow is not None:
+            uow.add(captured)
+        else:
+            publisher.store_and_forward(captured, producer)
+        return None
+
+    return send_task_message
+
+
+def _declare_also(message: OutgoingMessage, queue: Any) -> None:
+    """Declare the durable queue a message reaches with its publish, as the relay does: Celery
+    declares only the queue it resolved, and a message routed by exchange and routing key to a
+    queue no consumer has declared yet would reach no queue."""
+    declare = list(message.sending.get("declare") or ())
+    if queue is not None and queue not in declare:
+        message.sending["declare"] = [*declare, queue]
+
+
+_resent_attempt: ContextVar[Any] = ContextVar("celery_outbox_resent_attempt", default=None)
+
+
+@contextmanager
+def resending(request: Any) -> Iterator[None]:
+    """While Celery re-sends ``request``'s task as a later attempt from outside its body (the
+    worker's main process, after a lost worker process), the message keeps its publish identity."""
+    token = _resent_attempt.set(request)
+    try:
+        yield
+    finally:
+        _resent_attempt.reset(token)
+
+
+def stamp_send_id(app: Any, headers: Any) -> bool:
+    """Give a task message its publish identity (``SEND_HEADER``): a new one per send, except for a
+    later attempt of a delivery, a ``retry`` or ``replace`` of the task running now or Celery's
+    re-send of a lost one, which keeps the identity of the delivery it continues. Returns whether
+    the message continues the task running now (Celery decided on it: it survives a rollback)."""
+    if not isinstance(headers, dict):
+        return False
+    running = request = _running_request_continued(app, headers)
+    if request is None:
+        resent = _resent_attempt.get()
+        request = resent if resent is not None and _continues(resent, headers) else None
+    if request is None:
+        headers[SEND_HEADER] = new_send_id()
+        return False
+    inherited = valid_send_id(getattr(request, SEND_HEADER, None))
+    if inherited:
+        headers[SEND_HEADER] = inherited
+    else:  # the delivery came from a sender without the outbox: keyed by its task id, so is this attempt
+        headers.pop(SEND_HEADER, None)
+    return running is not None
+
+
+def _running_request_continued(app: Any, headers: dict[str, Any]) -> Any:
+    """The request of the task running now when ``headers`` are a ``retry`` or ``replace`` of it
+    (same id, later attempt), else None."""
+    task = app.current_task
+    if task is None:
+        return None
+    request = task.request
+    return request if _continues(request, headers) else None
+
+
+def _continues(request: Any, headers: dict[str, Any]) -> bool:
+    """Whether ``headers`` are a later attempt (more retries, or a replacement) of ``request``."""
+    if not headers.get("id") or headers.get("id") != request.id:
+        return False
+    return (headers.get("retries") or 0) > (request.retries or 0) or (
+        (headers.get("replaced_task_nesting") or 0) > (getattr(request, "replaced_task_nesting", 0) or 0)
+    )
+
+
+def install_publish_hook(publisher: Publisher) -> None:
+    """Make the app's AMQP an ``OutboxAMQP``: every publish passes through ``send_task_message``."""
+    install_task_sender(publisher.runtime.app, publisher,
+                        lambda amqp, celery_sender: _make_sender(publisher, amqp, celery_sender))

@@ -1,0 +1,272 @@
+"""The unit of work: what a transaction sends, stored before its commit and published after it.
+
+Transaction boundary: while a unit of work is open (``outbox.transaction()``, or
+an ``IdempotentTask`` body), every publish of the app (``delay``, ``apply_async``,
+``send_task``, canvas, callbacks, ``retry``, ``replace``) is captured, fully built,
+into the unit of work instead of going to the broker (``publish_hook``):
+
+* before the Session's outermost commit, messages for durable queues are written
+  to the outgoing table with one INSERT, inside that same transaction;
+* after the commit, the publisher publishes every captured message in call order
+  (``publishing.Publisher.publish_committed``);
+* on rollback nothing is published; a rolled-back SAVEPOINT discards only the
+  messages captured inside it.
+
+Guarantee: nothing is published unless the transaction commits; a durable message
+whose publish fails after the commit (broker down, process killed) stays in the
+outgoing table for the relay, so it is delayed, never lost.
+
+State lives in a ``ContextVar``: it follows the thread or task that opened it, in
+prefork, threads and eventlet/gevent pools alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
+
+from sqlalchemy.engine import Connection, RootTransaction
+from sqlalchemy.orm import Session, SessionTransaction
+
+from .crashpoints import crashpoint
+from .envelope import OutgoingMessage
+from .errors import OutboxError
+from .publishing import Publisher, store_durable
+from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions
+
+__all__ = ["ConnectionUnitOfWork", "UnitOfWork", "current_unit_of_work", "transaction"]
+
+logger = logging.getLogger("celery_outbox.unit_of_work")
+
+_current: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_unit_of_work", default=None)
+
+
+def current_unit_of_work() -> "UnitOfWork | None":
+    """The unit of work open in this thread or task, if any."""
+    return _current.get()
+
+
+class UnitOfWork:
+    """The messages captured while one Session's transaction is open.
+
+    Bound to the Session through its events, so it publishes at that Session's
+    outermost commit wherever the commit happens.
+    """
+
+    def __init__(self, publisher: "Publisher", session: Session | None):
+        self.publisher = publisher
+        self._session = session
+        self.pending: list[OutgoingMessage] = []
+        self._savepoints: dict[SessionTransaction, int] = {}
+        self._committing = False
+        self._committed = False  # the outermost commit happened; publish once the Session gave back its connection
+
+    @property
+    def session(self) -> Session:
+        """The Session whose transaction this unit of work follows."""
+        assert self._session is not None
+        return self._session
+
+    @property
+    def connection(self) -> Connection:
+        """The connection of the Session's transaction."""
+        return self.session.connection()
+
+    @classmethod
+    def of(cls, publisher: "Publisher", session: Session) -> "UnitOfWork":
+        uow = session.info.get(UNIT_OF_WORK_KEY)
+        if uow is None:
+            if not session.info.get(LISTENED_KEY):  # a Session of the caller's own: listen to it
+                listen_to_sessions(session)
+                session.info[LISTENED_KEY] = True
+            uow = session.info[UNIT_OF_WORK_KEY] = cls(publisher, session)
+        return uow
+
+    @contextmanager
+    def opened(self) -> Iterator["UnitOfWork"]:
+        """Make this the current unit of work of the running context."""
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    def add(self, messages: list[OutgoingMessage]) -> None:
+        self.pending.extend(messages)
+
+    # -- session events ------------------------------------------------------------------------
+
+    def _on_transaction_create(self, session: Session, transaction: SessionTransaction) -> None:
+        if transaction.nested:
+            self._savepoints[transaction] = len(self.pending)
+
+    def _on_transaction_end(self, session: Session, transaction: SessionTransaction) -> None:
+        # A savepoint's mark is read by after_soft_rollback, which fires after this event;
+        # marks of released savepoints are dropped when the outermost transaction ends.
+        if transaction.parent is None:
+            self._savepoints.clear()
+            if self._committed:  # the Session's connection is back in the pool: publishing takes its own
+                self._committed = False
+                self._publish_committed()
+
+    def _on_soft_rollback(self, session: Session, previous: SessionTransaction) -> None:
+        if previous.nested:
+            for message in self.pending:
+                message.row_id = None  # rows inserted by a failed commit are gone with it
+            start = self._savepoints.pop(previous, None)
+            if start is not None:
+                self.pending[start:] = [m for m in self.pending[start:] if m.survives_rollback]
+            return
+        self._rolled_back()
+
+    def _before_commit(self, session: Session) -> None:
+        if not session.in_nested_transaction():
+            self._store_durable(session.connection())
+
+    def _after_commit(self, session: Session) -> None:
+        # Not published here: the Session still holds its connection until the transaction ends, and
+        # publishing takes a second one; units of work committing at once would wait on the pool.
+        if not session.in_nested_transaction():
+            self._committed = True
+
+    # -- the transaction's ends ----------------------------------------------------------------
+
+    def _store_durable(self, connection: Connection) -> None:
+        """Just before the outermost commit: insert the durable messages, in its transaction."""
+        durable = [m for m in self.pending if m.durable and m.row_id is None]
+        if durable:
+            store_durable(self.publisher.runtime.store, connection, durable)
+        self._committing = True
+        crashpoint("before_commit")
+
+    def _publish_committed(self) -> None:
+        """Just after the outermost commit: publish what was captured, in call order."""
+        if not self._committing:
+            return
+        self._committing = False
+        messages, self.pending = self.pending, []
+        crashpoint("after_commit")
+        if messages:
+            self.publisher.publish_committed(messages)
+
+    def _rolled_back(self) -> None:
+        """After the outermost rollback: drop what was captured, except a retry or replace of the
+        running task, which Celery decided on: it still goes out."""
+        for message in self.pending:
+            message.row_id = None  # rows inserted by a failed commit are gone with it
+        self._committing = False
+        self._savepoints.clear()
+        survivors = [m for m in self.pending if m.survives_rollback]
+        self.pending.clear()
+        if survivors:
+            self.publisher.store_and_forward(survivors)
+
+
+class ConnectionUnitOfWork(UnitOfWork):
+    """A task attempt's unit of work: one transaction on one pooled Core connection, which its
+    owner (the inbox) ends with ``commit`` or ``rollback``.
+
+    A Session is made on that connection, inside the same transaction, only when the body
+    asks for ``session``: an attempt that never touches it pays for no ORM. That Session's
+    own ``commit()`` only flushes (it cannot end the owner's transaction), its
+    ``rollback()`` rolls the whole transaction back, and its savepoints work as in any
+    unit of work. Guarantee: as for ``UnitOfWork``; durable messages are inserted just
+    before ``commit`` commits, and everything captured is published just after.
+    """
+
+    def __init__(self, publisher: "Publisher"):
+        super().__init__(publisher, None)
+        # like every entry point: the store answers, tables exist
+        self._connection = publisher.runtime.ready().engine.connect()
+        self._transaction: RootTransaction | None = None
+
+    @property
+    def connection(self) -> Connection:
+        """The connection, its transaction begun (on first use: on SQLite, BEGIN takes the write lock)."""
+        if self._transaction is None:
+            self._transaction = self._connection.begin()
+        return self._connection
+
+    @property
+    def connection_before_begin(self) -> Connection | None:
+        """The connection, while SQLAlchemy has begun no transaction on it (None after): for a
+        statement that opens the database transaction itself (the eager claim)."""
+        return self._connection if self._transaction is None else None
+
+    @property
+    def session(self) -> Session:
+        if self._session is None:
+            session = self._session = self.publisher.runtime.new_session(bind=self.connection)
+            session.info[UNIT_OF_WORK_KEY] = self
+        return self._session
+
+    def commit(self, last: Callable[[Connection], bool] | None = None) -> bool:
+        """Flush the Session, insert the durable messages, run ``last`` (the transaction's last
+        statement, which may send the COMMIT with it), commit, then publish. False, with nothing
+        committed or published, when ``last`` returns False: the caller rolls back."""
+        if self._transaction is not None and not self._transaction.is_active:
+            raise OutboxError("the task's transaction was rolled back inside its body (self.session.rollback()), "
+                              "its inbox claim with it: raise an exception to fail the task instead")
+        if self._session is not None:
+            self._session.flush()
+        connection = self.connection
+        self._store_durable(connection)
+        if last is not None and not last(connection):
+            return False
+        connection.commit()
+        self._publish_committed()
+        return True
+
+    def connection_lost(self) -> bool:
+        """Whether the attempt's connection was invalidated or closed under it (the server ended
+        its session): its transaction cannot commit, whatever the body made of the error."""
+        return self._connection.invalidated or self._connection.closed
+
+    def rollback(self) -> None:
+        """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop
+        what was captured."""
+        try:
+            if self._transaction is not None and self._transaction.is_active:
+                self._transaction.rollback()
+        except Exception as exc:  # noqa: BLE001 - the error that led here is the one to raise; closing ends it
+            logger.warning("celery-outbox: could not roll back a task's transaction (closing its connection): %s",
+                           exc)
+        finally:
+            self._rolled_back()
+
+    def close(self) -> None:
+        """Close the Session, if one was made, and give the connection back to the pool."""
+        try:
+            if self._session is not None:
+                self._session.close()
+        finally:
+            self._connection.close()
+
+    # The Session joined the owner's transaction: its commit only flushes; the owner commits.
+    def _before_commit(self, session: Session) -> None:
+        return None
+
+    def _after_commit(self, session: Session) -> None:
+        return None
+
+
+
+@contextmanager
+def transaction(publisher: Publisher, session: Session | None = None) -> Iterator[Session]:
+    """A unit of work whose messages ``publisher`` publishes (``Outbox.transaction``): on a Session
+    of its own, committed when the block ends and rolled back on an exception; or joining
+    ``session``, published after that Session's commit; a block inside an open one joins it."""
+    outer = current_unit_of_work()
+    if session is None and outer is not None:
+        yield outer.session
+        return
+    publisher.runtime.ready()
+    if session is not None:
+        with UnitOfWork.of(publisher, session).opened():
+            yield session
+        return
+    with publisher.runtime.new_session() as own:
+        with UnitOfWork.of(publisher, own).opened(), own.begin():
+            yield own
