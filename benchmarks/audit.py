@@ -69,7 +69,8 @@ class Expected:
 
 
 def run(options: Options) -> list[Result]:
-    from celery_outbox.audit.job import AuditOptions, spark_session
+    from celery_outbox.audit.job import AuditOptions
+    from celery_outbox.audit.session import spark_session
 
     root = tempfile.mkdtemp(prefix="celery-outbox-audit-bench-", dir="/tmp")
     watch = DiskWatch(root)
@@ -120,7 +121,8 @@ def run(options: Options) -> list[Result]:
 
 def measure(spark, root: str, n: int, watch: DiskWatch) -> Result:
     """Generate an archive of ``n`` messages, audit it, check the answer; the job's envelopes per second."""
-    from celery_outbox.audit.job import AuditOptions, check_archive, run_audit
+    from celery_outbox.audit.inputs import check_archive
+    from celery_outbox.audit.job import AuditOptions, run_audit
 
     archive, out = f"{root}/archive-{n}", f"{root}/out-{n}"
     try:

@@ -12,30 +12,28 @@ Every setting can be written in the three spellings Celery users know:
 unknown ``outbox_*`` key, or one of our settings spelt with a wrong prefix
 (``OUTBOX_...``, ``celery_outbox_...``), is an error with a did-you-mean. Nothing
 is read at import time.
+
+This module holds the table of settings (``SETTINGS``), the frozen result
+(``OutboxSettings``) and the reading of ``app.conf``; the parser that checks each
+value is in ``setting_values``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Mapping
 
+from . import setting_values as parse
 from .errors import ConfigurationError
-from .store.engine import masked_options, safe_url
+from .setting_values import invalid, shown
 
 __all__ = ["OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
 
-IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-MAX_PREFIX_LENGTH = 32  # leaves room for the longest table and index suffix under PostgreSQL's 63 bytes
 DEFAULT_DATABASE_URL = "sqlite:///celery_outbox.sqlite3"
-MAX_SECONDS = 100 * 365 * 86400.0  # a duration added to now stays far inside datetime's range
-MAX_FACTOR = 1000.0
 MISSPELT_CUTOFF = 0.8  # how close the rest of an "outbox" key must be to a setting name to be ours
-MAX_INT = 2**31 - 1  # a PostgreSQL integer: counts and limits are compared with one in SQL
 
 
 @dataclass(frozen=True)
@@ -52,204 +50,86 @@ class Setting:
         return f"outbox_{self.name}"
 
 
-def _fail(key: str, value: Any, allowed: str) -> ConfigurationError:
-    return ConfigurationError(f"setting {key} = {_shown(key, value)} is not valid: {allowed}")
-
-
-def _shown(key: str, value: Any) -> str:
-    """A value as an error shows it: the database URL and the engine options with their secrets masked
-    (a value of the wrong type by its type alone, since any of it may be a secret)."""
-    name = key.lower()
-    if name.endswith("database_url") and isinstance(value, str) and value.strip():
-        return repr(safe_url(value))
-    if name.endswith("engine_options") and isinstance(value, Mapping):
-        return repr(masked_options(value))
-    if name.endswith(("database_url", "engine_options")) and not (isinstance(value, str) and not value.strip()):
-        return f"<a {type(value).__name__}, not shown>"
-    return repr(value)
-
-
-def _string(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _fail(key, value, "expected a non-empty string")
-    return value.strip()
-
-
-def _queue_names(key: str, value: Any) -> frozenset[str]:
-    if value is None:
-        return frozenset()
-    if isinstance(value, str):
-        names = [part.strip() for part in value.split(",")]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        names = list(value)
-    else:
-        raise _fail(key, value, "expected queue names: a list, a tuple, a set or a comma-separated string")
-    result = set()
-    for name in names:
-        name = getattr(name, "name", name)  # kombu.Queue objects are accepted too
-        if not isinstance(name, str) or not name.strip():
-            raise _fail(key, value, f"queue name {name!r} must be a non-empty string")
-        result.add(name.strip())
-    return frozenset(result)
-
-
-def _table_prefix(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not IDENTIFIER.match(value) or len(value) > MAX_PREFIX_LENGTH:
-        raise _fail(
-            key,
-            value,
-            f"expected an SQL identifier of at most {MAX_PREFIX_LENGTH} characters "
-            "(letters, digits and underscores, not starting with a digit)",
-        )
-    return value
-
-
-def _choice(*allowed: str) -> Callable[[str, Any], str]:
-    def parse(key: str, value: Any) -> str:
-        if value not in allowed:
-            raise _fail(key, value, "expected one of " + ", ".join(repr(a) for a in allowed))
-        return value
-
-    return parse
-
-
-def _finite(value: Any) -> float | None:
-    """``value`` as a finite float, or None when it is not a number or not finite (``inf``, ``NaN``,
-    an int too large for a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _seconds(key: str, value: Any) -> float:
-    seconds = _finite(value.total_seconds() if isinstance(value, timedelta) else value)
-    if seconds is None or not 0 < seconds <= MAX_SECONDS:
-        raise _fail(key, value, f"expected a finite positive number of seconds, at most {MAX_SECONDS:.0f} "
-                                "(100 years), or a datetime.timedelta")
-    return seconds
-
-
-def _non_negative_number(key: str, value: Any) -> float:
-    number = _finite(value)
-    if number is None or not 0 <= number <= MAX_FACTOR:
-        raise _fail(key, value, f"expected a finite number from 0 to {MAX_FACTOR:.0f}")
-    return number
-
-
-def _optional_seconds(key: str, value: Any) -> float | None:
-    return None if value is None else _seconds(key, value)
-
-
-def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_INT:
-        raise _fail(key, value, f"expected a positive whole number, at most {MAX_INT}")
-    return value
-
-
-def _boolean(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
-        return value.strip().lower() in {"1", "true", "yes", "on"}
-    raise _fail(key, value, "expected True or False")
-
-
-def _optional_string(key: str, value: Any) -> str | None:
-    return None if value is None else _string(key, value)
-
-
-def _mapping(key: str, value: Any) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise _fail(key, value, "expected a dict of keyword arguments for sqlalchemy.create_engine")
-    return dict(value)
-
-
 SETTINGS: tuple[Setting, ...] = (
-    Setting("database_url", DEFAULT_DATABASE_URL, _string,
+    Setting("database_url", DEFAULT_DATABASE_URL, parse.string,
             "SQLAlchemy URL of the message store. PostgreSQL (`postgresql+psycopg://...`) in production; "
             "the SQLite default needs no server."),
-    Setting("engine_options", None, _mapping,
+    Setting("engine_options", None, parse.mapping,
             "Extra keyword arguments for `sqlalchemy.create_engine` (pool size, echo, ...)."),
-    Setting("durable_queues", None, _queue_names,
+    Setting("durable_queues", None, parse.queue_names,
             "Queues whose messages are stored in the outgoing table in the sender's transaction and relayed, "
             "and whose consumers keep a full envelope in the inbox. A list or a comma-separated string."),
-    Setting("table_prefix", "celery_outbox_", _table_prefix,
+    Setting("table_prefix", "celery_outbox_", parse.table_prefix,
             "Prefix of the tables the library creates; an SQL identifier."),
-    Setting("message_identity", "id", _choice("id", "id_and_destination"),
+    Setting("message_identity", "id", parse.choice("id", "id_and_destination"),
             "What makes an incoming message a duplicate: the task id, or the task id and the queue "
             "(for one message consumed from several queues)."),
-    Setting("deduplicate_task_ids", False, _boolean,
+    Setting("deduplicate_task_ids", False, parse.boolean,
             "`False` (as in Celery): a task id sent again (`apply_async(task_id=...)` twice, a frozen "
             "signature applied again) runs again; only copies of one send (a broker redelivery, the relay, "
             "recovery) are duplicates. `True`: a delivery whose task id the inbox already handled is a "
             "duplicate, whichever send it came from (the task id as a dedupe key, per task). A task's "
             "`deduplicate_task_ids` attribute overrides it."),
-    Setting("idempotency_style", "optimistic", _choice("optimistic", "eager"),
+    Setting("idempotency_style", "optimistic", parse.choice("optimistic", "eager"),
             "`optimistic`: the inbox claim commits with the task's own DB writes. `eager`: the claim commits "
             "before the body runs, for bodies with side effects outside the database."),
-    Setting("keep_after_handling", 7 * 24 * 3600.0, _seconds,
+    Setting("keep_after_handling", 7 * 24 * 3600.0, parse.seconds,
             "Seconds (or a timedelta) a handled inbox row is kept to reject redelivered duplicates: "
             "the dedupe window. Must outlive the broker's redelivery horizon."),
-    Setting("node_heartbeat_interval", 5.0, _seconds,
+    Setting("node_heartbeat_interval", 5.0, parse.seconds,
             "Seconds between two heartbeats of a worker node."),
-    Setting("node_stale_after", 30.0, _seconds,
+    Setting("node_stale_after", 30.0, parse.seconds,
             "A node whose last heartbeat is older than this many seconds is suspected dead. Also the grace "
             "before recovery re-publishes the envelope of a durable-queue delivery that nobody is running."),
-    Setting("node_stale_checks", 3, _positive_int,
+    Setting("node_stale_checks", 3, parse.positive_int,
             "Consecutive recover passes a node must be found stale before it is declared dead "
             "and its rows are released."),
-    Setting("inbox_stale_time", None, _optional_seconds,
+    Setting("inbox_stale_time", None, parse.optional_seconds,
             "Opt-in: an inbox claim older than this many seconds (from claim time), not yet handled, is "
             "released for recovery even if its node is alive (a hung task). Off by default."),
-    Setting("outbox_stale_time", None, _optional_seconds,
+    Setting("outbox_stale_time", None, parse.optional_seconds,
             "Opt-in (PostgreSQL): a relay transaction that holds outgoing rows and idles longer than this "
             "many seconds (a publish hung on the broker) is ended, so another relay takes the rows. "
             "Off by default."),
-    Setting("redeliver_after", 600.0, _optional_seconds,
+    Setting("redeliver_after", 600.0, parse.optional_seconds,
             "Delivery tracking of durable queues: a sent message stays in the outgoing table until the "
             "consuming inbox has it, and is published again when that has not happened after this many "
             "seconds (doubling each time, up to an hour): a broker that loses a message (a Redis restart, "
             "a killed worker's prefetched messages) delays it, never loses it. Consumers of durable "
             "queues must share the store. `None` deletes sent rows at once (no tracking)."),
-    Setting("relay_batch_size", 500, _positive_int,
+    Setting("relay_batch_size", 500, parse.positive_int,
             "Outgoing rows one relay (or redelivery) batch locks, publishes and marks sent."),
-    Setting("relay_max_attempts", 10, _positive_int,
+    Setting("relay_max_attempts", 10, parse.positive_int,
             "Failed publishes of one outgoing row (not counting broker outages) before it is moved to "
             "dead letters with reason `poison`, so one bad row never blocks the relay."),
-    Setting("recover_batch_size", 1000, _positive_int,
+    Setting("recover_batch_size", 1000, parse.positive_int,
             "Rows one recover step handles per short transaction."),
-    Setting("cleanup_batch_size", 5000, _positive_int,
+    Setting("cleanup_batch_size", 5000, parse.positive_int,
             "Handled rows one cleanup batch deletes, in its own short transaction."),
-    Setting("cleanup_rest", 1.0, _non_negative_number,
+    Setting("cleanup_rest", 1.0, parse.non_negative_number,
             "After each cleanup batch, cleanup rests this many times as long as the batch took, so the "
             "inbox inserts of busy workers keep their latency while it deletes; `0` runs the batches "
             "back to back, as fast as the database allows."),
-    Setting("max_batches_per_run", 100, _positive_int,
+    Setting("max_batches_per_run", 100, parse.positive_int,
             "Cap on the batches one relay, recover or cleanup pass runs; the next pass continues."),
-    Setting("recover_interval", 5.0, _seconds,
+    Setting("recover_interval", 5.0, parse.seconds,
             "Seconds between two beat runs of `celery_outbox.recover`."),
-    Setting("release_ahead", None, _optional_seconds,
+    Setting("release_ahead", None, parse.optional_seconds,
             "Seconds before its eta a durable message sent with `countdown`/`eta` is published to the broker, "
             "with its eta, so the worker holds it and runs it at its eta as Celery does; until then it waits "
             "in the outgoing table (long countdowns never sit in the broker, where Redis' visibility timeout "
             "would deliver them again). At least `outbox_recover_interval`, which releases it; keep it well "
             "under Redis' `visibility_timeout`. Unset: three recover intervals (15 s)."),
-    Setting("cleanup_interval", 60.0, _seconds,
+    Setting("cleanup_interval", 60.0, parse.seconds,
             "Seconds between two beat runs of `celery_outbox.cleanup`."),
-    Setting("maintenance_queue", None, _optional_string,
+    Setting("maintenance_queue", None, parse.optional_string,
             "Queue the beat maintenance tasks are routed to; the default queue when unset."),
-    Setting("dead_letter_retention", None, _optional_seconds,
+    Setting("dead_letter_retention", None, parse.optional_seconds,
             "Seconds a dead letter is kept; forever when unset."),
-    Setting("auto_create_schema", True, _boolean,
+    Setting("auto_create_schema", True, parse.boolean,
             "Create missing tables when `Outbox(app)` starts. Turn off in production and run "
             "`celery -A proj outbox migrate` instead."),
-    Setting("archive_path", None, _optional_string,
+    Setting("archive_path", None, parse.optional_string,
             "Where cleanup archives rows (Parquet) for the delivery audit; nothing is archived when unset."),
 )
 
@@ -384,7 +264,7 @@ def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overr
         value = conf[key]
         if name in found and found[name][1] != value:
             raise ConfigurationError(
-                f"setting {found[name][0]} = {_shown(key, found[name][1])} and {key} = {_shown(key, value)} "
+                f"setting {found[name][0]} = {shown(key, found[name][1])} and {key} = {shown(key, value)} "
                 "disagree: give it once"
             )
         found[name] = (key, value)
@@ -398,7 +278,7 @@ def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overr
         values[setting.name] = setting.parse(key, value)
     if values["release_ahead"] is not None and values["release_ahead"] < values["recover_interval"]:
         key = found["release_ahead"][0]
-        raise _fail(key, found["release_ahead"][1],
+        raise invalid(key, found["release_ahead"][1],
                     f"expected at least outbox_recover_interval ({values['recover_interval']:g} s): a scheduled "
                     "message must be released by a recover pass before its eta")
     return OutboxSettings(**values)

@@ -41,7 +41,7 @@ class IncomingStatements(OneMessage):
     def _insert_new_incoming(self):
         """``INSERT ... ON CONFLICT DO NOTHING RETURNING``, built once: the row comes as parameters,
         so SQLAlchemy compiles it once per set of columns (building ``.values(**row)`` for every
-        claim cost more than running it)."""
+        claim would cost more than running it)."""
         table = self.tables.incoming
         return (self._upsert(table).on_conflict_do_nothing(index_elements=_INCOMING_KEY)
                 .returning(table.c.message_id))

@@ -273,10 +273,10 @@ class OutgoingStatements(StoreBase):
     @staticmethod
     def _read_in_index_order(conn: Connection) -> None:
         """PostgreSQL: no sorting for the rest of this transaction, so a batch query ordered like
-        an index walks that index and stops at its limit. A backlog piles up faster than
-        autovacuum analyzes the table, and on such stale statistics the planner otherwise reads
-        and sorts every matching row for each batch (70 ms per batch of 500 at 100 k unsent
-        rows, instead of 0.5 ms)."""
+        an index walks that index and stops at its limit. A backlog grows faster than autovacuum
+        analyzes the table, and on statistics that lag behind it the planner may otherwise read
+        and sort every matching row for each batch: a batch would cost more the longer the
+        backlog, just when the relay must catch up."""
         conn.exec_driver_sql("SET LOCAL enable_sort = off")
 
     def limit_lock_holding(self, conn: Connection, seconds: float | None) -> None:

@@ -192,8 +192,8 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
     )
     # Partial indexes: each holds only the rows its poller looks for, so an INSERT adds no entry to
     # them. (The relay's index stays whole: the statement taking given ids for a publish looks them
-    # up through it, and a prepared statement's generic plan on a partial index of unsent rows
-    # scanned the whole table while its statistics lagged behind a growing backlog.)
+    # up through it, and a prepared statement's generic plan for a partial index of unsent rows can
+    # scan the whole table while the statistics lag behind a growing backlog.)
     _partial_index(f"ix_{p}outgoing_redelivery", outgoing.c.redeliver_at,  # delivery tracking
                    outgoing.c.redeliver_at.is_not(None))
     _partial_index(f"ix_{p}outgoing_scheduled", outgoing.c.deliver_at, outgoing.c.deliver_at.is_not(None))

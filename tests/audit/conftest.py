@@ -22,7 +22,8 @@ def spark():
         if services_required():
             pytest.fail(reason)
         pytest.skip(reason)
-    from celery_outbox.audit.job import AuditOptions, spark_session
+    from celery_outbox.audit.job import AuditOptions
+    from celery_outbox.audit.session import spark_session
 
     session = spark_session(AuditOptions(out="unused", master="local[2]", jdbc_url="jdbc:postgresql://unused/x",
                                          jdbc_jar=JDBC_JAR if os.path.exists(JDBC_JAR) else None)

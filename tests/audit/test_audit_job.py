@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from celery_outbox.audit.archive import ParquetArchiver
+from celery_outbox.audit.inputs import jdbc_url_of
 from celery_outbox.audit.job import (
     EXIT_BAD_INPUT,
     EXIT_CLEAN,
     EXIT_LOST,
     AuditInputError,
     AuditOptions,
-    jdbc_url_of,
     main,
     run_audit,
 )

@@ -1,0 +1,45 @@
+"""What the delivery audit is asked to do (``AuditOptions``) and the one error it reports for bad
+input (``AuditInputError``): the command line and ``run_audit`` callers build the options, and every
+part of the job reads them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+__all__ = ["AuditInputError", "AuditOptions"]
+
+_SIZE = re.compile(r"[1-9][0-9]*[kmgt]?", re.IGNORECASE)
+
+
+class AuditInputError(Exception):
+    """The audit's input is missing or unreadable; the message says what and where."""
+
+
+@dataclass
+class AuditOptions:
+    out: str
+    archive: str | None = None
+    jdbc_url: str | None = None
+    jdbc_jar: str | None = None
+    table_prefix: str = "celery_outbox_"
+    grace_seconds: float = 3600.0
+    late_after_seconds: float = 60.0
+    stuck_after_seconds: float = 3600.0
+    now: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    master: str | None = None
+    # The driver JVM's heap (Spark's size syntax: 512m, 6g). Local mode runs everything in the
+    # driver; Spark's default is 1g. Only when this job starts Spark: under spark-submit give
+    # spark-submit's own --driver-memory.
+    driver_memory: str | None = None
+    # Partitions of each shuffle. None: the session's own setting, unless that is Spark's default
+    # of 200, which is far too many for one machine; then 4 per core Spark has.
+    shuffle_partitions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.driver_memory is not None and not _SIZE.fullmatch(self.driver_memory):
+            raise AuditInputError(f"driver memory must be a size such as 4g or 512m, not {self.driver_memory!r}")
+        if self.shuffle_partitions is not None and self.shuffle_partitions < 1:
+            raise AuditInputError(f"shuffle partitions must be at least 1, not {self.shuffle_partitions}")

@@ -1,0 +1,58 @@
+"""The Spark side of the delivery audit: the session it starts when none is given, the shuffle
+partitions it runs with, and the facts about where it ran that the summary reports.
+
+No master is hard-coded: it comes from spark-submit, or from ``AuditOptions.master``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery_outbox.audit.options import AuditInputError, AuditOptions
+
+__all__ = ["DEFAULT_JDBC_JAR", "PARTITIONS_PER_CORE", "shuffle_partitions", "spark_facts", "spark_session"]
+
+DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"  # Debian's libpostgresql-jdbc-java
+SPARK_DEFAULT_SHUFFLE_PARTITIONS = 200
+PARTITIONS_PER_CORE = 4
+
+
+def spark_session(options: AuditOptions):
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName("celery-outbox-audit")
+    if options.master:
+        builder = builder.master(options.master)
+    jar = options.jdbc_jar or (DEFAULT_JDBC_JAR if options.jdbc_url and os.path.exists(DEFAULT_JDBC_JAR) else None)
+    if options.jdbc_url and not jar:
+        raise AuditInputError("--jdbc-url needs the PostgreSQL JDBC driver: give its jar with --jdbc-jar "
+                              "(Debian: apt install libpostgresql-jdbc-java)")
+    if jar:
+        if not os.path.exists(jar):
+            raise AuditInputError(f"no JDBC driver jar at {jar}")
+        builder = builder.config("spark.jars", jar).config("spark.driver.extraClassPath", jar)
+    if options.driver_memory:
+        builder = builder.config("spark.driver.memory", options.driver_memory)
+    session = (builder.config("spark.sql.session.timeZone", "UTC").config("spark.ui.enabled", "false")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def shuffle_partitions(spark, options: AuditOptions) -> int:
+    """The shuffle partitions the audit uses (see ``AuditOptions.shuffle_partitions``)."""
+    if options.shuffle_partitions is not None:
+        return options.shuffle_partitions
+    configured = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    if configured != SPARK_DEFAULT_SHUFFLE_PARTITIONS:
+        return configured
+    return PARTITIONS_PER_CORE * spark.sparkContext.defaultParallelism
+
+
+def spark_facts(spark, partitions: int) -> dict[str, Any]:
+    """Where the audit ran: the master, the shuffle partitions, and the driver's heap (the JVM's
+    own maximum, whatever set it)."""
+    heap = spark.sparkContext._jvm.java.lang.Runtime.getRuntime().maxMemory()
+    return {"master": spark.sparkContext.master, "shuffle_partitions": partitions,
+            "driver_max_heap_mib": int(heap) // 2**20}
