@@ -42,52 +42,31 @@ The claim rule: a claim never outlives the attempt that holds the message.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Iterator
 
 from celery.exceptions import Ignore, Reject, Retry
-from kombu.serialization import dumps
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.orm import Session
 
 from . import dead_letter_rows
 from .crashpoints import crashpoint
-from .envelope import header_count, json_text, valid_send_id
+from .delivery import Delivery, dead_letter_row, envelope_of
 from .node import Node
 from .publishing import Publisher
-from .routing import queue_of
 from .runtime import Runtime
 from .signals import duplicate_discarded
 from .store import UNOWNED, utcnow
 from .store.outage import is_outage
-from .unit_of_work import ConnectionUnitOfWork, UnitOfWork, current_unit_of_work, transaction
-from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, REQUEUE_BACKOFF, SEND_HEADER, Attempt, IncomingStatus
+from .unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
+from .vocabulary import REQUEUE_BACKOFF, IncomingStatus
 
-__all__ = ["Delivery", "Inbox", "current_connection", "current_session", "inbox_of"]
+__all__ = ["Inbox", "inbox_of"]
 
 logger = logging.getLogger("celery_outbox.inbox")
-
-_task_unit_of_work: ContextVar[UnitOfWork | None] = ContextVar("celery_outbox_task_unit_of_work", default=None)
-
-
-def current_session() -> Session | None:
-    """The Session of the running task body's unit of work (made on first use), or None."""
-    uow = _task_unit_of_work.get()
-    return None if uow is None else uow.session
-
-
-def current_connection() -> Connection | None:
-    """The Connection of the running task body's unit of work (its transaction begun), or None."""
-    uow = _task_unit_of_work.get()
-    return None if uow is None else uow.connection
-
 
 class Duplicate(Exception):
     """The delivery was already handled or ended: discard it."""
@@ -99,90 +78,6 @@ class InFlight(Exception):
 
 class ClaimLost(Exception):
     """The attempt's claim was taken over while its body ran: roll back and hand the message back."""
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """What the inbox needs to know of one delivered message."""
-
-    message_id: str
-    destination: str  # the key part: the queue, or '' with message identity "id"
-    task_name: str
-    queue: str
-    retries: int
-    nesting: int
-    replays: int = 0
-    redelivered: int = 0  # times delivery tracking re-sent this message (not part of the attempt)
-    sent_as: str = ""  # the publish identity the message carries ('' from a sender without the outbox)
-    send_id: str = ""  # the key part: ``sent_as``, or the task's own key when its task id is the dedupe key
-
-    @classmethod
-    def from_request(cls, task: Any, settings: Any, queue: str | None = None) -> "Delivery":
-        return cls.from_context(task, task.request, settings, queue)
-
-    @classmethod
-    def from_context(cls, task: Any, request: Any, settings: Any, queue: str | None = None) -> "Delivery":
-        """The delivery a task's request context (``task.request``, or a worker Request's context) names;
-        ``queue`` when the caller resolved it already (``routing.queue_of``)."""
-        if queue is None:
-            queue = queue_of(request.delivery_info, task.app, settings.durable_queues) or ""
-        sent_as = valid_send_id(getattr(request, SEND_HEADER, None))
-        by_task_id = getattr(task, "deduplicate_task_ids", None)
-        by_task_id = settings.deduplicate_task_ids if by_task_id is None else bool(by_task_id)
-        return cls(
-            message_id=str(request.id),
-            destination=queue if settings.message_identity == "id_and_destination" else "",
-            sent_as=sent_as,
-            send_id=task_id_key(task.name) if by_task_id else sent_as,
-            task_name=task.name,
-            queue=queue,
-            retries=int(request.retries or 0),
-            nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
-            replays=header_count(getattr(request, REPLAY_HEADER, 0)),
-            redelivered=header_count(getattr(request, REDELIVERY_HEADER, 0)),
-        )
-
-    @property
-    def attempt(self) -> Attempt:
-        return Attempt(self.nesting, self.replays, self.retries)
-
-    def key(self) -> dict[str, Any]:
-        return {"message_id": self.message_id, "destination": self.destination, "send_id": self.send_id}
-
-
-def task_id_key(task_name: str) -> str:
-    """The key part of every send of ``task_name`` when its task id is the dedupe key
-    (``deduplicate_task_ids``): one per task, so a message of another task with the same id is
-    still a message of its own, never discarded as a duplicate."""
-    return "task:" + hashlib.sha1(task_name.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The columns that let a delivery be published again: body, headers, routing."""
-    request = task.request
-    serializer = task.serializer or task.app.conf.task_serializer
-    content_type, content_encoding, body = dumps([list(args), dict(kwargs), {}], serializer=serializer)
-    if isinstance(body, str):
-        body = body.encode(content_encoding or "utf-8")
-    headers = {
-        "id": request.id, "task": task.name, "retries": request.retries or 0,
-        "replaced_task_nesting": getattr(request, "replaced_task_nesting", 0) or 0,
-        "root_id": request.root_id, "parent_id": request.parent_id, "group": request.group,
-        "eta": request.eta, "expires": request.expires, "origin": getattr(request, "origin", None),
-        REPLAY_HEADER: header_count(getattr(request, REPLAY_HEADER, 0)),
-        SEND_HEADER: valid_send_id(getattr(request, SEND_HEADER, None)) or None,
-    }
-    delivery_info = request.delivery_info or {}
-    return {
-        "exchange": delivery_info.get("exchange") or "",
-        "routing_key": delivery_info.get("routing_key") or "",
-        "body": body,
-        "content_type": content_type,
-        "content_encoding": content_encoding,
-        "headers": json_text(headers),
-        "properties": json_text({"priority": delivery_info.get("priority"), "correlation_id": request.id,
-                                        "reply_to": request.reply_to}),
-    }
 
 
 _APP_ATTRIBUTE = "_celery_outbox_inbox"
@@ -288,7 +183,7 @@ class Inbox:
                 raise self._not_claimed(uow.connection, delivery)
             crashpoint("after_claim")
             try:
-                result = _call_body(body, uow)
+                result = run_body(body, uow)
             except Ignore as ignore:  # the body stopped on purpose (replace does): keep its work
                 outcome = ignore
         if outcome is not None:
@@ -351,7 +246,7 @@ class Inbox:
                         raise self._not_claimed(conn, delivery)
             crashpoint("after_claim")
             try:
-                result = _call_body(body, uow) if unit_of_work else body()
+                result = run_body(body, uow) if unit_of_work else body()
             except Ignore as ignore:
                 outcome = ignore
         if outcome is not None:
@@ -410,7 +305,7 @@ class Inbox:
         with transaction(self.publisher):  # joins a unit of work already open in this context
             uow = current_unit_of_work()
             assert uow is not None
-            return _call_body(body, uow)
+            return run_body(body, uow)
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -508,17 +403,6 @@ class Inbox:
                                  task_name=delivery.task_name, queue=delivery.queue)
 
 
-def dead_letter_row(task: Any, delivery: Delivery, reason: "dead_letter_rows.DeadLetterReason", exc: BaseException,
-                    now: datetime) -> dict[str, Any]:
-    request = task.request
-    return dead_letter_rows.dead_letter_row(
-        reason=dead_letter_rows.DeadLetterReason(reason), failed_at=now, message_id=delivery.message_id,
-        destination=delivery.destination, task_name=delivery.task_name, queue=delivery.queue, error=exc,
-        retries=delivery.retries, nesting=delivery.nesting, replays=delivery.replays,
-        **envelope_of(task, tuple(request.args or ()), dict(request.kwargs or {})),
-    )
-
-
 class _StoreDown(Exception):
     def __init__(self, reason: BaseException):
         super().__init__(str(reason))
@@ -537,12 +421,3 @@ class _store_errors:
         if isinstance(exc, (OperationalError, InterfaceError)) or is_outage(exc, transient=True):
             raise _StoreDown(exc) from exc
         return False
-
-
-def _call_body(body: Callable[[], Any], uow: UnitOfWork) -> Any:
-    """Run the body with ``uow`` as the task's unit of work (``self.session`` is its Session)."""
-    token = _task_unit_of_work.set(uow)
-    try:
-        return body()
-    finally:
-        _task_unit_of_work.reset(token)

@@ -37,12 +37,14 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
+from .delivery import Delivery, dead_letter_row
 from .errors import OutboxError
-from .inbox import Delivery, Inbox, current_connection, current_session, dead_letter_row, inbox_of
+from .inbox import Inbox, inbox_of
 from .publish_hook import resending
 from .routing import queue_of
 from .runtime import runtime_of
 from .store import utcnow
+from .unit_of_work import current_connection, current_session
 from .vocabulary import DeadLetterReason
 
 __all__ = ["IdempotentTask", "InboxTask", "OutboxRequest", "give_inbox_to_every_task"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from sqlalchemy.engine import Connection, RootTransaction
 from sqlalchemy.orm import Session, SessionTransaction
@@ -36,7 +36,8 @@ from .errors import OutboxError
 from .publishing import Publisher, store_durable
 from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions
 
-__all__ = ["ConnectionUnitOfWork", "UnitOfWork", "current_unit_of_work", "transaction"]
+__all__ = ["ConnectionUnitOfWork", "UnitOfWork", "current_connection", "current_session", "current_unit_of_work",
+           "run_body", "transaction"]
 
 logger = logging.getLogger("celery_outbox.unit_of_work")
 
@@ -270,3 +271,29 @@ def transaction(publisher: Publisher, session: Session | None = None) -> Iterato
     with publisher.runtime.new_session() as own:
         with UnitOfWork.of(publisher, own).opened(), own.begin():
             yield own
+
+
+# -- the running task body's unit of work (``IdempotentTask.session`` and ``.connection``) -----
+
+_task_unit_of_work: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_task_unit_of_work", default=None)
+
+
+def current_session() -> Session | None:
+    """The Session of the running task body's unit of work (made on first use), or None."""
+    uow = _task_unit_of_work.get()
+    return None if uow is None else uow.session
+
+
+def current_connection() -> Connection | None:
+    """The Connection of the running task body's unit of work (its transaction begun), or None."""
+    uow = _task_unit_of_work.get()
+    return None if uow is None else uow.connection
+
+
+def run_body(body: Callable[[], Any], uow: UnitOfWork) -> Any:
+    """Run the body with ``uow`` as the task's unit of work (``self.session`` is its Session)."""
+    token = _task_unit_of_work.set(uow)
+    try:
+        return body()
+    finally:
+        _task_unit_of_work.reset(token)
