@@ -61,6 +61,10 @@ SETTINGS: tuple[Setting, ...] = (
             "and whose consumers keep a full envelope in the inbox. A list or a comma-separated string."),
     Setting("table_prefix", "celery_outbox_", parse.table_prefix,
             "Prefix of the tables the library creates; an SQL identifier."),
+    Setting("django_database", "default", parse.string,
+            "With `celery_outbox.django` in Django's `INSTALLED_APPS`: the Django database (alias) that holds "
+            "the outbox's tables. Publishes inside `transaction.atomic()` on it join Django's transaction, and "
+            "the message store is that database unless `outbox_database_url` is set."),
     Setting("message_identity", "id", parse.choice("id", "id_and_destination"),
             "What makes an incoming message a duplicate: the task id, or the task id and the queue "
             "(for one message consumed from several queues)."),
@@ -144,6 +148,7 @@ class OutboxSettings:
     engine_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     durable_queues: frozenset[str] = frozenset()
     table_prefix: str = "celery_outbox_"
+    django_database: str = "default"
     message_identity: str = "id"
     deduplicate_task_ids: bool = False
     idempotency_style: str = "optimistic"

@@ -11,6 +11,7 @@ that cannot be reached stops them with one clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Callable, Protocol, Sequence
@@ -19,7 +20,9 @@ from celery import Celery
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from .config import OutboxSettings, read_settings
+from .config import DEFAULT_DATABASE_URL, OutboxSettings, read_settings
+from .django.settings import database_url as django_database_url
+from .django.settings import installed as django_installed
 from .errors import ConfigurationError
 from .sessions import listen_to_sessions, session_info
 from .store import Store, build_engine
@@ -44,6 +47,9 @@ class Archiver(Protocol):
 class Runtime:
     """The app, its settings, the store, the sessions and the archiver of one installed outbox.
 
+    With ``celery_outbox.django`` installed, the store is Django's database
+    ``outbox_django_database`` unless ``outbox_database_url`` or an engine is given.
+
     ``owner`` is the object the library's signals name as their sender (the ``Outbox``).
     """
 
@@ -60,6 +66,7 @@ class Runtime:
         self._sessions: sessionmaker | None = None
         self._ready = False
         self._when_loaded: list[Callable[[], None]] = []
+        self._joins_django = False
         setattr(app, _APP_ATTRIBUTE, self)
 
     def __repr__(self) -> str:
@@ -81,6 +88,9 @@ class Runtime:
             if self._settings is not None:
                 return
             settings = read_settings(conf, namespace=self.app.namespace, **self.overrides)
+            self._joins_django = django_installed()
+            if self._joins_django and self.given_engine is None and settings.database_url == DEFAULT_DATABASE_URL:
+                settings = dataclasses.replace(settings, database_url=django_database_url(settings.django_database))
             engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
             self._store = Store(engine, settings.table_prefix)
             self._sessions = sessionmaker(engine, expire_on_commit=False, info=session_info())
@@ -109,6 +119,14 @@ class Runtime:
             self.load()
         assert self._store is not None
         return self._store
+
+    @property
+    def joins_django(self) -> bool:
+        """Whether ``celery_outbox.django`` is installed: publishes inside Django's atomic blocks on
+        ``outbox_django_database`` join Django's transaction."""
+        if self._settings is None:
+            self.load()
+        return self._joins_django
 
     @property
     def engine(self) -> Engine:

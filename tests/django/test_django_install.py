@@ -1,0 +1,86 @@
+"""Installing the Django app: ``manage.py migrate`` creates the outbox's tables, the very tables
+and indexes ``celery outbox migrate`` creates, in each Django database it migrates; the outbox
+reads its settings from Django's settings and stores its messages in Django's database."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+from sqlalchemy import create_engine, inspect
+
+from celery_outbox.django.settings import database_url
+from celery_outbox.store import Store
+
+from ..conftest import drop_store, unique_prefix
+
+pytestmark = pytest.mark.django_db(databases=["default", "pg"], transaction=True)
+
+DJANGO_PREFIX = "dj_outbox_"
+
+
+def schema(engine, prefix: str) -> dict:
+    """Every table of ``prefix``: its columns, primary key, indexes (with their predicates) and
+    foreign keys, with the prefix taken out of every name."""
+    inspector = inspect(engine)
+
+    def bare(name: str) -> str:
+        return name.replace(prefix, "<prefix>")
+
+    tables = {}
+    for table in sorted(name for name in inspector.get_table_names() if name.startswith(prefix)):
+        tables[bare(table)] = {
+            "columns": [(c["name"], str(c["type"]), c["nullable"], bare(str(c.get("default"))))
+                        for c in inspector.get_columns(table)],
+            "primary_key": inspector.get_pk_constraint(table)["constrained_columns"],
+            "indexes": sorted((bare(i["name"]), tuple(i["column_names"]), bool(i["unique"]),
+                               str(i.get("dialect_options", {}).get("postgresql_where")))
+                              for i in inspector.get_indexes(table)),
+            "foreign_keys": sorted((bare(f["referred_table"]), tuple(f["constrained_columns"]))
+                                   for f in inspector.get_foreign_keys(table)),
+        }
+    return tables
+
+
+@pytest.mark.parametrize("using", ["default", "pg"], indirect=True)
+def test_migrate_creates_the_tables_the_cli_creates(using):
+    engine = create_engine(database_url(using))
+    prefix = unique_prefix()
+    cli = Store(engine, prefix)
+    cli.migrate()  # what `celery outbox migrate` runs
+    try:
+        migrated = schema(engine, DJANGO_PREFIX)
+        assert migrated, "manage.py migrate created no outbox table"
+        assert migrated == schema(engine, prefix)
+    finally:
+        drop_store(cli)
+        engine.dispose()
+
+
+@pytest.mark.parametrize("using", ["pg"], indirect=True)
+def test_migrate_follows_the_database_it_is_given(using):
+    """``migrate --database`` creates (and, reversed, drops) the tables in that database only."""
+    def tables(alias: str) -> set[str]:
+        return {name for name in connections[alias].introspection.table_names() if name.startswith(DJANGO_PREFIX)}
+
+    created = tables("pg")
+    assert created and tables("default") == created
+    call_command("migrate", "celery_outbox", "zero", database="pg", verbosity=0)
+    assert tables("pg") == set() and tables("default") == created
+    call_command("migrate", "celery_outbox", database="pg", verbosity=0)
+    assert tables("pg") == created and tables("default") == created
+
+
+def test_the_outbox_reads_django_settings_and_stores_in_django_database(shop):
+    from django.conf import settings
+
+    outbox_settings = shop.outbox.settings
+    assert outbox_settings.table_prefix == settings.CELERY_OUTBOX_TABLE_PREFIX == DJANGO_PREFIX
+    assert outbox_settings.django_database == shop.using
+    expected = make_comparable(database_url(shop.using))
+    assert make_comparable(str(shop.outbox.engine.url.render_as_string(hide_password=False))) == expected
+    assert shop.outbox.ready().store.missing_tables() == []  # the tables manage.py migrate made
+
+
+def make_comparable(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://")

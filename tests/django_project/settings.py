@@ -1,0 +1,44 @@
+"""Django settings of the test project: a shop whose orders are written with the ORM, on SQLite
+(``default``) and on the local PostgreSQL (``pg``), with celery-outbox installed."""
+
+import os
+import tempfile
+from pathlib import Path
+
+from tests.services import POSTGRES_URL
+from sqlalchemy.engine import make_url
+
+_postgres = make_url(POSTGRES_URL)
+_sqlite = Path(os.environ.get("CELERY_OUTBOX_DJANGO_SQLITE", Path(tempfile.gettempdir()) / f"celery_outbox_django_{os.getpid()}.sqlite3"))
+
+SECRET_KEY = "celery-outbox tests"
+DEBUG = False
+USE_TZ = True
+ALLOWED_HOSTS = ["testserver", "127.0.0.1", "localhost"]
+ROOT_URLCONF = "tests.django_project.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "celery_outbox.django",
+    "tests.django_project.shop",
+]
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(_sqlite),
+        "ATOMIC_REQUESTS": True,
+        "TEST": {"NAME": str(_sqlite.with_name(f"test_{_sqlite.name}"))},
+    },
+    "pg": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": _postgres.database,
+        "USER": _postgres.username or "",
+        "PASSWORD": _postgres.password or "",
+        "HOST": _postgres.host or "",
+        "PORT": str(_postgres.port or ""),
+        "ATOMIC_REQUESTS": True,
+        "TEST": {"NAME": f"test_celery_outbox_django_{os.getpid()}"},
+    },
+}
+CELERY_OUTBOX_TABLE_PREFIX = "dj_outbox_"
