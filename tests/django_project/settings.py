@@ -5,11 +5,12 @@ import os
 import tempfile
 from pathlib import Path
 
-from tests.services import POSTGRES_URL
 from sqlalchemy.engine import make_url
 
+from tests.services import POSTGRES_URL
+
 _postgres = make_url(POSTGRES_URL)
-_sqlite = Path(os.environ.get("CELERY_OUTBOX_DJANGO_SQLITE", Path(tempfile.gettempdir()) / f"celery_outbox_django_{os.getpid()}.sqlite3"))
+_sqlite = Path(tempfile.gettempdir()) / f"celery_outbox_django_{os.getpid()}.sqlite3"
 
 SECRET_KEY = "celery-outbox tests"
 DEBUG = False
