@@ -1,7 +1,8 @@
 """Talking to the broker without hanging on it: a quick reachability check, its error types, and
-the one publish loop (``Outlet.publish_each``) that every path publishing stored or committed
-messages goes through: the commit-time publisher, the relay, redelivery and the re-publish of
-stranded envelopes."""
+the one publish loop (``Outlet.publish_each``) that every path publishing stored messages goes
+through: the commit-time publisher (its durable messages), the relay, redelivery and the
+re-publish of stranded envelopes. A message with no row (not durable) goes alone with Celery's
+retry policy (``Outlet.publish_one``)."""
 
 from __future__ import annotations
 

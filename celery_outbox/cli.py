@@ -1,8 +1,10 @@
 """``celery -A proj outbox ...``: schema and operations commands.
 
-Each command calls the same ``Outbox`` method that beat or start-up calls; this
-module only parses arguments and prints. Errors of the library (a bad setting, a
-database that cannot be reached) end the command with one line, exit code 1.
+The maintenance commands call the same ``Outbox`` methods that beat or start-up calls;
+the dead-letter commands read the store and call ``deadletters.replay`` and ``purge`` with
+the Outbox's publisher and runtime; this module only parses arguments and prints. Errors
+of the library (a bad setting, a database that cannot be reached) end the command with
+one line, exit code 1.
 """
 
 from __future__ import annotations
@@ -106,14 +108,15 @@ def _maintenance_pass(command: Callable[..., Any]) -> Callable[..., Any]:
 
 @_maintenance_pass
 def recover(box: Outbox, max_batches: int | None):
-    """One recover pass, as beat runs it: dead nodes, released claims, relay, stranded envelopes.
+    """One recover pass, as beat runs it: dead nodes, released claims, relay, redelivery, stranded envelopes.
     Exit code 1 when the broker is unreachable."""
     return box.recover(max_batches)
 
 
 @_maintenance_pass
 def cleanup(box: Outbox, max_batches: int | None):
-    """One cleanup pass, as beat runs it: expired inbox rows and, with a retention, old dead letters."""
+    """One cleanup pass, as beat runs it: expired inbox rows, old dead letters (with a retention)
+    and, with an archiver, the records of sent messages."""
     return box.cleanup(max_batches)
 
 

@@ -1,4 +1,5 @@
-"""Dead letters: list, show, replay and purge the envelopes that failed for good.
+"""Dead letters, the envelopes that failed for good: which ones a command applies to
+(``DeadLetterFilter``), replay and purge; ``cli`` lists and shows them through the store.
 
 Every dead letter keeps the full envelope (body, headers, routing), so it can be
 replayed byte for byte. A replay goes through the outbox: per batch, one

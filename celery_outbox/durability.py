@@ -15,7 +15,7 @@ Recover, in order:
 
 1. declare dead the nodes whose heartbeat is older than ``outbox_node_stale_after``
    for ``outbox_node_stale_checks`` consecutive checks (on PostgreSQL also, at once,
-   a node whose process no longer holds its liveness lock);
+   a silent node whose process no longer holds its liveness lock);
 2. release the inbox claims of dead nodes (and of owner ids with no node row);
 3. release claims older than ``outbox_inbox_stale_time`` (opt-in);
 4. relay the due outgoing rows: unsent ones and durable scheduled messages whose

@@ -169,10 +169,10 @@ def tolerate_any_envelope(channel: Any) -> None:
     """Make ``channel`` build a message from any envelope it receives. A virtual transport builds
     each message from the envelope's JSON as it is delivered, in the consumer's event loop, before
     any handler: an envelope kombu cannot read (headers that are not a mapping, properties or
-    delivery info of the wrong shape, a body it cannot decode) raised there and stopped the worker,
-    the message already taken off the queue. The message is now built from a sound copy of the
-    envelope and carries what was wrong (``envelope_fault``) for the guard to dead-letter it.
-    Other transports (py-amqp: headers are always a table) are left as they are."""
+    delivery info of the wrong shape, a body it cannot decode) raises there, which stops the
+    worker with the message already taken off the queue. So the message is built from a sound
+    copy of the envelope and carries what is wrong with it (``envelope_fault``) for the guard to
+    dead-letter it. Other transports (py-amqp: headers are always a table) are left as they are."""
     build_channel_messages_with(channel, _TolerantMessage)
 
 

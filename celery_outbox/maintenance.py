@@ -27,12 +27,12 @@ def register_beat_tasks(runtime: Runtime) -> None:
 
     @app.task(name=RECOVER_TASK, ignore_result=True, shared=False)
     def recover_task() -> dict[str, Any]:
-        """Dead nodes, released claims, unsent and due outgoing rows, stranded envelopes."""
+        """Dead nodes, released claims, unsent and due outgoing rows, redelivery, stranded envelopes."""
         return recover(runtime).as_dict()
 
     @app.task(name=CLEANUP_TASK, ignore_result=True, shared=False)
     def cleanup_task() -> dict[str, Any]:
-        """Delete handled inbox rows past their keep-until and dead letters past retention."""
+        """Delete ended inbox rows past their keep-until and dead letters past retention; archive sent records."""
         return cleanup(runtime).as_dict()
 
 

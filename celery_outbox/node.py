@@ -11,8 +11,10 @@ Liveness, two ways:
   declares a node dead after ``outbox_node_stale_checks`` stale checks;
 * on PostgreSQL the node also holds a session-level advisory lock on a dedicated
   connection for its whole life. The database drops it the instant the process
-  dies, so a killed process is known dead as soon as its heartbeat falls silent
-  (three intervals), even while its worker's parent process keeps heartbeating.
+  dies, so recovery declares a killed process dead at its first pass after the
+  heartbeat falls silent (three intervals, at most ``outbox_node_stale_after``:
+  ``OutboxSettings.silent_before``), without waiting for the stale checks, even
+  while its worker's parent process keeps heartbeating.
   A liveness connection that drops while the process lives (a failover, the
   server's ``idle_session_timeout``, a pooler recycling it) is re-established by
   the heartbeat thread and the lock taken again; the heartbeat goes on meanwhile,

@@ -6,7 +6,7 @@ inbox), and installs the hooks: the publish hook, the app's task base, the consu
 guard, the beat tasks and the worker signals. Each part is handed what it uses; none
 reaches back here. Calling it twice on one app returns the same object.
 
-No connection is made until the store is first used (``outbox.ready()``), which
+No connection is made until the store is first used (``ready()``), which
 workers and beat do at start-up: a database that cannot be reached stops them with
 one clear error instead of failing their first task.
 """
@@ -220,7 +220,7 @@ class Outbox:
     # -- maintenance ---------------------------------------------------------------------------
 
     def relay(self, max_batches: int | None = None) -> RelayResult:
-        """Publish outgoing rows left after their commit (what beat and ``outbox relay`` run)."""
+        """Publish outgoing rows left after their commit (what each recover pass and ``outbox relay`` run)."""
         return relay(self.runtime, max_batches)
 
     def recover(self, max_batches: int | None = None) -> RecoverResult:

@@ -48,9 +48,10 @@ class Publisher:
         self.runtime = runtime
 
     def store_and_forward(self, messages: list[OutgoingMessage], producer: Any = None) -> None:
-        """Outside a unit of work: store durable messages in their own transaction, then publish
-        with ``producer`` (the one the sender holds: taking a second one from the app's pool while
-        holding the first deadlocks once the pool is exhausted), or one from the pool."""
+        """Outside a unit of work (or for what survives its rollback): store durable messages in their
+        own transaction, then publish with ``producer`` (the one the sender holds: taking a second
+        one from the app's pool while holding the first deadlocks once the pool is exhausted), or
+        one from the pool."""
         durable = [m for m in messages if m.durable]
         if durable:
             store = self.runtime.ready().store

@@ -61,7 +61,8 @@ class RelayResult:
 
 
 def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
-    """Publish pending outgoing rows, in bounded batches; what beat and ``outbox relay`` run."""
+    """Publish pending outgoing rows, in bounded batches; what each recover pass (beat) and
+    ``outbox relay`` run."""
     store = runtime.ready().store
     settings = runtime.settings
     app = runtime.app
@@ -181,8 +182,9 @@ def _redelivery(row: Any, queues: Any) -> OutgoingMessage:
 
 
 def with_eta(message: OutgoingMessage) -> OutgoingMessage:
-    """A row stored by an older version holds its eta only in ``deliver_at`` (its header's eta was
-    cleared): put it back, so the worker holds the message until then, as for a new row."""
+    """Put a row's eta back in its headers from ``deliver_at`` when the ``eta`` header is empty (the
+    form in which earlier releases stored a scheduled message), so that the worker holds the
+    message until then, as it does for any row stored with its eta."""
     if message.deliver_at is not None and message.headers.get("eta") is None and "task" in message.headers:
         message.headers["eta"] = message.deliver_at.isoformat()
     return message

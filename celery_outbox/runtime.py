@@ -1,11 +1,12 @@
 """The runtime of one app: what every operation of the outbox uses.
 
 ``Outbox(app)`` builds one ``Runtime`` and hands it to the parts it composes (the
-publisher, the inbox, the node, the maintenance and the consumer guard); none of them
-reaches back to the ``Outbox``. The runtime holds the app, its validated settings, the
-store, the sessions and the archiver. The settings are read when the app is configured
-(never at import time of this library); no connection is made until ``ready()``, which
-the entry points call (worker and beat start-up, a unit of work, the CLI): a database
+publisher, the inbox, the node, the beat tasks); the consumer guard, which Celery
+builds, finds it on the app (``runtime_of``). None of them reaches back to the
+``Outbox``. The runtime holds the app, its validated settings, the store, the
+sessions and the archiver. The settings are read when the app is configured (never
+at import time of this library); no connection is made until ``ready()``, which the
+entry points call (worker and beat start-up, a unit of work, the CLI): a database
 that cannot be reached stops them with one clear error.
 """
 

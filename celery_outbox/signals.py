@@ -5,7 +5,7 @@
 * ``publish_failed(sender=outbox, message=OutgoingMessage, exception=...)``: a
   publish failed; a durable message stays in the outgoing table for the relay.
 * ``duplicate_discarded(sender=outbox, message_id, task_name, queue)``: the inbox
-  rejected a redelivered copy.
+  discarded a redelivered copy (acked, state IGNORED).
 """
 
 from celery.utils.dispatch import Signal

@@ -5,19 +5,23 @@ an ``IdempotentTask`` body), every publish of the app (``delay``, ``apply_async`
 ``send_task``, canvas, callbacks, ``retry``, ``replace``) is captured, fully built,
 into the unit of work instead of going to the broker (``publish_hook``):
 
-* before the Session's outermost commit, messages for durable queues are written
-  to the outgoing table with one INSERT, inside that same transaction;
+* before the outermost commit (the Session's, or ``ConnectionUnitOfWork.commit`` for a
+  task attempt), messages for durable queues are written to the outgoing table with
+  one INSERT, inside that same transaction;
 * after the commit, the publisher publishes every captured message in call order
   (``publishing.Publisher.publish_committed``);
-* on rollback nothing is published; a rolled-back SAVEPOINT discards only the
-  messages captured inside it.
+* on rollback nothing is published but a ``retry`` or ``replace`` of the running task,
+  which Celery decided on (stored and forwarded on its own); a rolled-back SAVEPOINT
+  discards only the messages captured inside it.
 
-Guarantee: nothing is published unless the transaction commits; a durable message
+Guarantee: nothing else is published unless the transaction commits; a durable message
 whose publish fails after the commit (broker down, process killed) stays in the
 outgoing table for the relay, so it is delayed, never lost.
 
 State lives in a ``ContextVar``: it follows the thread or task that opened it, in
-prefork, threads and eventlet/gevent pools alike.
+prefork, threads and eventlet/gevent pools alike. ``transaction()`` opens a unit of work
+on a Session (``Outbox.transaction``); ``ConnectionUnitOfWork`` is a task attempt's,
+owned by the inbox, and ``run_body`` makes it the running body's (``self.session``).
 """
 
 from __future__ import annotations
