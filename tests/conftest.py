@@ -12,6 +12,18 @@ from celery_outbox.store import Store, build_engine
 from .services import require
 
 
+def pytest_configure(config) -> None:
+    """Configure Django for the tests of ``tests/django`` (pytest-django) in this process only:
+    ``settings.configure`` sets no ``DJANGO_SETTINGS_MODULE``, so the worker and beat processes
+    the other tests start run without Django, as a plain Celery project's do."""
+    from django.conf import settings
+
+    if not settings.configured:
+        from .django_project import settings as project
+
+        settings.configure(**{name: getattr(project, name) for name in dir(project) if name.isupper()})
+
+
 def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}_"
 
