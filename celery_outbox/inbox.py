@@ -55,6 +55,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from . import dead_letter_rows
 from .crashpoints import crashpoint
 from .delivery import Delivery, dead_letter_row, envelope_of
+from .django.unit_of_work import DjangoAttempt
 from .node import Node
 from .publishing import Publisher
 from .runtime import Runtime
@@ -263,7 +264,7 @@ class Inbox:
         are captured into it. When the attempt failed, how it ended is recorded after the
         rollback (``_ending``)."""
         with _store_errors():
-            uow = ConnectionUnitOfWork(self.publisher)
+            uow = self._new_attempt(unit_of_work and last is None)
         with self._ending(task, delivery, uow), uow.opened() if unit_of_work else nullcontext():
             try:
                 yield uow
@@ -274,6 +275,13 @@ class Inbox:
             except BaseException:
                 uow.rollback()
                 raise
+
+    def _new_attempt(self, optimistic: bool) -> ConnectionUnitOfWork:
+        """The attempt's unit of work: on the outbox's engine, or, for the optimistic style with
+        ``celery_outbox.django`` installed, inside Django's transaction on its connection."""
+        if optimistic and self.runtime.joins_django:
+            return DjangoAttempt(self.publisher, self.runtime.settings.django_database)
+        return ConnectionUnitOfWork(self.publisher)
 
     @contextmanager
     def _ending(self, task: Any, delivery: Delivery, uow: ConnectionUnitOfWork) -> Iterator[None]:

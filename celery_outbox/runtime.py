@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from .config import DEFAULT_DATABASE_URL, OutboxSettings, read_settings
 from .django.settings import database_url as django_database_url
 from .django.settings import installed as django_installed
+from .django.settings import same_database
 from .errors import ConfigurationError
 from .sessions import listen_to_sessions, session_info
 from .store import Store, build_engine
@@ -89,9 +90,8 @@ class Runtime:
             if self._settings is not None:
                 return
             settings = read_settings(conf, namespace=self.app.namespace, **self.overrides)
-            self._joins_django = django_installed()
-            if self._joins_django and self.given_engine is None and settings.database_url == DEFAULT_DATABASE_URL:
-                settings = dataclasses.replace(settings, database_url=django_database_url(settings.django_database))
+            if django_installed() and self.given_engine is None:
+                settings = self._with_django_database(settings)
             engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
             self._store = Store(engine, settings.table_prefix)
             self._sessions = sessionmaker(engine, expire_on_commit=False, info=session_info())
@@ -104,6 +104,20 @@ class Runtime:
             callbacks, self._when_loaded = self._when_loaded, []
         for callback in callbacks:
             callback()
+
+    def _with_django_database(self, settings: OutboxSettings) -> OutboxSettings:
+        """With ``celery_outbox.django`` installed: the store is Django's database
+        ``outbox_django_database`` unless ``outbox_database_url`` names another; the outbox joins
+        Django's transactions when its store is that database."""
+        if settings.database_url == DEFAULT_DATABASE_URL:
+            settings = dataclasses.replace(settings, database_url=django_database_url(settings.django_database))
+            self._joins_django = True
+            return settings
+        try:
+            self._joins_django = same_database(settings.database_url, django_database_url(settings.django_database))
+        except ConfigurationError:  # a Django database the outbox cannot use: not the outbox's store
+            self._joins_django = False
+        return settings
 
     @property
     def settings(self) -> OutboxSettings:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
-from sqlalchemy.engine import Connection, RootTransaction
+from sqlalchemy.engine import Connection, Engine, RootTransaction
 from sqlalchemy.orm import Session, SessionTransaction
 
 from .crashpoints import crashpoint
@@ -181,17 +181,18 @@ class ConnectionUnitOfWork(UnitOfWork):
     before ``commit`` commits, and everything captured is published just after.
     """
 
-    def __init__(self, publisher: "Publisher"):
+    def __init__(self, publisher: "Publisher", engine: Engine | None = None):
         super().__init__(publisher, None)
         # like every entry point: the store answers, tables exist
-        self._connection = publisher.runtime.ready().engine.connect()
+        runtime = publisher.runtime.ready()
+        self._connection = (engine or runtime.engine).connect()
         self._transaction: RootTransaction | None = None
 
     @property
     def connection(self) -> Connection:
         """The connection, its transaction begun (on first use: on SQLite, BEGIN takes the write lock)."""
         if self._transaction is None:
-            self._transaction = self._connection.begin()
+            self._transaction = self._begin()
         return self._connection
 
     @property
@@ -220,7 +221,7 @@ class ConnectionUnitOfWork(UnitOfWork):
         self._store_durable(connection)
         if last is not None and not last(connection):
             return False
-        connection.commit()
+        self._commit()
         self._publish_committed()
         return True
 
@@ -234,7 +235,7 @@ class ConnectionUnitOfWork(UnitOfWork):
         what was captured."""
         try:
             if self._transaction is not None and self._transaction.is_active:
-                self._transaction.rollback()
+                self._rollback()
         except Exception as exc:  # noqa: BLE001 - the error that led here is the one to raise; closing ends it
             logger.warning("celery-outbox: could not roll back a task's transaction (closing its connection): %s",
                            exc)
@@ -248,6 +249,19 @@ class ConnectionUnitOfWork(UnitOfWork):
                 self._session.close()
         finally:
             self._connection.close()
+
+    def _begin(self) -> RootTransaction:
+        """Begin the attempt's transaction."""
+        return self._connection.begin()
+
+    def _commit(self) -> None:
+        """Commit the attempt's transaction."""
+        self._connection.commit()
+
+    def _rollback(self) -> None:
+        """Roll the attempt's transaction back."""
+        assert self._transaction is not None
+        self._transaction.rollback()
 
     # The Session joined the owner's transaction: its commit only flushes; the owner commits.
     def _before_commit(self, session: Session) -> None:

@@ -7,11 +7,12 @@ import os
 import sys
 from typing import Any
 
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 
 from ..errors import ConfigurationError
 
-__all__ = ["APP", "database_url", "installed"]
+__all__ = ["APP", "database_url", "installed", "outbox_settings", "same_database"]
 
 APP = "celery_outbox.django"
 _DRIVERS = {"django.db.backends.postgresql": "postgresql+psycopg", "django.db.backends.sqlite3": "sqlite"}
@@ -64,3 +65,14 @@ def outbox_settings() -> Any:
 
     return read_settings({key: getattr(settings, key) for key in dir(settings) if key.startswith("CELERY_OUTBOX_")},
                          namespace="CELERY")
+
+
+def same_database(first: str, second: str) -> bool:
+    """Whether two SQLAlchemy URLs name the same database (driver and password aside); False when
+    either is not a URL (building the engine says what is wrong with it)."""
+    try:
+        a, b = make_url(first), make_url(second)
+    except ArgumentError:
+        return False
+    return (a.get_backend_name(), a.host or "", a.port, a.database or "", a.username or "") == (
+        b.get_backend_name(), b.host or "", b.port, b.database or "", b.username or "")

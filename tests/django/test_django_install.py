@@ -84,3 +84,18 @@ def test_the_outbox_reads_django_settings_and_stores_in_django_database(shop):
 
 def make_comparable(url: str) -> str:
     return url.replace("postgresql+psycopg://", "postgresql://")
+
+
+def test_only_an_outbox_whose_store_is_the_django_database_joins_its_transactions(tmp_path):
+    """``celery_outbox.django`` installed: an outbox on Django's database (by default, or named by
+    its URL) joins Django's transactions; one whose URL names another database does not."""
+    from celery import Celery
+
+    from celery_outbox import Outbox
+
+    def outbox(**overrides):
+        return Outbox(Celery(f"dj_{unique_prefix()}", broker="memory://", set_as_current=False), **overrides)
+
+    assert outbox().runtime.joins_django
+    assert outbox(database_url=database_url("default")).runtime.joins_django
+    assert not outbox(database_url=f"sqlite:///{tmp_path / 'other.sqlite3'}").runtime.joins_django

@@ -1,0 +1,86 @@
+"""An ``IdempotentTask`` in a Django project writes with the ORM: its inbox claim and its ORM
+writes commit in one Django transaction (the optimistic style), on SQLite and PostgreSQL, with a
+real worker (a thread pool in this process, so that it uses the test databases) on Redis."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+from celery.signals import task_postrun
+from django.db import close_old_connections
+
+from celery_outbox import IdempotentTask
+
+from ..brokers import copy_options, receive
+from ..django_project.shop.models import Order
+from ..services import wait_until
+
+pytestmark = pytest.mark.django_db(databases=["default", "pg"], transaction=True)
+
+
+def close_connections(**_) -> None:
+    close_old_connections()  # as Celery's Django fixup does after each task
+
+
+@pytest.fixture
+def worker_shop(shop):
+    """The shop's worker: a pool of two threads consuming the plain queue (the payments' durable
+    queue is left to the test to read); each task's Django connection closed after it, as in a
+    Django project's worker."""
+    runs: list[str] = []
+    using = shop.using
+
+    @shop.app.task(name="shop.place", base=IdempotentTask, bind=True, shared=False)
+    def place(self, number, fail=False, then_pay=False):
+        runs.append(number)
+        Order.objects.using(using).create(number=number)
+        if then_pay:
+            shop.pay.apply_async((number,), task_id=f"pay-{number}")
+        if fail:
+            raise ValueError("the body fails after its ORM write")
+
+    shop.app.conf.task_routes = {**shop.app.conf.task_routes, "shop.place": {"queue": shop.plain}}
+    shop.place, shop.runs = place, runs
+    task_postrun.connect(close_connections, weak=False)
+    with start_worker(shop.app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10,
+                      queues=[shop.plain]):
+        yield shop
+    task_postrun.disconnect(close_connections)
+
+
+def orders(shop, number: str) -> int:
+    return Order.objects.using(shop.using).filter(number=number).count()
+
+
+def handled(shop, task_id: str):
+    row = shop.outbox.store.get_incoming(task_id)
+    return row if row is not None and row.status in ("handled", "dead") else None
+
+
+def test_a_redelivered_copy_is_discarded_and_the_order_written_once(worker_shop):
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    shop.place.apply_async((number,), **copy_options(f"place-{number}"))
+    wait_until(lambda: handled(shop, f"place-{number}"), message="the first copy handled")
+    shop.place.apply_async((number,), **copy_options(f"place-{number}"))
+    wait_until(lambda: shop.outbox.store.get_incoming(f"place-{number}").duplicates == 1,
+               message="the second copy discarded")
+    assert orders(shop, number) == 1 and shop.runs == [number]
+    assert handled(shop, f"place-{number}").status == "handled"
+
+
+def test_a_failing_body_rolls_back_its_orm_write_with_its_claim(worker_shop):
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    shop.place.apply_async((number,), {"fail": True}, task_id=f"place-{number}")
+    row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
+    assert row.status == "dead" and orders(shop, number) == 0
+    assert shop.outbox.store.count_dead_letters() == 1
+
+
+def test_a_message_the_body_sends_commits_with_its_orm_write(worker_shop):
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    shop.place.apply_async((number,), {"then_pay": True}, task_id=f"place-{number}")
+    wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt handled")
+    assert orders(shop, number) == 1
+    assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{number}"]
