@@ -16,7 +16,9 @@ at all; once committed it is published now or by the relay later, never lost.
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
+from typing import Any
 
 from ..envelope import OutgoingMessage
 from ..publishing import Publisher, store_durable
@@ -27,16 +29,23 @@ __all__ = ["DjangoTransaction", "joined_transaction"]
 
 
 class DjangoTransaction:
-    """The capture target of one publish inside Django's atomic block on database ``using``."""
+    """The capture target of the publishes inside Django's atomic block on database ``using``.
+
+    Messages captured at one savepoint level share one ``on_commit`` callback, so they are
+    published together after the commit; Django drops the callback, with the level's messages,
+    when that savepoint (or an outer one) rolls back.
+    """
 
     def __init__(self, publisher: Publisher, using: str, store: Store):
         self.publisher = publisher
         self.using = using
         self.store = store
+        self._hooks: Any = None  # Django's list of on_commit callbacks the batches below were registered in
+        self._batches: dict[tuple[str, ...], list[OutgoingMessage]] = {}
 
     def add(self, messages: list[OutgoingMessage]) -> None:
         """Insert the durable messages in Django's transaction; publish all after its commit."""
-        from django.db import transaction
+        from django.db import connections, transaction
 
         decided = [m for m in messages if m.survives_rollback]
         if decided:
@@ -46,11 +55,22 @@ class DjangoTransaction:
         if durable:
             with self.store.engine.connect() as conn:  # Django's connection, in its open transaction
                 store_durable(self.store, conn, durable)
-        if joined:
-            transaction.on_commit(partial(self.publisher.publish_committed, joined), using=self.using, robust=True)
+        if not joined:
+            return
+        connection = connections[self.using]
+        if self._hooks is not connection.run_on_commit:  # a new transaction, or a savepoint rolled back
+            self._hooks, self._batches = connection.run_on_commit, {}
+        level = tuple(connection.savepoint_ids)
+        batch = self._batches.get(level)
+        if batch is None:
+            batch = self._batches[level] = []
+            transaction.on_commit(partial(self.publisher.publish_committed, batch), using=self.using, robust=True)
+            self._hooks = connection.run_on_commit
+        batch.extend(joined)
 
 
-_stores: dict[tuple[str, str], Store] = {}
+# per Django connection (one per thread or greenlet): its joined transaction, per outbox
+_joined: weakref.WeakKeyDictionary[Any, dict[int, DjangoTransaction]] = weakref.WeakKeyDictionary()
 
 
 def joined_transaction(publisher: Publisher) -> DjangoTransaction | None:
@@ -60,10 +80,12 @@ def joined_transaction(publisher: Publisher) -> DjangoTransaction | None:
 
     settings = publisher.runtime.settings
     using = settings.django_database
-    if not connections[using].in_atomic_block:
+    connection = connections[using]
+    if not connection.in_atomic_block:
         return None
-    key = (using, settings.table_prefix)
-    store = _stores.get(key)
-    if store is None:
-        store = _stores[key] = Store(django_engine(using), settings.table_prefix)
-    return DjangoTransaction(publisher, using, store)
+    of_connection = _joined.setdefault(connection, {})
+    joined = of_connection.get(id(publisher))
+    if joined is None or joined.publisher is not publisher:
+        store = Store(django_engine(using), settings.table_prefix)
+        joined = of_connection[id(publisher)] = DjangoTransaction(publisher, using, store)
+    return joined

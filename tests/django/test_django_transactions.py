@@ -63,18 +63,21 @@ def test_a_rolled_back_block_publishes_nothing_and_keeps_no_row(shop):
 
 
 def test_a_rolled_back_savepoint_takes_back_only_its_own_messages(shop):
-    kept, dropped = order_id(), order_id()
+    kept, dropped, nested, after = order_id(), order_id(), order_id(), order_id()
     with transaction.atomic(using=shop.using):
         shop.pay.apply_async((kept,), task_id=f"pay-{kept}")
         shop.email.delay(kept)
+        with transaction.atomic(using=shop.using):  # a savepoint that is released
+            shop.email.delay(nested)
         with pytest.raises(RuntimeError):
-            with transaction.atomic(using=shop.using):  # a savepoint
+            with transaction.atomic(using=shop.using):  # a savepoint that rolls back
                 shop.pay.apply_async((dropped,), task_id=f"pay-{dropped}")
                 shop.email.delay(dropped)
                 raise RuntimeError("the inner block fails")
-        assert outgoing_rows(shop, through_django=True) == [f"pay-{kept}"]
-    assert [m.args for m in receive(shop.app, shop.durable, 1)] == [[kept]]
-    assert [m.args for m in receive(shop.app, shop.plain, 1)] == [[kept]]
+        shop.pay.apply_async((after,), task_id=f"pay-{after}")  # the outer block goes on
+        assert outgoing_rows(shop, through_django=True) == [f"pay-{kept}", f"pay-{after}"]
+    assert sorted(m.args[0] for m in receive(shop.app, shop.durable, 2)) == sorted([kept, after])
+    assert sorted(m.args[0] for m in receive(shop.app, shop.plain, 2)) == sorted([kept, nested])
     assert nothing_more(shop.app, shop.durable) and nothing_more(shop.app, shop.plain)
 
 

@@ -22,6 +22,23 @@ from tests.services import require
 ROOT = Path(__file__).parents[2]
 
 
+def test_the_django_benchmark_compares_the_outbox_with_delay_on_commit(tmp_path):
+    """``python -m benchmarks django``: N messages in ``transaction.atomic()``, celery-outbox's
+    durable queue against ``delay_on_commit``, both measured in the same run."""
+    for service in ("postgres", "redis"):
+        require(service)
+    report_path = tmp_path / "results.json"
+    completed = subprocess.run([sys.executable, "-m", "benchmarks", "django", "--quick", "--json", str(report_path)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads(report_path.read_text())["results"]
+    assert [r["case"] for r in results] == [
+        f"Redis, N={n} in transaction.atomic() with one ORM row, durable vs delay_on_commit" for n in (1, 10, 100)]
+    for result in results:
+        assert result["ours"] > 0 and result["plain"] > 0
+        assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
+
+
 def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     for service in ("postgres", "redis", "rabbitmq"):
         require(service)
