@@ -43,3 +43,11 @@ DATABASES = {
     },
 }
 CELERY_OUTBOX_TABLE_PREFIX = "dj_outbox_"
+
+# A worker process started by a test uses the test's databases (their names as the test runner made
+# them) as its own: CELERY_OUTBOX_DJANGO_TEST_DATABASES = '{"default": "...", "pg": "..."}'
+if os.environ.get("CELERY_OUTBOX_DJANGO_TEST_DATABASES"):
+    import json
+
+    for _alias, _name in json.loads(os.environ["CELERY_OUTBOX_DJANGO_TEST_DATABASES"]).items():
+        DATABASES[_alias]["NAME"] = _name
