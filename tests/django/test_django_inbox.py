@@ -9,7 +9,7 @@ import uuid
 import pytest
 from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 
 from celery_outbox import IdempotentTask
 
@@ -32,22 +32,38 @@ def worker_shop(shop):
     runs: list[str] = []
     using = shop.using
 
+    cuts: list[str] = []
+
     @shop.app.task(name="shop.place", base=IdempotentTask, bind=True, shared=False)
-    def place(self, number, fail=False, then_pay=False):
+    def place(self, number, fail=False, then_pay=False, cut=False):
         runs.append(number)
         Order.objects.using(using).create(number=number)
+        if cut and number not in cuts:
+            cuts.append(number)
+            terminate(connections[using])
+            Order.objects.using(using).filter(number=number).count()  # meets the cut
         if then_pay:
             shop.pay.apply_async((number,), task_id=f"pay-{number}")
         if fail:
             raise ValueError("the body fails after its ORM write")
 
     shop.app.conf.task_routes = {**shop.app.conf.task_routes, "shop.place": {"queue": shop.plain}}
-    shop.place, shop.runs = place, runs
+    shop.place, shop.runs, shop.cuts = place, runs, cuts
     task_postrun.connect(close_connections, weak=False)
     with start_worker(shop.app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10,
                       queues=[shop.plain]):
         yield shop
     task_postrun.disconnect(close_connections)
+
+
+def terminate(connection) -> None:
+    """Have PostgreSQL end ``connection``'s session, from a connection of its own."""
+    import psycopg
+
+    settings = connection.settings_dict
+    with psycopg.connect(host=settings["HOST"] or None, port=settings["PORT"] or None, user=settings["USER"] or None,
+                         password=settings["PASSWORD"] or None, dbname=settings["NAME"], autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])
 
 
 def orders(shop, number: str) -> int:
@@ -84,3 +100,17 @@ def test_a_message_the_body_sends_commits_with_its_orm_write(worker_shop):
     wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt handled")
     assert orders(shop, number) == 1
     assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{number}"]
+
+
+
+@pytest.mark.parametrize("using", ["pg"], indirect=True)
+def test_a_connection_cut_under_the_body_sends_the_message_back_and_it_runs_once(worker_shop):
+    """PostgreSQL ends the attempt's connection (Django's) after the body's ORM write: the write is
+    gone with the claim, nothing is recorded as a failure, the message goes back to the broker and
+    its next delivery writes the order once."""
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    shop.place.apply_async((number,), {"cut": True}, task_id=f"cut-{number}")
+    row = wait_until(lambda: handled(shop, f"cut-{number}"), timeout=60, message="the second delivery handled")
+    assert row.status == "handled" and shop.cuts == [number], "the first delivery met the cut"
+    assert shop.runs == [number, number] and orders(shop, number) == 1
+    assert shop.outbox.store.count_dead_letters() == 0
