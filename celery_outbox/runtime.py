@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Protocol, Sequence
 
 from celery import Celery
@@ -29,7 +30,7 @@ from .errors import ConfigurationError
 from .sessions import listen_to_sessions, session_info
 from .store import Store, build_engine
 
-__all__ = ["Archiver", "Runtime", "runtime_of"]
+__all__ = ["Archiver", "Runtime", "installed_runtimes", "runtime_of"]
 
 logger = logging.getLogger("celery_outbox")
 
@@ -70,6 +71,7 @@ class Runtime:
         self._when_loaded: list[Callable[[], None]] = []
         self._joins_django = False
         setattr(app, _APP_ATTRIBUTE, self)
+        _runtimes.add(self)
 
     def __repr__(self) -> str:
         return f"<Runtime app={self.app.main!r}>"
@@ -204,6 +206,14 @@ class Runtime:
             self._sessions.configure(bind=engine)
             self._ready = False
         old.dispose()
+
+
+_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+def installed_runtimes() -> list[Runtime]:
+    """The runtime of every outbox installed in this process, oldest first."""
+    return sorted(_runtimes, key=id)
 
 
 def runtime_of(app: Any) -> Runtime | None:

@@ -1,0 +1,143 @@
+"""The Django admin as the outbox's dashboard.
+
+Dead letters: filtered by reason, task, queue and exception, each with its envelope and
+traceback; replayed (``deadletters.replay``, through the outbox) or purged
+(``deadletters.purge``) by admin actions that need their own permissions
+(``celery_outbox.replay_deadletter``, ``celery_outbox.purge_deadletter``): a user with view
+rights alone changes nothing. Outgoing and incoming messages are read-only lists. A status
+page (``admin/celery_outbox/deadletter/status/``) shows the counts by state, the oldest
+pending message and the nodes, as ``celery outbox status`` does.
+
+The actions use the outbox whose store is Django's default database (the project's ``celery.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import admin, messages
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.urls import path
+from django.utils.html import format_html
+
+from ..deadletters import DeadLetterFilter, purge, replay
+from ..errors import OutboxError
+from ..runtime import Runtime, installed_runtimes
+from .models import DeadLetter, IncomingMessage, OutgoingMessage
+
+__all__ = ["DeadLetterAdmin", "IncomingMessageAdmin", "OutgoingMessageAdmin", "installed_runtime"]
+
+
+def installed_runtime(using: str = "default") -> Runtime:
+    """The runtime of the outbox whose store is Django's database ``using`` (the one the admin reads)."""
+    for runtime in installed_runtimes():
+        if runtime.joins_django and runtime.settings.django_database == using:
+            return runtime
+    raise OutboxError(f"no Outbox stores its messages in Django's database {using!r}: call Outbox(app) in your "
+                      "project's celery.py, imported by the project (its __init__.py)")
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows of the outbox's tables: looked at, never edited here."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(DeadLetter)
+class DeadLetterAdmin(ReadOnlyAdmin):
+    list_display = ("id", "failed_at", "task_name", "queue", "reason", "exception_type", "replay_count")
+    list_filter = ("reason", "task_name", "queue", "exception_type")
+    search_fields = ("message_id", "task_name", "exception_message")
+    fields = ("message_id", "task_name", "queue", "destination", "reason", "exception_type", "exception_message",
+              "failed_at", "retries", "nesting", "replays", "replay_count", "replayed_at", "exchange", "routing_key",
+              "shown_traceback", "shown_headers", "shown_properties", "content_type", "content_encoding",
+              "shown_body")
+    readonly_fields = fields
+    actions = ["replay_selected", "purge_selected"]
+
+    @admin.display(description="traceback")
+    def shown_traceback(self, letter: DeadLetter) -> str:
+        return format_html("<pre>{}</pre>", letter.traceback or "")
+
+    @admin.display(description="headers")
+    def shown_headers(self, letter: DeadLetter) -> str:
+        return format_html("<pre>{}</pre>", _pretty(letter.headers))
+
+    @admin.display(description="properties")
+    def shown_properties(self, letter: DeadLetter) -> str:
+        return format_html("<pre>{}</pre>", _pretty(letter.properties))
+
+    @admin.display(description="body")
+    def shown_body(self, letter: DeadLetter) -> str:
+        body = bytes(letter.body or b"")
+        return format_html("<pre>{}</pre>", body.decode("utf-8", "backslashreplace")[:4000])
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("celery_outbox.replay_deadletter")
+
+    def has_purge_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("celery_outbox.purge_deadletter")
+
+    @admin.action(permissions=["replay"], description="Replay the selected dead letters")
+    def replay_selected(self, request: HttpRequest, queryset: Any) -> None:
+        runtime = installed_runtime()
+        replayed = replay(runtime.owner.publisher, DeadLetterFilter(ids=tuple(queryset.values_list("id", flat=True))))
+        self.message_user(request, f"replayed {len(replayed.message_ids)} dead letter(s)", messages.SUCCESS)
+        for letter_id, reason in replayed.refused:
+            self.message_user(request, f"dead letter {letter_id} not replayed: {reason}", messages.WARNING)
+
+    @admin.action(permissions=["purge"], description="Purge the selected dead letters")
+    def purge_selected(self, request: HttpRequest, queryset: Any) -> None:
+        deleted = purge(installed_runtime(), DeadLetterFilter(ids=tuple(queryset.values_list("id", flat=True))))
+        self.message_user(request, f"purged {deleted} dead letter(s)", messages.SUCCESS)
+
+    def get_urls(self) -> list[Any]:
+        status = path("status/", self.admin_site.admin_view(self.status_view), name="celery_outbox_status")
+        return [status, *super().get_urls()]
+
+    def status_view(self, request: HttpRequest) -> TemplateResponse:
+        """Counts by state, the oldest pending message and the nodes (``celery outbox status``)."""
+        if not self.has_view_permission(request):
+            from django.core.exceptions import PermissionDenied
+
+            raise PermissionDenied
+        status = installed_runtime().ready().store.status()
+        context = {**self.admin_site.each_context(request), "title": "celery-outbox status", "status": status,
+                   "opts": self.model._meta}
+        return TemplateResponse(request, "celery_outbox/status.html", context)
+
+
+@admin.register(OutgoingMessage)
+class OutgoingMessageAdmin(ReadOnlyAdmin):
+    list_display = ("id", "created_at", "message_id", "task_name", "destination", "sent_at", "redeliveries", "attempts",
+                    "deliver_at")
+    list_filter = ("destination", "task_name")
+    search_fields = ("message_id", "task_name")
+
+
+@admin.register(IncomingMessage)
+class IncomingMessageAdmin(ReadOnlyAdmin):
+    list_display = ("message_id", "received_at", "task_name", "queue", "status", "duplicates", "recoveries",
+                    "handled_at")
+    list_filter = ("status", "queue", "task_name")
+    search_fields = ("message_id", "task_name")
+    list_display_links = None  # the key has three columns: a row has no page of its own
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and super().has_view_permission(request)
+
+
+def _pretty(text: str | None) -> str:
+    try:
+        return json.dumps(json.loads(text), indent=2, sort_keys=True) if text else ""
+    except ValueError:
+        return text or ""
