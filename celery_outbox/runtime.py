@@ -13,6 +13,7 @@ that cannot be reached stops them with one clear error.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import weakref
@@ -71,7 +72,7 @@ class Runtime:
         self._when_loaded: list[Callable[[], None]] = []
         self._joins_django = False
         setattr(app, _APP_ATTRIBUTE, self)
-        _runtimes.add(self)
+        _runtimes[next(_installed)] = self
 
     def __repr__(self) -> str:
         return f"<Runtime app={self.app.main!r}>"
@@ -208,12 +209,13 @@ class Runtime:
         old.dispose()
 
 
-_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
+_runtimes: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()
+_installed = itertools.count()
 
 
 def installed_runtimes() -> list[Runtime]:
-    """The runtime of every outbox installed in this process, oldest first."""
-    return sorted(_runtimes, key=id)
+    """The runtime of every outbox installed in this process (and still alive), oldest first."""
+    return [runtime for _, runtime in sorted(_runtimes.items())]
 
 
 def runtime_of(app: Any) -> Runtime | None:

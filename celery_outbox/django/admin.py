@@ -31,8 +31,9 @@ __all__ = ["DeadLetterAdmin", "IncomingMessageAdmin", "OutgoingMessageAdmin", "i
 
 
 def installed_runtime(using: str = "default") -> Runtime:
-    """The runtime of the outbox whose store is Django's database ``using`` (the one the admin reads)."""
-    for runtime in installed_runtimes():
+    """The runtime of the outbox whose store is Django's database ``using`` (the one the admin reads);
+    the latest installed, if several are."""
+    for runtime in reversed(installed_runtimes()):
         if runtime.joins_django and runtime.settings.django_database == using:
             return runtime
     raise OutboxError(f"no Outbox stores its messages in Django's database {using!r}: call Outbox(app) in your "
