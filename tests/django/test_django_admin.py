@@ -93,6 +93,27 @@ def shoot(browser, name: str) -> Path:
     return path
 
 
+def text(browser, by: str, value: str) -> str:
+    """The text of the element ``by``/``value``, read again while the page re-renders it."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, 10, ignored_exceptions=(StaleElementReferenceException,)).until(
+        lambda driver: driver.find_element(by, value).text or None)
+
+
+def rows(browser) -> list[str]:
+    """The text of each row of the change list, read again while the page re-renders it."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def read(driver):
+        return [row.text for row in driver.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")] or None
+
+    return WebDriverWait(browser, 10, ignored_exceptions=(StaleElementReferenceException,)).until(read)
+
+
 def run_action(browser, action: str) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -111,38 +132,38 @@ def test_an_operator_finds_shows_replays_and_purges_a_dead_letter(admin_shop, br
          "view_outgoingmessage", "view_incomingmessage")
     log_in(browser, live_server, "operator")
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/?reason__exact=failed&task_name=shop.pay")
-    rows = browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
-    assert len(rows) == 1 and "ValueError" in rows[0].text and "failed" in rows[0].text
-    assert browser.find_element(By.ID, "changelist-filter").text.count("reason") >= 1
+    (row,) = rows(browser)
+    assert "ValueError" in row and "failed" in row
+    assert text(browser, By.ID, "changelist-filter").count("reason") >= 1
     shoot(browser, "dead-letters")
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/{shop.letter_id}/change/")
-    page = browser.find_element(By.ID, "content").text
+    page = text(browser, By.ID, "content")
     assert f"card declined for {shop.number}" in page and "ValueError" in page
     assert f'"id": "pay-{shop.number}"' in page, "the envelope's headers are shown"
     shoot(browser, "dead-letter")
 
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/")
     run_action(browser, "replay_selected")
-    assert "replayed 1 dead letter(s)" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
+    assert "replayed 1 dead letter(s)" in text(browser, By.CSS_SELECTOR, "ul.messagelist").lower()
     (replayed,) = receive(shop.app, shop.durable, 1)
     assert (replayed.id, replayed.args) == (f"pay-{shop.number}", [shop.number])
     letter = shop.outbox.store.list_dead_letters(shop.outbox.store.dead_letter_filter())[0]
     assert letter.replay_count == 1
 
     run_action(browser, "purge_selected")
-    assert "purged 1 dead letter(s)" in browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text.lower()
+    assert "purged 1 dead letter(s)" in text(browser, By.CSS_SELECTOR, "ul.messagelist").lower()
     assert shop.outbox.store.count_dead_letters() == 0
 
     browser.get(f"{live_server.url}/admin/celery_outbox/outgoingmessage/")
-    assert f"pay-{shop.number}" in browser.find_element(By.ID, "result_list").text  # replayed: sent, unacknowledged
+    assert f"pay-{shop.number}" in text(browser, By.ID, "result_list")  # replayed: sent, unacknowledged
     shoot(browser, "outgoing")
     browser.get(f"{live_server.url}/admin/celery_outbox/incomingmessage/")
-    assert "incoming message" in browser.find_element(By.ID, "content").text.lower()
+    assert "incoming message" in text(browser, By.ID, "content").lower()
     shoot(browser, "incoming")
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/status/")
-    counts = browser.find_element(By.ID, "outbox-counts").text
+    counts = text(browser, By.ID, "outbox-counts")
     assert "outgoing" in counts and shop.durable in counts
-    assert "Oldest pending outgoing message" in browser.find_element(By.ID, "outbox-oldest").text
+    assert "Oldest pending outgoing message" in text(browser, By.ID, "outbox-oldest")
     shoot(browser, "status")
 
 
@@ -153,7 +174,7 @@ def test_a_user_with_view_rights_alone_can_change_nothing(admin_shop, browser, l
     user(django_user_model, "viewer", "view_deadletter", "view_outgoingmessage", "view_incomingmessage")
     log_in(browser, live_server, "viewer")
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/")
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")) == 1
+    assert len(rows(browser)) == 1
     assert not browser.find_elements(By.NAME, "action"), "no action is offered"
     shoot(browser, "dead-letters-view-only")
     client.login(username="viewer", password=PASSWORD)  # the form posted by hand: refused all the same
