@@ -226,10 +226,10 @@ class Inbox:
         if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
             self._store_envelope(delivery, envelope, owner=node_id)
 
-        def finish(connection: Connection) -> bool:  # False: another node took the claim over
+        def finish(connection: Connection, commit: bool) -> bool:  # False: another node took the claim over
             finished = utcnow()
             return store.finish_incoming(connection, delivery.message_id, delivery.destination, node_id,
-                                         delivery.attempt, finished, self._keep_until(finished), commit=True,
+                                         delivery.attempt, finished, self._keep_until(finished), commit=commit,
                                          send_id=delivery.send_id)
 
         outcome: BaseException | None = None
@@ -256,7 +256,7 @@ class Inbox:
 
     @contextmanager
     def _attempt(self, task: Any, delivery: Delivery, unit_of_work: bool,
-                 last: Callable[[Connection], bool] | None = None) -> Iterator[ConnectionUnitOfWork]:
+                 last: Callable[[Connection, bool], bool] | None = None) -> Iterator[ConnectionUnitOfWork]:
         """The attempt's transaction: one pooled connection, committed when the block ends (durable
         messages inserted just before, then ``last``, the statement the COMMIT may go with;
         everything captured published just after) and rolled back on any exception, or as
@@ -264,7 +264,7 @@ class Inbox:
         are captured into it. When the attempt failed, how it ended is recorded after the
         rollback (``_ending``)."""
         with _store_errors():
-            uow = self._new_attempt(unit_of_work and last is None)
+            uow = self._new_attempt(unit_of_work)
         with self._ending(task, delivery, uow), uow.opened() if unit_of_work else nullcontext():
             try:
                 yield uow
@@ -276,10 +276,10 @@ class Inbox:
                 uow.rollback()
                 raise
 
-    def _new_attempt(self, optimistic: bool) -> ConnectionUnitOfWork:
-        """The attempt's unit of work: on the outbox's engine, or, for the optimistic style with
+    def _new_attempt(self, unit_of_work: bool) -> ConnectionUnitOfWork:
+        """The attempt's unit of work: on the outbox's engine, or, for an ``IdempotentTask`` with
         ``celery_outbox.django`` installed, inside Django's transaction on its connection."""
-        if optimistic and self.runtime.joins_django:
+        if unit_of_work and self.runtime.joins_django:
             return DjangoAttempt(self.publisher, self.runtime.settings.django_database)
         return ConnectionUnitOfWork(self.publisher)
 

@@ -181,6 +181,9 @@ class ConnectionUnitOfWork(UnitOfWork):
     before ``commit`` commits, and everything captured is published just after.
     """
 
+    #: whether ``last`` may send the COMMIT with it (the transaction is this unit's own to commit)
+    commits_with_last = True
+
     def __init__(self, publisher: "Publisher", engine: Engine | None = None):
         super().__init__(publisher, None)
         # like every entry point: the store answers, tables exist
@@ -208,7 +211,7 @@ class ConnectionUnitOfWork(UnitOfWork):
             session.info[UNIT_OF_WORK_KEY] = self
         return self._session
 
-    def commit(self, last: Callable[[Connection], bool] | None = None) -> bool:
+    def commit(self, last: Callable[[Connection, bool], bool] | None = None) -> bool:
         """Flush the Session, insert the durable messages, run ``last`` (the transaction's last
         statement, which may send the COMMIT with it), commit, then publish. False, with nothing
         committed or published, when ``last`` returns False: the caller rolls back."""
@@ -219,7 +222,7 @@ class ConnectionUnitOfWork(UnitOfWork):
             self._session.flush()
         connection = self.connection
         self._store_durable(connection)
-        if last is not None and not last(connection):
+        if last is not None and not last(connection, self.commits_with_last):
             return False
         self._commit()
         self._publish_committed()

@@ -1,12 +1,14 @@
 """A task attempt inside Django's transaction: the inbox claim and the body's ORM writes commit
 together.
 
-Transaction boundary: an ``IdempotentTask`` of the optimistic style, with
-``celery_outbox.django`` installed, runs its attempt in ``transaction.atomic()`` on the outbox's
-Django database: the claim is the block's first statement, on Django's own connection (the
-one the ORM uses in this thread), the body's ORM writes follow, its durable messages are
-inserted just before the block's end, and the block's commit commits them all; everything it
-sent is published just after. An exception rolls the block back, claim included.
+Transaction boundary: an ``IdempotentTask``, with ``celery_outbox.django`` installed, runs its
+attempt in ``transaction.atomic()`` on the outbox's Django database, on Django's own
+connection (the one the ORM uses in this thread). Optimistic style: the claim is the block's
+first statement, the body's ORM writes follow, its durable messages are inserted just before
+the block's end, and the block's commit commits them all. Eager style: the claim commits
+before the body on the outbox's own connection; the body's ORM writes, its durable messages
+and the claim's finish (marked handled) commit together in the block. Everything the body
+sent is published just after the commit. An exception rolls the block back.
 
 Guarantee: as for the SQLAlchemy side: effects exactly once; a copy of a handled delivery is
 discarded.
@@ -30,12 +32,24 @@ class _RolledBack(Exception):
 
 
 class DjangoAttempt(ConnectionUnitOfWork):
-    """A task attempt's unit of work in ``transaction.atomic(using=using)``, on Django's connection."""
+    """A task attempt's unit of work in ``transaction.atomic(using=using)``, on Django's connection.
+
+    The block opens with the attempt, before its claim and its body, so that every ORM write of
+    the body is inside it. The eager style's claim commits before the body on the outbox's own
+    connection (``connection_before_begin`` is None); its finish is the block's last statement,
+    and Django's commit, never one sent with it, ends the block."""
+
+    commits_with_last = False
 
     def __init__(self, publisher: Publisher, using: str):
         super().__init__(publisher, django_engine(using))
         self._using = using
         self._atomic: Any = None
+        self.connection  # noqa: B018 - opens Django's block now, before the body
+
+    @property
+    def connection_before_begin(self) -> None:
+        return None
 
     def _begin(self) -> RootTransaction:
         from django.db import transaction
@@ -49,9 +63,18 @@ class DjangoAttempt(ConnectionUnitOfWork):
         atomic, self._atomic = self._atomic, None
         atomic.__exit__(None, None, None)
 
+    def close(self) -> None:
+        """Close the attempt; a block still open (the attempt ended before its commit or rollback)
+        is rolled back."""
+        try:
+            if self._atomic is not None:
+                self._rollback()
+        finally:
+            super().close()
+
     def _rollback(self) -> None:
-        assert self._transaction is not None
-        self._transaction.rollback()
+        if self._transaction is not None and self._transaction.is_active:
+            self._transaction.rollback()
         atomic, self._atomic = self._atomic, None
         if atomic is not None:
             atomic.__exit__(_RolledBack, _RolledBack(), None)

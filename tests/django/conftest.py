@@ -56,4 +56,5 @@ def shop(using, redis_url):
             conn.execute(table.delete())
     yield SimpleNamespace(app=app, outbox=outbox, pay=pay, email=email, durable=durable, plain=plain, using=using)
     purge(app, durable, plain)
+    outbox.node.deregister()  # its heartbeat and liveness connections, as a worker's shutdown ends them
     outbox.engine.dispose()  # its connections would keep the test database from being dropped

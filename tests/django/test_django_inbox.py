@@ -47,8 +47,17 @@ def worker_shop(shop):
         if fail:
             raise ValueError("the body fails after its ORM write")
 
-    shop.app.conf.task_routes = {**shop.app.conf.task_routes, "shop.place": {"queue": shop.plain}}
-    shop.place, shop.runs, shop.cuts = place, runs, cuts
+    @shop.app.task(name="shop.place_eager", base=IdempotentTask, bind=True, shared=False)
+    def place_eager(self, number, fail=False):
+        runs.append(number)
+        Order.objects.using(using).create(number=number)
+        if fail:
+            raise ValueError("the body fails after its ORM write")
+
+    place_eager.idempotency = "eager"
+    shop.app.conf.task_routes = {**shop.app.conf.task_routes, "shop.place": {"queue": shop.plain},
+                                 "shop.place_eager": {"queue": shop.plain}}
+    shop.place, shop.place_eager, shop.runs, shop.cuts = place, place_eager, runs, cuts
     task_postrun.connect(close_connections, weak=False)
     with start_worker(shop.app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=10,
                       queues=[shop.plain]):
@@ -75,20 +84,26 @@ def handled(shop, task_id: str):
     return row if row is not None and row.status in ("handled", "dead") else None
 
 
-def test_a_redelivered_copy_is_discarded_and_the_order_written_once(worker_shop):
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_redelivered_copy_is_discarded_and_the_order_written_once(worker_shop, style):
     shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
-    shop.place.apply_async((number,), **copy_options(f"place-{number}"))
+    task = shop.place if style == "optimistic" else shop.place_eager
+    task.apply_async((number,), **copy_options(f"place-{number}"))
     wait_until(lambda: handled(shop, f"place-{number}"), message="the first copy handled")
-    shop.place.apply_async((number,), **copy_options(f"place-{number}"))
+    task.apply_async((number,), **copy_options(f"place-{number}"))
     wait_until(lambda: shop.outbox.store.get_incoming(f"place-{number}").duplicates == 1,
                message="the second copy discarded")
     assert orders(shop, number) == 1 and shop.runs == [number]
     assert handled(shop, f"place-{number}").status == "handled"
 
 
-def test_a_failing_body_rolls_back_its_orm_write_with_its_claim(worker_shop):
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_failing_body_rolls_back_its_orm_write_with_its_claim(worker_shop, style):
+    """Optimistic: the claim rolls back with the write; eager: the claim committed first, the write
+    and the claim's finish roll back together, and the attempt ends dead."""
     shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
-    shop.place.apply_async((number,), {"fail": True}, task_id=f"place-{number}")
+    task = shop.place if style == "optimistic" else shop.place_eager
+    task.apply_async((number,), {"fail": True}, task_id=f"place-{number}")
     row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
     assert row.status == "dead" and orders(shop, number) == 0
     assert shop.outbox.store.count_dead_letters() == 1
