@@ -85,9 +85,9 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                     break
                 result.batches += 1
                 last_id = rows[-1].id
-                expired = [row for row in rows if _expired(row, now)]
-                done = out.publish_each([(row, with_eta(from_row(row, out.queues))) for row in rows
-                                         if not _expired(row, now)], crash_point="during_relay")
+                expired, live = _split_expired(rows, now)
+                done = out.publish_each([(row, with_eta(from_row(row, out.queues))) for row in live],
+                                        crash_point="during_relay")
                 poisoned: list[tuple[Any, BaseException]] = []
                 for row, message, exc in done.failed:
                     result.failed += 1
@@ -152,12 +152,12 @@ def redeliver(runtime: Runtime, max_batches: int | None = None) -> tuple[int, st
                     if error:
                         return published, error
                     connected = True
-                expired = [row for row in rows if _expired(row, now)]
+                expired, live = _split_expired(rows, now)
                 if expired:  # the worker discarded it as expired (Celery: revoked): nothing runs it now
                     store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED, sent=True)
                                                      for row in expired])
                     store.delete_outgoing(conn, [row.id for row in expired])
-                done = out.publish_each([(row, _redelivery(row, out.queues)) for row in rows if not _expired(row, now)],
+                done = out.publish_each([(row, _redelivery(row, out.queues)) for row in live],
                                         crash_point="during_relay")
                 for row, _, exc in done.failed:  # it waits for its next redelivery
                     logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc)
@@ -192,6 +192,14 @@ def with_eta(message: OutgoingMessage) -> OutgoingMessage:
 
 def _announce(runtime: Runtime, message: OutgoingMessage) -> None:
     message_published.send(sender=runtime.owner, message=message, relayed=True)
+
+
+def _split_expired(rows: Any, now: datetime) -> tuple[list[Any], list[Any]]:
+    """The rows past their ``expires`` (dead letters, not published), and the others."""
+    expired, live = [], []
+    for row in rows:
+        (expired if _expired(row, now) else live).append(row)
+    return expired, live
 
 
 def _expired(row: Any, now: datetime) -> bool:

@@ -65,7 +65,6 @@ class DjangoTransaction:
         if batch is None:
             batch = self._batches[level] = []
             transaction.on_commit(partial(self.publisher.publish_committed, batch), using=self.using, robust=True)
-            self._hooks = connection.run_on_commit
         batch.extend(joined)
 
 
@@ -86,6 +85,18 @@ def joined_transaction(publisher: Publisher) -> DjangoTransaction | None:
     of_connection = _joined.setdefault(connection, {})
     joined = of_connection.get(id(publisher))
     if joined is None or joined.publisher is not publisher:
-        store = Store(django_engine(using), settings.table_prefix)
-        joined = of_connection[id(publisher)] = DjangoTransaction(publisher, using, store)
+        joined = of_connection[id(publisher)] = DjangoTransaction(publisher, using,
+                                                                  _store(using, settings.table_prefix))
     return joined
+
+
+_stores: dict[tuple[str, str], Store] = {}
+
+
+def _store(using: str, prefix: str) -> Store:
+    """The store on Django's connection ``using``: one per database and prefix, shared by every
+    thread (its engine hands out the calling thread's connection)."""
+    store = _stores.get((using, prefix))
+    if store is None:
+        store = _stores[(using, prefix)] = Store(django_engine(using), prefix)
+    return store
