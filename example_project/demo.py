@@ -49,8 +49,8 @@ DEMO_ENVIRONMENT = {
 }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m example_project.demo", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None, prog: str, description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--orders", type=int, default=300, help="orders to place (default 300)")
     parser.add_argument("--short", action="store_true", help="a quick run for CI: 60 orders")
     parser.add_argument("--unpaid-share", type=float, default=0.1, help="orders placed without payment")
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cancel-after", type=float, default=20.0, help="seconds until an unpaid order is cancelled")
     parser.add_argument("--database-url", help="the store (default: SQLite in the data directory); "
                         "the demo empties the shop's and the outbox's tables there first")
-    parser.add_argument("--broker-url", help="the broker (default: a filesystem broker, see shop/broker.py)")
+    parser.add_argument("--broker-url", help="the broker (default: a filesystem broker, see broker.py)")
     parser.add_argument("--data-dir", help="where the demo keeps its files (default: a new temporary directory)")
     parser.add_argument("--settle-timeout", type=float, default=180.0, help="seconds to wait for the system to settle")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -72,12 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Process:
-    """A celery worker or beat of the shop, logging to a file."""
+    """A celery worker or beat of the shop (``celery -A <app>``), logging to a file."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path):
+    def __init__(self, name: str, app: str, args: list[str], env: dict[str, str], log_dir: Path):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        command = [sys.executable, "-m", "celery", "-A", "example_project.shop.celery_app", *args]
+        command = [sys.executable, "-m", "celery", "-A", app, *args]
         self.process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=self.log_path.open("ab"),
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -111,8 +111,8 @@ class Process:
             self.kill()
 
 
-def worker(name: str, queues: str, concurrency: int, env: dict[str, str], log_dir: Path) -> Process:
-    process = Process(name, ["worker", "-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
+def worker(name: str, app: str, queues: str, concurrency: int, env: dict[str, str], log_dir: Path) -> Process:
+    process = Process(name, app, ["worker", "-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
                              "--without-heartbeat", "--without-gossip", "--without-mingle"], env, log_dir)
     process.wait_for(" ready.")
     return process
@@ -125,8 +125,69 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+class Shop:
+    """What the demo drives: the SQLAlchemy shop of ``example_project/shop`` (the Django shop's is
+    in ``django_demo.py``). Its modules are imported by ``start``, once the environment is set."""
+
+    name = "celery-outbox demo"
+    command = "example_project.demo"
+    description = __doc__.splitlines()[0]
+    celery_app = "example_project.shop.celery_app"
+    environment: dict[str, str] = {}  # what the shop's processes, the demo's own among them, must have set
+
+    def start(self) -> None:
+        from example_project.shop.celery_app import app, outbox
+        from example_project.shop.tasks import charge_payment
+        from example_project.shop.web import api
+
+        self.app, self.outbox, self.charge_payment, self.wsgi = app, outbox, charge_payment, api
+
+    def tables_with_rows(self) -> list[str]:
+        """The shop's and the outbox's tables that exist and hold rows (the schema version row aside)."""
+        from sqlalchemy import inspect
+
+        from example_project.shop.models import Base
+
+        existing = set(inspect(self.outbox.engine).get_table_names())
+        return tables_holding_rows(self.outbox, [t for t in Base.metadata.sorted_tables if t.name in existing])
+
+    def create_tables(self) -> None:
+        """Empty tables: the demo's counts are of this run only."""
+        from example_project.shop.models import Base
+        from example_project.shop.web import create_tables
+
+        Base.metadata.drop_all(self.outbox.engine)
+        self.outbox.store.tables.metadata.drop_all(self.outbox.engine)
+        create_tables()
+
+    def effects(self) -> tuple[dict[str, str], dict[str, int], int]:
+        """Each order's status, each order's number of payments, and the number of receipts."""
+        from sqlalchemy import func, select
+
+        from example_project.shop.models import Order, Payment, Receipt
+
+        with self.outbox.transaction() as session:
+            statuses = dict(session.execute(select(Order.id, Order.status)).all())
+            charges = dict(session.execute(select(Payment.order_id, func.count()).group_by(Payment.order_id)).all())
+            receipts = session.scalar(select(func.count()).select_from(Receipt))
+        return statuses, charges, receipts
+
+
+def tables_holding_rows(outbox: Any, shop_tables: list[Any]) -> list[str]:
+    """The names of ``shop_tables`` and of the outbox's existing tables that hold rows (the schema
+    version row aside), read on the outbox's engine."""
+    from sqlalchemy import func, inspect, select
+
+    existing = set(inspect(outbox.engine).get_table_names())
+    tables = [*shop_tables, *(t for t in outbox.store.tables.all()
+                              if t.name in existing and t is not outbox.store.tables.schema)]
+    with outbox.engine.connect() as conn:
+        return [t.name for t in tables if conn.execute(select(func.count()).select_from(t)).scalar()]
+
+
+def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
+    shop = shop or Shop()
+    args = parse_args(argv, f"python -m {shop.command}", shop.description)
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="celery-outbox-demo-")).resolve()
     if args.data_dir and data_dir.exists():
         if not (args.reset or (data_dir / MARKER).exists() or not any(data_dir.iterdir())):
@@ -135,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / MARKER).write_text("made by the celery-outbox demo: it deletes this folder on its next run\n")
-    env = dict(os.environ, **DEMO_ENVIRONMENT, SHOP_DATA_DIR=str(data_dir),
+    env = dict(os.environ, **DEMO_ENVIRONMENT, **shop.environment, SHOP_DATA_DIR=str(data_dir),
                SHOP_CANCEL_UNPAID_AFTER=str(args.cancel_after), PYTHONPATH=str(ROOT))
     audit = not args.no_audit and audit_available()
     audit_skipped = "--no-audit" if args.no_audit else "needs Java and celery-outbox[spark]"
@@ -145,25 +206,23 @@ def main(argv: list[str] | None = None) -> int:
         env["SHOP_DATABASE_URL"] = args.database_url
     if args.broker_url:
         env["SHOP_BROKER_URL"] = args.broker_url
-    os.environ.update({k: v for k, v in env.items() if k.startswith("SHOP_")})
+    os.environ.update({k: v for k, v in env.items() if k.startswith("SHOP_") or k in shop.environment})
     for folder in ("broker", "control"):
         (data_dir / folder).mkdir(exist_ok=True)
 
     from werkzeug.serving import make_server
 
     from celery_outbox import SEND_HEADER
-    from example_project.shop.celery_app import app, outbox
-    from example_project.shop.tasks import charge_payment
-    from example_project.shop.web import api, create_tables
 
+    shop.start()
+    app, outbox = shop.app, shop.outbox
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request is noise here
-    holding = tables_with_rows(outbox)
+    holding = shop.tables_with_rows()
     if holding and not args.reset:
         return refuse(f"the database at {outbox.store.describe()} already holds rows in {', '.join(holding)}; "
                       "the demo deletes its tables: use another database, or --reset to empty them")
-    reset_tables(outbox)
-    create_tables()
-    server = make_server("127.0.0.1", 0, api, threaded=True)
+    shop.create_tables()
+    server = make_server("127.0.0.1", 0, shop.wsgi, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base_url = f"http://127.0.0.1:{server.server_port}"
     say = (lambda *_: None) if args.json else (lambda text: print(text, flush=True))
@@ -171,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 
     processes: list[Process] = []
     try:
-        victim = worker("payments-a", "payments,cancellations,celery", 2, env, data_dir)
-        processes += [victim, worker("receipts", "receipts", 1, env, data_dir)]
-        beat = Process("beat", ["beat", "-l", "INFO"], env, data_dir)
+        victim = worker("payments-a", shop.celery_app, "payments,cancellations,celery", 2, env, data_dir)
+        processes += [victim, worker("receipts", shop.celery_app, "receipts", 1, env, data_dir)]
+        beat = Process("beat", shop.celery_app, ["beat", "-l", "INFO"], env, data_dir)
         beat.wait_for("beat: Starting...")
         processes.append(beat)
 
@@ -189,23 +248,24 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"demo: {n + 1} orders placed; SIGKILL the payments worker and start another")
                 victim.kill()
                 killed_at = time.time()
-                processes.append(worker("payments-b", "payments,cancellations,celery", 2, env, data_dir))
+                processes.append(worker("payments-b", shop.celery_app, "payments,cancellations,celery", 2, env,
+                                        data_dir))
         say(f"demo: {len(placed)} orders placed over HTTP")
 
         paid = [order for order in placed if order["pay"]]
         duplicates = rng.sample(paid, int(len(paid) * args.duplicate_share))
         for order in duplicates:  # the same message again, as a broker redelivers it: same task id, same send
-            charge_payment.apply_async((order["order_id"],), task_id=order["charge_task_id"],
-                                       headers={SEND_HEADER: send_id_of(outbox, order["charge_task_id"])})
+            shop.charge_payment.apply_async((order["order_id"],), task_id=order["charge_task_id"],
+                                            headers={SEND_HEADER: send_id_of(outbox, order["charge_task_id"])})
         say(f"demo: {len(duplicates)} payment messages re-delivered as duplicates")
 
-        summary = settle(outbox, placed, duplicates, args.settle_timeout, say)
+        summary = settle(shop, placed, duplicates, args.settle_timeout)
         summary.update(killed_after_orders=kill_at if killed_at else None, data_dir=str(data_dir))
         if not audit:
             summary["audit_skipped"] = audit_skipped
         if audit and summary["ok"]:
             say("demo: archiving the handled rows and running the delivery audit (Spark)")
-            summary["audit"] = run_audit(outbox, env, data_dir)
+            summary["audit"] = run_audit(shop, env, data_dir)
             summary["ok"] = summary["audit"]["exit_code"] == 0
     finally:
         for process in processes:  # all at once: each warm shutdown takes seconds
@@ -214,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         for process in processes:
             process.stopped(deadline)
         server.shutdown()
-    print(json.dumps(summary, indent=2) if args.json else report(summary))
+    print(json.dumps(summary, indent=2) if args.json else report(summary, shop.name))
     return 0 if summary["ok"] else 1
 
 
@@ -225,15 +285,16 @@ def audit_available() -> bool:
         importlib.util.find_spec(name) is not None for name in ("pyspark", "pyarrow"))
 
 
-def run_audit(outbox: Any, env: dict[str, str], data_dir: Path) -> dict[str, Any]:
+def run_audit(shop: Shop, env: dict[str, str], data_dir: Path) -> dict[str, Any]:
     """Archive every handled row (cleanup, once the 30 s dedupe window has passed), then run the
-    audit as a user would: ``celery -A example_project.shop.celery_app outbox audit``."""
+    audit as a user would: ``celery -A <the shop's app> outbox audit``."""
+    outbox = shop.outbox
     deadline = time.monotonic() + 120
     while outbox.store.count_incoming() and time.monotonic() < deadline:
         outbox.cleanup()
         time.sleep(1)
     out = data_dir / "audit"
-    command = [sys.executable, "-m", "celery", "-A", "example_project.shop.celery_app", "outbox", "audit",
+    command = [sys.executable, "-m", "celery", "-A", shop.celery_app, "outbox", "audit",
                "--out", str(out), "--grace", "0s", "--master", "local[2]"]
     with (data_dir / "audit.log").open("wb") as log:
         exit_code = subprocess.run(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -251,27 +312,6 @@ def refuse(reason: str) -> int:
     return 2
 
 
-def tables_with_rows(outbox: Any) -> list[str]:
-    """The shop's and the outbox's tables that exist and hold rows (the schema version row aside)."""
-    from sqlalchemy import func, inspect, select
-
-    from example_project.shop.models import Base
-
-    existing = set(inspect(outbox.engine).get_table_names())
-    tables = [t for t in [*Base.metadata.sorted_tables, *outbox.store.tables.all()]
-              if t.name in existing and t is not outbox.store.tables.schema]
-    with outbox.engine.connect() as conn:
-        return [t.name for t in tables if conn.execute(select(func.count()).select_from(t)).scalar()]
-
-
-def reset_tables(outbox: Any) -> None:
-    """Start from empty tables: the demo's counts are of this run only."""
-    from example_project.shop.models import Base
-
-    Base.metadata.drop_all(outbox.engine)
-    outbox.store.tables.metadata.drop_all(outbox.engine)
-
-
 def send_id_of(outbox: Any, task_id: str, timeout: float = 60.0) -> str:
     """The publish identity of a sent message, as its inbox row records it once a worker took it
     (a copy must carry it to be a copy, not a new send of the same task id)."""
@@ -283,22 +323,16 @@ def send_id_of(outbox: Any, task_id: str, timeout: float = 60.0) -> str:
     return row.send_id
 
 
-def settle(outbox: Any, placed: list[dict[str, Any]], duplicates: list[dict[str, Any]], timeout: float,
-           say) -> dict[str, Any]:
+def settle(shop: Shop, placed: list[dict[str, Any]], duplicates: list[dict[str, Any]],
+           timeout: float) -> dict[str, Any]:
     """Wait until every payment and cancellation happened and nothing is pending; count what happened."""
-    from sqlalchemy import func, select
-
-    from example_project.shop.models import Order, Payment, Receipt
-
+    outbox = shop.outbox
     to_pay = {order["order_id"] for order in placed if order["pay"]}
     unpaid = {order["order_id"] for order in placed if not order["pay"]}
     deadline = time.monotonic() + timeout
     started = time.monotonic()
     while True:
-        with outbox.transaction() as session:
-            statuses = dict(session.execute(select(Order.id, Order.status)).all())
-            charges = dict(session.execute(select(Payment.order_id, func.count()).group_by(Payment.order_id)).all())
-            receipts = session.scalar(select(func.count()).select_from(Receipt))
+        statuses, charges, receipts = shop.effects()
         status = outbox.status()
         outgoing_left = sum(row["count"] for row in status["outgoing"])
         running = sum(row["count"] for row in status["incoming"] if row["status"] == "running")
@@ -331,11 +365,11 @@ def settle(outbox: Any, placed: list[dict[str, Any]], duplicates: list[dict[str,
     return summary
 
 
-def report(summary: dict[str, Any]) -> str:
+def report(summary: dict[str, Any], name: str = Shop.name) -> str:
     check = {True: "ok", False: "WRONG"}
     lines = [
         "",
-        "celery-outbox demo: summary",
+        f"{name}: summary",
         f"  orders placed over HTTP        {summary['orders_placed']}",
         f"  orders to pay                  {summary['orders_to_pay']}",
         f"  payments made                  {summary['payments_made']}  "

@@ -8,7 +8,7 @@ from celery import Celery
 
 from celery_outbox import Outbox
 
-from .broker import register
+from ..broker import register
 
 register()  # the shopfs:// transport of the server-less demo
 app = Celery("shop")

@@ -1,7 +1,7 @@
 """Celery settings of the shop, in the style Django projects write them (``namespace="CELERY"``).
 
 Everything runs on embedded defaults: SQLite for the shop's data and the outbox, and
-a filesystem broker (kombu's, with atomic writes: ``broker.py``), so the demo needs no
+a filesystem broker (kombu's, with atomic writes: ``example_project/broker.py``), so the demo needs no
 server. Point
 ``SHOP_DATABASE_URL`` and ``SHOP_BROKER_URL`` at PostgreSQL and Redis or RabbitMQ to
 run the same shop on real services.

@@ -14,10 +14,10 @@ from ..services import require
 ROOT = Path(__file__).parents[2]
 
 
-def run_demo(tmp_path, *extra: str) -> dict:
+def run_demo(tmp_path, *extra: str, module: str = "example_project.demo") -> dict:
+    """Run a demo in its short mode as a user runs it (``python -m <module>``); its JSON summary."""
     process = subprocess.run(
-        [sys.executable, "-m", "example_project.demo", "--short", "--json", "--data-dir", str(tmp_path / "demo"),
-         *extra],
+        [sys.executable, "-m", module, "--short", "--json", "--data-dir", str(tmp_path / "demo"), *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert process.stdout.strip(), f"no summary; stderr: {process.stderr[-3000:]}"
@@ -79,23 +79,6 @@ def test_the_demo_refuses_a_data_folder_it_did_not_make(tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"{mine} holds files the demo did not make" in result.stderr and "--reset" in result.stderr
     assert (mine / "thesis.tex").read_text() == "years of work"
-
-
-@pytest.fixture
-def own_database():
-    """A PostgreSQL database of its own, dropped afterwards."""
-    import uuid
-
-    import psycopg
-
-    url = require("postgres")
-    name = f"demo_{uuid.uuid4().hex[:8]}"
-    admin = url.replace("postgresql+psycopg", "postgresql")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    yield url.rsplit("/", 1)[0] + f"/{name}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 def test_the_demo_refuses_a_database_whose_tables_hold_rows(tmp_path, own_database):

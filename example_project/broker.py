@@ -36,4 +36,4 @@ class Transport(filesystem.Transport):
 
 
 def register() -> None:
-    TRANSPORT_ALIASES.setdefault("shopfs", "example_project.shop.broker:Transport")
+    TRANSPORT_ALIASES.setdefault("shopfs", "example_project.broker:Transport")
