@@ -8,7 +8,9 @@ rights alone changes nothing. Outgoing and incoming messages are read-only lists
 page (``admin/celery_outbox/deadletter/status/``) shows the counts by state, the oldest
 pending message and the nodes, as ``celery outbox status`` does.
 
-The actions use the outbox whose store is Django's default database (the project's ``celery.py``).
+The pages read the Django database that holds the outbox's tables
+(``CELERY_OUTBOX_DJANGO_DATABASE``, ``"default"`` unless set), and the actions and the status
+page use the outbox whose store it is (the project's ``celery.py``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,21 @@ from ..deadletters import DeadLetterFilter, purge, replay
 from ..errors import OutboxError
 from ..runtime import Runtime, installed_runtimes
 from .models import DeadLetter, IncomingMessage, OutgoingMessage
+from .settings import outbox_settings
 
-__all__ = ["DeadLetterAdmin", "IncomingMessageAdmin", "OutgoingMessageAdmin", "installed_runtime"]
+__all__ = ["DeadLetterAdmin", "IncomingMessageAdmin", "OutgoingMessageAdmin", "admin_database", "installed_runtime"]
 
 
-def installed_runtime(using: str = "default") -> Runtime:
-    """The runtime of the outbox whose store is Django's database ``using`` (the one the admin reads);
-    the latest installed, if several are."""
+def admin_database() -> str:
+    """The Django database the admin reads: the one that holds the outbox's tables
+    (``CELERY_OUTBOX_DJANGO_DATABASE``), read from Django's settings on each request."""
+    return outbox_settings().django_database
+
+
+def installed_runtime(using: str | None = None) -> Runtime:
+    """The runtime of the outbox whose store is Django's database ``using`` (by default the one the
+    admin reads); the latest installed, if several are."""
+    using = using or admin_database()
     for runtime in reversed(installed_runtimes()):
         if runtime.joins_django and runtime.settings.django_database == using:
             return runtime
@@ -41,7 +51,10 @@ def installed_runtime(using: str = "default") -> Runtime:
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
-    """Rows of the outbox's tables: looked at, never edited here."""
+    """Rows of the outbox's tables, read from the database that holds them: looked at, never edited here."""
+
+    def get_queryset(self, request: HttpRequest) -> Any:
+        return super().get_queryset(request).using(admin_database())
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -20,9 +20,9 @@ from celery_outbox.vocabulary import DeadLetterReason
 from ..brokers import receive
 from ..services import services_required
 
-# Django's admin reads the default database (SQLite here): the outbox's store is that one
-pytestmark = [pytest.mark.django_db(databases=["default", "pg"], transaction=True),
-              pytest.mark.parametrize("using", ["default"], indirect=True)]
+# users and sessions live in the default database (SQLite); the outbox's tables in the database
+# CELERY_OUTBOX_DJANGO_DATABASE names: the default one, or PostgreSQL ("pg")
+pytestmark = [pytest.mark.django_db(databases=["default", "pg"], transaction=True)]
 
 ARTIFACTS = Path(__file__).parents[2] / "test-artifacts" / "django-admin"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -50,9 +50,11 @@ def browser():
 
 
 @pytest.fixture
-def admin_shop(shop):
-    """The shop on Django's default database (the admin's, whose actions use its outbox) and one
-    dead letter made from a real durable message."""
+def admin_shop(shop, settings):
+    """The shop on Django's database ``using``, named by ``CELERY_OUTBOX_DJANGO_DATABASE`` (the
+    database the admin reads, whose outbox its actions use), and one dead letter made from a real
+    durable message."""
+    settings.CELERY_OUTBOX_DJANGO_DATABASE = shop.using
     number = f"order-{uuid.uuid4().hex[:8]}"
     shop.pay.apply_async((number,), task_id=f"pay-{number}")  # stored and forwarded
     (sent,) = receive(shop.app, shop.durable, 1)
@@ -85,9 +87,9 @@ def log_in(browser, live_server, name: str) -> None:
     browser.find_element(By.ID, "user-tools")  # waits (implicitly) until the admin's index says who is in
 
 
-def shoot(browser, name: str) -> Path:
+def shoot(browser, name: str, using: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
+    path = ARTIFACTS / f"{name}-{using}.png"
     assert browser.save_screenshot(str(path)), f"no screenshot of {name}"
     assert path.stat().st_size > 0
     return path
@@ -135,12 +137,12 @@ def test_an_operator_finds_shows_replays_and_purges_a_dead_letter(admin_shop, br
     (row,) = rows(browser)
     assert "ValueError" in row and "failed" in row
     assert text(browser, By.ID, "changelist-filter").count("reason") >= 1
-    shoot(browser, "dead-letters")
+    shoot(browser, "dead-letters", shop.using)
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/{shop.letter_id}/change/")
     page = text(browser, By.ID, "content")
     assert f"card declined for {shop.number}" in page and "ValueError" in page
     assert f'"id": "pay-{shop.number}"' in page, "the envelope's headers are shown"
-    shoot(browser, "dead-letter")
+    shoot(browser, "dead-letter", shop.using)
 
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/")
     run_action(browser, "replay_selected")
@@ -156,15 +158,15 @@ def test_an_operator_finds_shows_replays_and_purges_a_dead_letter(admin_shop, br
 
     browser.get(f"{live_server.url}/admin/celery_outbox/outgoingmessage/")
     assert f"pay-{shop.number}" in text(browser, By.ID, "result_list")  # replayed: sent, unacknowledged
-    shoot(browser, "outgoing")
+    shoot(browser, "outgoing", shop.using)
     browser.get(f"{live_server.url}/admin/celery_outbox/incomingmessage/")
     assert "incoming message" in text(browser, By.ID, "content").lower()
-    shoot(browser, "incoming")
+    shoot(browser, "incoming", shop.using)
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/status/")
     counts = text(browser, By.ID, "outbox-counts")
     assert "outgoing" in counts and shop.durable in counts
     assert "Oldest pending outgoing message" in text(browser, By.ID, "outbox-oldest")
-    shoot(browser, "status")
+    shoot(browser, "status", shop.using)
 
 
 def test_a_user_with_view_rights_alone_can_change_nothing(admin_shop, browser, live_server, django_user_model, client):
@@ -176,7 +178,7 @@ def test_a_user_with_view_rights_alone_can_change_nothing(admin_shop, browser, l
     browser.get(f"{live_server.url}/admin/celery_outbox/deadletter/")
     assert len(rows(browser)) == 1
     assert not browser.find_elements(By.NAME, "action"), "no action is offered"
-    shoot(browser, "dead-letters-view-only")
+    shoot(browser, "dead-letters-view-only", shop.using)
     client.login(username="viewer", password=PASSWORD)  # the form posted by hand: refused all the same
     for action in ("replay_selected", "purge_selected"):
         client.post("/admin/celery_outbox/deadletter/", {"action": action, "_selected_action": [shop.letter_id]})
