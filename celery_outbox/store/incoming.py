@@ -62,12 +62,13 @@ class IncomingStatements(OneMessage):
         process is gone. A live node whose liveness connection dropped keeps heartbeating while
         it takes its lock again, so it is never taken for dead."""
         nodes = self.tables.nodes
-        gone = ~select(nodes.c.id).where(nodes.c.id == table.c.owner, nodes.c.dead_at.is_(None)) \
-            .correlate(table).exists()
+        # the row's own owner, named by the table's name: in an INSERT's ON CONFLICT ... WHERE the
+        # compiler would not correlate ``table.c.owner`` and would join the whole table instead
+        owner = literal_column(f"{self.engine.dialect.identifier_preparer.quote(table.name)}.owner")
+        gone = ~select(nodes.c.id).where(nodes.c.id == owner, nodes.c.dead_at.is_(None)).exists()
         if not self.is_postgres or silent_before is None:
             return gone
-        silent = select(nodes.c.id).where(nodes.c.id == table.c.owner, nodes.c.heartbeat_at < silent_before) \
-            .correlate(table).exists()
+        silent = select(nodes.c.id).where(nodes.c.id == owner, nodes.c.heartbeat_at < silent_before).exists()
         return gone | self._silent_and_unlocked(silent, table.c.owner)
 
     def claim_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None = None,

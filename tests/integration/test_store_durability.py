@@ -501,6 +501,36 @@ def test_a_running_claim_of_a_heartbeating_node_is_in_flight_not_taken_over(stor
         node.die()
 
 
+def test_a_claim_is_judged_by_its_own_owner_not_by_other_nodes(store: Store):
+    """Whether a running claim may be taken over is decided by the node that owns that row: a
+    heartbeating owner whose liveness lock is free keeps its claim while another node, silent
+    and unlocked, owns other rows; a gone owner's claim is taken over while live nodes own other
+    rows."""
+    owner, ghost, busy = LiveNode(store, "owner"), LiveNode(store, "ghost"), LiveNode(store, "busy")
+    try:
+        now = utcnow()
+        with store.begin() as conn:
+            store.insert_incoming(conn, incoming_row("mine", owner=owner.id, claimed_at=now))
+            store.insert_incoming(conn, incoming_row("ghosts", owner=ghost.id, claimed_at=now))
+            store.insert_incoming(conn, incoming_row("busy", owner=busy.id, claimed_at=now))
+            store.insert_incoming(conn, incoming_row("orphan", owner=busy.id + 1000, claimed_at=now))
+        owner.die()  # its liveness lock is free; it still heartbeats
+        ghost.die()
+        set_heartbeat(store, ghost.id, now - timedelta(seconds=60))  # silent and unlocked: its process is gone
+        silent_before = now - timedelta(seconds=3)
+        with store.begin() as conn:
+            copy = incoming_row("mine", owner=busy.id, claimed_at=now)
+            assert store.claim_incoming(conn, copy, silent_before=silent_before) is False
+        assert store.get_incoming("mine").owner == owner.id
+        with store.begin() as conn:  # no node row at all: gone, though "busy" owns a row and is alive
+            copy = incoming_row("orphan", owner=busy.id, claimed_at=now)
+            assert store.claim_incoming(conn, copy, silent_before=silent_before) is True
+        assert store.get_incoming("orphan").owner == busy.id
+    finally:
+        for node in (owner, ghost, busy):
+            node.die()
+
+
 def test_a_handled_row_is_not_in_flight(store: Store):
     with store.begin() as conn:
         store.insert_incoming(conn, incoming_row("done", status="handled", keep_until=utcnow()))
