@@ -118,7 +118,7 @@ class Inbox:
                 return self._run_eager(task, delivery, body, unit_of_work, envelope)
             if durable:
                 self._store_envelope(delivery, envelope, owner=UNOWNED)
-            return self._run_optimistic(task, delivery, body)
+            return self._run_optimistic(task, delivery, body, stored=durable)
         except Duplicate:
             self._discard(delivery)
             raise Ignore() from None
@@ -171,7 +171,9 @@ class Inbox:
                                                           delivery.attempt, delivery.send_id)
         return InFlight() if in_flight else Duplicate()
 
-    def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any]) -> Any:
+    def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any], stored: bool) -> Any:
+        """Claim as the first statement of the attempt's transaction (taking over the row of the
+        envelope when the caller ``stored`` it), then the body."""
         store = self.runtime.store
         outcome: BaseException | None = None
         with self._attempt(task, delivery, unit_of_work=True) as uow:
@@ -179,7 +181,7 @@ class Inbox:
             with _store_errors():
                 row = self._claim_row(delivery, IncomingStatus.HANDLED, UNOWNED, now)
                 claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
-                                               self.runtime.settings.silent_before(now))
+                                               self.runtime.settings.silent_before(now), stored=stored)
             if not claimed:
                 raise self._not_claimed(uow.connection, delivery)
             crashpoint("after_claim")
@@ -333,6 +335,10 @@ class Inbox:
                "recover_after": now + grace, **envelope}
         if owner == UNOWNED:
             del row["claimed_at"]  # nobody has claimed it yet
+        with _store_errors():  # a new key, the common case: one round trip on PostgreSQL
+            if store.store_envelope_alone(row, delivery.message_id, self._acknowledged_destination(delivery),
+                                          delivery.attempt, delivery.sent_as):
+                return
         with _store_errors(), store.begin(durable=False) as conn:  # the body's commit makes it durable
             if not store.claim_incoming(conn, row, self._stale_before(now), self.runtime.settings.silent_before(now)):
                 raise self._not_claimed(conn, delivery)
@@ -393,9 +399,13 @@ class Inbox:
 
     def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
         """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""
-        by_queue = delivery.destination if self.runtime.settings.message_identity == "id_and_destination" else None
-        self.runtime.store.acknowledge_outgoing(conn, delivery.message_id, by_queue, delivery.attempt,
-                                               delivery.sent_as)
+        self.runtime.store.acknowledge_outgoing(conn, delivery.message_id, self._acknowledged_destination(delivery),
+                                               delivery.attempt, delivery.sent_as)
+
+    def _acknowledged_destination(self, delivery: Delivery) -> str | None:
+        """The destination whose outgoing rows the delivery acknowledges: its queue with message
+        identity ``id_and_destination``; None (every destination) with identity ``id``."""
+        return delivery.destination if self.runtime.settings.message_identity == "id_and_destination" else None
 
     def _discard(self, delivery: Delivery) -> None:
         try:

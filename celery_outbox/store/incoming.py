@@ -5,8 +5,9 @@ A method that takes a ``conn`` runs inside the caller's transaction (the body's 
 recover or cleanup batch) and never commits, with two exceptions that end a transaction
 themselves on PostgreSQL: ``claim_incoming_alone`` claims in a transaction of its own that commits
 without waiting for the WAL flush (on ``then_begin`` it opens the body's transaction behind that
-commit), and ``finish_incoming`` with ``commit`` sends the body's COMMIT in the same message
-(``pipeline``).
+commit), ``store_envelope_alone`` stores a durable queue's envelope and acknowledges the sender's
+outgoing rows in one such transaction, and ``finish_incoming`` with ``commit`` sends the body's
+COMMIT in the same message (``pipeline``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import functools
 from datetime import datetime
 from typing import Any, Sequence
 
-from sqlalchemy import Connection, Row, bindparam, delete, func, literal_column, select, tuple_, update
+from sqlalchemy import Connection, Row, bindparam, delete, exists, func, literal_column, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import OperationalError
 
@@ -56,7 +57,7 @@ class IncomingStatements(OneMessage):
             return self._insert_incoming_in_one_message(conn, row, (b"BEGIN",))
         return conn.execute(self._insert_new_incoming, row).first() is not None
 
-    def _owner_is_dead(self, table, silent_before: datetime | None):
+    def _owner_is_dead(self, table, silent_before: Any):
         """SQL: the row's owner node is gone (declared dead or deregistered) or, on PostgreSQL,
         silent (no heartbeat since ``silent_before``) with its advisory liveness lock free: its
         process is gone. A live node whose liveness connection dropped keeps heartbeating while
@@ -72,7 +73,7 @@ class IncomingStatements(OneMessage):
         return gone | self._silent_and_unlocked(silent, table.c.owner)
 
     def claim_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None = None,
-                       silent_before: datetime | None = None) -> bool:
+                       silent_before: datetime | None = None, stored: bool = False) -> bool:
         """Claim a received message for one attempt; False when it is a duplicate.
 
         ``row`` carries the key, the attempt (``nesting``, ``retries``), the new
@@ -91,39 +92,59 @@ class IncomingStatements(OneMessage):
           before ``stale_before``: a recovery, not a duplicate.
 
         A concurrent claim of the same key waits for the first transaction, then
-        re-checks these conditions against the committed row.
+        re-checks these conditions against the committed row. With ``stored`` (the caller
+        committed the key's row itself, a durable queue's envelope) the INSERT that would
+        conflict is not sent.
         """
-        return self.insert_incoming(conn, row) or self._take_over_incoming(conn, row, stale_before, silent_before)
+        return (not stored and self.insert_incoming(conn, row)) or self._take_over_incoming(
+            conn, row, stale_before, silent_before)
 
     def _take_over_incoming(self, conn: Connection, row: dict[str, Any], stale_before: datetime | None,
                             silent_before: datetime | None) -> bool:
         """The key exists (or a concurrent claim just committed it): a second statement, with a
         fresh snapshot, decides whether this delivery may take the row over."""
+        kept = frozenset(key for key in _ENVELOPE_KEYS if key in row and row[key] is None)
+        statement = self._take_over_statement(tuple(row), kept, stale_before is not None, silent_before is not None)
+        values = {f"row_{key}": value for key, value in row.items()}
+        if stale_before is not None:
+            values["stale_before"] = stale_before
+        if silent_before is not None and self.is_postgres:
+            values["silent_before"] = silent_before
+        if self.is_postgres and self._can_open_in_one_message(conn):  # its BEGIN goes with it: one round trip
+            query = _pipelined_query(statement, conn.dialect, tuple(values), "take_over")
+            result, _ = self._send_one_message(conn, query, values, (b"BEGIN",), ())
+            return result.ntuples > 0
+        return conn.execute(statement, values).first() is not None
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - one store per table prefix: a handful of column sets
+    def _take_over_statement(self, columns: tuple[str, ...], kept: frozenset[str], stale: bool, silent: bool):
+        """``_take_over_incoming``'s ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``, built once per
+        set of ``columns`` (envelope columns in ``kept`` are left as the row has them) and of the
+        instants given: the row's values are the parameters ``row_<column>``, the instants
+        ``stale_before`` and ``silent_before`` (building the statement for every claim would cost
+        more than running it)."""
         table = self.tables.incoming
-        insert = self._upsert(table).values(**row)
+        insert = self._upsert(table).values({column: bindparam(f"row_{column}") for column in columns})
         new = insert.excluded
         same_attempt = (new.nesting == table.c.nesting) & (new.replays == table.c.replays) & (
             new.retries == table.c.retries)
-        free = (table.c.owner == UNOWNED) | self._owner_is_dead(table, silent_before)
-        if stale_before is not None:
-            free = free | (table.c.claimed_at < stale_before)
+        free = (table.c.owner == literal_column(str(UNOWNED))) | self._owner_is_dead(
+            table, bindparam("silent_before") if silent else None)
+        if stale:
+            free = free | (table.c.claimed_at < bindparam("stale_before"))
+        # constants written in the statement: its only parameters are the row's values and the instants
+        retried, dead = (literal_column(f"'{status.value}'") for status in (IncomingStatus.RETRIED,
+                                                                             IncomingStatus.DEAD))
         claimable = (
             (new.nesting > table.c.nesting)
-            | (table.c.status.in_((IncomingStatus.RETRIED.value, IncomingStatus.RUNNING.value))
-               & _later_attempt(new, table))
-            | ((table.c.status == IncomingStatus.DEAD.value) & (new.nesting == table.c.nesting)
-               & (new.replays > table.c.replays))
-            | ((table.c.status == IncomingStatus.RUNNING.value) & same_attempt & free)
+            | (((table.c.status == retried) | is_running(table)) & _later_attempt(new, table))
+            | ((table.c.status == dead) & (new.nesting == table.c.nesting) & (new.replays > table.c.replays))
+            | (is_running(table) & same_attempt & free)
         )
-        updates = {key: getattr(new, key) for key in row
-                   if key not in (*_INCOMING_KEY, "received_at", "recoveries")}
-        updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
-        statement = (
-            insert.on_conflict_do_update(
-                index_elements=_INCOMING_KEY, set_=updates, where=claimable
-            ).returning(table.c.message_id)
-        )
-        return conn.execute(statement).first() is not None
+        updates = {column: getattr(new, column) for column in columns
+                   if column not in (*_INCOMING_KEY, "received_at", "recoveries") and column not in kept}
+        return insert.on_conflict_do_update(index_elements=_INCOMING_KEY, set_=updates, where=claimable) \
+            .returning(table.c.message_id)
 
     def claim_incoming_alone(self, row: dict[str, Any], stale_before: datetime | None = None,
                              then_begin: Connection | None = None, silent_before: datetime | None = None) -> bool:
@@ -158,6 +179,55 @@ class IncomingStatements(OneMessage):
             if inserted is None:  # not sent as one message
                 return self.claim_incoming(conn, row, stale_before, silent_before)
             return self._take_over_incoming(conn, row, stale_before, silent_before)
+
+    def store_envelope_alone(self, row: dict[str, Any], message_id: str, destination: str | None,
+                             attempt: Attempt, send_id: str) -> bool:
+        """PostgreSQL: insert the inbox row ``row`` of a new key (a durable queue's envelope) and,
+        only if it went in, acknowledge the sender's outgoing rows as ``acknowledge_outgoing``
+        does, in a transaction of its own that commits without waiting for the WAL flush: BEGIN,
+        ``SET LOCAL synchronous_commit TO OFF``, one statement (the INSERT ... ON CONFLICT DO
+        NOTHING and the DELETE as two data-modifying parts of one query) and COMMIT in one network
+        write. True when the row went in (and the acknowledgement with it); False when its key
+        exists, or on SQLite, another driver or a libpq without pipeline mode: nothing was
+        written, and the caller claims with ``claim_incoming`` and acknowledges in its own
+        transaction."""
+        if not self.is_postgres:
+            return False
+        nesting, replays, retries = attempt
+        values = {**{f"row_{key}": value for key, value in row.items()}, "ack_id": message_id, "ack_send": send_id,
+                  "ack_nesting": nesting, "ack_replays": replays, "ack_retries": retries}
+        if destination is not None:
+            values["ack_destination"] = destination
+        try:
+            with self.engine.connect() as conn:
+                if not self._can_open_in_one_message(conn):
+                    return False
+                statement = self._claim_and_acknowledge(tuple(row), destination is not None)
+                query = _pipelined_query(statement, conn.dialect, tuple(values), "envelope")
+                result, _ = self._send_one_message(conn, query, values,
+                                                   (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"), (b"COMMIT",))
+                return result.ntuples > 0
+        except OperationalError as exc:
+            raise self.unavailable(exc) from exc
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - one store per table prefix: a handful of column sets
+    def _claim_and_acknowledge(self, columns: tuple[str, ...], by_destination: bool):
+        """PostgreSQL: ``WITH claimed AS (INSERT ... ON CONFLICT DO NOTHING RETURNING), acked AS
+        (DELETE FROM outgoing ... WHERE EXISTS (SELECT FROM claimed)) SELECT FROM claimed``, the
+        inbox row's values as ``row_<column>`` parameters, built once per set of columns."""
+        table, outgoing = self.tables.incoming, self.tables.outgoing
+        claimed = (self._upsert(table).values({column: bindparam(f"row_{column}") for column in columns})
+                   .on_conflict_do_nothing(index_elements=_INCOMING_KEY).returning(table.c.message_id)
+                   .cte("claimed"))
+        acknowledged = [
+            outgoing.c.message_id == bindparam("ack_id"), outgoing.c.send_id == bindparam("ack_send"),
+            tuple_(outgoing.c.nesting, outgoing.c.replays, outgoing.c.retries)
+            <= tuple_(bindparam("ack_nesting"), bindparam("ack_replays"), bindparam("ack_retries")),
+            exists(select(claimed.c.message_id)),
+        ]
+        if by_destination:
+            acknowledged.append(outgoing.c.destination == bindparam("ack_destination"))
+        return select(claimed.c.message_id).add_cte(delete(outgoing).where(*acknowledged).cte("acked"))
 
     def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: tuple[bytes, ...],
                                         after: tuple[bytes, ...] = ()) -> bool:
