@@ -66,15 +66,18 @@ DURABLE_MESSAGES = 3000
 PLAIN = "plain task"
 OPTIMISTIC_FLOOR = "floor: plain task writing its inbox row in its transaction"
 EAGER_FLOOR = "floor: plain task committing its inbox row first"
+OPTIMISTIC = "IdempotentTask optimistic"
 VARIANTS = (
     (PLAIN, "bench.plain", None, None),
     ("plain task, acks_late", "bench.plain_late", None, None),
     (OPTIMISTIC_FLOOR, "bench.floor", None, None),
     (EAGER_FLOOR, "bench.floor_eager", None, None),
-    ("IdempotentTask optimistic", "bench.optimistic", 0.85, OPTIMISTIC_FLOOR),
+    (OPTIMISTIC, "bench.optimistic", 0.85, OPTIMISTIC_FLOOR),
     ("IdempotentTask eager", "bench.eager", 0.75, EAGER_FLOOR),
 )
 DURABLE = "durable-queue task"
+# the durable-queue task against the optimistic IdempotentTask with the same body, in the same rounds
+DURABLE_VS_OPTIMISTIC = 0.95
 
 Block = dict[str, float | dict[str, float]]  # a block's throughput ("rate") and CPU seconds per task ("cpu")
 
@@ -120,16 +123,18 @@ class Run:
 
     def durable_round(self, messages: int) -> dict[str, Block]:
         """The plain task drained from the durable queue (stored and relayed by the outbox), then
-        from the plain queue, each by a worker of its own, from empty tables."""
+        from the plain queue, then the optimistic ``IdempotentTask`` from the plain queue, each by
+        a worker of its own, from empty tables."""
         measured = {}
         self.empty_tables()
-        for durable in (True, False):
+        for name, task, durable in ((DURABLE, "bench.plain", True), (PLAIN, "bench.plain", False),
+                                    (OPTIMISTIC, "bench.optimistic", False)):
             queue = self.env["BENCH_DURABLE_QUEUE" if durable else "BENCH_QUEUE"]
             key = f"bench:{uuid.uuid4().hex}"
             with self.outbox.transaction() if durable else nullcontext():  # one INSERT, then published in order
-                self._fill(queue, key, "bench.plain", messages)
+                self._fill(queue, key, task, messages)
             self._drain(queue, f"{key}:end", messages)
-            measured[DURABLE if durable else PLAIN] = self._block(key, messages)
+            measured[name] = self._block(key, messages)
         return measured
 
     def _fill(self, queue: str, key: str, task: str, messages: int) -> None:
@@ -203,6 +208,12 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
                                                              for name, each in blocks.items()), file=sys.stderr)
         results += [_row(broker, label, name, by_name, target, floor) for name, _, target, floor in VARIANTS[1:]]
         results.append(_row(broker, label, DURABLE, durable, None, None))
+        results.append(Result.of_rounds(
+            "worker", f"{broker}, durable-queue task vs IdempotentTask optimistic, {label}", "tasks/s",
+            [(each[DURABLE]["rate"], each[OPTIMISTIC]["rate"], None) for each in durable],
+            target=(">=", DURABLE_VS_OPTIMISTIC), versus=OPTIMISTIC,
+            note=cpu_note(mean_cpu([each[DURABLE] for each in durable]),
+                          mean_cpu([each[OPTIMISTIC] for each in durable])).replace("vs plain", "vs optimistic")))
     return results
 
 

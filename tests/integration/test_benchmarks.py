@@ -186,11 +186,12 @@ def test_worker_benchmark_drains_blocks_of_each_variant_through_one_real_worker(
 
 def test_worker_benchmark_measures_the_durable_queue_beside_the_plain_one():
     """A durable round: the plain task's messages stored by the outbox and relayed to the durable
-    queue, drained by one worker, then the same through the plain queue by another."""
+    queue, drained by one worker, then the same through the plain queue by another, then the
+    optimistic IdempotentTask's by a third."""
     require("postgres")
     require("redis")
     from benchmarks.common import REDIS_URL
-    from benchmarks.worker import DURABLE, PLAIN, Run
+    from benchmarks.worker import DURABLE, OPTIMISTIC, PLAIN, Run
 
     run = Run(REDIS_URL, "write")
     try:
@@ -200,9 +201,9 @@ def test_worker_benchmark_measures_the_durable_queue_beside_the_plain_one():
             written = conn.execute(select(func.count()).select_from(effects)).scalar_one()
     finally:
         run.close()
-    assert set(measured) == {DURABLE, PLAIN}
+    assert set(measured) == {DURABLE, PLAIN, OPTIMISTIC}
     assert all(block["rate"] > 0 for block in measured.values())
-    assert written == 2 * 15, "each queue's messages ran once each"
+    assert written == 3 * 15, "each block's messages ran once each"
 
 
 @pytest.mark.parametrize("style", ["optimistic", "eager"])
