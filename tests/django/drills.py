@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import func, select, text
 
 from celery_outbox import Outbox
 
@@ -119,6 +118,9 @@ class Shop:
         self.app.conf.update(task_default_queue=project.queue, **project.conf)
         self.outbox = Outbox(self.app, django_database=project.using, **{**project.outbox_settings(), **outbox})
         self.store = self.outbox.ready().store
+        with self.store.engine.begin() as conn:  # the tables outlive a test: its rows must not
+            for table in self.store.tables.all():
+                conn.execute(table.delete())
 
     def place(self, numbers: list[str], style: str | list[str]) -> None:
         """Send ``shop.place`` or ``shop.place_eager`` (a style per order, or one for all) for each order."""
@@ -132,23 +134,37 @@ class Shop:
                 self.app.send_task(TASKS[each], (number,), task_id=f"place-{number}", queue=self.project.queue)
 
     def orders(self) -> dict[str, int]:
-        """How many times each order was written (``shop_order``, read through the outbox's engine)."""
-        with self.outbox.engine.begin() as conn:
-            return dict(conn.execute(text("SELECT number, count(*) FROM shop_order GROUP BY number")).all())
+        """How many times each order was written (``shop_order``)."""
+        return dict(self.read("SELECT number, count(*) FROM shop_order GROUP BY number"))
 
     def pending(self) -> dict[str, int]:
         """What the outbox's tables still hold that is not done: inbox rows not handled or owned by a
         node, outgoing rows (unsent, or sent and not acknowledged by the inbox), dead letters."""
-        incoming = self.store.tables.incoming
-        with self.outbox.engine.begin() as conn:
-            return {
-                "inbox rows not handled": conn.execute(select(func.count()).select_from(incoming).where(
-                    incoming.c.status != "handled")).scalar_one(),
-                "inbox rows owned by a node": conn.execute(select(func.count()).select_from(incoming).where(
-                    incoming.c.owner != 0)).scalar_one(),
-                "outgoing rows": self.store.count_outgoing(conn),
-                "dead letters": self.store.count_dead_letters(conn),
-            }
+        tables = self.store.tables
+        (counts,) = self.read(
+            f"SELECT (SELECT count(*) FROM {tables.incoming.name} WHERE status <> 'handled'),"
+            f" (SELECT count(*) FROM {tables.incoming.name} WHERE owner <> 0),"
+            f" (SELECT count(*) FROM {tables.outgoing.name}), (SELECT count(*) FROM {tables.dead_letters.name})")
+        return dict(zip(("inbox rows not handled", "inbox rows owned by a node", "outgoing rows", "dead letters"),
+                        counts, strict=True))
+
+    def running(self) -> list[str]:
+        """The message ids of the inbox rows running: attempts that have not ended."""
+        return [message_id for (message_id,) in self.read(
+            f"SELECT message_id FROM {self.store.tables.incoming.name} WHERE status = 'running'")]
+
+    def read(self, query: str) -> list[tuple]:
+        """The rows of ``query``, read on a connection of the outbox's engine outside any transaction of
+        its own: no lock taken (the store's transactions on SQLite take the write lock, which a worker
+        stopped in the middle of an attempt may hold)."""
+        connection = self.outbox.engine.raw_connection()
+        try:
+            cursor = connection.cursor()
+            cursor.execute(query)
+            return [tuple(row) for row in cursor.fetchall()]
+        finally:
+            connection.rollback()
+            connection.close()
 
     def settled(self, numbers: list[str]) -> bool:
         """Every order written and nothing pending (False while the database cannot be read)."""
@@ -168,24 +184,22 @@ class Shop:
 
 
 def caught_running(worker: WorkerProcess, shop: Shop, bodies: int, timeout: float = 30.0) -> list[str]:
-    """Stop the worker (SIGSTOP, its whole process group) at a moment when at least ``bodies`` of its
-    eager claims are running (committed, their bodies not), and return their message ids; the worker
-    stays stopped. Give it bodies that take a while, or ``bodies`` at once may never be caught."""
+    """Stop the worker (SIGSTOP, its whole process group) at a moment when at least ``bodies`` attempts
+    run in it (their envelopes stored, in the eager style their claims committed too; their bodies
+    not), and return their message ids; the worker stays stopped. Give it bodies that take a while,
+    or ``bodies`` at once may never be caught."""
     group = worker.process.pid
-    incoming = shop.store.tables.incoming
     running: list[str] = []
 
     def caught() -> bool:
         os.killpg(group, signal.SIGSTOP)
-        with shop.outbox.engine.begin() as conn:
-            running[:] = conn.execute(select(incoming.c.message_id).where(
-                incoming.c.status == "running", incoming.c.owner != 0)).scalars().all()
+        running[:] = shop.running()
         if len(running) >= bodies:
             return True
         os.killpg(group, signal.SIGCONT)
         return False
 
-    wait_until(caught, timeout=timeout, interval=0.02, message=f"{bodies} eager claims running in the worker at once")
+    wait_until(caught, timeout=timeout, interval=0.02, message=f"{bodies} attempts running in the worker at once")
     return running
 
 
