@@ -2,6 +2,8 @@
 (``tests/django_project/worker_app.py``) on Redis, whose ``IdempotentTask`` bodies write orders with
 the ORM, under the faults the SQLAlchemy side is drilled against (``tests/faults``):
 
+* the database refusing connections for 10 s: the worker's Django database and the outbox's store
+  (the same database) both reached through a proxy that cuts every connection and refuses new ones;
 * a whole worker (its main process and its pool) SIGKILLed while attempts run in it, on a durable
   queue whose broker gives nothing back for an hour: beat's recovery, run by a second worker,
   declares the dead nodes dead, releases their eager claims and re-publishes the envelopes.
@@ -14,15 +16,67 @@ outgoing row, no dead letter.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
-from ..services import wait_until
+from ..services import TcpProxy, wait_until
 from .drills import Project, Shop, caught_running, numbers_of
 
+OUTAGE_SECONDS = 10.0
 STYLES = ["optimistic", "eager"]
 
 pytestmark = [pytest.mark.django_db(databases=["default", "pg"], transaction=True), pytest.mark.worker]
+
+
+def alternating(numbers: list[str]) -> list[str]:
+    """A style per order: both styles, one order in two each."""
+    return [STYLES[n % 2] for n in range(len(numbers))]
+
+
+def written_at_least(shop: Shop, count: int):
+    return lambda: len(shop.orders()) >= count
+
+
+@pytest.mark.parametrize("using", ["pg"], indirect=True)
+def test_database_refusing_connections_for_ten_seconds(using, redis_url, tmp_path):
+    """Forty orders in both styles on a durable queue; the worker, the maintenance worker and beat
+    reach PostgreSQL (Django's connection and the outbox's alike) through a proxy that, once ten
+    orders are written, cuts every connection and refuses new ones for 10 s. Claims, bodies and
+    commits that meet it send their message back to the broker; eager claims that could not be
+    released are released by their node's heartbeat once the database answers."""
+    from django.db import connections
+
+    settings = connections[using].settings_dict
+    proxy = TcpProxy(settings["HOST"] or "127.0.0.1", int(settings["PORT"] or 5432)).start()
+    project = Project(tmp_path, using, redis_url, durable=True, maintenance=True, body_seconds=0.1,
+                      database_settings={using: {"HOST": "127.0.0.1", "PORT": str(proxy.port)}})
+    shop = Shop(project)  # the test's own connections go straight to the server
+    numbers = numbers_of(40)
+    processes = [project.beat(), project.worker("worker"), project.maintenance_worker()]
+    try:
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.wait_ready()
+        shop.place(numbers, alternating(numbers))
+        wait_until(written_at_least(shop, 10), timeout=30, message="ten orders written")
+        proxy.stop()
+        outage_ends = time.monotonic() + OUTAGE_SECONDS
+        assert len(shop.orders()) < len(numbers), "the outage came after the last order"
+        wait_until(lambda: "goes back to the broker" in project.log("worker"), timeout=OUTAGE_SECONDS,
+                   message="an attempt meeting the outage")
+        time.sleep(max(outage_ends - time.monotonic(), 0))  # the rest of the outage
+        proxy.start()
+        wait_until(lambda: shop.settled(numbers), timeout=60,
+                   message=f"every order written, nothing pending (logs in {tmp_path})")
+        shop.assert_each_order_once(numbers)
+    finally:
+        for process in processes:
+            process.stop()
+        proxy.stop()
+        project.purge()
+        shop.close()
 
 
 @pytest.mark.parametrize("style", STYLES)
