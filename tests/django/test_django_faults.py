@@ -4,6 +4,9 @@ the ORM, under the faults the SQLAlchemy side is drilled against (``tests/faults
 
 * the database refusing connections for 10 s: the worker's Django database and the outbox's store
   (the same database) both reached through a proxy that cuts every connection and refuses new ones;
+* a failover: the PostgreSQL server (a throwaway one) restarted mid-run and again between two
+  tasks, every connection cut; the next attempts get fresh connections, whether the worker's Django
+  connections are closed after each task (Celery's Django fixup) or kept (``CONN_MAX_AGE``);
 * a whole worker (its main process and its pool) SIGKILLed while attempts run in it, on a durable
   queue whose broker gives nothing back for an hour: beat's recovery, run by a second worker,
   declares the dead nodes dead, releases their eager claims and re-publishes the envelopes.
@@ -16,11 +19,15 @@ outgoing row, no dead letter.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 
 from ..services import TcpProxy, wait_until
+from ..throwaway import ThrowawayPostgres
+from ..workers import ROOT
 from .drills import Project, Shop, caught_running, numbers_of
 
 OUTAGE_SECONDS = 10.0
@@ -77,6 +84,60 @@ def test_database_refusing_connections_for_ten_seconds(using, redis_url, tmp_pat
         proxy.stop()
         project.purge()
         shop.close()
+
+
+# How a worker keeps its Django connections: Celery's Django fixup closes them before and after each
+# task (its default), or keeps them (``CELERY_DB_REUSE_MAX``) for Django's ``CONN_MAX_AGE`` to decide
+# (None: persistent).
+CONNECTIONS = {
+    "closed after each task": ({}, {}),
+    "persistent": ({"CONN_MAX_AGE": None}, {"CELERY_DB_REUSE_MAX": 1000}),
+}
+
+
+@pytest.mark.parametrize("using", ["pg"], indirect=True)
+@pytest.mark.parametrize("kept", list(CONNECTIONS))
+def test_postgres_restarted_mid_run_and_between_tasks(using, redis_url, tmp_path, kept):
+    """The worker's Django database and the outbox's store on a throwaway PostgreSQL server, restarted
+    twice (a fast shutdown: every session ended, the liveness locks of the nodes with them): once
+    while 24 orders in both styles run on a durable queue (attempts that meet it send their message
+    back), and once more while the worker waits between tasks, before 16 more orders come. The next
+    attempts get fresh connections, Django's and the outbox's, whether the worker's Django
+    connections are closed after each task or kept."""
+    database, conf = CONNECTIONS[kept]
+    with ThrowawayPostgres() as postgres:
+        project = Project(tmp_path, using, redis_url, durable=True, maintenance=True, body_seconds=0.1, conf=conf,
+                          database_settings={using: {"HOST": "127.0.0.1", "PORT": str(postgres.port),
+                                                     "NAME": "test", **database}})
+        migrate = subprocess.run([sys.executable, "-m", "django", "migrate", "--database", using, "-v", "0"],
+                                 env=dict(project.env(), PYTHONPATH=str(ROOT)), cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+        assert migrate.returncode == 0, migrate.stdout + migrate.stderr
+        shop = Shop(project, database_url=postgres.url)
+        first, then = numbers_of(24), numbers_of(16)
+        processes = [project.beat(), project.worker("worker"), project.maintenance_worker()]
+        try:
+            for process in processes:
+                process.start()
+            for process in processes:
+                process.wait_ready()
+            shop.place(first, alternating(first))
+            wait_until(written_at_least(shop, 8), timeout=30, message="eight orders written")
+            postgres.restart()
+            assert len(shop.orders()) < len(first), "the restart came after the last order"
+            wait_until(lambda: shop.settled(first), timeout=60,
+                       message=f"every order written, nothing pending (logs in {tmp_path})")
+            assert "goes back to the broker" in project.log("worker"), "no attempt met the restart"
+            postgres.restart()
+            shop.place(then, alternating(then))
+            wait_until(lambda: shop.settled(first + then), timeout=60,
+                       message=f"every order written after the second restart, nothing pending (logs in {tmp_path})")
+            shop.assert_each_order_once(first + then)
+        finally:
+            for process in processes:
+                process.stop()
+            project.purge()
+            shop.close()
 
 
 @pytest.mark.parametrize("style", STYLES)
