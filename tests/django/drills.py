@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,6 +202,18 @@ def caught_running(worker: WorkerProcess, shop: Shop, bodies: int, timeout: floa
 
     wait_until(caught, timeout=timeout, interval=0.02, message=f"{bodies} attempts running in the worker at once")
     return running
+
+
+def stop_all(processes: list[WorkerProcess]) -> None:
+    """Warm shutdown of every process at once (SIGTERM to all, then wait); SIGKILL one that does not stop."""
+    running = [p for p in processes if p.process is not None and p.process.poll() is None]
+    for process in running:
+        process.process.send_signal(signal.SIGTERM)
+    for process in running:
+        try:
+            process.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def numbers_of(count: int) -> list[str]:

@@ -28,7 +28,7 @@ import pytest
 from ..services import TcpProxy, wait_until
 from ..throwaway import ThrowawayPostgres, ThrowawayRedis
 from ..workers import ROOT
-from .drills import Project, Shop, caught_running, numbers_of
+from .drills import Project, Shop, caught_running, numbers_of, stop_all
 
 OUTAGE_SECONDS = 10.0
 STYLES = ["optimistic", "eager"]
@@ -79,8 +79,7 @@ def test_database_refusing_connections_for_ten_seconds(using, redis_url, tmp_pat
                    message=f"every order written, nothing pending (logs in {tmp_path})")
         shop.assert_each_order_once(numbers)
     finally:
-        for process in processes:
-            process.stop()
+        stop_all(processes)
         proxy.stop()
         project.purge()
         shop.close()
@@ -134,8 +133,7 @@ def test_postgres_restarted_mid_run_and_between_tasks(using, redis_url, tmp_path
                        message=f"every order written after the second restart, nothing pending (logs in {tmp_path})")
             shop.assert_each_order_once(first + then)
         finally:
-            for process in processes:
-                process.stop()
+            stop_all(processes)
             project.purge()
             shop.close()
 
@@ -151,18 +149,22 @@ def test_recovery_takes_over_the_attempts_of_a_killed_node(using, tmp_path, styl
     the maintenance worker, brings them back to a second worker (eager: once the dead nodes are
     declared dead and their claims released): each order is written once."""
     with ThrowawayRedis(tmp_path / "redis", persistent=False) as redis:
+        # the orders wait for the first worker to start: published again only if they wait longer
         project = Project(tmp_path, using, redis.url, durable=True, maintenance=True, body_seconds=1.0,
+                          outbox={"redeliver_after": 10},
                           conf={"broker_transport_options": {"visibility_timeout": 3600}})
         shop = Shop(project)
         numbers = numbers_of(8)
         first, second = project.worker("first"), project.worker("second")
-        processes = [project.beat(), project.maintenance_worker(), first]
+        processes = [project.beat(), project.maintenance_worker()]
         try:
             for process in processes:
                 process.start()
+            # placed before the first worker takes them: on SQLite its bodies would keep the writer waiting
+            shop.place(numbers, style)
+            processes.append(first.start())
             for process in processes:
                 process.wait_ready()
-            shop.place(numbers, style)
             # on SQLite an optimistic attempt holds the write lock from its claim to its commit: one at a time
             stranded = caught_running(first, shop, bodies=1 if using == "default" and style == "optimistic" else 2)
             first.kill()
@@ -178,6 +180,5 @@ def test_recovery_takes_over_the_attempts_of_a_killed_node(using, tmp_path, styl
                 declared = re.findall(r"'nodes_declared_dead': \[\d", project.log("maintenance"))
                 assert declared, "recovery declared no node dead"
         finally:
-            for process in processes:
-                process.stop()
+            stop_all(processes)
             shop.close()
