@@ -34,8 +34,7 @@ def worker_shop(shop):
 
     cuts: list[str] = []
 
-    @shop.app.task(name="shop.place", base=IdempotentTask, bind=True, shared=False)
-    def place(self, number, fail=False, then_pay=False, cut=False):
+    def place_order(number, fail=False, then_pay=False, cut=False):
         runs.append(number)
         Order.objects.using(using).create(number=number)
         if cut and number not in cuts:
@@ -47,12 +46,13 @@ def worker_shop(shop):
         if fail:
             raise ValueError("the body fails after its ORM write")
 
+    @shop.app.task(name="shop.place", base=IdempotentTask, bind=True, shared=False)
+    def place(self, number, **options):
+        place_order(number, **options)
+
     @shop.app.task(name="shop.place_eager", base=IdempotentTask, bind=True, shared=False)
-    def place_eager(self, number, fail=False):
-        runs.append(number)
-        Order.objects.using(using).create(number=number)
-        if fail:
-            raise ValueError("the body fails after its ORM write")
+    def place_eager(self, number, **options):
+        place_order(number, **options)
 
     place_eager.idempotency = "eager"
     shop.app.conf.task_routes = {**shop.app.conf.task_routes, "shop.place": {"queue": shop.plain},
@@ -109,9 +109,11 @@ def test_a_failing_body_rolls_back_its_orm_write_with_its_claim(worker_shop, sty
     assert shop.outbox.store.count_dead_letters() == 1
 
 
-def test_a_message_the_body_sends_commits_with_its_orm_write(worker_shop):
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_message_the_body_sends_commits_with_its_orm_write(worker_shop, style):
     shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
-    shop.place.apply_async((number,), {"then_pay": True}, task_id=f"place-{number}")
+    task = shop.place if style == "optimistic" else shop.place_eager
+    task.apply_async((number,), {"then_pay": True}, task_id=f"place-{number}")
     wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt handled")
     assert orders(shop, number) == 1
     assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{number}"]
@@ -119,12 +121,15 @@ def test_a_message_the_body_sends_commits_with_its_orm_write(worker_shop):
 
 
 @pytest.mark.parametrize("using", ["pg"], indirect=True)
-def test_a_connection_cut_under_the_body_sends_the_message_back_and_it_runs_once(worker_shop):
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_connection_cut_under_the_body_sends_the_message_back_and_it_runs_once(worker_shop, style):
     """PostgreSQL ends the attempt's connection (Django's) after the body's ORM write: the write is
-    gone with the claim, nothing is recorded as a failure, the message goes back to the broker and
-    its next delivery writes the order once."""
+    gone (optimistic: with the claim; eager: the claim, committed before the body, is released),
+    nothing is recorded as a failure, the message goes back to the broker and its next delivery
+    writes the order once."""
     shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
-    shop.place.apply_async((number,), {"cut": True}, task_id=f"cut-{number}")
+    task = shop.place if style == "optimistic" else shop.place_eager
+    task.apply_async((number,), {"cut": True}, task_id=f"cut-{number}")
     row = wait_until(lambda: handled(shop, f"cut-{number}"), timeout=60, message="the second delivery handled")
     assert row.status == "handled" and shop.cuts == [number], "the first delivery met the cut"
     assert shop.runs == [number, number] and orders(shop, number) == 1

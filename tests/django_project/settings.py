@@ -66,9 +66,17 @@ DATABASES = {
 CELERY_OUTBOX_TABLE_PREFIX = "dj_outbox_"
 
 # A worker process started by a test uses the test's databases (their names as the test runner made
-# them) as its own: CELERY_OUTBOX_DJANGO_TEST_DATABASES = '{"default": "...", "pg": "..."}'
+# them) as its own: CELERY_OUTBOX_DJANGO_TEST_DATABASES = '{"default": "...", "pg": "..."}'. A fault
+# drill changes more of a database's settings: CELERY_OUTBOX_DJANGO_TEST_DATABASE_SETTINGS =
+# '{"pg": {"HOST": "127.0.0.1", "PORT": "40001"}}' (a proxy in front of PostgreSQL, a throwaway server)
+# replaces those keys of the alias's settings.
 if os.environ.get("CELERY_OUTBOX_DJANGO_TEST_DATABASES"):
     import json
 
     for _alias, _name in json.loads(os.environ["CELERY_OUTBOX_DJANGO_TEST_DATABASES"]).items():
         DATABASES[_alias]["NAME"] = _name
+if os.environ.get("CELERY_OUTBOX_DJANGO_TEST_DATABASE_SETTINGS"):
+    import json
+
+    for _alias, _settings in json.loads(os.environ["CELERY_OUTBOX_DJANGO_TEST_DATABASE_SETTINGS"]).items():
+        DATABASES[_alias].update(_settings)
