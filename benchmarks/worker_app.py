@@ -1,9 +1,10 @@
 """The app the worker benchmark's processes run (built from BENCH_* environment variables).
 
-One body, seven ways to run it: a plain Celery task (acknowledged before it runs, Celery's
-default, and after, with ``acks_late``), two floors (plain tasks writing their inbox row by
-hand, the least each ``IdempotentTask`` style must do: see ``Floor``), an ``IdempotentTask``
-in the optimistic and in the eager style, and the plain task consumed from a durable queue.
+One body, eight ways to run it: a plain Celery task (acknowledged before it runs, Celery's
+default, and after, with ``acks_late``), three floors (plain tasks writing their inbox row by
+hand, the least each ``IdempotentTask`` style and the durable-queue consumer must do: see
+``Floor``), an ``IdempotentTask`` in the optimistic and in the eager style, and the plain task
+consumed from a durable queue.
 ``BENCH_BODY`` is ``noop`` or ``write`` (one Core INSERT: through ``self.connection``, in
 the claim's transaction, in an ``IdempotentTask``; in its own transaction on a plain
 SQLAlchemy engine otherwise, as a Celery user without celery-outbox would write it).
@@ -61,7 +62,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
         if body == "write":
             write_alone(n)
 
-    floors = Floor(database_url, inbox.name)
+    floors = Floor(database_url, inbox.name, outbox.store.tables.outgoing.name)
 
     def floor_delivery(task: Any) -> tuple[str, str, str]:  # message id, task name, queue
         return task.request.id, task.name, task.request.delivery_info.get("routing_key") or ""
@@ -81,6 +82,14 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
         waiting for the disk, as the eager claim does), then marked handled in the body's
         transaction."""
         floors.eager(*floor_delivery(self), floor_body(n))
+
+    @app.task(name="bench.floor_durable", bind=True, shared=False, acks_late=True)
+    def floor_durable(self, n: int) -> None:
+        """The least a plain task consumed from a durable queue costs: its envelope stored and the
+        sender's outgoing row acknowledged, committed first (not waiting for the disk), the body
+        in its own transaction as the plain task's, then the row marked handled."""
+        floors.durable(*floor_delivery(self), self.request, functools.partial(write_alone, n) if body == "write"
+                       else _nothing_alone)
 
     @app.task(base=IdempotentTask, bind=True, name="bench.optimistic", shared=False)
     def optimistic(self, n: int) -> None:
@@ -124,10 +133,17 @@ class Floor:
     COLUMNS = ("message_id", "destination", "task_name", "queue", "status", "owner", "retries", "nesting",
                "replays", "received_at", "claimed_at", "handled_at", "keep_until")
 
-    def __init__(self, database_url: str, inbox: str):
+    ENVELOPE = ("exchange", "routing_key", "body", "content_type", "content_encoding", "headers", "properties")
+
+    def __init__(self, database_url: str, inbox: str, outgoing: str):
         self.engine = create_engine(database_url, isolation_level="AUTOCOMMIT", pool_size=1)
         self.claim = (f'INSERT INTO "{inbox}" ({", ".join(self.COLUMNS)}) VALUES ({", ".join(["%s"] * 13)}) '
                       "ON CONFLICT DO NOTHING RETURNING 1")
+        columns = (*self.COLUMNS, *self.ENVELOPE)
+        self.envelope = (f'WITH claimed AS (INSERT INTO "{inbox}" ({", ".join(columns)}) '
+                         f'VALUES ({", ".join(["%s"] * len(columns))}) ON CONFLICT DO NOTHING RETURNING 1), '
+                         f'acked AS (DELETE FROM "{outgoing}" WHERE message_id = %s AND send_id = %s '
+                         "AND EXISTS (SELECT 1 FROM claimed)) SELECT 1 FROM claimed")
         self.finish = (f"UPDATE \"{inbox}\" SET status = 'handled', handled_at = %s, keep_until = %s "
                        "WHERE message_id = %s AND destination = '' AND status = 'running'")
         self._connections: dict[int, Connection] = {}
@@ -178,8 +194,40 @@ class Floor:
         if finish.rowcount != 1:
             raise RuntimeError(f"the claim of {message_id} was taken over")
 
+    def durable(self, message_id: str, task_name: str, queue: str, request: Any, body: Callable[[], None]) -> None:
+        """The eager floor with what a durable queue adds: the claim carries the message's envelope
+        and, in the same statement, deletes the sender's outgoing row, all committed in one round
+        trip; the body runs in its own transaction; then the finish. The messages it takes come
+        from a plain queue, so the DELETE finds no row to delete: a little less work than the
+        library's, whose messages have their row."""
+        conn = self._connection()
+        raw = conn.connection.driver_connection
+        envelope = ("", queue, json.dumps([request.args, request.kwargs, {}]).encode(), "application/json", "utf-8",
+                    json.dumps({"id": message_id, "task": task_name, "retries": 0, "root_id": request.root_id}),
+                    json.dumps({"correlation_id": message_id, "delivery_info": request.delivery_info}))
+        with raw.pipeline():
+            raw.execute("BEGIN")
+            raw.execute("SET LOCAL synchronous_commit TO OFF")
+            claim = raw.execute(self.envelope, (*self._row(message_id, task_name, queue, "running"), *envelope,
+                                                message_id, ""), prepare=True)
+            raw.execute("COMMIT")
+        if claim.fetchone() is None:  # a duplicate
+            return
+        body()
+        now = datetime.now(timezone.utc)
+        with raw.pipeline():
+            raw.execute("BEGIN")
+            finish = raw.execute(self.finish, (now, now + timedelta(days=1), message_id), prepare=True)
+            raw.execute("COMMIT")
+        if finish.rowcount != 1:
+            raise RuntimeError(f"the claim of {message_id} was taken over")
+
 
 def _nothing(connection: Connection) -> None:
+    return None
+
+
+def _nothing_alone() -> None:
     return None
 
 

@@ -187,11 +187,11 @@ def test_worker_benchmark_drains_blocks_of_each_variant_through_one_real_worker(
 def test_worker_benchmark_measures_the_durable_queue_beside_the_plain_one():
     """A durable round: the plain task's messages stored by the outbox and relayed to the durable
     queue, drained by one worker, then the same through the plain queue by another, then the
-    optimistic IdempotentTask's by a third."""
+    optimistic IdempotentTask's and the durable-queue task's floor's by a third and a fourth."""
     require("postgres")
     require("redis")
     from benchmarks.common import REDIS_URL
-    from benchmarks.worker import DURABLE, OPTIMISTIC, PLAIN, Run
+    from benchmarks.worker import DURABLE, DURABLE_FLOOR, OPTIMISTIC, PLAIN, Run
 
     run = Run(REDIS_URL, "write")
     try:
@@ -201,9 +201,9 @@ def test_worker_benchmark_measures_the_durable_queue_beside_the_plain_one():
             written = conn.execute(select(func.count()).select_from(effects)).scalar_one()
     finally:
         run.close()
-    assert set(measured) == {DURABLE, PLAIN, OPTIMISTIC}
+    assert set(measured) == {DURABLE, PLAIN, OPTIMISTIC, DURABLE_FLOOR}
     assert all(block["rate"] > 0 for block in measured.values())
-    assert written == 3 * 15, "each block's messages ran once each"
+    assert written == 4 * 15, "each block's messages ran once each"
 
 
 @pytest.mark.parametrize("style", ["optimistic", "eager"])
@@ -219,7 +219,7 @@ def test_worker_benchmark_floor_runs_a_redelivered_message_no_second_time(style)
     outbox.ready()
     metadata.create_all(outbox.engine)
     effects, inbox = metadata.tables[f"{prefix}effects"], outbox.store.tables.incoming
-    floor = worker_app.Floor(POSTGRES_URL, inbox.name)
+    floor = worker_app.Floor(POSTGRES_URL, inbox.name, outbox.store.tables.outgoing.name)
 
     def body(n: int):
         return lambda connection: connection.execute(insert(effects).values(n=n))
