@@ -78,6 +78,23 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
             assert abs(durable["floor_ratio"] - floor["ours"] / durable["plain"]) < 1e-9
             assert abs(durable["of_floor"] - durable["ours"] / floor["ours"]) < 1e-9
             assert durable["floor_met"] is (durable["floor_ratio"] >= 1)
+        for n in (1, 10):  # the realistic rows: the unit of work also writes one row of the user's data
+            case = f"{broker}, N={n} in one unit of work writing one row"
+            for kind in ("in-memory", "durable"):
+                assert cases[f"{case}, {kind}"]["target"] == (">= 0.9" if n == 1 else None)
+            floor = cases[f"{broker}, N={n} writing one row, floor: its transaction inserting the messages' rows "
+                          "by hand, one UPDATE after the publish"]
+            assert floor["target"] is None and floor["plain"] == cases[f"{case}, durable"]["plain"]
+        realistic = cases[f"{broker}, N=1 in one unit of work writing one row, durable"]
+        assert realistic["floor"] == cases[f"{broker}, N=1 writing one row, floor: its transaction inserting the "
+                                           "messages' rows by hand, one UPDATE after the publish"]["ours"]
+        spent = re.fullmatch(r"round trips to PostgreSQL per unit of work: ([A-Z, ]+), then after the commit "
+                             r"([A-Z, ]+) \(plain Celery's: ([A-Z, ]+)\); ms per unit of work: ours ([\d.]+), .*",
+                             realistic["note"])
+        assert spent, realistic["note"]
+        assert spent.group(3) == "BEGIN, INSERT, COMMIT", "plain Celery's unit: its row, committed"
+        assert spent.group(1).startswith("BEGIN") and spent.group(2), "ours, split at the commit"
+        assert float(spent.group(4)) > 0
         relay = [r for r in results if r["benchmark"] == "relay" and r["case"].startswith(broker)]
         assert len(relay) == 1 and relay[0]["target"] == ">= 1"
     cleanup = [r for r in results if r["benchmark"] == "cleanup"]
