@@ -55,7 +55,9 @@ class Result:
     drift of the machine's speed between rounds cancels out of them. The rounds also give each
     ratio a confidence interval (``median_interval``), and the verdict on a target is decided only
     where that interval lies wholly on one side of it: a difference smaller than the rounds'
-    spread is the host's noise, not a measurement."""
+    spread is the host's noise, not a measurement.
+
+    ``checks``, where a benchmark checks invariants as it measures, holds their counts by name."""
 
     benchmark: str
     case: str
@@ -66,6 +68,7 @@ class Result:
     note: str = ""
     floor: float | None = None
     rounds: list[tuple[float, float | None, float | None]] | None = None
+    checks: dict[str, int] | None = None
 
     @classmethod
     def of_rounds(cls, benchmark: str, case: str, unit: str,
@@ -184,7 +187,7 @@ class Result:
         rounds = data.get("rounds")
         return cls(data["benchmark"], data["case"], data["unit"], data["ours"], plain=data.get("plain"),
                    target=target, note=data.get("note", ""), floor=data.get("floor"),
-                   rounds=None if rounds is None else [tuple(each) for each in rounds])
+                   rounds=None if rounds is None else [tuple(each) for each in rounds], checks=data.get("checks"))
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
