@@ -18,8 +18,8 @@ Four ways, on the same broker and the same PostgreSQL, taking turns in rounds (`
   JSON text, made once here), one after the publish. (It takes no
   lock before the publish, as the library does: a relay running at that moment may publish a row
   too, and the consumer's inbox discards the copy.) Where publishes are pipelined (Redis) and
-  N > 1, the durable path's batch publish beats the floor's one-by-one ``apply_async``: there the
-  floor row is no floor, and the durable row does not carry it.
+  N > 1, the durable path sends its publishes in one pipeline where the floor's ``apply_async``
+  calls go one by one: there the floor is not the least, and the durable row does not carry it.
 
 The user's table (``<prefix>orders``) is the benchmark's own, on the outboxes' PostgreSQL. The
 target, at N = 1: 0.9 of plain Celery. After the rounds, the durable row's note says what its
