@@ -26,7 +26,7 @@ RECOVER_INTERVAL = 1.0
 
 
 def deliveries_key(prefix: str) -> str:
-    return f"bench:contention:{prefix}deliveries"
+    return f"contention:{prefix}deliveries"  # not bench:*, the worker benchmark's marks
 
 
 def effects_table(prefix: str, metadata: MetaData) -> Table:
