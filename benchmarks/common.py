@@ -59,7 +59,9 @@ class Result:
 
     ``versus`` names a peer library and its version (``"procrastinate 3.10.0"``): then ``plain`` is
     that peer's measurement, not plain Celery's, the ratio is ours / the peer's, and the row goes to
-    the table's ``vs peer`` block."""
+    the table's ``vs peer`` block.
+
+    ``checks``, where a benchmark checks invariants as it measures, holds their counts by name."""
 
     benchmark: str
     case: str
@@ -71,6 +73,7 @@ class Result:
     floor: float | None = None
     rounds: list[tuple[float, float | None, float | None]] | None = None
     versus: str | None = None
+    checks: dict[str, int] | None = None
 
     @classmethod
     def of_rounds(cls, benchmark: str, case: str, unit: str,
@@ -189,7 +192,8 @@ class Result:
         rounds = data.get("rounds")
         return cls(data["benchmark"], data["case"], data["unit"], data["ours"], plain=data.get("plain"),
                    target=target, note=data.get("note", ""), floor=data.get("floor"),
-                   rounds=None if rounds is None else [tuple(each) for each in rounds], versus=data.get("versus"))
+                   rounds=None if rounds is None else [tuple(each) for each in rounds], versus=data.get("versus"),
+                   checks=data.get("checks"))
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -24,6 +24,10 @@ one-by-one publishes, and so that row: there it is no floor, and the durable row
 For N = 100, the durable unit and its floor again with delivery tracking off
 (``outbox_redeliver_after = None``): one DELETE takes the rows before the publish instead of the
 UPDATE marking them sent: one INSERT, one DELETE.
+
+Then the realistic rows (``producer_row``): a unit of work that also writes one row of the
+user's data, N = 1 and 10, against plain Celery writing it on its own engine, committing, then
+calling ``apply_async``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from celery_outbox.store import utcnow
 from celery_outbox.store.outgoing import _insert_from_json, _json_rows
 from celery_outbox.unit_of_work import current_unit_of_work
 
+from . import producer_row
 from .common import (
     POSTGRES_URL,
     RABBITMQ_URL,
@@ -179,7 +184,7 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
                 statements = statements_alone(outbox, durable, units, n, repeats)
                 results.append(_floor(broker, n, rounds, statements))
                 results += _untracked(broker, broker_url, n, units, repeats)
-        return results
+        return results + producer_row.measure(broker, outbox, plain, durable, batches_publishes(app), options)
     finally:
         _tear_down(app, outbox)
 

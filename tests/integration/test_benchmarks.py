@@ -78,6 +78,23 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
             assert abs(durable["floor_ratio"] - floor["ours"] / durable["plain"]) < 1e-9
             assert abs(durable["of_floor"] - durable["ours"] / floor["ours"]) < 1e-9
             assert durable["floor_met"] is (durable["floor_ratio"] >= 1)
+        for n in (1, 10):  # the realistic rows: the unit of work also writes one row of the user's data
+            case = f"{broker}, N={n} in one unit of work writing one row"
+            for kind in ("in-memory", "durable"):
+                assert cases[f"{case}, {kind}"]["target"] == (">= 0.9" if n == 1 else None)
+            floor = cases[f"{broker}, N={n} writing one row, floor: its transaction inserting the messages' rows "
+                          "by hand, one UPDATE after the publish"]
+            assert floor["target"] is None and floor["plain"] == cases[f"{case}, durable"]["plain"]
+        realistic = cases[f"{broker}, N=1 in one unit of work writing one row, durable"]
+        assert realistic["floor"] == cases[f"{broker}, N=1 writing one row, floor: its transaction inserting the "
+                                           "messages' rows by hand, one UPDATE after the publish"]["ours"]
+        spent = re.fullmatch(r"round trips to PostgreSQL per unit of work: ([A-Z, ]+), then after the commit "
+                             r"([A-Z, ]+) \(plain Celery's: ([A-Z, ]+)\); ms per unit of work: ours ([\d.]+), .*",
+                             realistic["note"])
+        assert spent, realistic["note"]
+        assert spent.group(3) == "BEGIN, INSERT, COMMIT", "plain Celery's unit: its row, committed"
+        assert spent.group(1).startswith("BEGIN") and spent.group(2), "ours, split at the commit"
+        assert float(spent.group(4)) > 0
         relay = [r for r in results if r["benchmark"] == "relay" and r["case"].startswith(broker)]
         assert len(relay) == 1 and relay[0]["target"] == ">= 1"
     cleanup = [r for r in results if r["benchmark"] == "cleanup"]
@@ -110,6 +127,55 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     heading, again = reprinted.stdout.split("\n", 1)
     assert heading == f"run of {report['started']} (--quick)"
     assert again == table.replace(f"written to {report_path}\n", ""), "the same table and summary, from the JSON"
+
+
+def test_the_contention_benchmark_relays_with_one_and_two_relays_and_checks_the_invariants(tmp_path):
+    """``python -m benchmarks contention``: stranded rows relayed by one relay process and by two,
+    while two recovers and two workers run; every message published, delivered and run once,
+    nothing left pending, and the counts that say so in the JSON."""
+    for service in ("postgres", "redis"):
+        require(service)
+    report_path = tmp_path / "results.json"
+    completed = subprocess.run([sys.executable, "-m", "benchmarks", "contention", "--quick", "--json",
+                                str(report_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (result,) = json.loads(report_path.read_text())["results"]
+    assert (result["benchmark"], result["case"], result["unit"], result["target"]) == (
+        "contention", "Redis, two relays vs one on 300 stranded rows", "rows/s", ">= 1")
+    assert result["ours"] > 0 and result["plain"] > 0 and len(result["rounds"]) == 1
+    checks = result["checks"]
+    messages = checks["messages"]
+    assert messages == 50 + 2 * 300, "the warm-up's rows and each phase's"
+    assert {name: checks[name] for name in ("delivered", "deliveries", "effects", "inbox_rows")} == dict.fromkeys(
+        ("delivered", "deliveries", "effects", "inbox_rows"), messages)
+    assert {name: value for name, value in checks.items() if name not in (
+        "messages", "delivered", "deliveries", "effects", "inbox_rows")} == dict.fromkeys(
+        ("delivered_more_than_once", "effects_more_than_once", "inbox_duplicates", "inbox_recoveries",
+         "inbox_not_handled", "outgoing_left", "dead_letters"), 0)
+    assert "| contention | Redis, two relays vs one on 300 stranded rows (" in completed.stdout
+
+
+def test_the_contention_benchmark_names_each_broken_invariant():
+    """The counts of a run where things went wrong fail it, naming what broke."""
+    from benchmarks.contention import broken
+
+    held = {"messages": 10, "delivered": 10, "delivered_more_than_once": 0, "deliveries": 10, "effects": 10,
+            "effects_more_than_once": 0, "inbox_rows": 10, "inbox_duplicates": 0, "inbox_recoveries": 0,
+            "inbox_not_handled": 0, "outgoing_left": 0, "dead_letters": 0}
+    phases = [{"published": 10, "messages": 10, "relays": [6, 4], "recovers": 0}]
+    assert broken(held, phases) == []
+    problems = broken({**held, "delivered_more_than_once": 1, "deliveries": 11, "effects_more_than_once": 1,
+                       "effects": 11, "inbox_duplicates": 1, "outgoing_left": 2},
+                      [{**phases[0], "published": 11, "recovers": 1}])
+    assert problems == [
+        "a phase's relays and recovers published 11 rows of 10 (relays [6, 4], recovers 1)",
+        "1 messages published twice (delivered more than once)",
+        "10 of 10 messages delivered, in 11 deliveries",
+        "1 claims taken twice (effects written more than once)",
+        "11 effect rows and 10 inbox rows for 10 messages",
+        "1 duplicates discarded by the inbox",
+        "2 outgoing rows left pending",
+    ]
 
 
 def test_cleanup_floor_deletes_every_expired_row_and_nothing_else():

@@ -1,0 +1,315 @@
+"""Producer, the realistic row: one unit of work writes one row of the user's data and sends N
+messages (N = 1 and 10), vs plain Celery doing the same write, committing, then ``apply_async``.
+
+Four ways, on the same broker and the same PostgreSQL, taking turns in rounds (``in_rounds``):
+
+* plain Celery: the row written on a plain SQLAlchemy engine (``with engine.begin() as conn:``),
+  committed, then N ``apply_async``;
+* in-memory: ``with outbox.transaction() as session:`` the row written through ``session`` and
+  N ``apply_async`` to a plain queue, published after the commit;
+* durable: the same to a durable queue: the messages' rows are inserted in the transaction, and
+  after the commit one UPDATE takes them (locked, marked sent), they are published, and that
+  transaction commits (not waiting for the WAL flush);
+* the durable unit's floor, by hand, with no library code: plain Celery's unit with the messages'
+  rows (built once) inserted in its transaction by one more statement, then, after the
+  ``apply_async`` calls, one UPDATE marking them sent on a connection of its own in autocommit
+  mode that does not wait for the WAL flush. No implementation that stores the messages in the
+  user's transaction does less: one more statement in it (the library's INSERT of rows as one
+  JSON text, made once here), one after the publish. (It takes no
+  lock before the publish, as the library does: a relay running at that moment may publish a row
+  too, and the consumer's inbox discards the copy.) Where publishes are pipelined (Redis) and
+  N > 1, the durable path sends its publishes in one pipeline where the floor's ``apply_async``
+  calls go one by one: there the floor is not the least, and the durable row does not carry it.
+
+The user's table (``<prefix>orders``) is the benchmark's own, on the outboxes' PostgreSQL. The
+target, at N = 1: 0.9 of plain Celery. After the rounds, the durable row's note says what its
+unit of work spends at N = 1, measured in a pass of its own (not in the rounds): the round trips
+to PostgreSQL in order (counted by SQLAlchemy's events: psycopg sends a BEGIN, each statement
+and a COMMIT in a round trip each), those after the commit, and the mean time of the parts
+(timed by wrapping, for that pass only, the methods that run them).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from typing import Any, Callable, Iterator
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    any_,
+    bindparam,
+    create_engine,
+    event,
+    insert,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Engine
+
+from celery_outbox import Outbox
+from celery_outbox.broker import Outlet
+from celery_outbox.publishing import Publisher
+from celery_outbox.store import utcnow
+from celery_outbox.store.outgoing import OutgoingStatements, _insert_from_json, _json_rows
+from celery_outbox.unit_of_work import UnitOfWork, current_unit_of_work
+
+from .common import POSTGRES_URL, Options, Result, in_rounds, rate
+
+BATCHES = (1, 10)
+# Eight rounds: the interval of a row's ratio is the 2nd to the 7th round's (93%); five would give
+# the lowest to the highest. A unit of work at N = 1 takes 2 to 8 ms on a shared two-core host.
+ROUNDS = 8
+UNITS = {1: 600, 10: 200}
+# Units of work of the pass that counts and times what one of them spends (N = 1)
+SPENT_UNITS = 300
+TARGET = 0.9
+WAYS = ("plain", "in-memory", "durable", "floor")
+
+
+class Orders:
+    """The user's table and the two ways of writing one row of it: through the unit of work's
+    Session, and on a plain SQLAlchemy engine as a Celery user without celery-outbox would."""
+
+    def __init__(self, outbox: Outbox):
+        self.outbox = outbox
+        self.metadata = MetaData()
+        self.table = Table(f"{outbox.settings.table_prefix}orders", self.metadata,
+                           Column("id", BigInteger, primary_key=True, autoincrement=True),
+                           Column("item", String(100), nullable=False), Column("quantity", Integer, nullable=False))
+        self.metadata.create_all(outbox.engine)
+        self.write = insert(self.table).values(item="a book", quantity=1)
+        self.engine = create_engine(POSTGRES_URL)
+
+    def plain(self, task: Any, units: int, n: int) -> None:
+        """Plain Celery: the row written and committed, then N ``apply_async``."""
+        for _ in range(units):
+            with self.engine.begin() as conn:
+                conn.execute(self.write)
+            for i in range(n):
+                task.apply_async((i,))
+
+    def ours(self, task: Any, units: int, n: int) -> None:
+        """One unit of work: the row written through its Session, N ``apply_async`` in it."""
+        for _ in range(units):
+            with self.outbox.transaction() as session:
+                session.execute(self.write)
+                for i in range(n):
+                    task.apply_async((i,))
+
+    def ours_without_messages(self, units: int) -> None:
+        """The unit of work writing its row and sending nothing."""
+        for _ in range(units):
+            with self.outbox.transaction() as session:
+                session.execute(self.write)
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.metadata.drop_all(self.outbox.engine)
+
+
+class Floor:
+    """The durable unit of work by hand: plain Celery's unit, with the N messages' rows (built
+    once) inserted in its transaction, then one UPDATE marking them sent after the publishes, in
+    autocommit mode, not waiting for the WAL flush (on an engine of its own: the setting stays
+    with its connection)."""
+
+    def __init__(self, orders: Orders, durable: Any, n: int):
+        outbox = orders.outbox
+        with outbox.transaction():
+            for i in range(n):
+                durable.apply_async((i,))
+            uow = current_unit_of_work()
+            messages, uow.pending = uow.pending, []  # captured only: neither stored nor published
+        rows = [message.to_row(utcnow()) for message in messages]
+        names = tuple(sorted(rows[0]))
+        outgoing = outbox.store.tables.outgoing
+        self.orders, self.settings = orders, outbox.settings
+        # the statement the library inserts with, on a JSON text of the rows made once
+        self.insert, self.given = _insert_from_json(outgoing, names), {"rows": _json_rows(rows, names)}
+        self.mark = update(outgoing).where(outgoing.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))) \
+            .values(sent_at=bindparam("now"), redeliver_at=bindparam("redeliver_at"))
+        self.engine = create_engine(POSTGRES_URL, pool_size=1, isolation_level="AUTOCOMMIT")
+        self.marker = self.engine.connect()
+        self.marker.exec_driver_sql("SET synchronous_commit TO OFF")
+
+    def send(self, task: Any, units: int, n: int) -> None:
+        orders = self.orders
+        for _ in range(units):
+            with orders.engine.begin() as conn:
+                conn.execute(orders.write)
+                ids = list(conn.execute(self.insert, self.given).scalars())
+            for i in range(n):
+                task.apply_async((i,))
+            now = utcnow()
+            redeliver_at = self.settings.first_redelivery(now)
+            self.marker.execute(self.mark, {"ids": ids, "now": now, "redeliver_at": redeliver_at})
+
+    def close(self) -> None:
+        self.marker.close()
+        self.engine.dispose()
+
+
+def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publishes: bool,
+            options: Options) -> list[Result]:
+    """The rows of one broker, with the app the producer benchmark built (its tasks: ``plain`` to
+    a plain queue, ``durable`` to a durable one)."""
+    orders = Orders(outbox)
+    results = []
+    try:
+        for n in BATCHES:
+            floor = Floor(orders, durable, n)
+            try:
+                units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS, 1)
+                ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
+                        partial(floor.send, plain)]
+                for way in ways:  # warm: statements compiled, connections made
+                    way(1, n)
+                rounds = in_rounds(repeats, *(partial(rate, units * n, partial(way, units, n)) for way in ways))
+            finally:
+                floor.close()
+            for each in rounds:
+                print(f"  producer {broker} N={n} writing one row: " + ", ".join(
+                    f"{way} {value:.0f}/s" for way, value in zip(WAYS, each, strict=True)), file=sys.stderr)
+            spent = what_it_spends(orders, plain, durable, options.size(SPENT_UNITS, 20)) if n == 1 else ""
+            floored = n == 1 or not batches_publishes
+            target = (">=", TARGET) if n == 1 else None
+            case = f"{broker}, N={n} in one unit of work writing one row"
+            results += [
+                Result.of_rounds("producer", f"{case}, in-memory", "msg/s", [(r[1], r[0], None) for r in rounds],
+                                 target=target),
+                Result.of_rounds("producer", f"{case}, durable", "msg/s",
+                                 [(r[2], r[0], r[3] if floored else None) for r in rounds], target=target, note=spent),
+                Result.of_rounds("producer", f"{broker}, N={n} writing one row, floor: its transaction inserting the "
+                                 "messages' rows by hand, one UPDATE after the publish", "msg/s",
+                                 [(r[3], r[0], None) for r in rounds]),
+            ]
+    finally:
+        orders.close()
+    return results
+
+
+# -- what one durable unit of work spends ----------------------------------------------------------
+
+
+class _Trips:
+    """The round trips to PostgreSQL of the engines listened to, by what starts each (``BEGIN``,
+    a statement's first word, ``COMMIT``), split at the commit: those made while the publisher
+    runs after it."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+        self.after_commit = False
+        self.before: list[str] = []
+        self.after: list[str] = []
+
+    def _note(self, what: str) -> None:
+        (self.after if self.after_commit else self.before).append(what)
+
+    def _begin(self, conn: Any) -> None:
+        self._note("BEGIN")
+
+    def _execute(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        self._note(statement.split(None, 1)[0].upper())
+
+    def _commit(self, conn: Any) -> None:
+        self._note("COMMIT")
+
+    @contextmanager
+    def listening(self) -> Iterator["_Trips"]:
+        handlers = (("begin", self._begin), ("before_cursor_execute", self._execute), ("commit", self._commit))
+        for engine in self.engines:
+            for name, handler in handlers:
+                event.listen(engine, name, handler)
+        try:
+            yield self
+        finally:
+            for engine in self.engines:
+                for name, handler in handlers:
+                    event.remove(engine, name, handler)
+
+    def reset(self) -> None:
+        self.before, self.after = [], []
+
+
+@contextmanager
+def _timed(owner: type, name: str, spent: dict[str, float], key: str,
+           around: Callable[[bool], None] | None = None) -> Iterator[None]:
+    """For the block: ``owner.name`` adds the seconds each call takes to ``spent[key]`` (and calls
+    ``around(True)`` before, ``around(False)`` after each call)."""
+    original = owner.__dict__[name]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if around is not None:
+            around(True)
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - started
+            if around is not None:
+                around(False)
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def what_it_spends(orders: Orders, plain: Any, durable: Any, units: int) -> str:
+    """What one durable unit of work at N = 1 spends, against plain Celery's unit: its round trips
+    to PostgreSQL, and the mean time of its parts, in a pass of ``units`` of each."""
+    trips = _Trips([orders.outbox.engine, orders.engine])
+    spent: dict[str, float] = defaultdict(float)
+    plain_spent: dict[str, float] = defaultdict(float)
+
+    def publishing(entering: bool) -> None:
+        trips.after_commit = entering
+
+    with trips.listening():
+        orders.plain(plain, 1, 1)
+        trips.reset()
+        orders.plain(plain, 1, 1)
+        plain_trips = list(trips.before)
+        for _ in range(units):
+            started = time.perf_counter()
+            with orders.engine.begin() as conn:
+                conn.execute(orders.write)
+            committed = time.perf_counter()
+            plain.apply_async((0,))
+            plain_spent["transaction"] += committed - started
+            plain_spent["unit"] += time.perf_counter() - started
+        started = time.perf_counter()
+        orders.ours_without_messages(units)
+        plain_spent["no message"] = time.perf_counter() - started
+        with ExitStack() as stack:
+            stack.enter_context(_timed(Publisher, "publish_committed", spent, "after the commit", publishing))
+            stack.enter_context(_timed(OutgoingStatements, "take_outgoing", spent, "UPDATE"))
+            stack.enter_context(_timed(Outlet, "publish_each", spent, "publish"))
+            stack.enter_context(_timed(UnitOfWork, "_store_durable", spent, "INSERT"))
+            orders.ours(durable, 1, 1)
+            trips.reset()
+            orders.ours(durable, 1, 1)
+            ours_before, ours_after = list(trips.before), list(trips.after)
+            spent.clear()  # the timed units alone
+            started = time.perf_counter()
+            orders.ours(durable, units, 1)
+            spent["unit"] = time.perf_counter() - started
+    ms = {key: value / units * 1e3 for key, value in spent.items()}
+    plain_ms = {key: value / units * 1e3 for key, value in plain_spent.items()}
+    return (f"round trips to PostgreSQL per unit of work: {', '.join(ours_before)}, then after the commit "
+            f"{', '.join(ours_after)} (plain Celery's: {', '.join(plain_trips)}); ms per unit of work: ours "
+            f"{ms['unit']:.2f}, plain Celery's {plain_ms['unit']:.2f} (its transaction {plain_ms['transaction']:.2f}, "
+            f"apply_async {plain_ms['unit'] - plain_ms['transaction']:.2f}); of ours, after the commit "
+            f"{ms['after the commit']:.2f} (the UPDATE taking the row {ms['UPDATE']:.2f}, the publish "
+            f"{ms['publish']:.2f}), the message row's INSERT {ms['INSERT']:.2f}; the unit of work writing its row and "
+            f"sending nothing {plain_ms['no message']:.2f}")
