@@ -55,7 +55,11 @@ class Result:
     drift of the machine's speed between rounds cancels out of them. The rounds also give each
     ratio a confidence interval (``median_interval``), and the verdict on a target is decided only
     where that interval lies wholly on one side of it: a difference smaller than the rounds'
-    spread is the host's noise, not a measurement."""
+    spread is the host's noise, not a measurement.
+
+    ``versus`` names a peer library and its version (``"procrastinate 3.10.0"``): then ``plain`` is
+    that peer's measurement, not plain Celery's, the ratio is ours / the peer's, and the row goes to
+    the table's ``vs peer`` block."""
 
     benchmark: str
     case: str
@@ -66,6 +70,7 @@ class Result:
     note: str = ""
     floor: float | None = None
     rounds: list[tuple[float, float | None, float | None]] | None = None
+    versus: str | None = None
 
     @classmethod
     def of_rounds(cls, benchmark: str, case: str, unit: str,
@@ -184,7 +189,7 @@ class Result:
         rounds = data.get("rounds")
         return cls(data["benchmark"], data["case"], data["unit"], data["ours"], plain=data.get("plain"),
                    target=target, note=data.get("note", ""), floor=data.get("floor"),
-                   rounds=None if rounds is None else [tuple(each) for each in rounds])
+                   rounds=None if rounds is None else [tuple(each) for each in rounds], versus=data.get("versus"))
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -289,23 +294,39 @@ def _redis_version() -> str:
 
 
 def table(results: list[Result]) -> str:
-    """The results as a Markdown table (what the README shows)."""
-    lines = ["| benchmark | case | celery-outbox | plain Celery | ratio | target | met |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
-        plain = "" if r.plain is None else f"{_number(r.plain)} {r.unit}"
-        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
-        target = "" if r.target is None else f"{r.target[0]} {r.target[1]:g}" + (" (ratio)" if r.plain else "")
-        met = {None: "", "yes": "yes", "no": "**no**", "undecided": "undecided"}[r.verdict]
-        if r.verdict is not None and r.interval is not None:
-            met += f", {_span(r.interval, ratio=r.plain is not None)}"
-        if r.floor_verdict is not None:  # what any implementation could reach here
-            at_floor = "" if r.of_floor_interval is None else ": at its floor" if r.at_floor else ": short of its floor"
-            met += f" (floor {r.floor_ratio:.2f}{_spanned(r.floor_interval)}: {_WHERE[r.floor_verdict]}; " \
-                   f"ours {r.of_floor:.2f} of it{_spanned(r.of_floor_interval)}{at_floor})"
-        case = r.case + (f" ({r.note})" if r.note else "")
-        lines.append(f"| {r.benchmark} | {case} | {_number(r.ours)} {r.unit} | {plain} | {ratio} | {target} | {met} |")
-    return "\n".join(lines)
+    """The results as a Markdown table (what the README shows): the rows against plain Celery, then,
+    under ``vs peer``, the rows against a peer library (its name and version in their own column)."""
+    ours = [r for r in results if r.versus is None]
+    peers = [r for r in results if r.versus is not None]
+    blocks = []
+    if ours or not peers:
+        lines = ["| benchmark | case | celery-outbox | plain Celery | ratio | target | met |",
+                 "|---|---|---|---|---|---|---|"]
+        blocks.append("\n".join(lines + [_line(r) for r in ours]))
+    if peers:
+        lines = ["vs peer: the denominator is the peer named, not plain Celery (ratio = celery-outbox / peer)",
+                 "",
+                 "| benchmark | case | celery-outbox | peer | peer's | ratio | target | met |",
+                 "|---|---|---|---|---|---|---|---|"]
+        blocks.append("\n".join(lines + [_line(r) for r in peers]))
+    return "\n\n".join(blocks)
+
+
+def _line(r: Result) -> str:
+    """A row of the table (with the peer's column where ``r`` is measured against one)."""
+    plain = "" if r.plain is None else f"{_number(r.plain)} {r.unit}"
+    ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+    target = "" if r.target is None else f"{r.target[0]} {r.target[1]:g}" + (" (ratio)" if r.plain else "")
+    met = {None: "", "yes": "yes", "no": "**no**", "undecided": "undecided"}[r.verdict]
+    if r.verdict is not None and r.interval is not None:
+        met += f", {_span(r.interval, ratio=r.plain is not None)}"
+    if r.floor_verdict is not None:  # what any implementation could reach here
+        at_floor = "" if r.of_floor_interval is None else ": at its floor" if r.at_floor else ": short of its floor"
+        met += f" (floor {r.floor_ratio:.2f}{_spanned(r.floor_interval)}: {_WHERE[r.floor_verdict]}; " \
+               f"ours {r.of_floor:.2f} of it{_spanned(r.of_floor_interval)}{at_floor})"
+    case = r.case + (f" ({r.note})" if r.note else "")
+    peer = "" if r.versus is None else f" {r.versus} |"
+    return f"| {r.benchmark} | {case} | {_number(r.ours)} {r.unit} |{peer} {plain} | {ratio} | {target} | {met} |"
 
 
 def verdicts(results: list[Result]) -> str:
@@ -327,9 +348,13 @@ def verdicts(results: list[Result]) -> str:
                    and not (r.floor_verdict == "undecided" and r.at_floor)],
     }
     lines = [f"{len(rows)} targets, judged at {CONFIDENCE:.0%} confidence or more where a row has rounds enough:"]
-    lines += [f"- {label}: {len(group)}" + "".join(f"\n  - {r.benchmark}, {r.case}" for r in group)
+    lines += [f"- {label}: {len(group)}" + "".join(f"\n  - {_named(r)}" for r in group)
               for label, group in groups.items() if group]
     return "\n".join(lines)
+
+
+def _named(r: Result) -> str:
+    return f"{r.benchmark}, {r.case}" + ("" if r.versus is None else f" (vs {r.versus})")
 
 
 _WHERE = {"within": "within this machine", "beyond": "beyond this machine", "undecided": "undecided here"}
