@@ -91,9 +91,10 @@ WORKER_WARM_UP = 200
 # django-celery-outbox: rounds and messages per way and round
 SEND_ROUNDS = 5
 SEND_MESSAGES = {1: 1000, 10: 1500, 100: 2000}
-# The relay: rounds of a backlog of 100 k rows each. One round takes three minutes (stranding our
-# 100 k rows 40 s, our relay 20 s, theirs two minutes), and their ratio, near ten, lies far beyond
-# the rounds' noise; their relay is also measured in each round of the sending rows
+# The relay: rounds of a backlog of 100 k rows each. One round takes two to three minutes
+# (stranding our 100 k rows 40 s, our relay 12 to 20 s, theirs 90 to 150 s), and the ratio, near
+# seven, lies far beyond the rounds' noise; their relay is also measured in each round of the
+# sending rows
 RELAY_ROUNDS = 1
 RELAY_BACKLOG = 100_000
 UNIT = 1000  # rows per transaction when the backlog is made
