@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 from .common import Options, Result, machine, table, verdicts
 
-BENCHMARKS = ("producer", "worker", "relay", "contention", "cleanup", "audit", "django")
+BENCHMARKS = ("producer", "worker", "relay", "contention", "cleanup", "audit", "django", "peers")
 
 
 def main(argv: list[str] | None = None) -> int:

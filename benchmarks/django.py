@@ -20,33 +20,21 @@ from functools import partial
 from typing import Any
 
 from celery import Celery
-from sqlalchemy.engine import make_url
 
 from celery_outbox import Outbox
 
-from .common import POSTGRES_URL, REDIS_URL, Options, Result, delete_queues, drop_store, in_rounds, rate, unique_prefix
+from . import django_settings
+from .common import REDIS_URL, Options, Result, delete_queues, drop_store, in_rounds, rate, unique_prefix
 
 BATCHES = (1, 10, 100)
 ROUNDS = 5
 MESSAGES = {1: 2000, 10: 3000, 100: 3000}
-DJANGO_DATABASE = "postgres"
 
 
 def configure_django() -> None:
-    """Django settings for this process: one PostgreSQL database, the outbox's app, one model."""
-    import django
-    from django.conf import settings
-
-    if settings.configured:
-        return
-    url = make_url(POSTGRES_URL)
-    settings.configure(
-        INSTALLED_APPS=["django.contrib.contenttypes", "celery_outbox.django"], USE_TZ=True,
-        DATABASES={"default": {"ENGINE": "django.db.backends.postgresql", "NAME": DJANGO_DATABASE,
-                               "USER": url.username or "", "PASSWORD": url.password or "",
-                               "HOST": url.host or "", "PORT": str(url.port or "")}},
-    )
-    django.setup()
+    """Django settings for this process (``benchmarks.django_settings``): one PostgreSQL database,
+    the outbox's app."""
+    django_settings.configure()
 
 
 def build(prefix: str) -> tuple[Celery, Outbox, Any, Any, Any]:

@@ -39,6 +39,55 @@ def test_the_django_benchmark_compares_the_outbox_with_delay_on_commit(tmp_path)
         assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
 
 
+def test_the_peers_benchmark_compares_the_outbox_with_procrastinate_and_django_celery_outbox(tmp_path):
+    """``python -m benchmarks peers``: each comparison with a peer library, both ways measured in
+    the same run; its rows name the peer and its version, and print in the table's ``vs peer``
+    block, apart from the rows against plain Celery."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for service in ("postgres", "redis"):
+        require(service)
+    try:
+        peers = {name: f"{name} {version(name)}" for name in ("procrastinate", "django-celery-outbox")}
+    except PackageNotFoundError as exc:
+        pytest.skip(f"the peers are not installed ({exc}): the bench extra (tox installs it)")
+    report_path = tmp_path / "results.json"
+    completed = subprocess.run([sys.executable, "-m", "benchmarks", "peers", "--quick", "--json", str(report_path)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads(report_path.read_text())["results"]
+    assert {r["benchmark"] for r in results} == {"peers"}
+    by_peer = {name: [r["case"] for r in results if r["versus"] == named] for name, named in peers.items()}
+    assert sum(map(len, by_peer.values())) == len(results), "every row names its peer"
+    assert by_peer["procrastinate"] == [
+        "N=1 in one transaction: durable unit of work (Redis) vs defer ×1 on the caller's connection",
+        *(f"N={n} in one transaction: durable unit of work (Redis) vs {how} on the caller's connection"
+          for n in (10, 100) for how in (f"defer ×{n}", f"one batch_defer of {n}")),
+        "one DB write per job, a queue of 20 drained by one worker of concurrency 2: IdempotentTask optimistic "
+        "(Redis, prefork) vs its async job (its worker)"]
+    assert by_peer["django-celery-outbox"] == [
+        *(f"N={n} in transaction.atomic() with one ORM row: durable delay, published after the commit, vs {how}"
+          for n in (1, 10, 100) for how in ("its delay (stored only)",
+                                            "its delay and then its relay publishing the rows (batches of 500)")),
+        "a backlog of 3,000 rows published to Redis in batches of 500: relay vs its relay"]
+    for result in results:
+        assert result["ours"] > 0 and result["plain"] > 0, "both ways measured"
+        assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
+        assert result["target"] == ">= 1"
+
+    table = completed.stdout
+    assert "| benchmark | case | celery-outbox | plain Celery |" not in table, "no row against plain Celery"
+    block = table.split("vs peer: the denominator is the peer named, not plain Celery", 1)[1]
+    assert "| benchmark | case | celery-outbox | peer | peer's | ratio | target | met |" in block
+    rows = [line for line in block.splitlines() if line.startswith("| peers |")]
+    assert len(rows) == len(results)
+    assert all(any(f"| {named} |" in row for named in peers.values()) for row in rows)
+    reprinted = subprocess.run([sys.executable, "-m", "benchmarks", "--report", str(report_path)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert reprinted.returncode == 0, reprinted.stderr
+    assert reprinted.stdout.split("\n", 1)[1] == table.replace(f"written to {report_path}\n", "")
+
+
 def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     for service in ("postgres", "redis", "rabbitmq"):
         require(service)

@@ -224,3 +224,29 @@ def test_a_row_read_back_from_its_json_is_the_row_that_was_written():
     again = [Result.from_dict(json.loads(json.dumps(row.as_dict()))) for row in rows]
     assert again == rows
     assert table(again) == table(rows) and verdicts(again) == verdicts(rows)
+
+
+def test_a_row_against_a_peer_prints_in_the_vs_peer_block_naming_the_peer():
+    """A row whose denominator is a peer library, not plain Celery, prints below the rows against
+    plain Celery, under a header that says so, with the peer's name and version in a column of
+    its own; the verdicts name it, and its JSON carries it."""
+    from benchmarks.common import verdicts
+
+    against_celery = Result.of_rounds("relay", "Redis", "msg/s", _rounds([1.2] * 5), target=(">=", 1.0))
+    against_peer = Result.of_rounds("peers", "N=1 vs defer", "msg/s", _rounds([0.3] * 5), target=(">=", 1.0),
+                                    versus="procrastinate 3.10.0")
+    blocks = table([against_peer, against_celery]).split("\n\n")
+    assert blocks[0].splitlines()[0] == "| benchmark | case | celery-outbox | plain Celery | ratio | target | met |"
+    assert [line for line in blocks[0].splitlines() if line.startswith("| relay")] != []
+    assert "peers" not in blocks[0]
+    assert blocks[1].startswith("vs peer: the denominator is the peer named, not plain Celery")
+    header, rule, row = blocks[2].splitlines()
+    assert header == "| benchmark | case | celery-outbox | peer | peer's | ratio | target | met |"
+    assert row == ("| peers | N=1 vs defer | 30.0 msg/s | procrastinate 3.10.0 | 100 msg/s | 0.30 | >= 1 (ratio) "
+                   "| **no**, 0.30–0.30 |")
+    assert "  - peers, N=1 vs defer (vs procrastinate 3.10.0)" in verdicts([against_peer, against_celery])
+    written = json.loads(json.dumps(against_peer.as_dict()))
+    assert written["versus"] == "procrastinate 3.10.0" and Result.from_dict(written) == against_peer
+    assert json.loads(json.dumps(against_celery.as_dict()))["versus"] is None
+    only_peers = table([against_peer])
+    assert only_peers.startswith("vs peer:") and "plain Celery |" not in only_peers
