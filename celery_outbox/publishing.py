@@ -2,10 +2,11 @@
 message sent outside one.
 
 Transaction boundary: after the commit, the durable rows are taken (locked and marked sent)
-with one UPDATE, every captured message is published in call order with one producer
-(``broker.Outlet``), and the marks commit (the consuming inbox deletes the rows when it has
-the message; redelivery publishes them again if it never does); with delivery tracking off,
-one DELETE takes them instead. Outside a unit of work, a durable message is stored in a
+with one UPDATE that opens a transaction of its own (in one round trip on PostgreSQL), every
+captured message is published in call order with one producer (``broker.Outlet``), and the
+marks commit (the consuming inbox deletes the rows when it has the message; redelivery
+publishes them again if it never does); with delivery tracking off, one DELETE takes them
+instead. Outside a unit of work, a durable message is stored in a
 transaction of its own, then published.
 
 Guarantee: never raises for a broker error once the commit happened; a durable message whose
@@ -96,8 +97,8 @@ class Publisher:
             if redeliver_at is None:
                 self._publish_deleting(messages, durable_ids, now, producer)
                 return
-            with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
-                owned = set(store.take_outgoing(conn, durable_ids, now, redeliver_at))
+            with store.taking_outgoing(durable_ids, now, redeliver_at) as (conn, taken):
+                owned = set(taken)
                 store.postpone_redelivery(conn, [
                     {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
                     for m in messages if m.row_id in owned and m.deliver_at is not None and m.deliver_at > now])

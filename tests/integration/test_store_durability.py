@@ -426,6 +426,43 @@ def test_a_row_a_relay_holds_is_not_taken(store: Store):
     assert outgoing_state(store) == {held: (False, False), free: (True, True)}
 
 
+def test_the_publishers_transaction_opens_by_taking_its_rows_and_commits_their_marks(store: Store):
+    """``taking_outgoing``: a transaction of its own that starts by taking the rows (the unsent
+    ones no relay holds), commits without waiting for the WAL flush, and keeps the marks only if
+    its block ends without an error; on PostgreSQL with psycopg, BEGIN, SET LOCAL and the UPDATE
+    go in one message (no statement through the cursor), prepared statement or not."""
+    from .test_store_contract import StatementLog, outgoing_row
+
+    now, later = utcnow(), utcnow() + timedelta(minutes=10)
+    with store.begin() as conn:
+        ids = store.insert_outgoing(conn, [outgoing_row(n) for n in range(6)])
+        store.finish_sent(conn, [ids[1]], now, later)
+    with ExitStack() as relay_holds:
+        if store.is_postgres:  # a relay holds one row (SQLite lets one writer in at a time: no skipping)
+            relay = relay_holds.enter_context(store.engine.connect())
+            relay_holds.enter_context(relay.begin())
+            assert [row.id for row in store.lock_pending_outgoing(relay, 1, now, after_id=ids[1])] == [ids[2]]
+        log = StatementLog(store.engine)
+        try:
+            with store.taking_outgoing(ids[:3], now, later) as (conn, taken):
+                assert taken == ([ids[0]] if store.is_postgres else [ids[0], ids[2]])
+                if store.is_postgres:
+                    assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+            with pytest.raises(RuntimeError), store.taking_outgoing([ids[3]], now, later) as (conn, taken):
+                assert taken == [ids[3]]
+                raise RuntimeError("the publish went wrong before the commit")
+            for row_id in ids[4:]:  # again on the same pooled connection: the statement prepared
+                with store.taking_outgoing([row_id], now, later) as (conn, taken):
+                    assert taken == [row_id]
+        finally:
+            log.close()
+    if store.is_postgres:
+        assert not [s for s in log.statements if "outgoing" in s], "the UPDATE went in one message"
+    state = outgoing_state(store)
+    assert [state[row_id] for row_id in ids] == [
+        (True, True), (True, True), (not store.is_postgres,) * 2, (False, False), (True, True), (True, True)]
+
+
 def test_taking_rows_to_delete_them_is_one_statement_that_skips_sent_and_held_rows(store: Store):
     """With delivery tracking off the publisher deletes the rows it takes, before the publish."""
     from .test_store_contract import StatementLog, outgoing_row
