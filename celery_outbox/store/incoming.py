@@ -18,10 +18,9 @@ from typing import Any, Sequence
 
 from sqlalchemy import Connection, Row, bindparam, delete, exists, func, literal_column, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import OperationalError
 
 from ..vocabulary import Attempt, IncomingStatus
-from .pipeline import OneMessage, _pipelined_query
+from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, _pipelined_query
 from .schema import _INCOMING_KEY, UNOWNED, _incoming_key, is_running
 
 __all__ = ["ExpiredDeleted", "IncomingStatements"]
@@ -159,20 +158,10 @@ class IncomingStatements(OneMessage):
         returns, and the body's first statement does not wait for a BEGIN of its own. A key
         that exists already takes ``claim_incoming``'s second statement in a transaction of
         its own; the first wrote nothing."""
-        inserted = None
-        if self.is_postgres:
-            try:
-                conn = then_begin if then_begin is not None else self.engine.connect()
-                try:
-                    if self._can_open_in_one_message(conn):
-                        inserted = self._insert_incoming_in_one_message(
-                            conn, row, (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"),
-                            (b"COMMIT",) if then_begin is None else (b"COMMIT", b"BEGIN"))
-                finally:
-                    if then_begin is None:
-                        conn.close()
-            except OperationalError as exc:
-                raise self.unavailable(exc) from exc
+        inserted = self._in_one_message_alone(
+            lambda conn: self._insert_incoming_in_one_message(
+                conn, row, OPEN_NOT_WAITING_FOR_FLUSH, (b"COMMIT",) if then_begin is None else (b"COMMIT", b"BEGIN")),
+            then_begin) if self.is_postgres else None
         if inserted:
             return True
         with self.begin(durable=False) as conn:
@@ -198,17 +187,14 @@ class IncomingStatements(OneMessage):
                   "ack_nesting": nesting, "ack_replays": replays, "ack_retries": retries}
         if destination is not None:
             values["ack_destination"] = destination
-        try:
-            with self.engine.connect() as conn:
-                if not self._can_open_in_one_message(conn):
-                    return False
-                statement = self._claim_and_acknowledge(tuple(row), destination is not None)
-                query = _pipelined_query(statement, conn.dialect, tuple(values), "envelope")
-                result, _ = self._send_one_message(conn, query, values,
-                                                   (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"), (b"COMMIT",))
-                return result.ntuples > 0
-        except OperationalError as exc:
-            raise self.unavailable(exc) from exc
+        statement = self._claim_and_acknowledge(tuple(row), destination is not None)
+
+        def send(conn: Connection) -> bool:
+            query = _pipelined_query(statement, conn.dialect, tuple(values), "envelope")
+            result, _ = self._send_one_message(conn, query, values, OPEN_NOT_WAITING_FOR_FLUSH, (b"COMMIT",))
+            return result.ntuples > 0
+
+        return bool(self._in_one_message_alone(send))
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one store per table prefix: a handful of column sets
     def _claim_and_acknowledge(self, columns: tuple[str, ...], by_destination: bool):

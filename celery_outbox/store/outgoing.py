@@ -36,7 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from ..vocabulary import Attempt
-from .pipeline import OneMessage, _pipelined_query
+from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, _pipelined_query
 
 __all__ = ["INSERT_CHUNK", "RECORD_COLUMNS", "OutgoingStatements"]
 
@@ -170,8 +170,7 @@ class OutgoingStatements(OneMessage):
             values = self._taking(ids, now, redeliver_at)
             if self.is_postgres and self._can_open_in_one_message(conn):
                 query = _pipelined_query(self._take_outgoing_statement, conn.dialect, tuple(values), "take_outgoing")
-                result, _ = self._send_one_message(conn, query, values,
-                                                   (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF"), ())
+                result, _ = self._send_one_message(conn, query, values, OPEN_NOT_WAITING_FOR_FLUSH, ())
                 taken = [int(result.get_value(row, 0)) for row in range(result.ntuples)]
             else:
                 if self.is_postgres:

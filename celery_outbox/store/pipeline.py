@@ -19,15 +19,18 @@ import re
 import select as io_select
 import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from .base import StoreBase
 
-__all__ = ["OneMessage"]
+__all__ = ["OPEN_NOT_WAITING_FOR_FLUSH", "OneMessage"]
+
+_T = TypeVar("_T")
 
 # psycopg.pq values, without importing psycopg for SQLite
 _PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
@@ -44,6 +47,9 @@ CANCEL_WAIT = 5.0
 # the statements to prepare before its next message that opens a transaction (None: not followed)
 _PREPARED = "celery_outbox_prepared"
 _TO_PREPARE = "celery_outbox_to_prepare"
+# The start of a message that opens a transaction committing without waiting for the WAL flush,
+# as ``StoreBase.begin(durable=False)`` opens one
+OPEN_NOT_WAITING_FOR_FLUSH = (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF")
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,17 @@ def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | 
 
 class OneMessage(StoreBase):
     """Statements sent in one network message on PostgreSQL with psycopg."""
+
+    def _in_one_message_alone(self, send: Callable[[Connection], _T], conn: Connection | None = None) -> _T | None:
+        """PostgreSQL: ``send(conn)``, statements sent in one message that open their own
+        transaction, on ``conn`` (a connection between transactions) or on a connection of its
+        own; None, and nothing sent, when they cannot go in one message there (see
+        ``_opening``). A lost connection is ``StoreUnavailable``."""
+        try:
+            with nullcontext(conn) if conn is not None else self.engine.connect() as connection:
+                return send(connection) if self._can_open_in_one_message(connection) else None
+        except OperationalError as exc:
+            raise self.unavailable(exc) from exc
 
     def _can_open_in_one_message(self, conn: Connection) -> bool:
         """PostgreSQL: ``conn`` is between transactions, and a message sent on it may open its own."""
