@@ -32,18 +32,20 @@ def main(argv: list[str] | None = None) -> int:
         return report(args.report)
     options = Options(quick=args.quick)
     results: list[Result] = []
+    minutes: dict[str, float] = {}
     started = datetime.now(timezone.utc)
     for name in args.names or BENCHMARKS:
         began = time.monotonic()
         print(f"benchmark {name} ...", file=sys.stderr, flush=True)
         module = importlib.import_module(f"benchmarks.{name}")
         results.extend(module.run(options))
-        print(f"benchmark {name}: {time.monotonic() - began:.0f}s", file=sys.stderr, flush=True)
+        minutes[name] = round((time.monotonic() - began) / 60, 1)
+        print(f"benchmark {name}: {minutes[name]} min", file=sys.stderr, flush=True)
     written = {"started": started.isoformat(timespec="seconds"), "quick": args.quick, "machine": machine(),
-               "results": [result.as_dict() for result in results]}
+               "minutes": minutes, "results": [result.as_dict() for result in results]}
     with open(args.json, "w") as handle:
         json.dump(written, handle, indent=2)
-    _print(results, written["machine"])
+    _print(results, written["machine"], minutes)
     print(f"written to {args.json}")
     return 0
 
@@ -58,14 +60,17 @@ def report(path: str) -> int:
         print(f"python -m benchmarks --report: cannot read the results in {path}: {exc!r}", file=sys.stderr)
         return 2
     print(f"run of {written.get('started', 'an unknown time')}" + (" (--quick)" if written.get("quick") else ""))
-    _print(results, written.get("machine", {}))
+    _print(results, written.get("machine", {}), written.get("minutes", {}))
     return 0
 
 
-def _print(results: list[Result], machine_described: dict) -> None:
+def _print(results: list[Result], machine_described: dict, minutes: dict[str, float]) -> None:
     print(table(results))
     print(f"\n{verdicts(results)}")
     print(f"\nmachine: {machine_described}")
+    if minutes:
+        print(f"minutes: {', '.join(f'{name} {each}' for name, each in minutes.items())}; "
+              f"in all {sum(minutes.values()):.0f}")
 
 
 if __name__ == "__main__":

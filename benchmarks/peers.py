@@ -85,7 +85,7 @@ BATCHES = (1, 10, 100)
 DEFER_ROUNDS = 5
 DEFER_MESSAGES = {1: 1000, 10: 2000, 100: 3000}
 # The workers: rounds, jobs in each round's block, and jobs run before its first mark
-WORKER_ROUNDS = 12  # an interval of the 3rd to the 10th round's ratio, at 96%
+WORKER_ROUNDS = 8  # an interval of the 2nd to the 7th round's ratio, at 93%
 WORKER_BLOCK = 1500
 WORKER_WARM_UP = 200
 # django-celery-outbox: rounds and messages per way and round

@@ -60,10 +60,10 @@ from .common import (
 )
 
 BATCHES = (1, 10, 100)
-# Rounds and messages per way and round: N = 100, the target's, in twenty rounds of 2,000 messages
-# (its interval the 6th to the 15th round's ratio; five rounds give only the lowest to the
+# Rounds and messages per way and round: N = 100, the target's, in ten rounds of 2,000 messages
+# (its interval the 2nd to the 9th round's ratio; five rounds give only the lowest to the
 # highest); the rest in five rounds of 3,000 (N = 1, durable, takes up to 20 s a round)
-ROUNDS = {1: 5, 10: 5, 100: 20}
+ROUNDS = {1: 5, 10: 5, 100: 10}
 MESSAGES = {1: 3000, 10: 3000, 100: 2000}
 
 

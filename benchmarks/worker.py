@@ -48,10 +48,10 @@ from .cpu import CPU_PARTS
 
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
-# Rounds of blocks of messages: thirty give each ratio an interval at 90% confidence from the
-# 11th to the 20th round's (twenty gave the 6th to the 15th, at 96%: a third wider, and the
-# floors' intervals straddled the one-write targets on a noisy host)
-ROUNDS = 30
+# Rounds of blocks of messages: fifteen give each ratio an interval at 90% confidence from the
+# 4th to the 12th round's (thirty gave the 11th to the 20th, narrower, but the worker alone then
+# took half an hour, too long for the full run's 45 minutes)
+ROUNDS = 15
 # Messages in a block, by broker: half a second or more of the fastest variant (the plain task
 # runs some 1,000 a second on Redis, 3,000 on RabbitMQ); RabbitMQ's blocks of 500, 0.17 s each,
 # gave plain vs plain acks_late an interval of 0.67 to 1.16
@@ -61,7 +61,7 @@ BLOCK = {"Redis": 500, "RabbitMQ": 1500}
 WARM_UP = 200
 # Rounds of the durable-queue task, each two workers of their own
 DURABLE_ROUNDS = 5
-DURABLE_MESSAGES = 3000
+DURABLE_MESSAGES = 2000
 # (variant, task, target ratio against the plain task, its floor)
 PLAIN = "plain task"
 OPTIMISTIC_FLOOR = "floor: plain task writing its inbox row in its transaction"
@@ -186,7 +186,7 @@ class Run:
 
 def mean_cpu(blocks: list[Block]) -> dict[str, float]:
     """The CPU per task, by part, over all of a variant's blocks: a block's reading counts clock
-    ticks of 10 ms, 20 µs a task in a block of 500; the mean of thirty resolves better than 1 µs."""
+    ticks of 10 ms, 20 µs a task in a block of 500; the mean of fifteen resolves about 1 µs."""
     if not blocks:
         return {}
     return {part: statistics.fmean(each["cpu"][part] for each in blocks) for part in CPU_PARTS}

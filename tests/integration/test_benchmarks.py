@@ -102,6 +102,9 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
     assert {"cpu", "cores", "postgres", "redis", "celery"} <= set(report["machine"])
     results = report["results"]
     assert {r["benchmark"] for r in results} == {"producer", "relay", "cleanup"}
+    assert list(report["minutes"]) == ["producer", "relay", "cleanup"], "each benchmark's time, in run order"
+    assert all(minutes >= 0 for minutes in report["minutes"].values())
+    assert re.search(r"^minutes: producer [\d.]+, relay [\d.]+, cleanup [\d.]+; in all \d+$", completed.stdout, re.M)
     for result in results:
         if result["plain"] is not None:  # both sides measured in this run
             assert result["plain"] > 0 and result["ours"] > 0
