@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 CPU_PARTS = ("worker", "pool", "PostgreSQL", "broker")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -34,3 +36,16 @@ def cpu_seconds(worker_session: int) -> dict[str, float]:
         if part is not None:
             spent[part] += ticks / CLOCK_TICKS
     return spent
+
+
+def mark_reading(key: str) -> str:
+    """What a block's mark ``key`` records, as JSON: the time, and the CPU the calling process's
+    session (a worker and its pool) has spent so far, read before the time at a start
+    (``...:start``) and after it at an end, so that the reading falls outside the block."""
+    if key.endswith(":start"):
+        cpu = cpu_seconds(os.getsid(0))
+        now = time.time()
+    else:
+        now = time.time()
+        cpu = cpu_seconds(os.getsid(0))
+    return json.dumps({"time": now, "cpu": cpu})

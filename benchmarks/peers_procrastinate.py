@@ -16,14 +16,12 @@ at procrastinate's defaults.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import time
 from typing import Any
 
 import redis
 
-from benchmarks.cpu import cpu_seconds
+from benchmarks.cpu import mark_reading
 
 CONCURRENCY = 2
 
@@ -53,13 +51,7 @@ def create(dsn: str, schema: str, effects: str, marks_url: str, sync: bool = Fal
 
     @app.task(name="bench.peer_mark")
     async def peer_mark(key: str) -> None:
-        if key.endswith(":start"):
-            cpu = cpu_seconds(os.getsid(0))
-            now = time.time()
-        else:
-            now = time.time()
-            cpu = cpu_seconds(os.getsid(0))
-        marks.set(key, json.dumps({"time": now, "cpu": cpu}))
+        marks.set(key, mark_reading(key))
 
     return app
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 import weakref
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
@@ -27,7 +26,7 @@ from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, Table, create_engine, insert
 from sqlalchemy.engine import Connection
 
-from benchmarks.cpu import cpu_seconds
+from benchmarks.cpu import mark_reading
 from celery_outbox import IdempotentTask, Outbox
 
 
@@ -105,15 +104,8 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, durable_
 
     @app.task(name="bench.mark", shared=False)
     def mark(key: str) -> None:
-        """Record when a block of messages began (``...:start``) or ended, and the CPU spent so far
-        (read before the time at a start, after it at an end: the reading falls outside the block)."""
-        if key.endswith(":start"):
-            cpu = cpu_seconds(os.getsid(0))
-            now = time.time()
-        else:
-            now = time.time()
-            cpu = cpu_seconds(os.getsid(0))
-        marks.set(key, json.dumps({"time": now, "cpu": cpu}))
+        """Record when a block of messages began (``...:start``) or ended, and the CPU spent so far."""
+        marks.set(key, mark_reading(key))
 
     return app, outbox, metadata
 
