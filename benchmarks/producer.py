@@ -42,8 +42,6 @@ from celery import Celery
 
 from celery_outbox import Outbox
 from celery_outbox.store import utcnow
-from celery_outbox.store.outgoing import _insert_from_json, _json_rows
-from celery_outbox.unit_of_work import current_unit_of_work
 
 from . import producer_row
 from .common import (
@@ -101,28 +99,22 @@ def send(task: Any, units: int, n: int, outbox: Outbox | None) -> None:
 
 def durable_statements(outbox: Outbox, durable: Any, n: int) -> Callable[[], None]:
     """One unit of work's durable statements on N rows built once: the INSERT and its commit, then
-    what the publisher runs around the publish and its commit (the UPDATE taking the rows; without
-    delivery tracking, the DELETE taking them)."""
-    with outbox.transaction():
-        for i in range(n):
-            durable.apply_async((i,))
-        uow = current_unit_of_work()
-        messages, uow.pending = uow.pending, []  # captured only: neither stored nor published
-    rows = [message.to_row(utcnow()) for message in messages]
-    names = tuple(sorted(rows[0]))
+    what the publisher runs around the publish and its commit (the UPDATE taking the rows, in the
+    message that opens its transaction; without delivery tracking, the DELETE taking them)."""
     store, settings = outbox.store, outbox.settings
-    insert, given = _insert_from_json(store.tables.outgoing, names), {"rows": _json_rows(rows, names)}
+    insert, given = producer_row.captured_rows(outbox, durable, n)
 
     def run() -> None:
         with store.begin() as conn:
             ids = list(conn.execute(insert, given).scalars())
-        with store.begin(durable=False) as conn:
-            now = utcnow()
-            redeliver_at = settings.first_redelivery(now)
-            if redeliver_at is None:
+        now = utcnow()
+        redeliver_at = settings.first_redelivery(now)
+        if redeliver_at is None:
+            with store.begin(durable=False) as conn:
                 store.take_outgoing_to_delete(conn, ids)
-            else:
-                store.take_outgoing(conn, ids, now, redeliver_at)
+        else:
+            with store.taking_outgoing(ids, now, redeliver_at):
+                pass
 
     return run
 

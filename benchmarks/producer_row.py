@@ -77,6 +77,20 @@ TARGET = 0.9
 WAYS = ("plain", "in-memory", "durable", "floor")
 
 
+def captured_rows(outbox: Outbox, durable: Any, n: int) -> tuple[Any, dict[str, str]]:
+    """N messages of ``durable`` captured in a unit of work (neither stored nor published), as the
+    library's INSERT of outgoing rows takes them: its statement and its parameters (the rows as
+    one JSON text), made once."""
+    with outbox.transaction():
+        for i in range(n):
+            durable.apply_async((i,))
+        uow = current_unit_of_work()
+        messages, uow.pending = uow.pending, []  # captured only: neither stored nor published
+    rows = [message.to_row(utcnow()) for message in messages]
+    names = tuple(sorted(rows[0]))
+    return _insert_from_json(outbox.store.tables.outgoing, names), {"rows": _json_rows(rows, names)}
+
+
 class Orders:
     """The user's table and the two ways of writing one row of it: through the unit of work's
     Session, and on a plain SQLAlchemy engine as a Celery user without celery-outbox would."""
@@ -126,17 +140,10 @@ class Floor:
 
     def __init__(self, orders: Orders, durable: Any, n: int):
         outbox = orders.outbox
-        with outbox.transaction():
-            for i in range(n):
-                durable.apply_async((i,))
-            uow = current_unit_of_work()
-            messages, uow.pending = uow.pending, []  # captured only: neither stored nor published
-        rows = [message.to_row(utcnow()) for message in messages]
-        names = tuple(sorted(rows[0]))
         outgoing = outbox.store.tables.outgoing
         self.orders, self.settings = orders, outbox.settings
         # the statement the library inserts with, on a JSON text of the rows made once
-        self.insert, self.given = _insert_from_json(outgoing, names), {"rows": _json_rows(rows, names)}
+        self.insert, self.given = captured_rows(outbox, durable, n)
         self.mark = update(outgoing).where(outgoing.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))) \
             .values(sent_at=bindparam("now"), redeliver_at=bindparam("redeliver_at"))
         self.engine = create_engine(POSTGRES_URL, pool_size=1, isolation_level="AUTOCOMMIT")
