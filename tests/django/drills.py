@@ -204,6 +204,14 @@ def caught_running(worker: WorkerProcess, shop: Shop, bodies: int, timeout: floa
     return running
 
 
+def start_all(processes: list[WorkerProcess]) -> None:
+    """Start every process, then wait until each is ready (they start side by side)."""
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.wait_ready()
+
+
 def stop_all(processes: list[WorkerProcess]) -> None:
     """Warm shutdown of every process at once (SIGTERM to all, then wait); SIGKILL one that does not stop."""
     running = [p for p in processes if p.process is not None and p.process.poll() is None]

@@ -28,7 +28,7 @@ import pytest
 from ..services import TcpProxy, wait_until
 from ..throwaway import ThrowawayPostgres, ThrowawayRedis
 from ..workers import ROOT
-from .drills import Project, Shop, caught_running, numbers_of, stop_all
+from .drills import Project, Shop, caught_running, numbers_of, start_all, stop_all
 
 OUTAGE_SECONDS = 10.0
 STYLES = ["optimistic", "eager"]
@@ -62,10 +62,7 @@ def test_database_refusing_connections_for_ten_seconds(using, redis_url, tmp_pat
     numbers = numbers_of(40)
     processes = [project.beat(), project.worker("worker"), project.maintenance_worker()]
     try:
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.wait_ready()
+        start_all(processes)
         shop.place(numbers, alternating(numbers))
         wait_until(written_at_least(shop, 10), timeout=30, message="ten orders written")
         proxy.stop()
@@ -116,10 +113,7 @@ def test_postgres_restarted_mid_run_and_between_tasks(using, redis_url, tmp_path
         first, then = numbers_of(24), numbers_of(16)
         processes = [project.beat(), project.worker("worker"), project.maintenance_worker()]
         try:
-            for process in processes:
-                process.start()
-            for process in processes:
-                process.wait_ready()
+            start_all(processes)
             shop.place(first, alternating(first))
             wait_until(written_at_least(shop, 8), timeout=30, message="eight orders written")
             postgres.restart()
