@@ -1,7 +1,8 @@
 """Render the self-contained HTML report of a delivery audit.
 
 The Spark job computes every number; this module only turns plain Python data into one HTML document meant to be
-looked at rather than read: a verdict, big-number tiles, three inline SVG plots and two small tables.
+looked at rather than read: a verdict, big-number tiles, what the audit read, three inline SVG plots and two small
+tables.
 No JavaScript, no external CSS, fonts or URLs; every text that comes from data is escaped.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import html
 import math
 from datetime import datetime
+
+from celery_outbox.audit.aggregates import Tracking
 
 W, H = 720, 260  # default viewBox of a plot
 LEFT, RIGHT, TOP, BOTTOM = 56, 24, 16, 40  # margins around the plot frame inside the viewBox
@@ -35,6 +38,7 @@ figure {{ margin: 1.5rem 0; }} figcaption {{ color: #656d76; font-size: .9rem; }
 svg {{ width: 100%; height: auto; font-size: 12px; }}
 svg .frame {{ fill: #f6f8fa; stroke: #d0d7de; }} svg .bar {{ fill: {BLUE}; }} svg .dead {{ fill: {RED}; }}
 svg .nodata {{ fill: #8c959f; font-size: 20px; }} svg text {{ fill: #1f2328; }}
+.inputs {{ color: #656d76; font-size: .9rem; padding-left: 1.2rem; }}
 svg .marker {{ fill: {RED}; stroke: #fff; stroke-width: 3px; paint-order: stroke; }}
 table {{ border-collapse: collapse; font-variant-numeric: tabular-nums; }}
 th, td {{ border-bottom: 1px solid #d0d7de; padding: .3rem .8rem; text-align: left; }}
@@ -199,6 +203,29 @@ def _tiles(summary: dict) -> str:
     )
 
 
+def _inputs(read: dict) -> str:
+    """What the audit read (the archive, the live tables, with their rows) and what it covers, one
+    line each."""
+    archive, live, coverage = read["archive"], read["live"], read["coverage"]
+    lines = ["no archive read" if not archive else f"read the archive at {archive['path']}: "
+             + ", ".join(f"{kind} {rows:,}" for kind, rows in archive["rows"].items()) + " rows"]
+    if live:
+        pending = live["pending"]
+        lines.append(f"read the live tables at {live['url']}: "
+                     + ", ".join(f"{name} {rows:,}" for name, rows in live["rows"].items())
+                     + f" rows; still holding {pending['outgoing_unsent']:,} unsent, "
+                     f"{pending['outgoing_unacknowledged']:,} sent and unacknowledged, "
+                     f"{pending['incoming_running']:,} running")
+    else:
+        lines.append("live tables not read (--jdbc-url): messages still in them may show as lost")
+    durable, plain = coverage["durable_queues"], coverage["plain_queues"]
+    lines.append(f"durable queues: {durable['messages']:,} messages sent, " + (
+        "followed end to end" if durable["tracked"] == Tracking.END_TO_END else "no send recorded: inbox rows only"))
+    lines.append(f"plain queues (and sends not recorded): {plain['messages']:,} messages with inbox rows only; "
+                 "a lost one cannot show")
+    return '<ul class="inputs" id="inputs">' + "".join(f"<li>{_esc(line)}</li>" for line in lines) + "</ul>"
+
+
 def _table(headers: tuple[str, ...], rows: list[tuple[object, ...]], empty: str) -> str:
     if not rows:
         return f"<p>{_esc(empty)}</p>"
@@ -230,6 +257,7 @@ def render_report(
 <body><header><h1>Delivery audit <span class="verdict {"good" if lost == 0 else "bad"}">{verdict}</span></h1>
 <p class="meta">window {_esc(window)} · generated {_esc(summary["generated_at"])}</p></header>
 {_tiles(summary)}
+{_inputs(summary["inputs"])}
 {_latency_plot(latency_histogram, summary["latency_seconds"])}
 {_throughput_plot(throughput, summary.get("throughput_unit", "minute"))}
 {_dead_letters_plot(dead_letters)}

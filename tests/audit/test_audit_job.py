@@ -98,7 +98,7 @@ def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path
     assert main(["--archive", known_archive, "--out", str(tmp_path / "out"), "--jdbc-url", url,
                  "--jdbc-jar", JDBC_JAR], spark) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
-    assert f"cannot read the live table celery_outbox_incoming at {url.split('?')[0]}: Couldn't connect" in err
+    assert f"cannot read the live table celery_outbox_sent at {url.split('?')[0]}: Couldn't connect" in err
     assert "Traceback" not in err
 
 
