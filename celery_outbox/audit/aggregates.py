@@ -169,11 +169,14 @@ def _throughput_unit(first, last) -> str:
 
 
 def _histogram(latency, F) -> list[tuple[float, float, int]]:
+    """(low, high, count) of each latency bucket from the first to the last that holds a latency,
+    the empty ones between them included: the plot's axis steps bucket by bucket."""
     bucket = reduce(lambda expr, i: expr.when(F.col("latency") < LATENCY_BUCKETS[i + 1], i),
                     range(len(LATENCY_BUCKETS) - 1), F).otherwise(len(LATENCY_BUCKETS) - 1)
     counts = dict(latency.groupBy(bucket.alias("bucket")).count().collect())
     edges = LATENCY_BUCKETS + [float("inf")]
-    return [(edges[i], edges[i + 1], int(counts[i])) for i in sorted(counts)]
+    return [(edges[i], edges[i + 1], int(counts.get(i, 0))) for i in range(min(counts), max(counts) + 1)] \
+        if counts else []
 
 
 def quantiles(row) -> dict[str, float | None]:
