@@ -4,22 +4,24 @@ Lost messages: sent longer than the grace period ago, never handled, dead-letter
 and not still held by the live tables. Also the duplicates discarded, late deliveries, stuck rows
 (live tables only), the latency from sent to handled (p50, p95, p99, max; per task and per hour,
 and as a histogram), throughput over time (per second, minute or hour, by the window's length) and
-dead letters by task and exception. A sent message and its inbox rows are matched by id, and by
-destination too when the inbox keyed by id and queue.
+dead letters by task and exception, and what the inputs held and cover (``inputs``). A sent
+message and its inbox rows are matched by id, and by destination too when the inbox keyed by id and
+queue.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta, timezone
+from enum import Enum
 from functools import reduce
 from typing import Any
 
-from celery_outbox.audit.inputs import Inputs
+from celery_outbox.audit.inputs import Inputs, jdbc_url_of
 from celery_outbox.audit.options import AuditOptions
 from celery_outbox.vocabulary import IncomingStatus
 
-__all__ = ["LATENCY_BUCKETS", "Aggregates", "aggregate", "iso", "quantiles"]
+__all__ = ["LATENCY_BUCKETS", "Aggregates", "Tracking", "aggregate", "iso", "quantiles"]
 
 LATENCY_BUCKETS = [0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
                    3600.0, 86400.0]
@@ -27,6 +29,13 @@ LATENCY_BUCKETS = [0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 #: an attempt the message will not go past: handled, failed for good, or revoked unrun (a retried
 #: attempt is followed by another)
 _FINAL_STATUSES = (IncomingStatus.HANDLED.value, IncomingStatus.DEAD.value, IncomingStatus.REVOKED.value)
+
+
+class Tracking(str, Enum):
+    """How far the inputs follow a kind of message (the summary's ``inputs.coverage``)."""
+
+    END_TO_END = "end_to_end"  #: each send is recorded: lost, late and latency are checked
+    INBOX_ONLY = "inbox_only"  #: inbox rows alone: handled, duplicates and dead letters count; a loss cannot show
 
 
 @dataclass
@@ -46,26 +55,27 @@ class Aggregates:
 
 def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: dict[str, Any]) -> Aggregates:
     """Compute the audit from ``inputs``. The lost messages and the latencies are cached (each is
-    read by several aggregates) and appended to ``cached`` for the caller to unpersist; ``ran_on``
-    is the summary's ``spark`` entry."""
+    read by several aggregates) and appended to ``cached`` for the caller to unpersist, with the
+    live tables the inputs keep; ``ran_on`` is the summary's ``spark`` entry."""
     F = inputs.F
     now = options.now.astimezone(timezone.utc).replace(tzinfo=None)  # Spark timestamps are UTC, session tz UTC
 
+    cached.extend(inputs.cached)
     ended = inputs.incoming.where(F.col("status").isin(*_FINAL_STATUSES))
     lost = _without(_without(inputs.sent, ended), inputs.dead.select("message_id", "destination"), by_id_only=True)
     lost = lost.where(F.col("sent_at") < F.lit(now - timedelta(seconds=options.grace_seconds)))
-    stuck = None
-    if inputs.live:
-        held = inputs.outgoing.select("message_id").unionByName(
-            inputs.incoming.where(F.col("status") == IncomingStatus.RUNNING.value).select("message_id"))
+    stuck = pending = None
+    if inputs.outgoing is not None:
+        held = inputs.outgoing.select("message_id").unionByName(inputs.running.select("message_id"))
         lost = lost.join(held, "message_id", "left_anti")
-    lost = lost.cache()  # its examples, its count and its aggregate
-    cached.append(lost)
-    if inputs.live:
         stuck_before = F.lit(now - timedelta(seconds=options.stuck_after_seconds))
         stuck = (inputs.outgoing.where(F.col("sent_at").isNull() & (F.col("created_at") < stuck_before)).count()
-                 + inputs.incoming.where((F.col("status") == IncomingStatus.RUNNING.value)
-                                         & (F.col("received_at") < stuck_before)).count())
+                 + inputs.running.where(F.col("received_at") < stuck_before).count())
+        unsent = inputs.outgoing.where(F.col("sent_at").isNull()).count()
+        pending = {"outgoing_unsent": unsent, "outgoing_unacknowledged": inputs.outgoing.count() - unsent,
+                   "incoming_running": inputs.running.count()}
+    lost = lost.cache()  # its examples, its count and its aggregate
+    cached.append(lost)
 
     handled = inputs.incoming.where(F.col("status") == IncomingStatus.HANDLED.value)
     latency = _matched(handled, inputs.sent).withColumn(
@@ -89,10 +99,11 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
                     .count().orderBy(F.desc("count"), "task_name"))
 
     lost_rows = lost.orderBy("sent_at").limit(20).collect()
+    sent_count = inputs.sent.count()
     summary = {
         "generated_at": options.now.isoformat(timespec="seconds"),
         "window_start": iso(window[0]), "window_end": iso(window[1]),
-        "sent": inputs.sent.count(),
+        "sent": sent_count,
         "handled": handled.count(),
         "lost": lost.count(),
         "duplicates_discarded": int(inputs.incoming.agg(F.coalesce(F.sum("duplicates"), F.lit(0))).first()[0]),
@@ -104,9 +115,33 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
         "throughput_unit": unit,
         "lost_examples": [{"message_id": r.message_id, "task_name": r.task_name, "destination": r.destination,
                            "sent_at": iso(r.sent_at)} for r in lost_rows],
+        "inputs": _inputs_summary(inputs, options, pending, sent_count),
         "spark": ran_on,
     }
     return Aggregates(summary, histogram, by_task, by_hour, throughput, dead_by_task, lost)
+
+
+def _inputs_summary(inputs: Inputs, options: AuditOptions, pending: dict[str, int] | None, sent: int) -> dict[str, Any]:
+    """The summary's ``inputs``: the archive and the live tables read, with their rows (before
+    de-duplication) and the live rows still holding a message, and what they cover. Durable
+    queues are followed end to end when sends were recorded (an archive configured, or sent rows
+    the outgoing table still holds); a plain queue's messages leave no send record, only inbox
+    rows: messages with inbox rows and no send record are counted as ``plain_queues`` messages (a
+    durable queue's too, when its sends were not recorded)."""
+    inbox_only = inputs.incoming.join(inputs.sent.select("message_id").distinct(), "message_id", "left_anti")
+    live = None
+    if inputs.live_rows is not None:
+        url, _ = jdbc_url_of(options.jdbc_url)
+        live = {"url": url.split("?")[0], "rows": inputs.live_rows, "pending": pending}
+    return {
+        "archive": {"path": options.archive, "rows": inputs.archive_rows} if options.archive else None,
+        "live": live,
+        "coverage": {
+            "durable_queues": {"tracked": (Tracking.END_TO_END if sent else Tracking.INBOX_ONLY).value,
+                               "messages": sent},
+            "plain_queues": {"tracked": Tracking.INBOX_ONLY.value, "messages": inbox_only.count()},
+        },
+    }
 
 
 def _without(sent, ended, by_id_only: bool = False):
@@ -134,11 +169,14 @@ def _throughput_unit(first, last) -> str:
 
 
 def _histogram(latency, F) -> list[tuple[float, float, int]]:
+    """(low, high, count) of each latency bucket from the first to the last that holds a latency,
+    the empty ones between them included: the plot's axis steps bucket by bucket."""
     bucket = reduce(lambda expr, i: expr.when(F.col("latency") < LATENCY_BUCKETS[i + 1], i),
                     range(len(LATENCY_BUCKETS) - 1), F).otherwise(len(LATENCY_BUCKETS) - 1)
     counts = dict(latency.groupBy(bucket.alias("bucket")).count().collect())
     edges = LATENCY_BUCKETS + [float("inf")]
-    return [(edges[i], edges[i + 1], int(counts[i])) for i in sorted(counts)]
+    return [(edges[i], edges[i + 1], int(counts.get(i, 0))) for i in range(min(counts), max(counts) + 1)] \
+        if counts else []
 
 
 def quantiles(row) -> dict[str, float | None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS, archive_schema, filesystem
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.store.engine import is_secret_name, safe_url
+from celery_outbox.vocabulary import IncomingStatus
 
 __all__ = ["Inputs", "check_archive", "jdbc_url_of"]
 
@@ -90,6 +91,15 @@ def jdbc_url_of(url: str) -> tuple[str, dict[str, str]]:
     return f"jdbc:postgresql://{parsed.host or 'localhost'}:{parsed.port or 5432}/{parsed.database}", properties
 
 
+#: the live tables, in the order they are read (see ``Inputs``)
+_LIVE_ORDER = ("sent", "outgoing", "dead_letters", "incoming")
+
+
+def _running(F):
+    """Spark: an inbox row whose attempt has not ended."""
+    return F.col("status") == IncomingStatus.RUNNING.value
+
+
 def _spark_schema(kind: str):
     from pyspark.sql import types as T
 
@@ -99,31 +109,67 @@ def _spark_schema(kind: str):
 
 
 class Inputs:
-    """The audit's DataFrames: archive and live rows of each kind, de-duplicated."""
+    """The audit's DataFrames: archive and live rows of each kind, de-duplicated, and what was read.
+
+    ``incoming``, ``sent`` and ``dead`` merge the archive with the live tables; a sent row the
+    outgoing table still holds (delivery tracking keeps it until acknowledged) counts as a send
+    even when no ``sent`` record of it exists (the publishers write those only with an archive).
+    ``outgoing`` (every live outgoing row) and ``running`` (the live inbox's running rows) hold
+    messages that are not lost yet; both are None without ``--jdbc-url``.
+
+    Each live table is read once and kept (cached): every figure sees the same rows. They are
+    read before the archive is listed, senders' tables first (``sent``, ``outgoing``, then
+    ``dead_letters`` and ``incoming``): cleanup archives a row before it deletes it, and a
+    message leaves the outgoing table only once the inbox has its row, so a message moving while
+    the audit reads is met in one place or the other, never in neither. ``archive_rows`` and
+    ``live_rows`` count the rows read per archive kind and per live table (before
+    de-duplication); ``cached`` lists the frames kept, for the caller to unpersist.
+    """
 
     def __init__(self, spark, options: AuditOptions):
         from pyspark.sql import functions as F
 
         self.spark, self.options, self.F = spark, options, F
+        self.cached: list = []
+        try:
+            self._merge(options)
+        except BaseException:
+            for frame in self.cached:
+                frame.unpersist()
+            raise
+
+    def _merge(self, options: AuditOptions) -> None:
+        F = self.F
+        self.outgoing = self.running = self.live_rows = self.archive_rows = None
+        live = {}
+        if options.jdbc_url is not None:
+            read = {kind: self._table(kind) for kind in _LIVE_ORDER}  # one after the other, in this order
+            live = {kind: frame for kind, (frame, _) in read.items()}
+            self.live_rows = {self._table_name(kind): rows for kind, (_, rows) in read.items()}
         files = check_archive(options.archive) if options.archive else {kind: [] for kind in ARCHIVE_KINDS}
-        self.live = options.jdbc_url is not None
-        if not self.live and not any(files.values()):
+        if not live and not any(files.values()):
             raise AuditInputError(f"the archive at {options.archive} is empty: no incoming, sent or dead_letters "
                                   "files yet (cleanup archives rows once their keep-until passes); "
                                   "add --jdbc-url to audit the live tables")
         frames = {kind: self._archived(kind, files[kind]) for kind in ARCHIVE_KINDS}
-        self.outgoing = None
-        if self.live:
-            frames = {kind: frames[kind].unionByName(self._table(kind)) for kind in ARCHIVE_KINDS}
-            self.outgoing = self._read(f"{options.table_prefix}outgoing", ["message_id", "destination", "created_at",
-                                                                           "sent_at"])
+        if options.archive:
+            self.archive_rows = {kind: frame.count() for kind, frame in frames.items()}
+        if live:
+            self.outgoing, self.running = live["outgoing"], live["incoming"].where(_running(F))
+            sent_unacknowledged = self.outgoing.where(F.col("sent_at").isNotNull()).select(*_COLUMNS["sent"])
+            frames = {kind: frames[kind].unionByName(live[kind]) for kind in ARCHIVE_KINDS}
+            frames["sent"] = frames["sent"].unionByName(sent_unacknowledged)
+        # the latest state of each message: a running attempt (no end yet) outranks every ended one
+        latest = F.struct(F.col("handled_at").isNull(), F.col("handled_at"))
         self.incoming = (frames["incoming"].groupBy("message_id", "destination").agg(
-            F.max_by("status", "handled_at").alias("status"), F.max("handled_at").alias("handled_at"),
+            F.max_by("status", latest).alias("status"), F.max("handled_at").alias("handled_at"),
             F.min("received_at").alias("received_at"), F.first("task_name").alias("task_name"),
             F.max("duplicates").alias("duplicates"), F.max("recoveries").alias("recoveries")))
         self.sent = frames["sent"].groupBy("message_id", "destination").agg(
             F.min("sent_at").alias("sent_at"), F.first("task_name").alias("task_name"))
-        self.dead = frames["dead_letters"].dropDuplicates(["id"])
+        # a letter's id alone is no key: a table made again (another database, a new prefix)
+        # numbers its letters from 1 again, while the archive keeps the old ones
+        self.dead = frames["dead_letters"].dropDuplicates(["id", "message_id", "destination", "failed_at"])
 
     def _archived(self, kind: str, paths: list[str]):
         schema = _spark_schema(kind)
@@ -133,16 +179,20 @@ class Inputs:
         frame = self.spark.read.schema(schema).option("basePath", f"{archive}/{kind}").parquet(f"{archive}/{kind}")
         return frame.select(*schema.names)
 
-    def _table(self, kind: str):
-        name = {"incoming": "incoming", "dead_letters": "dead_letters", "sent": "sent"}[kind]
-        frame = self._read(f"{self.options.table_prefix}{name}", list(_COLUMNS[kind]))
-        return frame.select(*[self.F.col(f.name).cast(f.dataType) for f in _spark_schema(kind)])
+    def _table_name(self, kind: str) -> str:
+        return f"{self.options.table_prefix}{kind}"
 
-    def _read(self, table: str, columns: list[str]):
+    def _table(self, kind: str):
+        """The live table of ``kind`` (an archive kind, with the archive's columns and types, or
+        ``outgoing``), read now and cached, and its row count."""
+        schema = _spark_schema("sent" if kind == "outgoing" else kind)
+        table = self._table_name(kind)
         url, properties = jdbc_url_of(self.options.jdbc_url)
         try:
-            frame = self.spark.read.jdbc(url, table, properties=properties)
-            return frame.select(*columns)
+            frame = self.spark.read.jdbc(url, table, properties=properties).select(
+                *[self.F.col(f.name).cast(f.dataType) for f in schema]).cache()
+            self.cached.append(frame)
+            return frame, frame.count()
         except Exception as exc:  # noqa: BLE001 - Spark wraps the driver's error; its first line says it
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             reason = reason.split("on the operation: ")[-1].split(" SQLSTATE")[0]

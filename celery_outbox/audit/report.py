@@ -1,7 +1,10 @@
 """Render the self-contained HTML report of a delivery audit.
 
 The Spark job computes every number; this module only turns plain Python data into one HTML document meant to be
-looked at rather than read: a verdict, big-number tiles, three inline SVG plots and two small tables.
+looked at rather than read: a verdict, big-number tiles, what the audit read, three inline SVG plots and two small
+tables. A plot with nothing to show is one line of text instead. The plots stay legible on real data: marker labels
+that would overlap move to a row of their own, and the throughput line is drawn through its points only (no
+smoothing), down to zero across periods without traffic, never below it.
 No JavaScript, no external CSS, fonts or URLs; every text that comes from data is escaped.
 """
 
@@ -9,7 +12,10 @@ from __future__ import annotations
 
 import html
 import math
-from datetime import datetime
+from datetime import datetime, timedelta
+from itertools import pairwise
+
+from celery_outbox.audit.aggregates import Tracking
 
 W, H = 720, 260  # default viewBox of a plot
 LEFT, RIGHT, TOP, BOTTOM = 56, 24, 16, 40  # margins around the plot frame inside the viewBox
@@ -18,6 +24,9 @@ PW, PH = X1 - X0, Y1 - Y0
 GREEN, RED, AMBER, BLUE = "#1a7f37", "#cf222e", "#9a6700", "#0969da"
 MAX_DEAD_LETTER_BARS = 15
 LABEL_CHARS = 44
+CHAR_W = 8.0  # the widest a character of the plots' 12px text gets, on average, in common sans-serif fonts
+ROW_H = 16  # a row of 12px text, with room between rows
+PERIOD = {"second": timedelta(seconds=1), "minute": timedelta(minutes=1), "hour": timedelta(hours=1)}
 
 CSS = f"""
 body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 60rem;
@@ -34,7 +43,8 @@ h1 {{ margin-bottom: .2rem; }} h2 {{ margin-top: 2rem; font-size: 1.1rem; }}
 figure {{ margin: 1.5rem 0; }} figcaption {{ color: #656d76; font-size: .9rem; }}
 svg {{ width: 100%; height: auto; font-size: 12px; }}
 svg .frame {{ fill: #f6f8fa; stroke: #d0d7de; }} svg .bar {{ fill: {BLUE}; }} svg .dead {{ fill: {RED}; }}
-svg .nodata {{ fill: #8c959f; font-size: 20px; }} svg text {{ fill: #1f2328; }}
+svg text {{ fill: #1f2328; }} p.empty {{ margin: 1rem 0; color: #656d76; }}
+.inputs {{ color: #656d76; font-size: .9rem; padding-left: 1.2rem; }}
 svg .marker {{ fill: {RED}; stroke: #fff; stroke-width: 3px; paint-order: stroke; }}
 table {{ border-collapse: collapse; font-variant-numeric: tabular-nums; }}
 th, td {{ border-bottom: 1px solid #d0d7de; padding: .3rem .8rem; text-align: left; }}
@@ -49,6 +59,8 @@ def _human(seconds: float | None) -> str:
     """A duration the way a person writes it: 5ms, 1.2s, 3m, 2h, 4d; an em dash when unknown."""
     if seconds is None:
         return "—"
+    if math.isinf(seconds):
+        return "∞"
     units = ((86400, "d"), (3600, "h"), (60, "m"), (1, "s"))
     divisor, unit = next(((d, u) for d, u in units if abs(seconds) >= d), (0.001, "ms"))
     return f"{seconds / divisor:.1f}".rstrip("0").rstrip(".") + unit
@@ -59,11 +71,8 @@ def _text(x: float, y: float, content: object, anchor: str = "middle", extra: st
 
 
 def _figure(fig_id: str, title: str, caption: str, body: str, height: int = H) -> str:
-    """Wrap plot elements in a framed, titled SVG; an empty body becomes a "no data" placeholder."""
+    """Wrap plot elements in a framed, titled SVG."""
     frame_h = height - TOP - BOTTOM
-    if not body:
-        body = _text(X0 + PW / 2, TOP + frame_h / 2 + 7, "no data", extra=' class="nodata"')
-        caption = "no data"
     return (
         f'<figure id="{fig_id}"><svg viewBox="0 0 {W} {height}" role="img" aria-labelledby="{fig_id}-title">'
         f'<title id="{fig_id}-title">{_esc(title)}</title>'
@@ -72,13 +81,44 @@ def _figure(fig_id: str, title: str, caption: str, body: str, height: int = H) -
     )
 
 
+def _empty(fig_id: str, title: str, why: str) -> str:
+    """A plot with nothing to draw: one line of text in its place."""
+    return f'<p class="empty" id="{fig_id}"><strong>{_esc(title)}</strong> — {_esc(why)}</p>'
+
+
+def _compact(count: int) -> str:
+    """A count short enough for the plots' axis: 950, 12.3k, 4.1M."""
+    for size, suffix in ((10**9, "G"), (10**6, "M"), (10**4, "k")):
+        if count >= size:
+            return f"{count / size:.1f}".rstrip("0").rstrip(".") + suffix
+    return f"{count:,}"
+
+
+def _marker_labels(markers: list[tuple[float, str]]) -> str:
+    """The labels of the latency plot's marker lines (x, text), each beside its line: right of it,
+    or left of it where the frame ends; a label that would overlap one placed before it goes to
+    the next row down. Widths are estimated from ``CHAR_W``."""
+    placed: list[tuple[int, float, float]] = []  # row, left, right
+    parts = []
+    for x, label in markers:
+        width = CHAR_W * len(label)
+        anchor, left = ("start", x + 4) if x + 4 + width <= X1 else ("end", x - 4 - width)
+        row = next(r for r in range(len(markers)) if not any(
+            placed_row == r and left < right + 4 and placed_left < left + width + 4
+            for placed_row, placed_left, right in placed))
+        placed.append((row, left, left + width))
+        parts.append(_text(x + 4 if anchor == "start" else x - 4, Y0 + 14 + ROW_H * row, label, anchor,
+                           ' class="marker"'))
+    return "".join(parts)
+
+
 def _latency_plot(histogram: list[tuple[float, float, int]], latency: dict) -> str:
     title = "Latency from sent to handled"
     peak = max((count for _, _, count in histogram), default=0)
     if peak <= 0:
-        return _figure("latency-plot", title, "", "")
+        return _empty("latency-plot", title, "no message handled")
     bw = PW / len(histogram)
-    parts = [_text(X0 - 6, Y0 + 10, f"{peak:,}", "end"), _text(X0 - 6, Y1, 0, "end")]
+    parts = [_text(X0 - 6, Y0 + 10, _compact(peak), "end"), _text(X0 - 6, Y1, 0, "end")]
     for i, (low, high, count) in enumerate(histogram):
         h = PH * count / peak
         parts.append(
@@ -88,51 +128,63 @@ def _latency_plot(histogram: list[tuple[float, float, int]], latency: dict) -> s
     edges = [low for low, _, _ in histogram] + [histogram[-1][1]]
     step = math.ceil(len(edges) / 9)
     parts += [_text(X0 + j * bw, Y1 + 16, _human(edges[j])) for j in range(0, len(edges), step)]
-    for k, name in enumerate(("p50", "p95", "p99")):
+    markers = []
+    for name in ("p50", "p95", "p99"):
         value = latency.get(name)
         bucket = next((i for i, (lo, hi, _) in enumerate(histogram) if value is not None and lo <= value <= hi), None)
         if bucket is None:
             continue
         low, high, _ = histogram[bucket]
-        x = X0 + (bucket + ((value - low) / (high - low) if high > low else 0.5)) * bw
+        fraction = (value - low) / (high - low) if high > low and not math.isinf(high) else 0.5
+        x = X0 + (bucket + fraction) * bw
         parts.append(f'<line x1="{x:.1f}" y1="{Y0}" x2="{x:.1f}" y2="{Y1}" stroke="{RED}" stroke-dasharray="5 4"/>')
-        parts.append(_text(x + 4, Y0 + 14 + 14 * k, f"{name} {_human(value)}", "start", ' class="marker"'))
+        markers.append((x, f"{name} {_human(value)}"))
+    parts.append(_marker_labels(markers))
     total = sum(count for _, _, count in histogram)
     caption = f"{total:,} handled messages in {len(histogram)} buckets; dashed lines mark p50, p95 and p99"
     return _figure("latency-plot", title, caption, "".join(parts))
 
 
-def _time_fractions(minutes: list[str]) -> list[float]:
-    """Position of each minute along the time axis (0..1); even spacing if the minutes do not parse."""
-    try:
-        times = [datetime.fromisoformat(minute).timestamp() for minute in minutes]
-    except (TypeError, ValueError):
-        times = list(range(len(minutes)))
-    span = times[-1] - times[0]
-    return [(t - times[0]) / span if span else 0.5 for t in times]
+def _with_zeros(throughput: list[tuple[str, int, int]], unit: str) -> list[tuple[datetime, int, int]]:
+    """The periods with their times, and a zero period after and before each run of periods without
+    traffic (which the aggregate leaves out), so the line drops to zero across them rather than
+    drawing a slope over them."""
+    step = PERIOD[unit]
+    rows = [(datetime.fromisoformat(period), sent, handled) for period, sent, handled in throughput]
+    filled = rows[:1]
+    for previous, row in pairwise(rows):
+        gap = row[0] - previous[0]
+        if gap > step:
+            filled.append((previous[0] + step, 0, 0))
+        if gap > 2 * step:
+            filled.append((row[0] - step, 0, 0))
+        filled.append(row)
+    return filled
 
 
 def _throughput_plot(throughput: list[tuple[str, int, int]], unit: str = "minute") -> str:
     title = "Throughput over time"
     if not throughput:
-        return _figure("throughput-plot", title, "", "")
-    peak = max(max(sent, handled) for _, sent, handled in throughput)
-    xs = [X0 + f * PW for f in _time_fractions([minute for minute, _, _ in throughput])]
-    parts = [_text(X0 - 6, Y0 + 10, f"{peak:,}", "end"), _text(X0 - 6, Y1, 0, "end")]
+        return _empty("throughput-plot", title, "no message sent or handled")
+    rows = _with_zeros(throughput, unit)
+    peak = max(max(sent, handled) for _, sent, handled in rows)
+    first, span = rows[0][0], (rows[-1][0] - rows[0][0]).total_seconds()
+    xs = [X0 + ((moment - first).total_seconds() / span if span else 0.5) * PW for moment, _, _ in rows]
+    parts = [_text(X0 - 6, Y0 + 10, _compact(peak), "end"), _text(X0 - 6, Y1, 0, "end")]
     for column, colour, name in ((1, BLUE, "sent"), (2, GREEN, "handled")):
-        points = [(x, Y1 - PH * row[column] / max(peak, 1)) for x, row in zip(xs, throughput, strict=True)]
+        # straight segments between the counts, each at or above the zero line (Y1)
+        points = [(x, min(Y1, Y1 - PH * row[column] / max(peak, 1))) for x, row in zip(xs, rows, strict=True)]
         if len(points) == 1:  # a single period: a short dash, since one point draws nothing
             points = [(points[0][0] - 8, points[0][1]), (points[0][0] + 8, points[0][1])]
         coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
         parts.append(
-            f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="2" '
-            'stroke-linecap="round" stroke-linejoin="round"/>'
+            f'<polyline class="{name}" points="{coords}" fill="none" stroke="{colour}" stroke-width="2" '
+            'stroke-linejoin="round"/>'
         )
-        ly = Y0 + 4 + 16 * column
-        parts.append(
-            f'<line x1="{X1 - 90}" y1="{ly - 4}" x2="{X1 - 70}" y2="{ly - 4}" stroke="{colour}" stroke-width="3"/>'
-        )
-        parts.append(_text(X1 - 64, ly, name, "start"))
+        lx = X0 + PW / 2 + (column - 2) * 90 + 10  # the legend, centred under the frame, between the axis labels
+        parts.append(f'<line x1="{lx}" y1="{Y1 + 28}" x2="{lx + 20}" y2="{Y1 + 28}" stroke="{colour}" '
+                     'stroke-width="3"/>')
+        parts.append(_text(lx + 26, Y1 + 32, name, "start"))
     if len(throughput) == 1:
         parts.append(_text(xs[0], Y1 + 16, throughput[0][0]))
     else:
@@ -147,7 +199,7 @@ def _dead_letters_plot(dead_letters: list[tuple[str, str, int]]) -> str:
     title = "Dead letters by task and exception"
     rows = dead_letters[:MAX_DEAD_LETTER_BARS]
     if not rows:
-        return _figure("dead-letters-plot", title, "", "")
+        return _empty("dead-letters-plot", title, "no dead letters")
     height = max(H, TOP + BOTTOM + 24 * len(rows))
     row_h = (height - TOP - BOTTOM) / len(rows)
     bar_x0, bar_w = X0 + 6 + 7 * LABEL_CHARS, X1 - X0 - 7 * LABEL_CHARS - 60
@@ -199,6 +251,29 @@ def _tiles(summary: dict) -> str:
     )
 
 
+def _inputs(read: dict) -> str:
+    """What the audit read (the archive, the live tables, with their rows) and what it covers, one
+    line each."""
+    archive, live, coverage = read["archive"], read["live"], read["coverage"]
+    lines = ["no archive read" if not archive else f"read the archive at {archive['path']}: "
+             + ", ".join(f"{kind} {rows:,}" for kind, rows in archive["rows"].items()) + " rows"]
+    if live:
+        pending = live["pending"]
+        lines.append(f"read the live tables at {live['url']}: "
+                     + ", ".join(f"{name} {rows:,}" for name, rows in live["rows"].items())
+                     + f" rows; still holding {pending['outgoing_unsent']:,} unsent, "
+                     f"{pending['outgoing_unacknowledged']:,} sent and unacknowledged, "
+                     f"{pending['incoming_running']:,} running")
+    else:
+        lines.append("live tables not read (--jdbc-url): messages still in them may show as lost")
+    durable, plain = coverage["durable_queues"], coverage["plain_queues"]
+    lines.append(f"durable queues: {durable['messages']:,} messages sent, " + (
+        "followed end to end" if durable["tracked"] == Tracking.END_TO_END else "no send recorded: inbox rows only"))
+    lines.append(f"plain queues (and sends not recorded): {plain['messages']:,} messages with inbox rows only; "
+                 "a lost one cannot show")
+    return '<ul class="inputs" id="inputs">' + "".join(f"<li>{_esc(line)}</li>" for line in lines) + "</ul>"
+
+
 def _table(headers: tuple[str, ...], rows: list[tuple[object, ...]], empty: str) -> str:
     if not rows:
         return f"<p>{_esc(empty)}</p>"
@@ -230,6 +305,7 @@ def render_report(
 <body><header><h1>Delivery audit <span class="verdict {"good" if lost == 0 else "bad"}">{verdict}</span></h1>
 <p class="meta">window {_esc(window)} · generated {_esc(summary["generated_at"])}</p></header>
 {_tiles(summary)}
+{_inputs(summary["inputs"])}
 {_latency_plot(latency_histogram, summary["latency_seconds"])}
 {_throughput_plot(throughput, summary.get("throughput_unit", "minute"))}
 {_dead_letters_plot(dead_letters)}

@@ -1,11 +1,16 @@
-"""One local Spark session for the audit tests (it takes seconds to start)."""
+"""One local Spark session for the audit tests (it takes seconds to start), and an archive with
+known answers."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 
 import pytest
+
+from celery_outbox.audit.archive import ParquetArchiver
 
 from ..services import services_required
 
@@ -31,3 +36,42 @@ def spark():
     session.conf.set("spark.sql.shuffle.partitions", "4")
     yield session
     session.stop()
+
+
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
+NOW = T0 + timedelta(hours=3)
+LATENCIES = [0.1, 0.2, 0.3, 0.4, 0.5, 120.0, 0.7]  # messages m0..m6 handled; m5 is late
+
+
+def sent(n: int, at: datetime) -> SimpleNamespace:
+    return SimpleNamespace(message_id=f"m{n}", destination="payments", task_name="shop.pay" if n % 2 == 0 else
+                           "shop.ship", created_at=at, sent_at=at)
+
+
+def incoming(n: int, status: str, handled_at: datetime, duplicates: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(message_id=f"m{n}", destination="", task_name="shop.pay" if n % 2 == 0 else "shop.ship",
+                           queue="payments", status=status, retries=0, nesting=0, replays=0, duplicates=duplicates,
+                           recoveries=0, received_at=handled_at, claimed_at=handled_at, handled_at=handled_at)
+
+
+def dead_letter(dead_id: int, message_id: str, reason: str, exception: str | None) -> SimpleNamespace:
+    return SimpleNamespace(id=dead_id, message_id=message_id, destination="", task_name="shop.pay", queue="payments",
+                           reason=reason, exception_type=exception, exception_message="boom", retries=0, nesting=0,
+                           replays=0, failed_at=T0 + timedelta(minutes=30), replay_count=0)
+
+
+@pytest.fixture
+def known_archive(tmp_path):
+    """m0-m6 handled (m5 late), m7 dead-lettered, m8 lost, m9 sent within the grace period; every
+    batch archived twice, as an at-least-once archive may."""
+    archiver = ParquetArchiver(str(tmp_path / "archive"))
+    sends = [sent(n, T0 + timedelta(minutes=n)) for n in range(9)] + [sent(9, NOW - timedelta(minutes=10))]
+    handled = [incoming(n, "handled", T0 + timedelta(minutes=n, seconds=LATENCIES[n]),
+                        duplicates={0: 3, 1: 2}.get(n, 0)) for n in range(7)]
+    handled.append(incoming(7, "dead", T0 + timedelta(minutes=7, seconds=1)))
+    letters = [dead_letter(1, "m7", "failed", "ValueError"), dead_letter(2, "p1", "poison", None)]
+    for _ in range(2):
+        archiver.archive("sent", sends)
+        archiver.archive("incoming", handled)
+        archiver.archive("dead_letters", letters)
+    return str(tmp_path / "archive")

@@ -6,7 +6,6 @@ of each page is kept in ``test-artifacts/django-admin/``."""
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from pathlib import Path
 
@@ -18,35 +17,20 @@ from celery_outbox.store import utcnow
 from celery_outbox.vocabulary import DeadLetterReason
 
 from ..brokers import receive
-from ..services import services_required
+from ..browser import chromium, screenshot
 
 # users and sessions live in the default database (SQLite); the outbox's tables in the database
 # CELERY_OUTBOX_DJANGO_DATABASE names: the default one, or PostgreSQL ("pg")
 pytestmark = [pytest.mark.django_db(databases=["default", "pg"], transaction=True)]
 
-ARTIFACTS = Path(__file__).parents[2] / "test-artifacts" / "django-admin"
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PASSWORD = "celery-outbox"
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        message = f"the admin's browser tests need Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER})"
-        if services_required():
-            pytest.fail(message)
-        pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.implicitly_wait(5)
-    yield driver
-    driver.quit()
+    with chromium() as driver:
+        driver.implicitly_wait(5)
+        yield driver
 
 
 @pytest.fixture
@@ -88,11 +72,7 @@ def log_in(browser, live_server, name: str) -> None:
 
 
 def shoot(browser, name: str, using: str) -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / f"{name}-{using}.png"
-    assert browser.save_screenshot(str(path)), f"no screenshot of {name}"
-    assert path.stat().st_size > 0
-    return path
+    return screenshot(browser, "django-admin", f"{name}-{using}")
 
 
 def text(browser, by: str, value: str) -> str:
