@@ -68,7 +68,7 @@ def archive_schema(kind: str):
     return pa.schema([(name, types[type_name]) for name, type_name in _COLUMNS[kind].items()])
 
 
-def filesystem(path: str):
+def _filesystem(path: str):
     """(pyarrow filesystem, path inside it) for a local path or a URI; ``s3a://`` is read as ``s3://``.
     A URI pyarrow cannot write to is a ``ConfigurationError``, never a local folder named after it."""
     pa = _pyarrow()
@@ -92,7 +92,7 @@ class ParquetArchiver:
 
     def __init__(self, path: str):
         _pyarrow()
-        self.fs, self.root = filesystem(path)
+        self.fs, self.root = _filesystem(path)
 
     def archive(self, kind: str, rows: Sequence[Any]) -> None:
         if kind not in _COLUMNS:

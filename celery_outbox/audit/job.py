@@ -17,9 +17,12 @@ by the window's length) and dead letters by task
 and exception. It writes ``summary.json``, Parquet aggregates under ``aggregates/``
 and ``report.html``. Exit code: 0 clean, 1 when any message is lost, 2 on bad input.
 
+Every input that can be checked without Spark is checked before the JVM starts (``checks``): a bad
+one is one line on stderr and exit code 2.
+
 This module is the entry point (``run_audit``, the command line); the parts are ``options``,
-``session`` (Spark), ``inputs`` (the archive and the live tables), ``aggregates`` (the numbers)
-and ``outputs`` (the files). spark-submit runs this file as a script, outside its package, so
+``checks``, ``session`` (Spark), ``inputs`` (the archive and the live tables), ``aggregates`` (the
+numbers) and ``outputs`` (the files). spark-submit runs this file as a script, outside its package, so
 every import here is absolute.
 """
 
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_outbox.audit.aggregates import aggregate
+from celery_outbox.audit.checks import ArchiveFiles, check_inputs
 from celery_outbox.audit.inputs import Inputs
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.audit.outputs import write_outputs
@@ -51,25 +55,27 @@ EXIT_CLEAN, EXIT_LOST, EXIT_BAD_INPUT = 0, 1, 2
 def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
     """Compute the audit, write its outputs under ``options.out`` and return the summary.
 
-    The de-duplicated inputs and the lost messages are cached: every aggregate reads them, and
-    without the cache each would read and shuffle the whole archive again. A session passed in
-    gets its shuffle partitions back afterwards.
+    The inputs are checked before any Spark starts (an ``AuditInputError`` names the first bad
+    one). The de-duplicated inputs and the lost messages are cached: every aggregate reads them,
+    and without the cache each would read and shuffle the whole archive again. A session passed
+    in gets its shuffle partitions back afterwards.
     """
+    files = check_inputs(options)
     spark = spark or spark_session(options)
     saved_partitions = spark.conf.get("spark.sql.shuffle.partitions")
     cached: list[Any] = []
     try:
-        return _audit(spark, options, cached)
+        return _audit(spark, options, files, cached)
     finally:
         for frame in cached:
             frame.unpersist()
         spark.conf.set("spark.sql.shuffle.partitions", saved_partitions)
 
 
-def _audit(spark, options: AuditOptions, cached: list[Any]) -> dict[str, Any]:
+def _audit(spark, options: AuditOptions, files: ArchiveFiles, cached: list[Any]) -> dict[str, Any]:
     partitions = shuffle_partitions(spark, options)
     spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
-    inputs = Inputs(spark, options)
+    inputs = Inputs(spark, options, files)
     for frame in (inputs.incoming, inputs.sent, inputs.dead):
         cached.append(frame.cache())
     out = Path(options.out)

@@ -11,11 +11,24 @@ from typing import Any
 
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 
-__all__ = ["DEFAULT_JDBC_JAR", "PARTITIONS_PER_CORE", "shuffle_partitions", "spark_facts", "spark_session"]
+__all__ = ["DEFAULT_JDBC_JAR", "PARTITIONS_PER_CORE", "jdbc_jar", "shuffle_partitions", "spark_facts",
+           "spark_session"]
 
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"  # Debian's libpostgresql-jdbc-java
 SPARK_DEFAULT_SHUFFLE_PARTITIONS = 200
 PARTITIONS_PER_CORE = 4
+
+
+def jdbc_jar(options: AuditOptions) -> str | None:
+    """The PostgreSQL JDBC driver jar the session loads: ``--jdbc-jar``, else Debian's when the live
+    tables are read. A jar that is not there is an ``AuditInputError``."""
+    jar = options.jdbc_jar or (DEFAULT_JDBC_JAR if options.jdbc_url and os.path.exists(DEFAULT_JDBC_JAR) else None)
+    if options.jdbc_url and not jar:
+        raise AuditInputError("--jdbc-url needs the PostgreSQL JDBC driver: give its jar with --jdbc-jar "
+                              "(Debian: apt install libpostgresql-jdbc-java)")
+    if jar and not os.path.exists(jar):
+        raise AuditInputError(f"no JDBC driver jar at {jar}")
+    return jar
 
 
 def spark_session(options: AuditOptions):
@@ -24,13 +37,8 @@ def spark_session(options: AuditOptions):
     builder = SparkSession.builder.appName("celery-outbox-audit")
     if options.master:
         builder = builder.master(options.master)
-    jar = options.jdbc_jar or (DEFAULT_JDBC_JAR if options.jdbc_url and os.path.exists(DEFAULT_JDBC_JAR) else None)
-    if options.jdbc_url and not jar:
-        raise AuditInputError("--jdbc-url needs the PostgreSQL JDBC driver: give its jar with --jdbc-jar "
-                              "(Debian: apt install libpostgresql-jdbc-java)")
+    jar = jdbc_jar(options)
     if jar:
-        if not os.path.exists(jar):
-            raise AuditInputError(f"no JDBC driver jar at {jar}")
         builder = builder.config("spark.jars", jar).config("spark.driver.extraClassPath", jar)
     if options.driver_memory:
         builder = builder.config("spark.driver.memory", options.driver_memory)

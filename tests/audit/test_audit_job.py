@@ -6,12 +6,11 @@ import json
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from celery_outbox.audit.archive import ParquetArchiver
-from celery_outbox.audit.inputs import jdbc_url_of
+from celery_outbox.audit.jdbc import jdbc_url_of
 from celery_outbox.audit.job import (
     EXIT_BAD_INPUT,
     EXIT_CLEAN,
@@ -103,27 +102,6 @@ def test_exit_code_says_whether_anything_was_lost(spark, known_archive, tmp_path
                 spark) == EXIT_CLEAN
     assert main(["--archive", known_archive, "--out", str(tmp_path / "c")], spark) == EXIT_LOST
     assert "2 lost" in capsys.readouterr().out, "weeks later, m9 is past its grace period too"
-
-
-def test_a_missing_archive_is_a_clear_error(spark, tmp_path, capsys):
-    assert main(["--archive", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")], spark) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err
-    assert "no archive at" in err and "Traceback" not in err
-
-
-def test_an_empty_archive_is_a_clear_error(spark, tmp_path, capsys):
-    (tmp_path / "archive").mkdir()
-    assert main(["--archive", str(tmp_path / "archive"), "--out", str(tmp_path / "out")], spark) == EXIT_BAD_INPUT
-    assert "is empty" in capsys.readouterr().err
-
-
-def test_a_partition_with_a_bad_schema_is_named(spark, known_archive, tmp_path, capsys):
-    bad = tmp_path / "archive" / "incoming" / "date=2026-11-02"
-    bad.mkdir(parents=True)
-    pq.write_table(pa.table({"message_id": [1, 2], "status": ["handled", "handled"]}), bad / "part-bad.parquet")
-    assert main(["--archive", known_archive, "--out", str(tmp_path / "out")], spark) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err
-    assert "date=2026-11-02/part-bad.parquet has a bad schema" in err and "Traceback" not in err
 
 
 def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path, capsys):
@@ -235,3 +213,14 @@ def test_a_parameter_jdbc_cannot_carry_is_refused_by_name_without_the_password()
     message = str(error.value)
     assert "target_session_attrs cannot be carried" in message
     assert "pw-" not in message
+
+
+def test_spark_lists_an_archive_the_checks_could_not(spark, known_archive, tmp_path):
+    """An archive on a filesystem only Spark reaches (``files`` None) is listed through Hadoop's
+    filesystem; a missing one is the same clear error as a missing local one."""
+    from celery_outbox.audit.inputs import Inputs
+
+    inputs = Inputs(spark, AuditOptions(out=str(tmp_path / "out"), archive=f"file://{known_archive}"), None)
+    assert (inputs.sent.count(), inputs.incoming.count(), inputs.dead.count()) == (10, 8, 2)
+    with pytest.raises(AuditInputError, match=f"no archive at {tmp_path / 'nowhere'}"):
+        Inputs(spark, AuditOptions(out=str(tmp_path / "out"), archive=f"file://{tmp_path / 'nowhere'}"), None)
