@@ -324,8 +324,9 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
 
 
 @outbox.command()
-@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path).")
-@click.option("--out", required=True, help="Directory for summary.json, report.html and aggregates/.")
+@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path); a path or a URI.")
+@click.option("--out", required=True, help="Folder (a path or a URI) for summary.json, report.html and "
+              "aggregates/.")
 @click.option("--jdbc-url", help="Also read the live tables (jdbc:postgresql:// or postgresql:// URL); "
               "'store' uses outbox_database_url.")
 @click.option("--jdbc-jar", help="The PostgreSQL JDBC driver jar (default /usr/share/java/postgresql.jar).")

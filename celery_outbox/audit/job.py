@@ -22,8 +22,8 @@ one is one line on stderr and exit code 2.
 
 This module is the entry point (``run_audit``, the command line); the parts are ``options``,
 ``checks``, ``session`` (Spark), ``inputs`` (the archive and the live tables), ``aggregates`` (the
-numbers) and ``outputs`` (the files). spark-submit runs this file as a script, outside its package, so
-every import here is absolute.
+numbers) and ``outputs`` (the files), which read and write any ``location`` Spark can. spark-submit
+runs this file as a script, outside its package, so every import here is absolute.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from celery_outbox.audit.aggregates import aggregate
 from celery_outbox.audit.checks import ArchiveFiles, check_inputs
 from celery_outbox.audit.inputs import Inputs
+from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.audit.outputs import write_outputs
 from celery_outbox.audit.session import (
@@ -78,10 +78,8 @@ def _audit(spark, options: AuditOptions, files: ArchiveFiles, cached: list[Any])
     inputs = Inputs(spark, options, files)
     for frame in (inputs.incoming, inputs.sent, inputs.dead):
         cached.append(frame.cache())
-    out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = aggregate(inputs, options, cached, spark_facts(spark, partitions))
-    write_outputs(out, result)
+    write_outputs(spark, Location.of(options.out), result)
     return result.summary
 
 
@@ -90,8 +88,9 @@ def _audit(spark, options: AuditOptions, files: ArchiveFiles, cached: list[Any])
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="celery-outbox-audit", description="The delivery audit of celery-outbox.")
-    p.add_argument("--archive", help="the archive cleanup writes (outbox_archive_path)")
-    p.add_argument("--out", required=True, help="directory for summary.json, report.html, aggregates/")
+    p.add_argument("--archive", help="the archive cleanup writes (outbox_archive_path): a path or a URI")
+    p.add_argument("--out", required=True, help="folder for summary.json, report.html, aggregates/: a path or a "
+                   "URI Spark can write")
     p.add_argument("--jdbc-url", help="also read the live tables: a jdbc:postgresql:// or postgresql:// URL")
     p.add_argument("--jdbc-jar", help=f"the PostgreSQL JDBC driver jar (default {DEFAULT_JDBC_JAR} if present)")
     p.add_argument("--table-prefix", default="celery_outbox_", help="outbox_table_prefix of the live tables")
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None, spark=None) -> int:
     print(f"audit: {summary['sent']} sent, {summary['handled']} handled, {summary['lost']} lost, "
           f"{summary['duplicates_discarded']} duplicates discarded, {summary['dead_lettered']} dead-lettered, "
           f"{summary['late']} late; latency p50 {_seconds(latency['p50'])}, p99 {_seconds(latency['p99'])}")
-    print(f"report: {Path(options.out).resolve() / 'report.html'}")
+    print(f"report: {Location.of(options.out).child('report.html')}")
     return EXIT_LOST if summary["lost"] else EXIT_CLEAN
 
 

@@ -48,8 +48,8 @@ def dead_letter(dead_id: int, message_id: str, reason: str, exception: str | Non
 @pytest.fixture
 def known_archive(tmp_path):
     """m0-m6 handled (m5 late), m7 dead-lettered, m8 lost, m9 sent within the grace period; every
-    batch archived twice, as an at-least-once archive may."""
-    archiver = ParquetArchiver(str(tmp_path / "archive"))
+    batch archived twice, as an at-least-once archive may; in a folder whose name has a space."""
+    archiver = ParquetArchiver(str(tmp_path / "outbox archive"))
     sends = [sent(n, T0 + timedelta(minutes=n)) for n in range(9)] + [sent(9, NOW - timedelta(minutes=10))]
     handled = [incoming(n, "handled", T0 + timedelta(minutes=n, seconds=LATENCIES[n]),
                         duplicates={0: 3, 1: 2}.get(n, 0)) for n in range(7)]
@@ -59,7 +59,7 @@ def known_archive(tmp_path):
         archiver.archive("sent", sends)
         archiver.archive("incoming", handled)
         archiver.archive("dead_letters", letters)
-    return str(tmp_path / "archive")
+    return str(tmp_path / "outbox archive")
 
 
 def test_a_known_archive_gives_exactly_the_expected_numbers(spark, known_archive, tmp_path):
@@ -224,3 +224,17 @@ def test_spark_lists_an_archive_the_checks_could_not(spark, known_archive, tmp_p
     assert (inputs.sent.count(), inputs.incoming.count(), inputs.dead.count()) == (10, 8, 2)
     with pytest.raises(AuditInputError, match=f"no archive at {tmp_path / 'nowhere'}"):
         Inputs(spark, AuditOptions(out=str(tmp_path / "out"), archive=f"file://{tmp_path / 'nowhere'}"), None)
+
+
+def test_file_uris_with_spaces_are_read_and_written_where_they_name(spark, known_archive, tmp_path, monkeypatch,
+                                                                    capsys):
+    """Not into a folder named ``file:`` under the current one; the report line names the real file."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "audit out" / "today"
+    assert main(["--archive", f"file://{known_archive}", "--out", f"file://{out}", "--now", NOW.isoformat()],
+                spark) == EXIT_LOST
+    assert capsys.readouterr().out.splitlines()[-1] == f"report: {out / 'report.html'}"
+    assert json.loads((out / "summary.json").read_text())["lost"] == 1
+    assert "1 LOST" in (out / "report.html").read_text()
+    assert [row["message_id"] for row in pq.read_table(out / "aggregates" / "lost").to_pylist()] == ["m8"]
+    assert not (tmp_path / "file:").exists()
