@@ -83,15 +83,12 @@ def run(options: Options) -> list[Result]:
         os.environ["PYSPARK_SUBMIT_ARGS"] = (
             f"--conf spark.local.dir={root}/spark-local "
             "--conf spark.ui.showConsoleProgress=false pyspark-shell")
-        stderr = os.dup(2)
-        with open(log, "ab") as handle:  # the JVM's start-up chatter and later errors: shown on failure only
-            os.dup2(handle.fileno(), 2)
         try:
             began = time.perf_counter()
-            spark = spark_session(AuditOptions(out=f"{root}/unused", master="local[2]", driver_memory=DRIVER_MEMORY))
+            # the JVM's start-up chatter and later errors go to the log: shown on failure only
+            spark = spark_session(AuditOptions(out=f"{root}/unused", master="local[2]", driver_memory=DRIVER_MEMORY),
+                                  log=log)
         finally:
-            os.dup2(stderr, 2)
-            os.close(stderr)
             if saved is None:
                 del os.environ["PYSPARK_SUBMIT_ARGS"]
             else:

@@ -25,12 +25,12 @@ class SparkAskedFor(Exception):
 
 
 @pytest.fixture
-def sessions(monkeypatch) -> list[AuditOptions]:
-    """The options of every Spark session the audit asks for (none is started)."""
-    asked: list[AuditOptions] = []
+def sessions(monkeypatch) -> list[str | None]:
+    """The log file of every Spark session the audit asks for (none is started)."""
+    asked: list[str | None] = []
 
     def spy(options, log=None):
-        asked.append(options)
+        asked.append(log)
         raise SparkAskedFor
 
     monkeypatch.setattr(job, "spark_session", spy)
@@ -107,6 +107,7 @@ def test_a_good_local_archive_passes_the_checks_and_spark_is_asked_for(archive, 
     with pytest.raises(SparkAskedFor):
         run_audit(AuditOptions(archive=f"file://{archive}", out=str(tmp_path / "out dir")))
     assert len(sessions) == 1
+    assert (tmp_path / "out dir").is_dir(), "made before Spark, for its log"
 
 
 def test_an_archive_only_spark_reaches_is_left_to_spark_not_refused(tmp_path, sessions):
@@ -115,6 +116,32 @@ def test_an_archive_only_spark_reaches_is_left_to_spark_not_refused(tmp_path, se
     with pytest.raises(SparkAskedFor):
         run_audit(options)
     assert len(sessions) == 1
+
+
+def test_a_jvm_started_for_a_local_out_logs_into_it_and_for_another_into_a_named_temporary_file(
+        archive, tmp_path, monkeypatch, capsys, sessions):
+    monkeypatch.setattr(job, "starts_jvm", lambda: True)
+    with pytest.raises(SparkAskedFor):
+        main(["--archive", archive, "--out", f"file://{tmp_path / 'out dir'}", "--master", "local[1]"])
+    assert sessions == [str(tmp_path / "out dir" / "spark.log")]
+    with pytest.raises(SparkAskedFor):
+        main(["--archive", archive, "--out", "s3a://bucket/audit", "--master", "local[1]"])
+    log = sessions[1]
+    assert os.path.isfile(log) and not log.startswith(str(tmp_path))
+    os.remove(log)
+    assert capsys.readouterr().err.splitlines() == [
+        f"celery-outbox audit: starting Spark (local[1]); its log: {tmp_path / 'out dir' / 'spark.log'}",
+        f"celery-outbox audit: starting Spark (local[1]); its log: {log}"]
+
+
+def test_verbose_or_a_running_jvm_leaves_the_log_where_spark_puts_it(archive, tmp_path, monkeypatch, sessions):
+    monkeypatch.setattr(job, "starts_jvm", lambda: True)
+    with pytest.raises(SparkAskedFor):
+        main(["--archive", archive, "--out", str(tmp_path / "out"), "--verbose"])
+    monkeypatch.setattr(job, "starts_jvm", lambda: False)  # spark-submit's JVM
+    with pytest.raises(SparkAskedFor):
+        main(["--archive", archive, "--out", str(tmp_path / "out")])
+    assert sessions == [None, None]
 
 
 def test_the_celery_command_prints_exactly_one_line_for_a_missing_archive(tmp_path):

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow.parquet as pq
@@ -62,6 +66,17 @@ def known_archive(tmp_path):
     return str(tmp_path / "outbox archive")
 
 
+def audit_command(tmp_path: Path, known_archive: str, out: str, *extra: str) -> subprocess.CompletedProcess:
+    """``celery outbox audit`` of the known archive in a process of its own (so it starts its own JVM)."""
+    root = Path(__file__).parents[2]
+    env = dict(os.environ, TEST_DATABASE_URL=f"sqlite:///{tmp_path / 'store.db'}", PYTHONPATH=str(root),
+               PYSPARK_PYTHON=sys.executable)
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "audit", "--archive", known_archive,
+         "--out", out, "--master", "local[1]", "--grace", "520w", *extra],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300)
+
+
 def test_a_known_archive_gives_exactly_the_expected_numbers(spark, known_archive, tmp_path):
     summary = run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark)
     assert {key: summary[key] for key in ("sent", "handled", "lost", "dead_lettered", "duplicates_discarded",
@@ -105,8 +120,6 @@ def test_exit_code_says_whether_anything_was_lost(spark, known_archive, tmp_path
 
 
 def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path, capsys):
-    import os
-
     from ..services import free_port, services_required
 
     if not os.path.exists(JDBC_JAR):
@@ -123,11 +136,6 @@ def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path
 
 def test_the_job_runs_under_spark_submit(known_archive, tmp_path):
     """No local settings are hard-coded: spark-submit gives the master."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     import pyspark
 
     import celery_outbox.audit.job as job
@@ -179,19 +187,8 @@ def test_bad_spark_settings_are_clear_errors(tmp_path, capsys, argv, named):
 
 def test_the_cli_starts_spark_with_the_driver_memory_and_partitions_given(spark, known_archive, tmp_path):
     """``celery outbox audit --driver-memory`` sizes the JVM it starts (Spark's default would be 1g)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).parents[2]
-    env = dict(os.environ, TEST_DATABASE_URL=f"sqlite:///{tmp_path / 'store.db'}", PYTHONPATH=str(root),
-               PYSPARK_PYTHON=sys.executable)
-    process = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "audit", "--archive", known_archive,
-         "--out", str(tmp_path / "out"), "--master", "local[1]", "--driver-memory", "640m",
-         "--shuffle-partitions", "3", "--grace", "520w"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    process = audit_command(tmp_path, known_archive, str(tmp_path / "out"), "--driver-memory", "640m",
+                            "--shuffle-partitions", "3")
     assert process.returncode == EXIT_CLEAN, process.stderr[-3000:]
     facts = json.loads((tmp_path / "out" / "summary.json").read_text())["spark"]
     assert facts["master"] == "local[1]" and facts["shuffle_partitions"] == 3
@@ -238,3 +235,37 @@ def test_file_uris_with_spaces_are_read_and_written_where_they_name(spark, known
     assert "1 LOST" in (out / "report.html").read_text()
     assert [row["message_id"] for row in pq.read_table(out / "aggregates" / "lost").to_pylist()] == ["m8"]
     assert not (tmp_path / "file:").exists()
+
+
+def test_each_stage_is_announced_as_it_begins(spark, known_archive, tmp_path):
+    from celery_outbox.audit.job import Stage
+
+    told: list[tuple[Stage, str]] = []
+    run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark,
+              lambda stage, detail: told.append((stage, detail)))
+    assert told == [(Stage.READING, ""), (Stage.AGGREGATING, ""), (Stage.WRITING, f"to {tmp_path / 'out'}")]
+
+
+def test_the_command_puts_sparks_output_in_a_log_file_and_tells_its_stages(spark, known_archive, tmp_path):
+    out = tmp_path / "audit out"
+    process = audit_command(tmp_path, known_archive, f"file://{out}")
+    assert process.returncode == EXIT_CLEAN, process.stderr[-3000:]
+    log = out / "spark.log"
+    assert process.stderr.splitlines() == [
+        f"celery-outbox audit: starting Spark (local[1]); its log: {log}",
+        "celery-outbox audit: reading the inputs",
+        "celery-outbox audit: aggregating",
+        f"celery-outbox audit: writing the outputs to {out}",
+    ]
+    assert log.stat().st_size > 0, "what the JVM printed is in the file"
+    assert process.stdout.splitlines()[-1] == f"report: {out / 'report.html'}"
+
+
+def test_verbose_leaves_sparks_output_on_the_console(spark, known_archive, tmp_path):
+    out = tmp_path / "audit"
+    process = audit_command(tmp_path, known_archive, str(out), "--verbose")
+    assert process.returncode == EXIT_CLEAN, process.stderr[-3000:]
+    ours = [line for line in process.stderr.splitlines() if line.startswith("celery-outbox audit: ")]
+    assert ours[0] == "celery-outbox audit: starting Spark (local[1])"
+    assert len(process.stderr.splitlines()) > len(ours), "the JVM's own lines are on the console"
+    assert not (out / "spark.log").exists()
