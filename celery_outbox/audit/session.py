@@ -61,8 +61,8 @@ def spark_session(options: AuditOptions, log: str | None = None):
     builder = builder.config("spark.sql.session.timeZone", "UTC").config("spark.ui.enabled", "false")
     if log is None:
         return builder.getOrCreate()
-    with _output_to(log):
-        return builder.getOrCreate()
+    with _output_to(log):  # Spark's progress bars, redrawn in place, are noise in a file
+        return builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
 
 
 @contextmanager

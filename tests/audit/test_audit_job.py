@@ -258,6 +258,7 @@ def test_the_command_puts_sparks_output_in_a_log_file_and_tells_its_stages(spark
         f"celery-outbox audit: writing the outputs to {out}",
     ]
     assert log.stat().st_size > 0, "what the JVM printed is in the file"
+    assert "[Stage " not in log.read_text(), "but not Spark's progress bars"
     assert process.stdout.splitlines()[-1] == f"report: {out / 'report.html'}"
 
 
