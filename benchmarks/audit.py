@@ -83,15 +83,12 @@ def run(options: Options) -> list[Result]:
         os.environ["PYSPARK_SUBMIT_ARGS"] = (
             f"--conf spark.local.dir={root}/spark-local "
             "--conf spark.ui.showConsoleProgress=false pyspark-shell")
-        stderr = os.dup(2)
-        with open(log, "ab") as handle:  # the JVM's start-up chatter and later errors: shown on failure only
-            os.dup2(handle.fileno(), 2)
         try:
             began = time.perf_counter()
-            spark = spark_session(AuditOptions(out=f"{root}/unused", master="local[2]", driver_memory=DRIVER_MEMORY))
+            # the JVM's start-up chatter and later errors go to the log: shown on failure only
+            spark = spark_session(AuditOptions(out=f"{root}/unused", master="local[2]", driver_memory=DRIVER_MEMORY),
+                                  log=log)
         finally:
-            os.dup2(stderr, 2)
-            os.close(stderr)
             if saved is None:
                 del os.environ["PYSPARK_SUBMIT_ARGS"]
             else:
@@ -121,15 +118,16 @@ def run(options: Options) -> list[Result]:
 
 def measure(spark, root: str, n: int, watch: DiskWatch) -> Result:
     """Generate an archive of ``n`` messages, audit it, check the answer; the job's envelopes per second."""
-    from celery_outbox.audit.inputs import check_archive
+    from celery_outbox.audit.checks import check_archive
     from celery_outbox.audit.job import AuditOptions, run_audit
+    from celery_outbox.audit.location import Location
 
     archive, out = f"{root}/archive-{n}", f"{root}/out-{n}"
     try:
         began = time.perf_counter()
         expected = generate(archive, n)
         generated = time.perf_counter() - began
-        files = check_archive(archive)  # the job checks it too (timed there); fail early and clearly here
+        files = check_archive(Location.of(archive))  # the job checks it too (timed there); fail early and clearly here
         expected.files = sum(len(paths) for paths in files.values())
         size = watch.usage(archive)
         _progress(f"{n:,} messages: archive of {expected.files} files, {size / 2**20:,.0f} MiB in {generated:.1f}s")

@@ -324,8 +324,9 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
 
 
 @outbox.command()
-@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path).")
-@click.option("--out", required=True, help="Directory for summary.json, report.html and aggregates/.")
+@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path); a path or a URI.")
+@click.option("--out", required=True, help="Folder (a path or a URI) for summary.json, report.html and "
+              "aggregates/.")
 @click.option("--jdbc-url", help="Also read the live tables (jdbc:postgresql:// or postgresql:// URL); "
               "'store' uses outbox_database_url.")
 @click.option("--jdbc-jar", help="The PostgreSQL JDBC driver jar (default /usr/share/java/postgresql.jar).")
@@ -338,9 +339,10 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
               "the driver does all the work.")
 @click.option("--shuffle-partitions", type=click.IntRange(min=1),
               help="Partitions per shuffle (default: 4 per core, unless your Spark configuration sets them).")
+@click.option("--verbose", is_flag=True, help="Spark's own log on the console, not in spark.log in --out.")
 @_with_outbox
 def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master, driver_memory,
-          shuffle_partitions) -> None:
+          shuffle_partitions, verbose) -> None:
     """The delivery audit (Spark): lost, duplicated, late and dead-lettered messages; exit 1 when any is lost."""
     import importlib.util
 
@@ -359,4 +361,4 @@ def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuc
                         ("--driver-memory", driver_memory), ("--shuffle-partitions", shuffle_partitions)):
         if value:
             argv += [flag, str(value)]
-    raise SystemExit(audit_main(argv))
+    raise SystemExit(audit_main(argv + ["--verbose"] * verbose))

@@ -134,7 +134,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Create missing tables when `Outbox(app)` starts. Turn off in production and run "
             "`celery -A proj outbox migrate` instead."),
     Setting("archive_path", None, parse.optional_string,
-            "Where cleanup archives rows (Parquet) for the delivery audit; nothing is archived when unset."),
+            "Where cleanup archives rows (Parquet) for the delivery audit: a path, a `file://` URI or a URI "
+            "pyarrow writes (`s3://`, `s3a://`, `gs://`, `hdfs://`); nothing is archived when unset."),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}

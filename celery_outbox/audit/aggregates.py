@@ -134,7 +134,7 @@ def _inputs_summary(inputs: Inputs, options: AuditOptions, pending: dict[str, in
         url, _ = jdbc_url_of(options.jdbc_url)
         live = {"url": url.split("?")[0], "rows": inputs.live_rows, "pending": pending}
     return {
-        "archive": {"path": options.archive, "rows": inputs.archive_rows} if options.archive else None,
+        "archive": {"path": str(inputs.archive), "rows": inputs.archive_rows} if inputs.archive else None,
         "live": live,
         "coverage": {
             "durable_queues": {"tracked": (Tracking.END_TO_END if sent else Tracking.INBOX_ONLY).value,

@@ -1,7 +1,8 @@
 """The delivery archive: Parquet files, partitioned by date, that cleanup writes before it deletes.
 
-Layout under ``outbox_archive_path`` (a local path, or any URI pyarrow can write:
-``s3://``, ``gs://``, ``hdfs://``; Spark's ``s3a://`` is accepted too)::
+Layout under ``outbox_archive_path`` (a local path, a ``file:`` URI, or any URI pyarrow can write:
+``s3://``, ``gs://``, ``hdfs://``, ``abfs://``; Spark's ``s3a://`` is written as ``s3://``; see
+``Location`` for how a path is read)::
 
     incoming/date=2026-11-22/part-<time>-<uuid>.parquet      handled, retried and dead inbox rows
     dead_letters/date=2026-11-22/part-....parquet            dead letters past their retention
@@ -20,6 +21,7 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from ..errors import ConfigurationError
+from .location import Location
 
 __all__ = ["ARCHIVE_KINDS", "ParquetArchiver", "archive_schema"]
 
@@ -66,15 +68,23 @@ def archive_schema(kind: str):
     return pa.schema([(name, types[type_name]) for name, type_name in _COLUMNS[kind].items()])
 
 
-def filesystem(path: str):
-    """(pyarrow filesystem, path inside it) for a local path or a URI; ``s3a://`` is read as ``s3://``."""
+def _filesystem(path: str):
+    """(pyarrow filesystem, path inside it) for a local path or a URI; ``s3a://`` is read as ``s3://``.
+    A URI pyarrow cannot write to is a ``ConfigurationError``, never a local folder named after it."""
     pa = _pyarrow()
-    if path.startswith("s3a://"):
-        path = "s3://" + path[len("s3a://"):]
     try:
-        return pa.fs.FileSystem.from_uri(path)
-    except (pa.ArrowInvalid, ValueError):
-        return pa.fs.LocalFileSystem(), path
+        location = Location.of(path)
+    except ValueError as exc:
+        raise ConfigurationError(f"outbox_archive_path: {exc}") from None
+    if location.local is not None:
+        return pa.fs.LocalFileSystem(), location.local
+    uri = "s3://" + location.text[len("s3a://"):] if location.text.startswith("s3a://") else location.text
+    try:
+        return pa.fs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, ValueError, OSError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigurationError(f"outbox_archive_path {location.text}: pyarrow cannot write there ({reason})") \
+            from None
 
 
 class ParquetArchiver:
@@ -82,8 +92,7 @@ class ParquetArchiver:
 
     def __init__(self, path: str):
         _pyarrow()
-        self.path = path.rstrip("/")
-        self.fs, self.root = filesystem(self.path)
+        self.fs, self.root = _filesystem(path)
 
     def archive(self, kind: str, rows: Sequence[Any]) -> None:
         if kind not in _COLUMNS:

@@ -1,94 +1,24 @@
-"""The delivery audit's input: the Parquet archive cleanup writes, checked file by file before
-Spark reads it, and optionally the live tables over JDBC, read as DataFrames and de-duplicated.
+"""The delivery audit's input: the Parquet archive cleanup writes (checked before Spark starts,
+``checks``) and optionally the live tables over JDBC, read as DataFrames and de-duplicated.
 
 Archived rows may repeat (archiving is at least once), and a row may be both archived and still
-in its live table: every input is de-duplicated by its key (``Inputs``). A missing archive, a file
-that is not readable Parquet or lacks a column, or a live table that cannot be read is an
-``AuditInputError`` saying what and where, with any password masked.
+in its live table: every input is de-duplicated by its key (``Inputs``). An archive only Spark
+reaches that is missing or empty, or a live table that cannot be read, is an ``AuditInputError``
+saying what and where, with any password masked.
 """
 
 from __future__ import annotations
 
-from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS, archive_schema, filesystem
+from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS
+from celery_outbox.audit.checks import ArchiveFiles, empty_archive, missing_archive
+from celery_outbox.audit.hadoop import exists
+from celery_outbox.audit.jdbc import jdbc_url_of
+from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
-from celery_outbox.store.engine import is_secret_name, safe_url
+from celery_outbox.store.engine import is_secret_name
 from celery_outbox.vocabulary import IncomingStatus
 
-__all__ = ["Inputs", "check_archive", "jdbc_url_of"]
-
-
-def check_archive(path: str) -> dict[str, list[str]]:
-    """The Parquet files of each kind under ``path``; a clear error for a missing archive or a bad file."""
-    import pyarrow.fs
-    import pyarrow.parquet as pq
-
-    fs, root = filesystem(path)
-    if fs.get_file_info(root).type == pyarrow.fs.FileType.NotFound:
-        raise AuditInputError(f"no archive at {path}: set outbox_archive_path and let cleanup run, "
-                              "or give the path cleanup writes to")
-    files: dict[str, list[str]] = {}
-    for kind in ARCHIVE_KINDS:
-        selector = pyarrow.fs.FileSelector(f"{root}/{kind}", allow_not_found=True, recursive=True)
-        found = sorted(info.path for info in fs.get_file_info(selector) if info.path.endswith(".parquet"))
-        expected = archive_schema(kind)
-        for file_path in found:
-            try:
-                schema = pq.read_schema(file_path, filesystem=fs)
-            except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-                raise AuditInputError(f"archive file {file_path} is not readable Parquet: {exc}") from None
-            for column in expected:
-                if column.name not in schema.names:
-                    raise AuditInputError(f"archive file {file_path} has a bad schema: no column {column.name!r} "
-                                          f"(a {kind} file needs {', '.join(expected.names)})")
-                actual = schema.field(column.name).type
-                if actual != column.type and not (str(actual).startswith("timestamp")
-                                                   and str(column.type).startswith("timestamp")):
-                    raise AuditInputError(f"archive file {file_path} has a bad schema: column {column.name!r} is "
-                                          f"{actual}, expected {column.type}")
-        files[kind] = found
-    return files
-
-
-# libpq connection parameters and the PostgreSQL JDBC driver's property for each
-_JDBC_PROPERTIES = {"user": "user", "password": "password", "sslmode": "sslmode", "sslrootcert": "sslrootcert",
-                    "sslcert": "sslcert", "sslkey": "sslkey", "sslpassword": "sslpassword",
-                    "application_name": "ApplicationName", "connect_timeout": "connectTimeout",
-                    "options": "options"}
-
-
-def jdbc_url_of(url: str) -> tuple[str, dict[str, str]]:
-    """A JDBC URL and connection properties from a JDBC URL or an SQLAlchemy PostgreSQL URL.
-
-    The SQLAlchemy URL's user, password and query parameters (TLS: ``sslmode``, ``sslrootcert``,
-    ``sslcert``, ``sslkey``, ``sslpassword``...) become properties, so the JDBC URL holds no secret;
-    a parameter JDBC cannot carry is refused, never dropped (a dropped ``sslmode`` would connect
-    without TLS)."""
-    properties = {"driver": "org.postgresql.Driver"}
-    if url.startswith("jdbc:"):
-        return url, properties
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError) as exc:
-        raise AuditInputError(f"--jdbc-url {safe_url(url)} is not a database URL ({type(exc).__name__})") from None
-    if parsed.get_backend_name() != "postgresql":
-        raise AuditInputError(f"--jdbc-url must name PostgreSQL, not {parsed.get_backend_name()!r}")
-    unsupported = sorted(name for name in parsed.query if name not in _JDBC_PROPERTIES)
-    repeated = sorted(name for name, value in parsed.query.items() if not isinstance(value, str))
-    if unsupported or repeated:
-        raise AuditInputError(
-            f"--jdbc-url {safe_url(parsed)}: the connection parameter(s) {', '.join(unsupported + repeated)} "
-            "cannot be carried into a JDBC URL; give a jdbc:postgresql:// URL with the equivalent driver "
-            "properties instead")
-    if parsed.username:
-        properties["user"] = parsed.username
-    if parsed.password:
-        properties["password"] = str(parsed.password)
-    for name, value in parsed.query.items():
-        properties[_JDBC_PROPERTIES[name]] = value
-    return f"jdbc:postgresql://{parsed.host or 'localhost'}:{parsed.port or 5432}/{parsed.database}", properties
+__all__ = ["Inputs"]
 
 
 #: the live tables, in the order they are read (see ``Inputs``)
@@ -126,33 +56,33 @@ class Inputs:
     de-duplication); ``cached`` lists the frames kept, for the caller to unpersist.
     """
 
-    def __init__(self, spark, options: AuditOptions):
+    def __init__(self, spark, options: AuditOptions, files: ArchiveFiles):
+        """Read the inputs: ``files`` are the archive's as ``check_inputs`` found them."""
         from pyspark.sql import functions as F
 
         self.spark, self.options, self.F = spark, options, F
         self.cached: list = []
         try:
-            self._merge(options)
+            self._merge(options, files)
         except BaseException:
             for frame in self.cached:
                 frame.unpersist()
             raise
 
-    def _merge(self, options: AuditOptions) -> None:
+    def _merge(self, options: AuditOptions, files: ArchiveFiles) -> None:
         F = self.F
         self.outgoing = self.running = self.live_rows = self.archive_rows = None
+        self.live = options.jdbc_url is not None
+        self.archive = Location.of(options.archive) if options.archive else None
         live = {}
-        if options.jdbc_url is not None:
+        if self.live:
             read = {kind: self._table(kind) for kind in _LIVE_ORDER}  # one after the other, in this order
             live = {kind: frame for kind, (frame, _) in read.items()}
             self.live_rows = {self._table_name(kind): rows for kind, (_, rows) in read.items()}
-        files = check_archive(options.archive) if options.archive else {kind: [] for kind in ARCHIVE_KINDS}
-        if not live and not any(files.values()):
-            raise AuditInputError(f"the archive at {options.archive} is empty: no incoming, sent or dead_letters "
-                                  "files yet (cleanup archives rows once their keep-until passes); "
-                                  "add --jdbc-url to audit the live tables")
-        frames = {kind: self._archived(kind, files[kind]) for kind in ARCHIVE_KINDS}
-        if options.archive:
+        present = self._present(files)
+        frames = {kind: self._archived(kind) if kind in present else self.spark.createDataFrame([], _spark_schema(kind))
+                  for kind in ARCHIVE_KINDS}
+        if self.archive is not None:
             self.archive_rows = {kind: frame.count() for kind, frame in frames.items()}
         if live:
             self.outgoing, self.running = live["outgoing"], live["incoming"].where(_running(F))
@@ -171,13 +101,22 @@ class Inputs:
         # numbers its letters from 1 again, while the archive keeps the old ones
         self.dead = frames["dead_letters"].dropDuplicates(["id", "message_id", "destination", "failed_at"])
 
-    def _archived(self, kind: str, paths: list[str]):
+    def _present(self, files: ArchiveFiles) -> set[str]:
+        """The kinds the archive holds: those with files, or, for an archive only Spark reaches,
+        those with a folder (its absence and emptiness are refused here, as the checks do locally)."""
+        if files is not None:
+            return {kind for kind, found in files.items() if found}
+        if not exists(self.spark, self.archive.uri):
+            raise missing_archive(self.archive)
+        present = {kind for kind in ARCHIVE_KINDS if exists(self.spark, self.archive.child(kind).uri)}
+        if not present and not self.live:
+            raise empty_archive(self.archive)
+        return present
+
+    def _archived(self, kind: str):
         schema = _spark_schema(kind)
-        if not paths:
-            return self.spark.createDataFrame([], schema)
-        archive = self.options.archive.rstrip("/")
-        frame = self.spark.read.schema(schema).option("basePath", f"{archive}/{kind}").parquet(f"{archive}/{kind}")
-        return frame.select(*schema.names)
+        folder = self.archive.child(kind).uri
+        return self.spark.read.schema(schema).option("basePath", folder).parquet(folder).select(*schema.names)
 
     def _table_name(self, kind: str) -> str:
         return f"{self.options.table_prefix}{kind}"

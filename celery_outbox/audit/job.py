@@ -17,22 +17,31 @@ by the window's length) and dead letters by task
 and exception. It writes ``summary.json``, Parquet aggregates under ``aggregates/``
 and ``report.html``. Exit code: 0 clean, 1 when any message is lost, 2 on bad input.
 
+Every input that can be checked without Spark is checked before the JVM starts (``checks``): a bad
+one is one line on stderr and exit code 2. Each stage then says on stderr that it begins, and a
+JVM this job starts prints into ``spark.log`` in ``--out`` (a temporary file when ``--out`` is not
+local) unless ``--verbose``.
+
 This module is the entry point (``run_audit``, the command line); the parts are ``options``,
-``session`` (Spark), ``inputs`` (the archive and the live tables), ``aggregates`` (the numbers)
-and ``outputs`` (the files). spark-submit runs this file as a script, outside its package, so
-every import here is absolute.
+``checks``, ``session`` (Spark), ``inputs`` (the archive and the live tables), ``aggregates`` (the
+numbers) and ``outputs`` (the files), which read and write any ``location`` Spark can. spark-submit
+runs this file as a script, outside its package, so every import here is absolute.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any
+from enum import Enum
+from typing import Any, Callable
 
 from celery_outbox.audit.aggregates import aggregate
+from celery_outbox.audit.checks import check_inputs
 from celery_outbox.audit.inputs import Inputs
+from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.audit.outputs import write_outputs
 from celery_outbox.audit.session import (
@@ -41,42 +50,90 @@ from celery_outbox.audit.session import (
     shuffle_partitions,
     spark_facts,
     spark_session,
+    starts_jvm,
 )
 
-__all__ = ["AuditInputError", "AuditOptions", "main", "run_audit"]
+__all__ = ["AuditInputError", "AuditOptions", "Stage", "main", "run_audit"]
 
 EXIT_CLEAN, EXIT_LOST, EXIT_BAD_INPUT = 0, 1, 2
+SPARK_LOG = "spark.log"
 
 
-def run_audit(options: AuditOptions, spark=None) -> dict[str, Any]:
+class Stage(Enum):
+    """The audit's stages after its checks, each announced as it begins so a long run never
+    looks hung."""
+
+    STARTING_SPARK = "starting Spark"  #: only when no session is given
+    READING = "reading the inputs"
+    AGGREGATING = "aggregating"
+    WRITING = "writing the outputs"
+
+
+#: what ``run_audit`` tells of its progress: the stage beginning, and a detail (possibly empty)
+Progress = Callable[[Stage, str], None]
+
+
+def _quiet(stage: Stage, detail: str) -> None:
+    """The progress of an audit run as a library call: not told."""
+
+
+def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) -> dict[str, Any]:
     """Compute the audit, write its outputs under ``options.out`` and return the summary.
 
-    The de-duplicated inputs and the lost messages are cached: every aggregate reads them, and
-    without the cache each would read and shuffle the whole archive again. A session passed in
-    gets its shuffle partitions back afterwards.
+    The inputs are checked before any Spark starts (an ``AuditInputError`` names the first bad
+    one). The de-duplicated inputs and the lost messages are cached: every aggregate reads them,
+    and without the cache each would read and shuffle the whole archive again. A session passed
+    in gets its shuffle partitions back afterwards.
     """
-    spark = spark or spark_session(options)
+    files = check_inputs(options)
+    out = Location.of(options.out)
+    if out.local is not None:
+        _make_folder(out)
+    spark = spark or _start_spark(options, out, progress)
     saved_partitions = spark.conf.get("spark.sql.shuffle.partitions")
     cached: list[Any] = []
     try:
-        return _audit(spark, options, cached)
+        partitions = shuffle_partitions(spark, options)
+        spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
+        progress(Stage.READING, "")
+        inputs = Inputs(spark, options, files)
+        for frame in (inputs.incoming, inputs.sent, inputs.dead):
+            cached.append(frame.cache())
+            frame.count()  # read now, so that the next stage announced is the one running
+        progress(Stage.AGGREGATING, "")
+        result = aggregate(inputs, options, cached, spark_facts(spark, partitions))
+        progress(Stage.WRITING, f"to {out}")
+        write_outputs(spark, out, result)
+        return result.summary
     finally:
         for frame in cached:
             frame.unpersist()
         spark.conf.set("spark.sql.shuffle.partitions", saved_partitions)
 
 
-def _audit(spark, options: AuditOptions, cached: list[Any]) -> dict[str, Any]:
-    partitions = shuffle_partitions(spark, options)
-    spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
-    inputs = Inputs(spark, options)
-    for frame in (inputs.incoming, inputs.sent, inputs.dead):
-        cached.append(frame.cache())
-    out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = aggregate(inputs, options, cached, spark_facts(spark, partitions))
-    write_outputs(out, result)
-    return result.summary
+def _make_folder(out: Location) -> None:
+    """Make the local ``--out`` folder, where Spark's log goes before Spark runs."""
+    import pyarrow.fs
+
+    try:
+        pyarrow.fs.LocalFileSystem().create_dir(out.local, recursive=True)
+    except OSError as exc:
+        raise AuditInputError(f"cannot make the --out folder {out}: {exc}") from None
+
+
+def _start_spark(options: AuditOptions, out: Location, progress: Progress):
+    """Start the session; a JVM started here prints into a log file unless ``options.verbose``."""
+    master = options.master or "the configured master"
+    if options.verbose or not starts_jvm():
+        progress(Stage.STARTING_SPARK, f"({master})")
+        return spark_session(options)
+    if out.local is not None:
+        log = out.child(SPARK_LOG).local
+    else:
+        handle, log = tempfile.mkstemp(prefix="celery-outbox-audit-", suffix=".log")
+        os.close(handle)
+    progress(Stage.STARTING_SPARK, f"({master}); its log: {log}")
+    return spark_session(options, log)
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -84,8 +141,9 @@ def _audit(spark, options: AuditOptions, cached: list[Any]) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="celery-outbox-audit", description="The delivery audit of celery-outbox.")
-    p.add_argument("--archive", help="the archive cleanup writes (outbox_archive_path)")
-    p.add_argument("--out", required=True, help="directory for summary.json, report.html, aggregates/")
+    p.add_argument("--archive", help="the archive cleanup writes (outbox_archive_path): a path or a URI")
+    p.add_argument("--out", required=True, help="folder for summary.json, report.html, aggregates/: a path or a "
+                   "URI Spark can write")
     p.add_argument("--jdbc-url", help="also read the live tables: a jdbc:postgresql:// or postgresql:// URL")
     p.add_argument("--jdbc-jar", help=f"the PostgreSQL JDBC driver jar (default {DEFAULT_JDBC_JAR} if present)")
     p.add_argument("--table-prefix", default="celery_outbox_", help="outbox_table_prefix of the live tables")
@@ -98,12 +156,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle-partitions", type=int, help="partitions per shuffle (default: the session's setting, "
                    f"or {PARTITIONS_PER_CORE} per core when that is Spark's default of 200)")
     p.add_argument("--now", type=_moment, default=None, help="audit as of this ISO time (default: now)")
+    p.add_argument("--verbose", action="store_true", help="Spark's own log on the console rather than in "
+                   f"{SPARK_LOG} in --out")
     return p
 
 
 def _moment(text: str) -> datetime:
     moment = datetime.fromisoformat(text)
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def _say(stage: Stage, detail: str) -> None:
+    print(f"celery-outbox audit: {stage.value}{' ' + detail if detail else ''}", file=sys.stderr, flush=True)
 
 
 def _seconds(value: float | None) -> str:
@@ -120,8 +184,9 @@ def main(argv: list[str] | None = None, spark=None) -> int:
                                table_prefix=args.table_prefix, grace_seconds=args.grace,
                                late_after_seconds=args.late_after, stuck_after_seconds=args.stuck_after,
                                master=args.master, driver_memory=args.driver_memory,
-                               shuffle_partitions=args.shuffle_partitions, **({"now": args.now} if args.now else {}))
-        summary = run_audit(options, spark)
+                               shuffle_partitions=args.shuffle_partitions, verbose=args.verbose,
+                               **({"now": args.now} if args.now else {}))
+        summary = run_audit(options, spark, _say)
     except AuditInputError as exc:
         print(f"celery-outbox audit: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -129,7 +194,7 @@ def main(argv: list[str] | None = None, spark=None) -> int:
     print(f"audit: {summary['sent']} sent, {summary['handled']} handled, {summary['lost']} lost, "
           f"{summary['duplicates_discarded']} duplicates discarded, {summary['dead_lettered']} dead-lettered, "
           f"{summary['late']} late; latency p50 {_seconds(latency['p50'])}, p99 {_seconds(latency['p99'])}")
-    print(f"report: {Path(options.out).resolve() / 'report.html'}")
+    print(f"report: {Location.of(options.out).child('report.html')}")
     return EXIT_LOST if summary["lost"] else EXIT_CLEAN
 
 

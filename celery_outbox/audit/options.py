@@ -37,6 +37,9 @@ class AuditOptions:
     # Partitions of each shuffle. None: the session's own setting, unless that is Spark's default
     # of 200, which is far too many for one machine; then 4 per core Spark has.
     shuffle_partitions: int | None = None
+    # Spark's own log on this process's stdout and stderr, as Spark configures it; otherwise, when
+    # this job starts the JVM, everything the JVM prints goes to a file (``spark.log`` in --out).
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if self.driver_memory is not None and not _SIZE.fullmatch(self.driver_memory):

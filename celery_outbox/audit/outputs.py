@@ -1,28 +1,29 @@
 """The delivery audit's outputs under ``--out``: ``summary.json``, the Parquet aggregates under
 ``aggregates/`` (latency by task and by hour, throughput, dead letters, the lost messages) and the
-self-contained ``report.html``. Each is written whole, overwriting the last run's.
+self-contained ``report.html``. Each is written whole, overwriting the last run's, through Spark's
+Hadoop filesystem layer, so ``--out`` may be any location Spark can write (``Location``).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from celery_outbox.audit.aggregates import Aggregates, iso, quantiles
+from celery_outbox.audit.hadoop import write_text
+from celery_outbox.audit.location import Location
 from celery_outbox.audit.report import render_report
 
 __all__ = ["write_outputs"]
 
 
-def write_outputs(out: Path, result: Aggregates) -> None:
-    """Write the audit's outputs under ``out``, which exists."""
-    aggregates = out / "aggregates"
+def write_outputs(spark, out: Location, result: Aggregates) -> None:
+    """Write the audit's outputs under ``out``."""
     for name, frame in (("latency_by_task", _flat(result.by_task)), ("latency_by_hour", _flat(result.by_hour)),
                         ("throughput", result.throughput), ("dead_letters", result.dead_by_task),
                         ("lost", result.lost)):
-        frame.write.mode("overwrite").parquet(str(aggregates / name))
-    (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
-    (out / "report.html").write_text(render_report(
+        frame.write.mode("overwrite").parquet(out.child("aggregates", name).uri)
+    write_text(spark, out.child("summary.json").uri, json.dumps(result.summary, indent=2) + "\n")
+    write_text(spark, out.child("report.html").uri, render_report(
         result.summary, result.histogram,
         [(iso(r.period), int(r.sent), int(r.handled)) for r in result.throughput.collect()],
         [(r.task_name, r.exception or "", int(r["count"])) for r in result.dead_by_task.collect()],

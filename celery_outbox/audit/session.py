@@ -1,43 +1,89 @@
-"""The Spark side of the delivery audit: the session it starts when none is given, the shuffle
-partitions it runs with, and the facts about where it ran that the summary reports.
+"""The Spark side of the delivery audit: the session it starts when none is given, where that
+JVM's output goes, the shuffle partitions it runs with, and the facts about where it ran that the
+summary reports.
 
-No master is hard-coded: it comes from spark-submit, or from ``AuditOptions.master``.
+No master is hard-coded: it comes from spark-submit, or from ``AuditOptions.master``. No log
+configuration is either: a JVM this process starts keeps Spark's own (or the user's), its output
+only sent to a file; under spark-submit the user's log configuration applies unchanged.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 
-__all__ = ["DEFAULT_JDBC_JAR", "PARTITIONS_PER_CORE", "shuffle_partitions", "spark_facts", "spark_session"]
+__all__ = ["DEFAULT_JDBC_JAR", "PARTITIONS_PER_CORE", "jdbc_jar", "shuffle_partitions", "spark_facts",
+           "spark_session", "starts_jvm"]
 
 DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"  # Debian's libpostgresql-jdbc-java
 SPARK_DEFAULT_SHUFFLE_PARTITIONS = 200
 PARTITIONS_PER_CORE = 4
 
 
-def spark_session(options: AuditOptions):
+def jdbc_jar(options: AuditOptions) -> str | None:
+    """The PostgreSQL JDBC driver jar the session loads: ``--jdbc-jar``, else Debian's when the live
+    tables are read. A jar that is not there is an ``AuditInputError``."""
+    jar = options.jdbc_jar or (DEFAULT_JDBC_JAR if options.jdbc_url and os.path.exists(DEFAULT_JDBC_JAR) else None)
+    if options.jdbc_url and not jar:
+        raise AuditInputError("--jdbc-url needs the PostgreSQL JDBC driver: give its jar with --jdbc-jar "
+                              "(Debian: apt install libpostgresql-jdbc-java)")
+    if jar and not os.path.exists(jar):
+        raise AuditInputError(f"no JDBC driver jar at {jar}")
+    return jar
+
+
+def starts_jvm() -> bool:
+    """Whether a session built now starts a JVM of its own: none runs in this process yet, and
+    this is not a Python driver that spark-submit started (spark-submit hands it its JVM)."""
+    from pyspark import SparkContext
+
+    return SparkContext._gateway is None and "PYSPARK_GATEWAY_PORT" not in os.environ
+
+
+def spark_session(options: AuditOptions, log: str | None = None):
+    """The session the audit runs in, built from ``options``. With ``log`` (a local file), a JVM
+    this call starts prints into that file, not onto this process's stdout and stderr: Spark's
+    log, the JVM's own warnings, the Python workers it forks."""
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName("celery-outbox-audit")
     if options.master:
         builder = builder.master(options.master)
-    jar = options.jdbc_jar or (DEFAULT_JDBC_JAR if options.jdbc_url and os.path.exists(DEFAULT_JDBC_JAR) else None)
-    if options.jdbc_url and not jar:
-        raise AuditInputError("--jdbc-url needs the PostgreSQL JDBC driver: give its jar with --jdbc-jar "
-                              "(Debian: apt install libpostgresql-jdbc-java)")
+    jar = jdbc_jar(options)
     if jar:
-        if not os.path.exists(jar):
-            raise AuditInputError(f"no JDBC driver jar at {jar}")
         builder = builder.config("spark.jars", jar).config("spark.driver.extraClassPath", jar)
     if options.driver_memory:
         builder = builder.config("spark.driver.memory", options.driver_memory)
-    session = (builder.config("spark.sql.session.timeZone", "UTC").config("spark.ui.enabled", "false")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
-    return session
+    builder = builder.config("spark.sql.session.timeZone", "UTC").config("spark.ui.enabled", "false")
+    if log is None:
+        return builder.getOrCreate()
+    with _output_to(log):  # Spark's progress bars, redrawn in place, are noise in a file
+        return builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
+
+
+@contextmanager
+def _output_to(log: str) -> Iterator[None]:
+    """Point this process's stdout and stderr at ``log`` (emptied first) for the block: a JVM
+    started inside it inherits them and keeps them; this process gets its own back on leaving."""
+    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for descriptor in (*saved, target):
+            os.close(descriptor)
 
 
 def shuffle_partitions(spark, options: AuditOptions) -> int:

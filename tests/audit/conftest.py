@@ -1,5 +1,5 @@
-"""One local Spark session for the audit tests (it takes seconds to start), and an archive with
-known answers."""
+"""One local Spark session for the audit tests (it takes seconds to start; its log goes to a file),
+and an archive with known answers."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ JDBC_JAR = "/usr/share/java/postgresql.jar"
 
 
 @pytest.fixture(scope="session")
-def spark():
+def spark(tmp_path_factory):
     missing = [name for name in ("pyspark", "pyarrow") if __import__("importlib").util.find_spec(name) is None]
     java = shutil.which("java") or (os.environ.get("JAVA_HOME") and os.path.join(os.environ["JAVA_HOME"], "bin/java"))
     reason = (f"the audit needs {', '.join(missing)} (pip install 'celery-outbox[spark]')" if missing
@@ -32,7 +32,8 @@ def spark():
 
     session = spark_session(AuditOptions(out="unused", master="local[2]", jdbc_url="jdbc:postgresql://unused/x",
                                          jdbc_jar=JDBC_JAR if os.path.exists(JDBC_JAR) else None)
-                            if os.path.exists(JDBC_JAR) else AuditOptions(out="unused", master="local[2]"))
+                            if os.path.exists(JDBC_JAR) else AuditOptions(out="unused", master="local[2]"),
+                            log=str(tmp_path_factory.mktemp("spark") / "spark.log"))
     session.conf.set("spark.sql.shuffle.partitions", "4")
     yield session
     session.stop()
@@ -63,8 +64,8 @@ def dead_letter(dead_id: int, message_id: str, reason: str, exception: str | Non
 @pytest.fixture
 def known_archive(tmp_path):
     """m0-m6 handled (m5 late), m7 dead-lettered, m8 lost, m9 sent within the grace period; every
-    batch archived twice, as an at-least-once archive may."""
-    archiver = ParquetArchiver(str(tmp_path / "archive"))
+    batch archived twice, as an at-least-once archive may; in a folder whose name has a space."""
+    archiver = ParquetArchiver(str(tmp_path / "outbox archive"))
     sends = [sent(n, T0 + timedelta(minutes=n)) for n in range(9)] + [sent(9, NOW - timedelta(minutes=10))]
     handled = [incoming(n, "handled", T0 + timedelta(minutes=n, seconds=LATENCIES[n]),
                         duplicates={0: 3, 1: 2}.get(n, 0)) for n in range(7)]
@@ -74,4 +75,4 @@ def known_archive(tmp_path):
         archiver.archive("sent", sends)
         archiver.archive("incoming", handled)
         archiver.archive("dead_letters", letters)
-    return str(tmp_path / "archive")
+    return str(tmp_path / "outbox archive")

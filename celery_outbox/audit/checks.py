@@ -1,0 +1,98 @@
+"""The delivery audit's inputs, checked before any JVM starts: a bad one costs a second and one
+clear line, not Spark's start-up and its log.
+
+Checked here: the options' locations, the archive when it is local (there, holding files, each
+readable Parquet with the columns of its kind: pyarrow reads the footers), the JDBC URL's form and
+the JDBC driver's jar. An archive on a filesystem only Spark reaches (``s3a://``, ``hdfs://``...) is not refused
+but left to Spark, which checks that it is there and not empty (``Inputs``).
+"""
+
+from __future__ import annotations
+
+from celery_outbox.audit.archive import ARCHIVE_KINDS, archive_schema
+from celery_outbox.audit.jdbc import jdbc_url_of
+from celery_outbox.audit.location import Location
+from celery_outbox.audit.options import AuditInputError, AuditOptions
+from celery_outbox.audit.session import jdbc_jar
+
+__all__ = ["ArchiveFiles", "check_archive", "check_inputs", "empty_archive", "location_of", "missing_archive"]
+
+#: the Parquet files of each kind of the archive, as found before Spark starts; None for an archive
+#: on a filesystem only Spark reaches, which Spark lists itself
+ArchiveFiles = dict[str, list[str]] | None
+
+
+def check_inputs(options: AuditOptions) -> ArchiveFiles:
+    """Check every input that can be checked without Spark; an ``AuditInputError`` names the first
+    bad one. Returns the archive's files (``ArchiveFiles``)."""
+    out = location_of("--out", options.out)
+    if out.local is not None:
+        import pyarrow.fs
+
+        if pyarrow.fs.LocalFileSystem().get_file_info(out.local).type == pyarrow.fs.FileType.File:
+            raise AuditInputError(f"--out {out} is a file, not a folder")
+    if options.jdbc_url:
+        jdbc_url_of(options.jdbc_url)
+    jdbc_jar(options)
+    if not options.archive:
+        return {kind: [] for kind in ARCHIVE_KINDS}
+    archive = location_of("--archive", options.archive)
+    if archive.local is None:
+        return None
+    files = check_archive(archive)
+    if not options.jdbc_url and not any(files.values()):
+        raise empty_archive(archive)
+    return files
+
+
+def location_of(option: str, text: str) -> Location:
+    """The ``Location`` given to ``option``; a malformed one is an ``AuditInputError``."""
+    try:
+        return Location.of(text)
+    except ValueError as exc:
+        raise AuditInputError(f"{option} {exc}") from None
+
+
+def check_archive(archive: Location) -> dict[str, list[str]]:
+    """The Parquet files of each kind in the local ``archive``; a clear error for a missing archive
+    or a bad file."""
+    import pyarrow.fs
+    import pyarrow.parquet as pq
+
+    fs = pyarrow.fs.LocalFileSystem()
+    if fs.get_file_info(archive.local).type == pyarrow.fs.FileType.NotFound:
+        raise missing_archive(archive)
+    files: dict[str, list[str]] = {}
+    for kind in ARCHIVE_KINDS:
+        selector = pyarrow.fs.FileSelector(archive.child(kind).local, allow_not_found=True, recursive=True)
+        found = sorted(info.path for info in fs.get_file_info(selector) if info.path.endswith(".parquet"))
+        expected = archive_schema(kind)
+        for file_path in found:
+            try:
+                schema = pq.read_schema(file_path, filesystem=fs)
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+                raise AuditInputError(f"archive file {file_path} is not readable Parquet: {exc}") from None
+            for column in expected:
+                if column.name not in schema.names:
+                    raise AuditInputError(f"archive file {file_path} has a bad schema: no column {column.name!r} "
+                                          f"(a {kind} file needs {', '.join(expected.names)})")
+                actual = schema.field(column.name).type
+                if actual != column.type and not (str(actual).startswith("timestamp")
+                                                   and str(column.type).startswith("timestamp")):
+                    raise AuditInputError(f"archive file {file_path} has a bad schema: column {column.name!r} is "
+                                          f"{actual}, expected {column.type}")
+        files[kind] = found
+    return files
+
+
+def missing_archive(archive: Location) -> AuditInputError:
+    """The error for no archive at ``archive``."""
+    return AuditInputError(f"no archive at {archive}: set outbox_archive_path and let cleanup run, "
+                           "or give the path cleanup writes to")
+
+
+def empty_archive(archive: Location) -> AuditInputError:
+    """The error for an archive with no files, audited without the live tables."""
+    return AuditInputError(f"the archive at {archive} is empty: no incoming, sent or dead_letters files yet "
+                           "(cleanup archives rows once their keep-until passes); add --jdbc-url to audit "
+                           "the live tables")
