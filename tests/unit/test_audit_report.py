@@ -22,6 +22,12 @@ def summary(**changes) -> dict:
         "stuck": 0,
         "latency_seconds": {"p50": 0.012, "p95": 0.3, "p99": 1.2, "max": 95.0},
         "lost_examples": [],
+        "inputs": {
+            "archive": {"path": "/var/lib/outbox archive", "rows": {"incoming": 1210, "dead_letters": 7, "sent": 1200}},
+            "live": None,
+            "coverage": {"durable_queues": {"tracked": "end_to_end", "messages": 1200},
+                         "plain_queues": {"tracked": "inbox_only", "messages": 0}},
+        },
     }
     return base | changes
 
@@ -106,16 +112,17 @@ def test_empty_inputs_render_no_data_placeholders():
     document = render_report(empty, [], [], [], [])
 
     for fig_id in ("latency-plot", "throughput-plot", "dead-letters-plot"):
-        body = svg(document, fig_id)
-        assert "no data" in body and 'class="frame"' in body
-        assert "<polyline" not in body and 'class="bar"' not in body and 'class="dead"' not in body
+        panel = re.search(rf'<p class="empty" id="{fig_id}">(.*?)</p>', document, re.S)
+        assert panel and "\n" not in panel.group(1), f"{fig_id}: an empty panel is one line of text"
+        assert f'<figure id="{fig_id}">' not in document
+    assert "<svg" not in document
     assert "CLEAN" in document
 
 
 def test_degenerate_data_never_divides_by_zero():
     document = render_report(summary(), [(0.0, 0.0, 0)], [("2024-05-01T10:00:00", 0, 0)], [("t", "e", 0)], [])
 
-    assert "no data" in svg(document, "latency-plot")
+    assert '<p class="empty" id="latency-plot">' in document, "a histogram of zeros has nothing to draw"
     assert svg(document, "throughput-plot").count("<polyline") == 2
     assert '<rect class="dead"' in svg(document, "dead-letters-plot")
 
@@ -124,9 +131,10 @@ def test_text_from_data_is_escaped():
     evil = "<script>alert(1)</script>"
     examples = [{"message_id": evil, "task_name": evil, "destination": evil, "sent_at": evil}]
     document = render_report(
-        summary(lost=1, lost_examples=examples, generated_at=evil),
+        summary(lost=1, lost_examples=examples, generated_at=evil,
+                inputs=summary()["inputs"] | {"archive": {"path": evil, "rows": {"sent": 1}}}),
         HISTOGRAM,
-        [(evil, 1, 1), (evil, 2, 2)],
+        [("2024-05-01T10:00:00+00:00", 1, 1), ("2024-05-01T10:01:00+00:00", 2, 2)],
         [(evil, evil, 3)],
         [{"task_name": evil, "count": 1, "p50": 0.1, "p95": 0.1, "p99": 0.1, "max": 0.1}],
     )
