@@ -334,7 +334,8 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
               help="A sent message not handled after this long is lost.")
 @click.option("--late-after", type=Age(), default="60s", show_default=True, help="Sent to handled beyond this is late.")
 @click.option("--stuck-after", type=Age(), default="1h", show_default=True, help="A live row waiting longer is stuck.")
-@click.option("--master", default="local[*]", show_default=True, help="Spark master.")
+@click.option("--master", default="local[*]", show_default=True,
+              help="Spark master; on a cluster (spark://, yarn...) the package is shipped to the executors.")
 @click.option("--driver-memory", help="The Spark driver's heap, e.g. 6g (Spark's default: 1g). In local mode "
               "the driver does all the work.")
 @click.option("--shuffle-partitions", type=click.IntRange(min=1),

@@ -1,8 +1,10 @@
 """The delivery audit, a Spark job: did every durable message arrive, once, and how late?
 
 Run it with ``celery -A proj outbox audit --archive PATH --out DIR`` or on a cluster with
-``spark-submit --master ... celery_outbox/audit/job.py --archive s3a://... --out ...``
-(no local settings are hard-coded: the master comes from spark-submit, or ``--master``).
+``spark-submit --master ... --py-files celery_outbox.zip celery_outbox/audit/job.py --archive
+s3a://... --out ...`` (no local settings are hard-coded: the master comes from spark-submit, or
+``--master``; the zip is the package for the executors, ``shipping``, which the job adds itself
+when it starts Spark on a cluster).
 
 Inputs: the Parquet archive cleanup writes (``celery_outbox.audit.archive``) and,
 optionally, the live tables over JDBC (``--jdbc-url``, with the PostgreSQL driver jar

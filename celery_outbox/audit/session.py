@@ -2,7 +2,8 @@
 JVM's output goes, the shuffle partitions it runs with, and the facts about where it ran that the
 summary reports.
 
-No master is hard-coded: it comes from spark-submit, or from ``AuditOptions.master``. No log
+No master is hard-coded: it comes from spark-submit, or from ``AuditOptions.master``. A session
+this process starts on a cluster ships the package to its executors (``shipping``). No log
 configuration is either: a JVM this process starts keeps Spark's own (or the user's), its output
 only sent to a file; under spark-submit the user's log configuration applies unchanged.
 """
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from celery_outbox.audit.options import AuditInputError, AuditOptions
+from celery_outbox.audit.shipping import is_local, ship_package
 
 __all__ = ["DEFAULT_JDBC_JAR", "PARTITIONS_PER_CORE", "jdbc_jar", "shuffle_partitions", "spark_facts",
            "spark_session", "starts_jvm"]
@@ -47,9 +49,12 @@ def starts_jvm() -> bool:
 def spark_session(options: AuditOptions, log: str | None = None):
     """The session the audit runs in, built from ``options``. With ``log`` (a local file), a JVM
     this call starts prints into that file, not onto this process's stdout and stderr: Spark's
-    log, the JVM's own warnings, the Python workers it forks."""
+    log, the JVM's own warnings, the Python workers it forks. A JVM this call starts with a master
+    that is not local gets the package for its executors (``ship_package``); under spark-submit,
+    its ``--py-files`` do that."""
     from pyspark.sql import SparkSession
 
+    starting = starts_jvm()  # asked before getOrCreate starts one
     builder = SparkSession.builder.appName("celery-outbox-audit")
     if options.master:
         builder = builder.master(options.master)
@@ -60,9 +65,13 @@ def spark_session(options: AuditOptions, log: str | None = None):
         builder = builder.config("spark.driver.memory", options.driver_memory)
     builder = builder.config("spark.sql.session.timeZone", "UTC").config("spark.ui.enabled", "false")
     if log is None:
-        return builder.getOrCreate()
-    with _output_to(log):  # Spark's progress bars, redrawn in place, are noise in a file
-        return builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
+        session = builder.getOrCreate()
+    else:
+        with _output_to(log):  # Spark's progress bars, redrawn in place, are noise in a file
+            session = builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
+    if starting and not is_local(session.sparkContext.master):
+        ship_package(session)
+    return session
 
 
 @contextmanager

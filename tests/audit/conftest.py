@@ -1,11 +1,12 @@
 """One local Spark session for the audit tests (it takes seconds to start; its log goes to a file),
-and an archive with known answers."""
+a Spark standalone cluster, and an archive with known answers."""
 
 from __future__ import annotations
 
 import os
 import shutil
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +18,8 @@ from ..services import services_required
 JDBC_JAR = "/usr/share/java/postgresql.jar"
 
 
-@pytest.fixture(scope="session")
-def spark(tmp_path_factory):
+def require_spark() -> None:
+    """Skip when pyspark, pyarrow or Java is missing (fail under CELERY_OUTBOX_REQUIRE_SERVICES=1)."""
     missing = [name for name in ("pyspark", "pyarrow") if __import__("importlib").util.find_spec(name) is None]
     java = shutil.which("java") or (os.environ.get("JAVA_HOME") and os.path.join(os.environ["JAVA_HOME"], "bin/java"))
     reason = (f"the audit needs {', '.join(missing)} (pip install 'celery-outbox[spark]')" if missing
@@ -27,6 +28,11 @@ def spark(tmp_path_factory):
         if services_required():
             pytest.fail(reason)
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory):
+    require_spark()
     from celery_outbox.audit.job import AuditOptions
     from celery_outbox.audit.session import spark_session
 
@@ -37,6 +43,21 @@ def spark(tmp_path_factory):
     session.conf.set("spark.sql.shuffle.partitions", "4")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory):
+    """A Spark standalone master and one worker on 127.0.0.1 (``SparkCluster``), up for the session."""
+    require_spark()
+    import pyspark
+
+    from .cluster import SparkCluster
+
+    cluster = SparkCluster(Path(pyspark.__file__).parent, tmp_path_factory.mktemp("spark-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
 
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
@@ -63,9 +84,13 @@ def dead_letter(dead_id: int, message_id: str, reason: str, exception: str | Non
 
 @pytest.fixture
 def known_archive(tmp_path):
+    return write_known_archive(tmp_path)
+
+
+def write_known_archive(folder: Path) -> str:
     """m0-m6 handled (m5 late), m7 dead-lettered, m8 lost, m9 sent within the grace period; every
     batch archived twice, as an at-least-once archive may; in a folder whose name has a space."""
-    archiver = ParquetArchiver(str(tmp_path / "outbox archive"))
+    archiver = ParquetArchiver(str(folder / "outbox archive"))
     sends = [sent(n, T0 + timedelta(minutes=n)) for n in range(9)] + [sent(9, NOW - timedelta(minutes=10))]
     handled = [incoming(n, "handled", T0 + timedelta(minutes=n, seconds=LATENCIES[n]),
                         duplicates={0: 3, 1: 2}.get(n, 0)) for n in range(7)]
@@ -75,4 +100,4 @@ def known_archive(tmp_path):
         archiver.archive("sent", sends)
         archiver.archive("incoming", handled)
         archiver.archive("dead_letters", letters)
-    return str(tmp_path / "outbox archive")
+    return str(folder / "outbox archive")
