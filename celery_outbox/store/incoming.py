@@ -21,7 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from ..vocabulary import Attempt, IncomingStatus
 from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, _pipelined_query
-from .schema import _INCOMING_KEY, UNOWNED, _incoming_key, is_running
+from .schema import _INCOMING_KEY, UNOWNED, _incoming_key, acknowledged_sends, is_running
 
 __all__ = ["ExpiredDeleted", "IncomingStatements"]
 
@@ -205,15 +205,11 @@ class IncomingStatements(OneMessage):
         claimed = (self._upsert(table).values({column: bindparam(f"row_{column}") for column in columns})
                    .on_conflict_do_nothing(index_elements=_INCOMING_KEY).returning(table.c.message_id)
                    .cte("claimed"))
-        acknowledged = [
-            outgoing.c.message_id == bindparam("ack_id"), outgoing.c.send_id == bindparam("ack_send"),
-            tuple_(outgoing.c.nesting, outgoing.c.replays, outgoing.c.retries)
-            <= tuple_(bindparam("ack_nesting"), bindparam("ack_replays"), bindparam("ack_retries")),
-            exists(select(claimed.c.message_id)),
-        ]
-        if by_destination:
-            acknowledged.append(outgoing.c.destination == bindparam("ack_destination"))
-        return select(claimed.c.message_id).add_cte(delete(outgoing).where(*acknowledged).cte("acked"))
+        attempt = (bindparam("ack_nesting"), bindparam("ack_replays"), bindparam("ack_retries"))
+        acknowledged = acknowledged_sends(outgoing, bindparam("ack_id"), bindparam("ack_send"), attempt,
+                                          bindparam("ack_destination") if by_destination else None)
+        return select(claimed.c.message_id).add_cte(
+            delete(outgoing).where(*acknowledged, exists(select(claimed.c.message_id))).cte("acked"))
 
     def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: tuple[bytes, ...],
                                         after: tuple[bytes, ...] = ()) -> bool:

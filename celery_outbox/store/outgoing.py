@@ -30,13 +30,13 @@ from sqlalchemy import (
     func,
     literal_column,
     select,
-    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql
 
 from ..vocabulary import Attempt
 from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, _pipelined_query
+from .schema import acknowledged_sends
 
 __all__ = ["INSERT_CHUNK", "RECORD_COLUMNS", "OutgoingStatements"]
 
@@ -237,11 +237,8 @@ class OutgoingStatements(OneMessage):
         for (PostgreSQL row lock, SQLite write lock), so an acknowledgment that overtakes its own
         publisher's commit still deletes the row."""
         table = self.tables.outgoing
-        query = delete(table).where(table.c.message_id == message_id, table.c.send_id == send_id).where(
-            tuple_(table.c.nesting, table.c.replays, table.c.retries) <= tuple_(*attempt))
-        if destination is not None:
-            query = query.where(table.c.destination == destination)
-        return conn.execute(query).rowcount
+        return conn.execute(delete(table).where(*acknowledged_sends(table, message_id, send_id, attempt,
+                                                                    destination))).rowcount
 
     def lock_sent_records(self, conn: Connection, limit: int) -> list[Row]:
         """Lock up to ``limit`` records of sent messages, oldest first (to archive, then delete)."""

@@ -28,7 +28,7 @@ claim, an unscheduled message) adds no entry to them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from sqlalchemy import (
     BigInteger,
@@ -42,6 +42,7 @@ from sqlalchemy import (
     Table,
     Text,
     literal_column,
+    tuple_,
 )
 
 __all__ = ["SCHEMA_VERSION", "SEND_ID_SIZE", "Tables", "build_tables", "UNOWNED", "text_problem"]
@@ -73,6 +74,19 @@ def is_running(incoming: Table):
     SQLite's planner) can use a partial index only when the query states its predicate literally,
     not as a parameter."""
     return incoming.c.status == literal_column("'running'")
+
+
+def acknowledged_sends(outgoing: Table, message_id: Any, send_id: Any, attempt: Sequence[Any],
+                       destination: Any = None) -> list:
+    """The outgoing rows an inbox's row of ``attempt`` (nesting, replays, retries) acknowledges:
+    that send's rows up to that attempt, of ``destination`` only when it is not None. Each value
+    may be a Python value or a bind parameter; the acknowledgment and the claim that acknowledges
+    in its own statement both state it so."""
+    predicate = [outgoing.c.message_id == message_id, outgoing.c.send_id == send_id,
+                 tuple_(outgoing.c.nesting, outgoing.c.replays, outgoing.c.retries) <= tuple_(*attempt)]
+    if destination is not None:
+        predicate.append(outgoing.c.destination == destination)
+    return predicate
 
 
 #: the inbox's primary key, as column names
