@@ -1,4 +1,5 @@
-"""audit: the delivery audit's Spark job on 1 M and 10 M archived envelopes (envelopes per second).
+"""audit: the delivery audit's Spark job on 1 M and 10 M archived envelopes, and an incremental second
+run on 10 M plus 1 M new (envelopes per second).
 
 Setup, not measured: a synthetic archive written straight with pyarrow, in vectorised chunks of
 1 M messages, in exactly the files ``ParquetArchiver`` writes (``archive_schema(kind)``,
@@ -14,8 +15,12 @@ Planted: ``LOST`` messages sent long ago and never handled, and ``IN_FLIGHT`` se
 period (not lost yet). The benchmark raises unless the job reports exactly those lost messages and the
 other counts the generator knows (a wrong answer must not pass as a speed).
 
-Measured: ``run_audit`` (the whole job: the archive check, the Spark computation, the outputs) on a
-``local[2]`` session started once, warmed up on a small archive, reused for both sizes.
+Measured: ``run_audit`` (the whole job: the archive check, the Spark computation, the ledger, the
+outputs) on a ``local[2]`` session started once, warmed up on a small archive, reused for every run.
+After the 10 M run, 1 M messages of the next day are archived beside them: the second run into the
+same --out reads the new files and what its ledger carried (an incremental run), and a full run of
+the 11 M is timed beside it; both must give the planted answer, in which the first archive's
+messages in flight are lost by then.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
 
 from .common import Options, Result
@@ -66,6 +71,16 @@ class Expected:
     lost_ids: set[str]
     now: datetime
     files: int = 0
+    in_flight_ids: set[str] = field(default_factory=set)
+
+    def then(self, later: "Expected") -> "Expected":
+        """What the audit must report once ``later``'s messages are archived after these: this
+        archive's messages in flight are lost by then."""
+        counts = {key: getattr(self, key) + getattr(later, key) for key in ("sent", "handled", "dead_lettered",
+                                                                             "duplicates_discarded", "late")}
+        return Expected(**counts, lost=self.lost + len(self.in_flight_ids) + later.lost,
+                        lost_ids=self.lost_ids | self.in_flight_ids | later.lost_ids, now=later.now,
+                        in_flight_ids=later.in_flight_ids)
 
 
 def run(options: Options) -> list[Result]:
@@ -99,9 +114,9 @@ def run(options: Options) -> list[Result]:
                 raise RuntimeError(f"audit benchmark: a Spark session existed already (driver memory {memory})")
             _progress(f"spark session in {time.perf_counter() - began:.1f}s; warming up")
             measure(spark, root, 20_000, watch)  # JIT, codegen, class loading: not part of either size
-            for full, quick in ((1_000_000, 20_000), (10_000_000, 100_000)):
-                n = options.size(full, quick)
-                results.append(measure(spark, root, n, watch))
+            results.append(measure(spark, root, options.size(1_000_000, 20_000), watch))
+            results += measure_incremental(spark, root, options.size(10_000_000, 100_000),
+                                           options.size(1_000_000, 10_000), watch)
         finally:
             spark.stop()
     except Exception as exc:
@@ -118,32 +133,77 @@ def run(options: Options) -> list[Result]:
 
 def measure(spark, root: str, n: int, watch: DiskWatch) -> Result:
     """Generate an archive of ``n`` messages, audit it, check the answer; the job's envelopes per second."""
-    from celery_outbox.audit.checks import check_archive
-    from celery_outbox.audit.job import AuditOptions, run_audit
-    from celery_outbox.audit.location import Location
-
     archive, out = f"{root}/archive-{n}", f"{root}/out-{n}"
     try:
-        began = time.perf_counter()
-        expected = generate(archive, n)
-        generated = time.perf_counter() - began
-        files = check_archive(Location.of(archive))  # the job checks it too (timed there); fail early and clearly here
-        expected.files = sum(len(paths) for paths in files.values())
-        size = watch.usage(archive)
-        _progress(f"{n:,} messages: archive of {expected.files} files, {size / 2**20:,.0f} MiB in {generated:.1f}s")
-        watch.reset()
-        began = time.perf_counter()
-        summary = run_audit(AuditOptions(out=out, archive=archive, now=expected.now, grace_seconds=GRACE,
-                                         master="local[2]", shuffle_partitions=SHUFFLE_PARTITIONS), spark)
-        seconds = time.perf_counter() - began
-        verify(summary, expected)
-        _progress(f"{n:,} messages: audit in {seconds:.1f}s ({n / seconds:,.0f} envelopes/s), "
-                  f"peak disk {watch.peak / 2**20:,.0f} MiB")
+        expected, size = prepare(archive, n, watch)
+        seconds = audit(spark, archive, out, expected, watch, f"{n:,} messages")
     finally:
         shutil.rmtree(archive, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
     return Result(benchmark="audit", case=f"Spark job on {_count(n)} archived envelopes", unit="envelopes/s",
                   ours=n / seconds, note=f"local[2], {seconds:.0f} s; archive {size / 2**20:,.0f} MiB")
+
+
+def measure_incremental(spark, root: str, n: int, new: int, watch: DiskWatch) -> list[Result]:
+    """The full run on ``n`` messages (which leaves its ledger), then ``new`` messages of the day
+    after archived: the second run into the same --out (incremental) against a full run of the whole
+    archive, both checked."""
+    archive, out, again = f"{root}/archive-{n}", f"{root}/out-{n}", f"{root}/out-{n}-full"
+    try:
+        expected, size = prepare(archive, n, watch)
+        seconds = audit(spark, archive, out, expected, watch, f"{n:,} messages")
+        first = Result(benchmark="audit", case=f"Spark job on {_count(n)} archived envelopes", unit="envelopes/s",
+                       ours=n / seconds, note=f"local[2], {seconds:.0f} s; archive {size / 2**20:,.0f} MiB")
+        began = time.perf_counter()
+        later = generate(archive, new, seed=20261109, start=START + timedelta(days=DAYS), days=1)
+        _progress(f"{new:,} messages of the next day archived in {time.perf_counter() - began:.1f}s")
+        both = expected.then(later)
+        incremental = audit(spark, archive, out, both, watch, f"{n:,} + {new:,} messages, incremental",
+                            mode="incremental")
+        full = audit(spark, archive, again, both, watch, f"{n:,} + {new:,} messages, full", mode="full")
+    finally:
+        for path in (archive, out, again):
+            shutil.rmtree(path, ignore_errors=True)
+    total = n + new
+    second = Result(benchmark="audit", case=f"second run, {_count(n)} archived + {_count(new)} new: incremental",
+                    unit="envelopes/s", ours=total / incremental,
+                    note=f"local[2], {incremental:.0f} s against the full run's {full:.0f} s on the same archive: "
+                         f"{full / incremental:.1f}x faster")
+    return [first, second]
+
+
+def prepare(archive: str, n: int, watch: DiskWatch) -> tuple[Expected, int]:
+    """Generate the archive of ``n`` messages; what the audit must find, and the archive's size."""
+    from celery_outbox.audit.checks import check_archive
+    from celery_outbox.audit.location import Location
+
+    began = time.perf_counter()
+    expected = generate(archive, n)
+    generated = time.perf_counter() - began
+    files = check_archive(Location.of(archive))  # the job checks it too (timed there); fail early and clearly here
+    expected.files = sum(len(paths) for paths in files.values())
+    size = watch.usage(archive)
+    _progress(f"{n:,} messages: archive of {expected.files} files, {size / 2**20:,.0f} MiB in {generated:.1f}s")
+    return expected, size
+
+
+def audit(spark, archive: str, out: str, expected: Expected, watch: DiskWatch, what: str, mode: str = "full") -> float:
+    """Audit ``archive`` into ``out`` (a full or an incremental run, as ``mode`` says it must be),
+    check the answer; the seconds it took."""
+    from celery_outbox.audit.job import AuditOptions, run_audit
+
+    watch.reset()
+    began = time.perf_counter()
+    summary = run_audit(AuditOptions(out=out, archive=archive, now=expected.now, grace_seconds=GRACE,
+                                     master="local[2]", shuffle_partitions=SHUFFLE_PARTITIONS), spark)
+    seconds = time.perf_counter() - began
+    verify(summary, expected)
+    if summary["ledger"]["mode"] != mode:
+        raise AssertionError(f"audit benchmark: a {summary['ledger']['mode']} run where a {mode} one was meant")
+    ledger = summary["ledger"]
+    _progress(f"{what}: audit in {seconds:.1f}s, {ledger['files_read']} files read, "
+              f"{ledger['messages_carried']:,} messages carried, peak disk {watch.peak / 2**20:,.0f} MiB")
+    return seconds
 
 
 def verify(summary: dict, expected: Expected) -> None:
@@ -160,13 +220,15 @@ def verify(summary: dict, expected: Expected) -> None:
 # -- the synthetic archive ---------------------------------------------------------------------------
 
 
-def generate(path: str, n: int, seed: int = 20261102) -> Expected:
-    """Write the archive of ``n`` messages under ``path``; what the audit must find in it."""
+def generate(path: str, n: int, seed: int = 20261102, start: datetime = START, days: int = DAYS) -> Expected:
+    """Write the archive of ``n`` messages sent over ``days`` from ``start`` under ``path`` (beside
+    any files there); what the audit must find in it."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    step = DAYS * DAY_US // n
-    start = int(START.timestamp()) * US
+    step = days * DAY_US // n
+    first = start
+    start = int(start.timestamp()) * US
     lost = [(j + 1) * n // (LOST + 1) for j in range(LOST)]  # spread over the window, long past the grace
     missing = pa.array(lost + list(range(n - IN_FLIGHT, n)), pa.int64())  # never handled (yet)
     now = datetime.fromtimestamp((start + (n - 1) * step) / US, timezone.utc) + timedelta(seconds=GRACE / 2)
@@ -225,7 +287,7 @@ def generate(path: str, n: int, seed: int = 20261102) -> Expected:
             poison = letters.slice(0, 1).to_pylist()[0] if count else None
             letters = pa.concat_tables([letters, pa.Table.from_pylist([
                 dict(poison or {}, id=10**12 + i, message_id=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
-                     destination="", reason="poison", exception_type=None, failed_at=START + timedelta(hours=i))
+                     destination="", reason="poison", exception_type=None, failed_at=first + timedelta(hours=i))
                 for i in range(POISON)], schema=letters.schema)])
 
         expected.handled += incoming.num_rows - count
@@ -234,6 +296,9 @@ def generate(path: str, n: int, seed: int = 20261102) -> Expected:
         expected.late += pc.sum(pc.and_(late, pc.invert(dead))).as_py() or 0
         expected.lost_ids.update(sent.filter(pc.is_in(index, value_set=pa.array(lost, pa.int64())))
                                  ["message_id"].to_pylist())
+        expected.in_flight_ids.update(sent.filter(pc.is_in(index, value_set=pa.array(range(n - IN_FLIGHT, n),
+                                                                                       pa.int64())))
+                                      ["message_id"].to_pylist())
         for kind, table, column in (("sent", sent, "sent_at"), ("incoming", incoming, "handled_at"),
                                     ("dead_letters", letters, "failed_at")):
             write(path, kind, table, column, stamp)

@@ -341,9 +341,15 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
 @click.option("--shuffle-partitions", type=click.IntRange(min=1),
               help="Partitions per shuffle (default: 4 per core, unless your Spark configuration sets them).")
 @click.option("--verbose", is_flag=True, help="Spark's own log on the console, not in spark.log in --out.")
+@click.option("--full", is_flag=True, help="Read the whole archive again, not only what the ledger in --out has "
+              "not covered.")
+@click.option("--horizon", type=Age(), default="1d", show_default=True,
+              help="How long after a message's newest row the ledger still matches repeats of its rows.")
+@click.option("--now", type=click.DateTime(formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
+              help="Audit as of this moment (ISO 8601, UTC unless it says; default: now).")
 @_with_outbox
 def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master, driver_memory,
-          shuffle_partitions, verbose) -> None:
+          shuffle_partitions, verbose, full, horizon, now) -> None:
     """The delivery audit (Spark): lost, duplicated, late and dead-lettered messages; exit 1 when any is lost."""
     import importlib.util
 
@@ -357,9 +363,11 @@ def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuc
         jdbc_url = box.settings.database_url
     argv = ["--out", out, "--table-prefix", box.settings.table_prefix, "--grace", str(grace.total_seconds()),
             "--late-after", str(late_after.total_seconds()), "--stuck-after", str(stuck_after.total_seconds()),
-            "--master", master]
+            "--master", master, "--horizon", str(horizon.total_seconds())]
+    if now is not None:
+        argv += ["--now", now.isoformat()]
     for flag, value in (("--archive", archive), ("--jdbc-url", jdbc_url), ("--jdbc-jar", jdbc_jar),
                         ("--driver-memory", driver_memory), ("--shuffle-partitions", shuffle_partitions)):
         if value:
             argv += [flag, str(value)]
-    raise SystemExit(audit_main(argv + ["--verbose"] * verbose))
+    raise SystemExit(audit_main(argv + ["--verbose"] * verbose + ["--full"] * full))

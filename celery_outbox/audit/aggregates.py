@@ -19,16 +19,18 @@ from typing import Any
 
 from celery_outbox.audit.inputs import Inputs, jdbc_url_of
 from celery_outbox.audit.options import AuditOptions
+from celery_outbox.audit.sketch import bucket_of, quantile_columns
 from celery_outbox.vocabulary import IncomingStatus
 
-__all__ = ["LATENCY_BUCKETS", "Aggregates", "Tracking", "aggregate", "iso", "quantiles"]
+__all__ = ["COUNTS", "FINAL_STATUSES", "LATENCY_BUCKETS", "Aggregates", "Tally", "Tracking", "aggregate", "iso",
+           "open_sends", "quantiles", "tally", "window_of"]
 
 LATENCY_BUCKETS = [0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
                    3600.0, 86400.0]
 
 #: an attempt the message will not go past: handled, failed for good, or revoked unrun (a retried
 #: attempt is followed by another)
-_FINAL_STATUSES = (IncomingStatus.HANDLED.value, IncomingStatus.DEAD.value, IncomingStatus.REVOKED.value)
+FINAL_STATUSES = (IncomingStatus.HANDLED.value, IncomingStatus.DEAD.value, IncomingStatus.REVOKED.value)
 
 
 class Tracking(str, Enum):
@@ -38,11 +40,53 @@ class Tracking(str, Enum):
     INBOX_ONLY = "inbox_only"  #: inbox rows alone: handled, duplicates and dead letters count; a loss cannot show
 
 
+#: the counts a ``Tally`` adds up
+COUNTS = ("sent", "handled", "dead_lettered", "duplicates_discarded", "late", "inbox_only")
+
+
+@dataclass
+class Tally:
+    """What a set of messages adds to the audit's figures, in a form that adds up: the figures of
+    two sets with no message in common are the sum of their tallies (``plus``). A ledger keeps
+    the tally of the messages it has settled.
+
+    ``counts`` (``COUNTS``), the sent window (first and last ``sent_at``, naive UTC, or None), the
+    latency ``histogram`` (a count per ``LATENCY_BUCKETS`` bucket), and DataFrames: ``latency``
+    (``task_name``, ``hour``, ``bucket``, ``count``, ``max``: the ``sketch``), ``throughput``
+    (``period``, ``sent``, ``handled``, per ``unit``) and ``dead_letters`` (``task_name``,
+    ``exception``, ``count``)."""
+
+    counts: dict[str, int]
+    window: tuple[Any, Any]
+    histogram: list[int]
+    latency: Any
+    throughput: Any
+    dead_letters: Any
+
+    def plus(self, other: "Tally", unit: str) -> "Tally":
+        """The tally of both sets (with no message in common), its throughput per ``unit`` (this
+        tally's, or a coarser one)."""
+        from pyspark.sql import functions as F
+
+        starts, ends = [w[0] for w in (self.window, other.window) if w[0]], [w[1] for w in (self.window, other.window)
+                                                                            if w[1]]
+        periods = self.throughput.unionByName(other.throughput).groupBy(
+            F.date_trunc(unit, "period").alias("period")).agg(F.sum("sent").alias("sent"),
+                                                               F.sum("handled").alias("handled"))
+        letters = self.dead_letters.unionByName(other.dead_letters).groupBy("task_name", "exception").agg(
+            F.sum("count").alias("count"))
+        return Tally({key: self.counts[key] + other.counts[key] for key in COUNTS},
+                     (min(starts, default=None), max(ends, default=None)),
+                     [a + b for a, b in zip(self.histogram, other.histogram, strict=True)],
+                     self.latency.unionByName(other.latency), periods, letters)
+
+
 @dataclass
 class Aggregates:
     """What the audit computed: the summary (plain data, ``summary.json``), the latency histogram,
     and the DataFrames the outputs write (latency per task and per hour with their quantiles in
-    a ``q`` array, throughput per period, dead letters by task and exception, the lost messages)."""
+    a ``q`` array, throughput per period, dead letters by task and exception, the lost messages);
+    ``unit`` is the throughput's period."""
 
     summary: dict[str, Any]
     histogram: list[tuple[float, float, int]]
@@ -51,19 +95,58 @@ class Aggregates:
     throughput: Any
     dead_by_task: Any
     lost: Any
+    unit: str
 
 
-def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: dict[str, Any]) -> Aggregates:
-    """Compute the audit from ``inputs``. The lost messages and the latencies are cached (each is
-    read by several aggregates) and appended to ``cached`` for the caller to unpersist, with the
-    live tables the inputs keep; ``ran_on`` is the summary's ``spark`` entry."""
-    F = inputs.F
+def window_of(sent) -> tuple[Any, Any]:
+    """(first, last) ``sent_at`` of the de-duplicated sends (naive UTC; None without sends)."""
+    from pyspark.sql import functions as F
+
+    row = sent.agg(F.min("sent_at"), F.max("sent_at")).first()
+    return row[0], row[1]
+
+
+def tally(spark, frames: dict, options: AuditOptions, unit: str, cached: list[Any]) -> Tally:
+    """The tally of the messages in the de-duplicated ``frames`` (``incoming``, ``sent``,
+    ``dead_letters``); the latencies are cached (several figures read them) and appended to
+    ``cached`` for the caller to unpersist."""
+    from pyspark.sql import functions as F
+
+    incoming, sent, dead = frames["incoming"], frames["sent"], frames["dead_letters"]
+    handled = incoming.where(F.col("status") == IncomingStatus.HANDLED.value)
+    latency = _matched(handled, sent).withColumn(
+        "latency", F.col("handled_at").cast("double") - F.col("sent_at").cast("double"))
+    latency = latency.where(F.col("latency").isNotNull()).cache()
+    cached.append(latency)
+    sketch = latency.groupBy("task_name", F.date_trunc("hour", "sent_at").alias("hour"),
+                             bucket_of(F, F.col("latency")).alias("bucket")).agg(
+        F.count(F.lit(1)).alias("count"), F.max("latency").alias("max"))
+    throughput = (sent.groupBy(F.date_trunc(unit, "sent_at").alias("period")).agg(F.count(F.lit(1)).alias("sent"))
+                  .join(handled.groupBy(F.date_trunc(unit, "handled_at").alias("period"))
+                        .agg(F.count(F.lit(1)).alias("handled")), "period", "full_outer").na.fill(0))
+    letters = dead.groupBy("task_name", F.coalesce("exception_type", "reason").alias("exception")).count()
+    inbox_only = incoming.join(sent.select("message_id").distinct(), "message_id", "left_anti")
+    counts = {
+        "sent": sent.count(), "handled": handled.count(), "dead_lettered": dead.count(),
+        "duplicates_discarded": int(incoming.agg(F.coalesce(F.sum("duplicates"), F.lit(0))).first()[0]),
+        "late": latency.where(F.col("latency") > options.late_after_seconds).count(),
+        "inbox_only": inbox_only.count(),
+    }
+    return Tally(counts, window_of(sent), _histogram(latency, F), sketch, throughput, letters)
+
+
+def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: dict[str, Any],
+              settled: Tally | None = None) -> Aggregates:
+    """Compute the audit from ``inputs``, and from the ``settled`` tally of the messages earlier
+    runs settled (``ledger``) when there is one. The lost messages and the latencies are cached
+    (each is read by several aggregates) and appended to ``cached`` for the caller to unpersist,
+    with the live tables the inputs keep; ``ran_on`` is the summary's ``spark`` entry."""
+    F, spark = inputs.F, inputs.spark
     now = options.now.astimezone(timezone.utc).replace(tzinfo=None)  # Spark timestamps are UTC, session tz UTC
 
     cached.extend(inputs.cached)
-    ended = inputs.incoming.where(F.col("status").isin(*_FINAL_STATUSES))
-    lost = _without(_without(inputs.sent, ended), inputs.dead.select("message_id", "destination"), by_id_only=True)
-    lost = lost.where(F.col("sent_at") < F.lit(now - timedelta(seconds=options.grace_seconds)))
+    lost = open_sends(F, inputs.sent, inputs.incoming, inputs.dead).where(
+        F.col("sent_at") < F.lit(now - timedelta(seconds=options.grace_seconds)))
     stuck = pending = None
     if inputs.outgoing is not None:
         held = inputs.outgoing.select("message_id").unionByName(inputs.running.select("message_id"))
@@ -77,58 +160,57 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
     lost = lost.cache()  # its examples, its count and its aggregate
     cached.append(lost)
 
-    handled = inputs.incoming.where(F.col("status") == IncomingStatus.HANDLED.value)
-    latency = _matched(handled, inputs.sent).withColumn(
-        "latency", F.col("handled_at").cast("double") - F.col("sent_at").cast("double"))
-    latency = latency.where(F.col("latency").isNotNull()).cache()
-    cached.append(latency)
-    percentiles = F.percentile_approx("latency", [0.5, 0.95, 0.99], 10000)
-    stats = [percentiles.alias("q"), F.max("latency").alias("max"), F.count(F.lit(1)).alias("count")]
-    overall = latency.agg(*stats).first()
-    by_task = latency.groupBy("task_name").agg(*stats).orderBy("task_name")
-    by_hour = latency.groupBy(F.date_trunc("hour", "sent_at").alias("hour")).agg(*stats).orderBy("hour")
-    histogram = _histogram(latency, F)
-    window = inputs.sent.agg(F.min("sent_at"), F.max("sent_at")).first()
-    unit = _throughput_unit(window[0], window[1])
-    throughput = (inputs.sent.groupBy(F.date_trunc(unit, "sent_at").alias("period")).agg(F.count(F.lit(1))
-                                                                                          .alias("sent"))
-                  .join(handled.groupBy(F.date_trunc(unit, "handled_at").alias("period"))
-                        .agg(F.count(F.lit(1)).alias("handled")), "period", "full_outer")
-                  .na.fill(0).orderBy("period"))
-    dead_by_task = (inputs.dead.groupBy("task_name", F.coalesce("exception_type", "reason").alias("exception"))
-                    .count().orderBy(F.desc("count"), "task_name"))
+    window = window_of(inputs.sent)
+    if settled is not None:
+        window = (min((w for w in (window[0], settled.window[0]) if w), default=None),
+                  max((w for w in (window[1], settled.window[1]) if w), default=None))
+    unit = _throughput_unit(*window)
+    frames = {"incoming": inputs.incoming, "sent": inputs.sent, "dead_letters": inputs.dead}
+    total = tally(spark, frames, options, unit, cached)
+    if settled is not None:
+        total = settled.plus(total, unit)
+    overall = quantile_columns(F, total.latency, []).first()
+    by_task = quantile_columns(F, total.latency, ["task_name"]).orderBy("task_name")
+    by_hour = quantile_columns(F, total.latency, ["hour"]).orderBy("hour")
+    throughput = total.throughput.orderBy("period")
+    dead_by_task = total.dead_letters.orderBy(F.desc("count"), "task_name", "exception")
+    counts = total.counts
+    edges = LATENCY_BUCKETS + [float("inf")]
+    filled = [i for i, count in enumerate(total.histogram) if count]
+    histogram = [(edges[i], edges[i + 1], total.histogram[i]) for i in range(filled[0], filled[-1] + 1)] \
+        if filled else []
 
-    lost_rows = lost.orderBy("sent_at").limit(20).collect()
-    sent_count = inputs.sent.count()
+    lost_rows = lost.orderBy("sent_at", "message_id").limit(20).collect()
     summary = {
         "generated_at": options.now.isoformat(timespec="seconds"),
-        "window_start": iso(window[0]), "window_end": iso(window[1]),
-        "sent": sent_count,
-        "handled": handled.count(),
+        "window_start": iso(total.window[0]), "window_end": iso(total.window[1]),
+        "sent": counts["sent"],
+        "handled": counts["handled"],
         "lost": lost.count(),
-        "duplicates_discarded": int(inputs.incoming.agg(F.coalesce(F.sum("duplicates"), F.lit(0))).first()[0]),
-        "dead_lettered": inputs.dead.count(),
-        "late": latency.where(F.col("latency") > options.late_after_seconds).count(),
+        "duplicates_discarded": counts["duplicates_discarded"],
+        "dead_lettered": counts["dead_lettered"],
+        "late": counts["late"],
         "late_threshold_seconds": options.late_after_seconds,
         "stuck": stuck,
         "latency_seconds": quantiles(overall),
         "throughput_unit": unit,
         "lost_examples": [{"message_id": r.message_id, "task_name": r.task_name, "destination": r.destination,
                            "sent_at": iso(r.sent_at)} for r in lost_rows],
-        "inputs": _inputs_summary(inputs, options, pending, sent_count),
+        "inputs": _inputs_summary(inputs, options, pending, counts),
         "spark": ran_on,
     }
-    return Aggregates(summary, histogram, by_task, by_hour, throughput, dead_by_task, lost)
+    return Aggregates(summary, histogram, by_task, by_hour, throughput, dead_by_task, lost, unit)
 
 
-def _inputs_summary(inputs: Inputs, options: AuditOptions, pending: dict[str, int] | None, sent: int) -> dict[str, Any]:
+def _inputs_summary(inputs: Inputs, options: AuditOptions, pending: dict[str, int] | None,
+                    counts: dict[str, int]) -> dict[str, Any]:
     """The summary's ``inputs``: the archive and the live tables read, with their rows (before
     de-duplication) and the live rows still holding a message, and what they cover. Durable
     queues are followed end to end when sends were recorded (an archive configured, or sent rows
     the outgoing table still holds); a plain queue's messages leave no send record, only inbox
     rows: messages with inbox rows and no send record are counted as ``plain_queues`` messages (a
     durable queue's too, when its sends were not recorded)."""
-    inbox_only = inputs.incoming.join(inputs.sent.select("message_id").distinct(), "message_id", "left_anti")
+    sent = counts["sent"]
     live = None
     if inputs.live_rows is not None:
         url, _ = jdbc_url_of(options.jdbc_url)
@@ -139,9 +221,16 @@ def _inputs_summary(inputs: Inputs, options: AuditOptions, pending: dict[str, in
         "coverage": {
             "durable_queues": {"tracked": (Tracking.END_TO_END if sent else Tracking.INBOX_ONLY).value,
                                "messages": sent},
-            "plain_queues": {"tracked": Tracking.INBOX_ONLY.value, "messages": inbox_only.count()},
+            "plain_queues": {"tracked": Tracking.INBOX_ONLY.value, "messages": counts["inbox_only"]},
         },
     }
+
+
+def open_sends(F, sent, incoming, dead):
+    """The de-duplicated ``sent`` rows whose message has not ended: no final inbox row (handled,
+    dead or revoked) and no dead letter."""
+    ended = incoming.where(F.col("status").isin(*FINAL_STATUSES))
+    return _without(_without(sent, ended), dead.select("message_id", "destination"), by_id_only=True)
 
 
 def _without(sent, ended, by_id_only: bool = False):
@@ -168,21 +257,18 @@ def _throughput_unit(first, last) -> str:
     return "second" if span <= 600 else "minute" if span <= 2 * 86400 else "hour"
 
 
-def _histogram(latency, F) -> list[tuple[float, float, int]]:
-    """(low, high, count) of each latency bucket from the first to the last that holds a latency,
-    the empty ones between them included: the plot's axis steps bucket by bucket."""
+def _histogram(latency, F) -> list[int]:
+    """The count of latencies in each ``LATENCY_BUCKETS`` bucket (the last one open-ended)."""
     bucket = reduce(lambda expr, i: expr.when(F.col("latency") < LATENCY_BUCKETS[i + 1], i),
                     range(len(LATENCY_BUCKETS) - 1), F).otherwise(len(LATENCY_BUCKETS) - 1)
     counts = dict(latency.groupBy(bucket.alias("bucket")).count().collect())
-    edges = LATENCY_BUCKETS + [float("inf")]
-    return [(edges[i], edges[i + 1], int(counts.get(i, 0))) for i in range(min(counts), max(counts) + 1)] \
-        if counts else []
+    return [int(counts.get(i, 0)) for i in range(len(LATENCY_BUCKETS))]
 
 
 def quantiles(row) -> dict[str, float | None]:
     """p50, p95, p99 and max of a row of latency stats (None each when there were no latencies)."""
     q = row["q"] if row is not None else None
-    if not q:
+    if not q or q[0] is None:
         return {"p50": None, "p95": None, "p99": None, "max": None}
     return {"p50": float(q[0]), "p95": float(q[1]), "p99": float(q[2]), "max": float(row["max"])}
 

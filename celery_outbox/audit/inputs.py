@@ -5,24 +5,38 @@ Archived rows may repeat (archiving is at least once), and a row may be both arc
 in its live table: every input is de-duplicated by its key (``Inputs``). An archive only Spark
 reaches that is missing or empty, or a live table that cannot be read, is an ``AuditInputError``
 saying what and where, with any password masked.
+
+An incremental run (``ledger``) reads only the archive files the last run did not, and adds to
+them the messages that run carried over: de-duplication is the same whether a message's rows
+came in one run or over several.
 """
 
 from __future__ import annotations
 
+from functools import reduce
+
 from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS
 from celery_outbox.audit.checks import ArchiveFiles, empty_archive, missing_archive
-from celery_outbox.audit.hadoop import exists
+from celery_outbox.audit.hadoop import exists, parquet_files
 from celery_outbox.audit.jdbc import jdbc_url_of
 from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.store.engine import is_secret_name
 from celery_outbox.vocabulary import IncomingStatus
 
-__all__ = ["Inputs"]
+__all__ = ["KEPT_COLUMNS", "Inputs", "deduplicated"]
 
 
 #: the live tables, in the order they are read (see ``Inputs``)
 _LIVE_ORDER = ("sent", "outgoing", "dead_letters", "incoming")
+
+#: the columns of each kind that the audit keeps after de-duplication (a carried message's)
+KEPT_COLUMNS = {
+    "sent": ("message_id", "destination", "sent_at", "task_name"),
+    "incoming": ("message_id", "destination", "status", "handled_at", "received_at", "task_name", "duplicates",
+                 "recoveries"),
+    "dead_letters": tuple(_COLUMNS["dead_letters"]),
+}
 
 
 def _running(F):
@@ -38,14 +52,50 @@ def _spark_schema(kind: str):
     return T.StructType([T.StructField(name, types[type_name]) for name, type_name in _COLUMNS[kind].items()])
 
 
+def kept_schema(kind: str):
+    """The Spark schema of a de-duplicated frame of ``kind``."""
+    from pyspark.sql import types as T
+
+    schema = _spark_schema(kind)
+    return T.StructType([schema[name] for name in KEPT_COLUMNS[kind]])
+
+
+def deduplicated(F, frames: dict) -> dict:
+    """Each kind's rows (with at least its ``KEPT_COLUMNS``) de-duplicated by its key: one row per
+    message and destination for ``incoming`` (its latest state) and ``sent`` (its first send), one
+    per letter for ``dead_letters``. Applying it again to its own output with more rows gives what
+    applying it once to all of them gives: a message whose rows came over several runs is counted
+    as one whose rows came at once."""
+    incoming, sent, dead = (frames[kind].select(*KEPT_COLUMNS[kind]) for kind in ("incoming", "sent", "dead_letters"))
+    # the latest state of each message: a running attempt (no end yet) outranks every ended one
+    latest = F.struct(F.col("handled_at").isNull(), F.col("handled_at"))
+    return {
+        "incoming": incoming.groupBy("message_id", "destination").agg(
+            F.max_by("status", latest).alias("status"), F.max("handled_at").alias("handled_at"),
+            F.min("received_at").alias("received_at"), F.first("task_name").alias("task_name"),
+            F.max("duplicates").alias("duplicates"), F.max("recoveries").alias("recoveries")),
+        "sent": sent.groupBy("message_id", "destination").agg(
+            F.min("sent_at").alias("sent_at"), F.first("task_name").alias("task_name")),
+        # a letter's id alone is no key: a table made again (another database, a new prefix)
+        # numbers its letters from 1 again, while the archive keeps the old ones
+        "dead_letters": dead.dropDuplicates(["id", "message_id", "destination", "failed_at"]),
+    }
+
+
 class Inputs:
     """The audit's DataFrames: archive and live rows of each kind, de-duplicated, and what was read.
 
     ``incoming``, ``sent`` and ``dead`` merge the archive with the live tables; a sent row the
     outgoing table still holds (delivery tracking keeps it until acknowledged) counts as a send
     even when no ``sent`` record of it exists (the publishers write those only with an archive).
+    ``archived`` holds the archive's part alone, de-duplicated, by kind: what a ledger carries.
     ``outgoing`` (every live outgoing row) and ``running`` (the live inbox's running rows) hold
-    messages that are not lost yet; both are None without ``--jdbc-url``.
+    messages that are not lost yet; both are None without ``--jdbc-url``; ``live_ids`` are the
+    message ids the live tables hold.
+
+    With a ``carried`` ledger, the archive is the files it has not covered (``files_read``) and
+    the messages it carried; ``files_covered`` are every archive file, by its path inside the
+    archive, for the next ledger.
 
     Each live table is read once and kept (cached): every figure sees the same rows. They are
     read before the archive is listed, senders' tables first (``sent``, ``outgoing``, then
@@ -56,22 +106,23 @@ class Inputs:
     de-duplication); ``cached`` lists the frames kept, for the caller to unpersist.
     """
 
-    def __init__(self, spark, options: AuditOptions, files: ArchiveFiles):
-        """Read the inputs: ``files`` are the archive's as ``check_inputs`` found them."""
+    def __init__(self, spark, options: AuditOptions, files: ArchiveFiles, carried=None):
+        """Read the inputs: ``files`` are the archive's as ``check_inputs`` found them; ``carried``
+        is the last run's ``Ledger``, or None for a full run."""
         from pyspark.sql import functions as F
 
         self.spark, self.options, self.F = spark, options, F
         self.cached: list = []
         try:
-            self._merge(options, files)
+            self._merge(options, files, carried)
         except BaseException:
             for frame in self.cached:
                 frame.unpersist()
             raise
 
-    def _merge(self, options: AuditOptions, files: ArchiveFiles) -> None:
+    def _merge(self, options: AuditOptions, files: ArchiveFiles, carried) -> None:
         F = self.F
-        self.outgoing = self.running = self.live_rows = self.archive_rows = None
+        self.outgoing = self.running = self.live_rows = self.archive_rows = self.live_ids = None
         self.live = options.jdbc_url is not None
         self.archive = Location.of(options.archive) if options.archive else None
         live = {}
@@ -79,44 +130,52 @@ class Inputs:
             read = {kind: self._table(kind) for kind in _LIVE_ORDER}  # one after the other, in this order
             live = {kind: frame for kind, (frame, _) in read.items()}
             self.live_rows = {self._table_name(kind): rows for kind, (_, rows) in read.items()}
-        present = self._present(files)
-        frames = {kind: self._archived(kind) if kind in present else self.spark.createDataFrame([], _spark_schema(kind))
-                  for kind in ARCHIVE_KINDS}
+        found = self._files(files)
+        covered = carried.files if carried is not None else set()
+        self.files_covered = sorted(path for paths in found.values() for path in paths)
+        new = {kind: [uri for path, uri in paths.items() if path not in covered] for kind, paths in found.items()}
+        self.files_read = sum(len(uris) for uris in new.values())
+        frames = {kind: self._archived(kind, new[kind]) for kind in ARCHIVE_KINDS}
         if self.archive is not None:
             self.archive_rows = {kind: frame.count() for kind, frame in frames.items()}
+        if carried is not None:
+            frames = {kind: frames[kind].select(*KEPT_COLUMNS[kind]).unionByName(carried.frame(self.spark, kind))
+                      for kind in ARCHIVE_KINDS}
+        self.archived = deduplicated(F, frames)
+        merged = self.archived
         if live:
             self.outgoing, self.running = live["outgoing"], live["incoming"].where(_running(F))
-            sent_unacknowledged = self.outgoing.where(F.col("sent_at").isNotNull()).select(*_COLUMNS["sent"])
-            frames = {kind: frames[kind].unionByName(live[kind]) for kind in ARCHIVE_KINDS}
-            frames["sent"] = frames["sent"].unionByName(sent_unacknowledged)
-        # the latest state of each message: a running attempt (no end yet) outranks every ended one
-        latest = F.struct(F.col("handled_at").isNull(), F.col("handled_at"))
-        self.incoming = (frames["incoming"].groupBy("message_id", "destination").agg(
-            F.max_by("status", latest).alias("status"), F.max("handled_at").alias("handled_at"),
-            F.min("received_at").alias("received_at"), F.first("task_name").alias("task_name"),
-            F.max("duplicates").alias("duplicates"), F.max("recoveries").alias("recoveries")))
-        self.sent = frames["sent"].groupBy("message_id", "destination").agg(
-            F.min("sent_at").alias("sent_at"), F.first("task_name").alias("task_name"))
-        # a letter's id alone is no key: a table made again (another database, a new prefix)
-        # numbers its letters from 1 again, while the archive keeps the old ones
-        self.dead = frames["dead_letters"].dropDuplicates(["id", "message_id", "destination", "failed_at"])
+            sent_unacknowledged = self.outgoing.where(F.col("sent_at").isNotNull())
+            merged = {kind: self.archived[kind].unionByName(live[kind].select(*KEPT_COLUMNS[kind]))
+                      for kind in ARCHIVE_KINDS}
+            merged["sent"] = merged["sent"].unionByName(sent_unacknowledged.select(*KEPT_COLUMNS["sent"]))
+            merged = deduplicated(F, merged)
+            self.live_ids = reduce(lambda a, b: a.unionByName(b),
+                                   [frame.select("message_id") for frame in live.values()]).distinct()
+        self.incoming, self.sent, self.dead = merged["incoming"], merged["sent"], merged["dead_letters"]
 
-    def _present(self, files: ArchiveFiles) -> set[str]:
-        """The kinds the archive holds: those with files, or, for an archive only Spark reaches,
-        those with a folder (its absence and emptiness are refused here, as the checks do locally)."""
-        if files is not None:
-            return {kind for kind, found in files.items() if found}
-        if not exists(self.spark, self.archive.uri):
-            raise missing_archive(self.archive)
-        present = {kind for kind in ARCHIVE_KINDS if exists(self.spark, self.archive.child(kind).uri)}
-        if not present and not self.live:
-            raise empty_archive(self.archive)
-        return present
+    def _files(self, files: ArchiveFiles) -> dict[str, dict[str, str]]:
+        """Per kind, the archive's files: {path inside the archive: what Spark reads}. For an
+        archive only Spark reaches, Spark lists them (its absence and emptiness are refused
+        here, as the checks do locally)."""
+        if self.archive is None:
+            return {kind: {} for kind in ARCHIVE_KINDS}
+        if files is None:
+            if not exists(self.spark, self.archive.uri):
+                raise missing_archive(self.archive)
+            files = {kind: parquet_files(self.spark, self.archive.child(kind).uri) for kind in ARCHIVE_KINDS}
+            if not any(files.values()) and not self.live:
+                raise empty_archive(self.archive)
+        return {kind: {f"{kind}/{name.rsplit(f'/{kind}/', 1)[1]}": name for name in names}
+                for kind, names in files.items()}
 
-    def _archived(self, kind: str):
+    def _archived(self, kind: str, uris: list[str]):
+        """The rows of ``kind`` in the archive files ``uris``."""
         schema = _spark_schema(kind)
+        if not uris:
+            return self.spark.createDataFrame([], schema)
         folder = self.archive.child(kind).uri
-        return self.spark.read.schema(schema).option("basePath", folder).parquet(folder).select(*schema.names)
+        return self.spark.read.schema(schema).option("basePath", folder).parquet(*uris).select(*schema.names)
 
     def _table_name(self, kind: str) -> str:
         return f"{self.options.table_prefix}{kind}"

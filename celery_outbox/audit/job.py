@@ -43,6 +43,7 @@ from typing import Any, Callable
 from celery_outbox.audit.aggregates import aggregate
 from celery_outbox.audit.checks import check_inputs
 from celery_outbox.audit.inputs import Inputs
+from celery_outbox.audit.ledger import drop_replaced, read_ledger, record_ledger
 from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.audit.outputs import write_outputs
@@ -68,6 +69,7 @@ class Stage(Enum):
     STARTING_SPARK = "starting Spark"  #: only when no session is given
     READING = "reading the inputs"
     AGGREGATING = "aggregating"
+    SETTLING = "settling the ledger"
     WRITING = "writing the outputs"
 
 
@@ -86,6 +88,11 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
     one). The de-duplicated inputs and the lost messages are cached: every aggregate reads them,
     and without the cache each would read and shuffle the whole archive again. A session passed
     in gets its shuffle partitions back afterwards.
+
+    The ledger under ``options.out`` (``ledger``) makes the run incremental: it reads the archive
+    files the ledger has not covered and the messages it carried, and writes the next ledger
+    before the outputs. Without a ledger of the same basis, or with ``options.full``, the run
+    reads everything; the summary's ``ledger`` entry says which and why.
     """
     files = check_inputs(options)
     out = Location.of(options.out)
@@ -94,16 +101,28 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
     spark = spark or _start_spark(options, out, progress)
     saved_partitions = spark.conf.get("spark.sql.shuffle.partitions")
     cached: list[Any] = []
+    recorded = False
     try:
         partitions = shuffle_partitions(spark, options)
         spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
-        progress(Stage.READING, "")
-        inputs = Inputs(spark, options, files)
-        for frame in (inputs.incoming, inputs.sent, inputs.dead):
+        ledger, why_full = read_ledger(spark, out, options)
+        progress(Stage.READING, f"(the files the ledger has not covered, of {len(ledger.files)} covered)"
+                 if ledger is not None else f"(all of them: {why_full})")
+        inputs = Inputs(spark, options, files, ledger)
+        frames = [inputs.incoming, inputs.sent, inputs.dead]
+        if inputs.live:
+            frames += [inputs.archived[kind] for kind in ("incoming", "sent", "dead_letters")]
+        for frame in frames:
             cached.append(frame.cache())
             frame.count()  # read now, so that the next stage announced is the one running
         progress(Stage.AGGREGATING, "")
-        result = aggregate(inputs, options, cached, spark_facts(spark, partitions))
+        result = aggregate(inputs, options, cached, spark_facts(spark, partitions),
+                           ledger.settled if ledger is not None else None)
+        progress(Stage.SETTLING, "")
+        told = record_ledger(spark, out, options, inputs, result.unit, ledger, cached)
+        recorded = True
+        result.summary["ledger"] = {"mode": "incremental" if ledger is not None else "full",
+                                    "why_full": why_full or None, **told}
         progress(Stage.WRITING, f"to {out}")
         write_outputs(spark, out, result)
         return result.summary
@@ -111,6 +130,8 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
         for frame in cached:
             frame.unpersist()
         spark.conf.set("spark.sql.shuffle.partitions", saved_partitions)
+        if recorded:
+            drop_replaced(spark, out)
 
 
 def _make_folder(out: Location) -> None:
@@ -157,6 +178,10 @@ def parser() -> argparse.ArgumentParser:
                    "default is 1g; under spark-submit use its own --driver-memory)")
     p.add_argument("--shuffle-partitions", type=int, help="partitions per shuffle (default: the session's setting, "
                    f"or {PARTITIONS_PER_CORE} per core when that is Spark's default of 200)")
+    p.add_argument("--full", action="store_true", help="read the whole archive again, not only what the ledger "
+                   "in --out has not covered")
+    p.add_argument("--horizon", type=float, default=86400.0, help="seconds after a message's newest row that the "
+                   "ledger still matches repeats of its rows before settling it")
     p.add_argument("--now", type=_moment, default=None, help="audit as of this ISO time (default: now)")
     p.add_argument("--verbose", action="store_true", help="Spark's own log on the console rather than in "
                    f"{SPARK_LOG} in --out")
@@ -187,6 +212,7 @@ def main(argv: list[str] | None = None, spark=None) -> int:
                                late_after_seconds=args.late_after, stuck_after_seconds=args.stuck_after,
                                master=args.master, driver_memory=args.driver_memory,
                                shuffle_partitions=args.shuffle_partitions, verbose=args.verbose,
+                               full=args.full, horizon_seconds=args.horizon,
                                **({"now": args.now} if args.now else {}))
         summary = run_audit(options, spark, _say)
     except AuditInputError as exc:

@@ -40,9 +40,16 @@ class AuditOptions:
     # Spark's own log on this process's stdout and stderr, as Spark configures it; otherwise, when
     # this job starts the JVM, everything the JVM prints goes to a file (``spark.log`` in --out).
     verbose: bool = False
+    # Read the whole archive again, ignoring what the ledger in --out covered (it is written anew).
+    full: bool = False
+    # How long after a message's newest row the ledger keeps the message to match repeats of its
+    # rows (archiving is at least once) before settling it into its totals (``ledger``).
+    horizon_seconds: float = 86400.0
 
     def __post_init__(self) -> None:
         if self.driver_memory is not None and not _SIZE.fullmatch(self.driver_memory):
             raise AuditInputError(f"driver memory must be a size such as 4g or 512m, not {self.driver_memory!r}")
+        if self.horizon_seconds < 0:
+            raise AuditInputError(f"the horizon must be 0 seconds or more, not {self.horizon_seconds}")
         if self.shuffle_partitions is not None and self.shuffle_partitions < 1:
             raise AuditInputError(f"shuffle partitions must be at least 1, not {self.shuffle_partitions}")

@@ -202,7 +202,8 @@ def test_each_stage_is_announced_as_it_begins(spark, known_archive, tmp_path):
     told: list[tuple[Stage, str]] = []
     run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark,
               lambda stage, detail: told.append((stage, detail)))
-    assert told == [(Stage.READING, ""), (Stage.AGGREGATING, ""), (Stage.WRITING, f"to {tmp_path / 'out'}")]
+    assert told == [(Stage.READING, "(all of them: no ledger yet)"), (Stage.AGGREGATING, ""), (Stage.SETTLING, ""),
+                    (Stage.WRITING, f"to {tmp_path / 'out'}")]
 
 
 def test_the_command_puts_sparks_output_in_a_log_file_and_tells_its_stages(spark, known_archive, tmp_path):
@@ -212,13 +213,28 @@ def test_the_command_puts_sparks_output_in_a_log_file_and_tells_its_stages(spark
     log = out / "spark.log"
     assert process.stderr.splitlines() == [
         f"celery-outbox audit: starting Spark (local[1]); its log: {log}",
-        "celery-outbox audit: reading the inputs",
+        "celery-outbox audit: reading the inputs (all of them: no ledger yet)",
         "celery-outbox audit: aggregating",
+        "celery-outbox audit: settling the ledger",
         f"celery-outbox audit: writing the outputs to {out}",
     ]
     assert log.stat().st_size > 0, "what the JVM printed is in the file"
     assert "[Stage " not in log.read_text(), "but not Spark's progress bars"
     assert process.stdout.splitlines()[-1] == f"report: {out / 'report.html'}"
+
+
+def test_the_command_runs_incrementally_into_the_same_out_unless_told_full(spark, known_archive, tmp_path):
+    out = tmp_path / "daily"
+    as_of = ("--now", NOW.isoformat(), "--grace", "1h")
+    assert audit_command(tmp_path, known_archive, str(out), *as_of).returncode == EXIT_LOST
+    files = len(list(Path(known_archive).rglob("*.parquet")))
+    again = audit_command(tmp_path, known_archive, str(out), *as_of)
+    assert again.returncode == EXIT_LOST, again.stderr[-3000:]
+    assert f"celery-outbox audit: reading the inputs (the files the ledger has not covered, of {files} covered)" \
+        in again.stderr.splitlines()
+    assert "1 lost" in again.stdout, "m8, as of --now (m9 is within the grace period then)"
+    full = audit_command(tmp_path, known_archive, str(out), *as_of, "--full")
+    assert "celery-outbox audit: reading the inputs (all of them: --full)" in full.stderr.splitlines()
 
 
 def test_verbose_leaves_sparks_output_on_the_console(spark, known_archive, tmp_path):

@@ -21,7 +21,8 @@ from celery_outbox.vocabulary import Attempt, DeadLetterReason, IncomingStatus
 
 from ..conftest import drop_store
 from ..services import services_required
-from .conftest import JDBC_JAR, NOW, T0, incoming
+from .conftest import JDBC_JAR, LATENCIES, NOW, T0, incoming
+from .test_audit_incremental import comparable
 
 HOUR = timedelta(hours=1)
 
@@ -115,3 +116,26 @@ def test_without_the_live_tables_the_summary_says_so(spark, known_archive, tmp_p
     assert summary["inputs"]["archive"]["rows"] == {"incoming": 16, "dead_letters": 4, "sent": 20}
     assert summary["inputs"]["coverage"]["plain_queues"]["messages"] == 0, "every inbox row of it has a send"
     assert "live tables not read" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_a_message_the_live_tables_still_hold_is_carried_by_the_ledger_not_settled(
+        spark, known_archive, live_store, postgres_url, table_prefix, tmp_path):
+    """m0 is archived and still in the live inbox (cleanup's delete has not committed yet): with no
+    horizon, every other ended message settles on the first run, but m0 stays carried, so the next
+    run counts it once, as a full run does."""
+    fill_live_tables(live_store, known_archive)
+    handled_at = T0 + timedelta(seconds=LATENCIES[0])
+    with live_store.begin() as conn:
+        assert live_store.claim_incoming(conn, {
+            "message_id": "m0", "destination": "", "task_name": "shop.pay", "queue": "payments",
+            "status": IncomingStatus.HANDLED.value, "received_at": handled_at, "claimed_at": handled_at,
+            "handled_at": handled_at, "keep_until": NOW + HOUR})
+    options = {"archive": known_archive, "jdbc_url": postgres_url, "jdbc_jar": JDBC_JAR, "table_prefix": table_prefix,
+               "now": NOW, "horizon_seconds": 0.0}
+    first = run_audit(AuditOptions(out=str(tmp_path / "out"), **options), spark)
+    assert first["ledger"]["messages_settled_now"] > 0
+    second = run_audit(AuditOptions(out=str(tmp_path / "out"), **options), spark)
+    full = run_audit(AuditOptions(out=str(tmp_path / "full"), **options), spark)
+    assert second["ledger"]["mode"] == "incremental" and second["ledger"]["files_read"] == 0
+    assert comparable(second) == comparable(full) == comparable(first)
+    assert second["handled"] == 8, "m0 once, though archived and live"

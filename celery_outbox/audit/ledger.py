@@ -1,0 +1,192 @@
+"""The audit's ledger in ``--out``: what the runs so far covered, so that the next run reads only
+the archive files that are new, plus the messages still open.
+
+Layout under ``--out``::
+
+    ledger/current.json                   {"run": "run-<stamp>-<hex>"}: the ledger in force, written last
+    ledger/run-.../ledger.json            its basis, watermark, the archive files covered, the settled counts
+    ledger/run-.../carried/<kind>/        de-duplicated rows of the messages not settled (Parquet)
+    ledger/run-.../settled/<figure>/      the settled messages' latency sketch, throughput, dead letters
+
+A run de-duplicates the new files' rows together with the carried ones (``Inputs``), so a message
+whose rows arrive over several runs counts as one. It then **settles** every message that can
+change no more: ended (a final inbox row or a dead letter, no send without an end, no attempt
+still running), not in a live table, and with its newest row older than the horizon
+(``--horizon``, a day by default) before the watermark, the newest moment any archived row
+holds. A settled message's figures go into the ledger's ``Tally`` and its rows are dropped; the
+rest is carried. Open messages, the lost ones included, are always carried: one that arrives late
+still counts as handled, and late. The figures are the settled tally plus the tally of what this
+run read, and they equal a full run's (the latency quantiles come from the same sketch either way).
+
+Its limit: a row archived again more than the horizon after its message's newest row (a cleanup
+that crashed after writing a file and ran again only that much later) counts a second time;
+``--full`` reads everything again.
+
+A ledger is used only with the same basis (the archive, ``--late-after``, ``--horizon``, the
+sketch's accuracy and this format); otherwise the run is a full one and says why.
+
+Transaction boundary: a run writes its ledger into a folder of its own and then replaces
+``current.json``, one small file; the folder it replaces, and any a failed run left, are deleted
+after the run's outputs are written. A run that fails before ``current.json`` is replaced leaves
+the last ledger in force, and the next run reads from it again: no file is skipped that was not
+counted.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from celery_outbox.audit.aggregates import FINAL_STATUSES, Tally, open_sends, tally
+from celery_outbox.audit.archive import ARCHIVE_KINDS
+from celery_outbox.audit.hadoop import children, delete, read_text, write_text
+from celery_outbox.audit.inputs import Inputs, kept_schema
+from celery_outbox.audit.location import Location
+from celery_outbox.audit.options import AuditOptions
+from celery_outbox.audit.sketch import ACCURACY
+
+__all__ = ["Ledger", "drop_replaced", "read_ledger", "record_ledger"]
+
+FORMAT = 1
+FOLDER = "ledger"
+_SETTLED_SCHEMAS = {
+    "latency": "task_name string, hour timestamp, bucket int, count long, max double",
+    "throughput": "period timestamp, sent long, handled long",
+    "dead_letters": "task_name string, exception string, count long",
+}
+
+
+@dataclass
+class Ledger:
+    """The ledger in force: its ``folder``, the archive ``files`` covered (paths inside the
+    archive), the ``watermark`` (naive UTC, or None), the ``settled`` messages' tally and how many
+    messages it settled."""
+
+    folder: Location
+    files: set[str]
+    watermark: datetime | None
+    settled: Tally
+    messages: int  #: messages settled so far
+
+    def frame(self, spark, kind: str):
+        """The carried, de-duplicated rows of ``kind``."""
+        return spark.read.schema(kept_schema(kind)).parquet(self.folder.child("carried", kind).uri)
+
+
+def basis_of(options: AuditOptions) -> dict[str, Any]:
+    """What a ledger's figures depend on: a ledger of another basis is not used."""
+    return {"format": FORMAT, "archive": Location.of(options.archive).uri if options.archive else None,
+            "late_after_seconds": options.late_after_seconds, "horizon_seconds": options.horizon_seconds,
+            "sketch_accuracy": ACCURACY}
+
+
+def read_ledger(spark, out: Location, options: AuditOptions) -> tuple[Ledger | None, str]:
+    """The ledger in force under ``out`` and "" — or None and why this run is a full one."""
+    if options.full:
+        return None, "--full"
+    folder = _in_force(spark, out)
+    if folder is None:
+        return None, "no ledger yet"
+    record = json.loads(read_text(spark, folder.child("ledger.json").uri) or "null")
+    if record is None:
+        return None, f"the ledger's folder {folder} is gone"
+    basis = basis_of(options)
+    changed = [key for key in basis if record["basis"].get(key) != basis[key]]
+    if changed:
+        key = changed[0]
+        return None, f"the ledger was made with {key} {record['basis'].get(key)!r}, this run has {basis[key]!r}"
+    settled = record["settled"]
+    frames = {name: spark.read.schema(schema).parquet(folder.child("settled", name).uri)
+              for name, schema in _SETTLED_SCHEMAS.items()}
+    tallied = Tally(settled["counts"], (_moment(settled["window"][0]), _moment(settled["window"][1])),
+                    settled["histogram"], frames["latency"], frames["throughput"], frames["dead_letters"])
+    return Ledger(folder, set(record["files"]), _moment(record["watermark"]), tallied, settled["messages"]), ""
+
+
+def _in_force(spark, out: Location) -> Location | None:
+    """The folder of the ledger in force under ``out``, if any."""
+    pointer = read_text(spark, out.child(FOLDER, "current.json").uri)
+    return out.child(FOLDER, json.loads(pointer)["run"]) if pointer else None
+
+
+def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, unit: str,
+                  previous: Ledger | None, cached: list[Any]) -> dict[str, Any]:
+    """Settle what can be settled, write the new ledger and put it in force; what it says (the
+    summary's ``ledger`` entry). The folder it replaces stays until ``drop_replaced``: the run's
+    cached frames may still read from it."""
+    F = inputs.F
+    archived = inputs.archived
+    moments = (archived["sent"].select("message_id", F.col("sent_at").alias("moment"))
+               .unionByName(archived["incoming"].select(
+                   "message_id", F.coalesce("handled_at", "received_at").alias("moment")))
+               .unionByName(archived["dead_letters"].select("message_id", F.col("failed_at").alias("moment")))
+               .groupBy("message_id").agg(F.max("moment").alias("moment"), F.count("moment").alias("known"),
+                                          F.count(F.lit(1)).alias("rows")))
+    moments = moments.cache()
+    cached.append(moments)
+    newest = moments.agg(F.max("moment")).first()[0]
+    watermark = max((m for m in (newest, previous.watermark if previous else None) if m), default=None)
+    settled_ids = moments.select("message_id").limit(0)
+    if watermark is not None:
+        cutoff = watermark - timedelta(seconds=options.horizon_seconds)
+        unsettled = (moments.where((F.col("moment") >= F.lit(cutoff)) | (F.col("known") < F.col("rows")))
+                     .select("message_id")
+                     .unionByName(open_sends(F, archived["sent"], archived["incoming"], archived["dead_letters"])
+                                  .select("message_id"))
+                     .unionByName(archived["incoming"].where(~F.col("status").isin(*FINAL_STATUSES))
+                                  .select("message_id")))
+        if inputs.live_ids is not None:
+            unsettled = unsettled.unionByName(inputs.live_ids)
+        settled_ids = moments.select("message_id").join(unsettled.distinct(), "message_id", "left_anti")
+    settled_ids = settled_ids.cache()
+    cached.append(settled_ids)
+    settling = {kind: archived[kind].join(settled_ids, "message_id", "left_semi") for kind in ARCHIVE_KINDS}
+    newly = tally(spark, settling, options, unit, cached)
+    total = previous.settled.plus(newly, unit) if previous is not None else newly
+
+    settled_now = settled_ids.count()
+    messages = moments.count()
+    folder = out.child(FOLDER, f"run-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}")
+    carried = {kind: archived[kind].join(settled_ids, "message_id", "left_anti") for kind in ARCHIVE_KINDS}
+    for kind, frame in carried.items():
+        frame.write.mode("overwrite").parquet(folder.child("carried", kind).uri)
+    sketch = total.latency.groupBy("task_name", "hour", "bucket").agg(F.sum("count").alias("count"),
+                                                                      F.max("max").alias("max"))
+    for name, frame in (("latency", sketch), ("throughput", total.throughput),
+                        ("dead_letters", total.dead_letters)):
+        frame.coalesce(1).write.mode("overwrite").parquet(folder.child("settled", name).uri)
+    record = {
+        "basis": basis_of(options), "watermark": _text(watermark), "files": inputs.files_covered,
+        "settled": {"messages": settled_now + (previous.messages if previous is not None else 0),
+                    "counts": total.counts, "window": [_text(total.window[0]), _text(total.window[1])],
+                    "histogram": total.histogram},
+    }
+    write_text(spark, folder.child("ledger.json").uri, json.dumps(record) + "\n")
+    write_text(spark, out.child(FOLDER, "current.json").uri, json.dumps({"run": folder.text.rsplit("/", 1)[1]}))
+    return {
+        "watermark": _text(watermark), "files_read": inputs.files_read,
+        "files_covered_before": len(previous.files) if previous is not None else 0,
+        "messages_settled_now": settled_now, "messages_settled": record["settled"]["messages"],
+        "messages_carried": messages - settled_now,
+    }
+
+
+def drop_replaced(spark, out: Location) -> None:
+    """Delete every ledger folder but the one in force: the one a run replaced (once its outputs are
+    written) and any a failed run left."""
+    in_force = _in_force(spark, out)
+    for name in children(spark, out.child(FOLDER).uri):
+        if name.startswith("run-") and (in_force is None or out.child(FOLDER, name) != in_force):
+            delete(spark, out.child(FOLDER, name).uri)
+
+
+def _text(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def _moment(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text else None
+
