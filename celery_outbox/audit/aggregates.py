@@ -81,12 +81,34 @@ class Tally:
                      self.latency.unionByName(other.latency), periods, letters)
 
 
+    def minus(self, part: "Tally", unit: str) -> "Tally":
+        """The tally of this set without ``part``, a subset of it. The window and each latency
+        maximum stay this set's: both are extremes, and the messages of ``part`` stay in the
+        inputs of the runs to come (a ledger carries them), whose extremes include theirs."""
+        from pyspark.sql import functions as F
+
+        def less(mine, theirs, keys: list[str], measures: list[str]):
+            negated = theirs.select(*keys, *[(-F.col(m)).alias(m) for m in measures])
+            summed = mine.select(*keys, *measures).unionByName(negated).groupBy(*keys).agg(
+                *[F.sum(m).alias(m) for m in measures])
+            return summed.where(reduce(lambda a, b: a | b, [F.col(m) != 0 for m in measures]))
+
+        keys = ["task_name", "hour", "bucket"]
+        latency = less(self.latency, part.latency, keys, ["count"]).join(
+            self.latency.groupBy(*keys).agg(F.max("max").alias("max")), keys)
+        periods = self.throughput.select(F.date_trunc(unit, "period").alias("period"), "sent", "handled")
+        return Tally({key: self.counts[key] - part.counts[key] for key in COUNTS}, self.window,
+                     [a - b for a, b in zip(self.histogram, part.histogram, strict=True)], latency,
+                     less(periods, part.throughput, ["period"], ["sent", "handled"]),
+                     less(self.dead_letters, part.dead_letters, ["task_name", "exception"], ["count"]))
+
+
 @dataclass
 class Aggregates:
     """What the audit computed: the summary (plain data, ``summary.json``), the latency histogram,
     and the DataFrames the outputs write (latency per task and per hour with their quantiles in
     a ``q`` array, throughput per period, dead letters by task and exception, the lost messages);
-    ``unit`` is the throughput's period."""
+    ``unit`` is the throughput's period, ``total`` the tally of every message, settled or read."""
 
     summary: dict[str, Any]
     histogram: list[tuple[float, float, int]]
@@ -96,6 +118,7 @@ class Aggregates:
     dead_by_task: Any
     lost: Any
     unit: str
+    total: Tally
 
 
 def window_of(sent) -> tuple[Any, Any]:
@@ -106,10 +129,10 @@ def window_of(sent) -> tuple[Any, Any]:
     return row[0], row[1]
 
 
-def tally(spark, frames: dict, options: AuditOptions, unit: str, cached: list[Any]) -> Tally:
+def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any]) -> Tally:
     """The tally of the messages in the de-duplicated ``frames`` (``incoming``, ``sent``,
-    ``dead_letters``); the latencies are cached (several figures read them) and appended to
-    ``cached`` for the caller to unpersist."""
+    ``dead_letters``), its throughput per ``unit``; the latencies are cached (several figures read
+    them) and appended to ``cached`` for the caller to unpersist."""
     from pyspark.sql import functions as F
 
     incoming, sent, dead = frames["incoming"], frames["sent"], frames["dead_letters"]
@@ -125,14 +148,16 @@ def tally(spark, frames: dict, options: AuditOptions, unit: str, cached: list[An
                   .join(handled.groupBy(F.date_trunc(unit, "handled_at").alias("period"))
                         .agg(F.count(F.lit(1)).alias("handled")), "period", "full_outer").na.fill(0))
     letters = dead.groupBy("task_name", F.coalesce("exception_type", "reason").alias("exception")).count()
-    inbox_only = incoming.join(sent.select("message_id").distinct(), "message_id", "left_anti")
+    sends = sent.agg(F.count(F.lit(1)), F.min("sent_at"), F.max("sent_at")).first()
+    inbox = incoming.agg(F.count_if(F.col("status") == IncomingStatus.HANDLED.value),
+                         F.coalesce(F.sum("duplicates"), F.lit(0))).first()
+    histogram, late = _histogram(latency, F, options.late_after_seconds)
     counts = {
-        "sent": sent.count(), "handled": handled.count(), "dead_lettered": dead.count(),
-        "duplicates_discarded": int(incoming.agg(F.coalesce(F.sum("duplicates"), F.lit(0))).first()[0]),
-        "late": latency.where(F.col("latency") > options.late_after_seconds).count(),
-        "inbox_only": inbox_only.count(),
+        "sent": sends[0], "handled": inbox[0], "dead_lettered": dead.count(), "duplicates_discarded": int(inbox[1]),
+        "late": late, "inbox_only": incoming.join(sent.select("message_id").distinct(), "message_id",
+                                                  "left_anti").count(),
     }
-    return Tally(counts, window_of(sent), _histogram(latency, F), sketch, throughput, letters)
+    return Tally(counts, (sends[1], sends[2]), histogram, sketch, throughput, letters)
 
 
 def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: dict[str, Any],
@@ -141,7 +166,7 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
     runs settled (``ledger``) when there is one. The lost messages and the latencies are cached
     (each is read by several aggregates) and appended to ``cached`` for the caller to unpersist,
     with the live tables the inputs keep; ``ran_on`` is the summary's ``spark`` entry."""
-    F, spark = inputs.F, inputs.spark
+    F = inputs.F
     now = options.now.astimezone(timezone.utc).replace(tzinfo=None)  # Spark timestamps are UTC, session tz UTC
 
     cached.extend(inputs.cached)
@@ -166,7 +191,7 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
                   max((w for w in (window[1], settled.window[1]) if w), default=None))
     unit = _throughput_unit(*window)
     frames = {"incoming": inputs.incoming, "sent": inputs.sent, "dead_letters": inputs.dead}
-    total = tally(spark, frames, options, unit, cached)
+    total = tally(frames, options, unit, cached)
     if settled is not None:
         total = settled.plus(total, unit)
     overall = quantile_columns(F, total.latency, []).first()
@@ -199,7 +224,7 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
         "inputs": _inputs_summary(inputs, options, pending, counts),
         "spark": ran_on,
     }
-    return Aggregates(summary, histogram, by_task, by_hour, throughput, dead_by_task, lost, unit)
+    return Aggregates(summary, histogram, by_task, by_hour, throughput, dead_by_task, lost, unit, total)
 
 
 def _inputs_summary(inputs: Inputs, options: AuditOptions, pending: dict[str, int] | None,
@@ -257,12 +282,15 @@ def _throughput_unit(first, last) -> str:
     return "second" if span <= 600 else "minute" if span <= 2 * 86400 else "hour"
 
 
-def _histogram(latency, F) -> list[int]:
-    """The count of latencies in each ``LATENCY_BUCKETS`` bucket (the last one open-ended)."""
+def _histogram(latency, F, late_after: float) -> tuple[list[int], int]:
+    """The count of latencies in each ``LATENCY_BUCKETS`` bucket (the last one open-ended), and
+    how many are over ``late_after`` seconds: one pass."""
     bucket = reduce(lambda expr, i: expr.when(F.col("latency") < LATENCY_BUCKETS[i + 1], i),
                     range(len(LATENCY_BUCKETS) - 1), F).otherwise(len(LATENCY_BUCKETS) - 1)
-    counts = dict(latency.groupBy(bucket.alias("bucket")).count().collect())
-    return [int(counts.get(i, 0)) for i in range(len(LATENCY_BUCKETS))]
+    rows = latency.groupBy(bucket.alias("bucket")).agg(F.count(F.lit(1)), F.count_if(F.col("latency") > late_after))
+    counts = {row[0]: (row[1], row[2]) for row in rows.collect()}
+    return [int(counts.get(i, (0, 0))[0]) for i in range(len(LATENCY_BUCKETS))], sum(int(late) for _, late in
+                                                                                   counts.values())
 
 
 def quantiles(row) -> dict[str, float | None]:

@@ -119,7 +119,7 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
         result = aggregate(inputs, options, cached, spark_facts(spark, partitions),
                            ledger.settled if ledger is not None else None)
         progress(Stage.SETTLING, "")
-        told = record_ledger(spark, out, options, inputs, result.unit, ledger, cached)
+        told = record_ledger(spark, out, options, inputs, result, ledger, cached)
         recorded = True
         result.summary["ledger"] = {"mode": "incremental" if ledger is not None else "full",
                                     "why_full": why_full or None, **told}

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from celery_outbox.audit.aggregates import FINAL_STATUSES, Tally, open_sends, tally
+from celery_outbox.audit.aggregates import FINAL_STATUSES, Aggregates, Tally, tally
 from celery_outbox.audit.archive import ARCHIVE_KINDS
 from celery_outbox.audit.hadoop import children, delete, read_text, write_text
 from celery_outbox.audit.inputs import Inputs, kept_schema
@@ -62,14 +62,12 @@ _SETTLED_SCHEMAS = {
 @dataclass
 class Ledger:
     """The ledger in force: its ``folder``, the archive ``files`` covered (paths inside the
-    archive), the ``watermark`` (naive UTC, or None), the ``settled`` messages' tally and how many
-    messages it settled."""
+    archive), the ``watermark`` (naive UTC, or None) and the ``settled`` messages' tally."""
 
     folder: Location
     files: set[str]
     watermark: datetime | None
     settled: Tally
-    messages: int  #: messages settled so far
 
     def frame(self, spark, kind: str):
         """The carried, de-duplicated rows of ``kind``."""
@@ -103,7 +101,7 @@ def read_ledger(spark, out: Location, options: AuditOptions) -> tuple[Ledger | N
               for name, schema in _SETTLED_SCHEMAS.items()}
     tallied = Tally(settled["counts"], (_moment(settled["window"][0]), _moment(settled["window"][1])),
                     settled["histogram"], frames["latency"], frames["throughput"], frames["dead_letters"])
-    return Ledger(folder, set(record["files"]), _moment(record["watermark"]), tallied, settled["messages"]), ""
+    return Ledger(folder, set(record["files"]), _moment(record["watermark"]), tallied), ""
 
 
 def _in_force(spark, out: Location) -> Location | None:
@@ -112,66 +110,88 @@ def _in_force(spark, out: Location) -> Location | None:
     return out.child(FOLDER, json.loads(pointer)["run"]) if pointer else None
 
 
-def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, unit: str,
+def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, result: Aggregates,
                   previous: Ledger | None, cached: list[Any]) -> dict[str, Any]:
     """Settle what can be settled, write the new ledger and put it in force; what it says (the
     summary's ``ledger`` entry). The folder it replaces stays until ``drop_replaced``: the run's
-    cached frames may still read from it."""
+    cached frames may still read from it.
+
+    The settled tally is every message's (``result.total``) less the carried messages': the
+    carried are the fewer, so that costs a tally of them, not of all that settle. With the live
+    tables read, ``result.total`` holds their rows too, and the archive's own part is tallied."""
     F = inputs.F
     archived = inputs.archived
-    moments = (archived["sent"].select("message_id", F.col("sent_at").alias("moment"))
-               .unionByName(archived["incoming"].select(
-                   "message_id", F.coalesce("handled_at", "received_at").alias("moment")))
-               .unionByName(archived["dead_letters"].select("message_id", F.col("failed_at").alias("moment")))
-               .groupBy("message_id").agg(F.max("moment").alias("moment"), F.count("moment").alias("known"),
-                                          F.count(F.lit(1)).alias("rows")))
-    moments = moments.cache()
-    cached.append(moments)
-    newest = moments.agg(F.max("moment")).first()[0]
-    watermark = max((m for m in (newest, previous.watermark if previous else None) if m), default=None)
-    settled_ids = moments.select("message_id").limit(0)
-    if watermark is not None:
-        cutoff = watermark - timedelta(seconds=options.horizon_seconds)
-        unsettled = (moments.where((F.col("moment") >= F.lit(cutoff)) | (F.col("known") < F.col("rows")))
-                     .select("message_id")
-                     .unionByName(open_sends(F, archived["sent"], archived["incoming"], archived["dead_letters"])
-                                  .select("message_id"))
-                     .unionByName(archived["incoming"].where(~F.col("status").isin(*FINAL_STATUSES))
-                                  .select("message_id")))
-        if inputs.live_ids is not None:
-            unsettled = unsettled.unionByName(inputs.live_ids)
-        settled_ids = moments.select("message_id").join(unsettled.distinct(), "message_id", "left_anti")
-    settled_ids = settled_ids.cache()
-    cached.append(settled_ids)
-    settling = {kind: archived[kind].join(settled_ids, "message_id", "left_semi") for kind in ARCHIVE_KINDS}
-    newly = tally(spark, settling, options, unit, cached)
-    total = previous.settled.plus(newly, unit) if previous is not None else newly
+    watermark = max((m for m in (*_newest(F, archived), previous.watermark if previous else None) if m),
+                    default=None)
+    carried_ids = _unsettled(F, archived, watermark, options.horizon_seconds)
+    if inputs.live_ids is not None:
+        carried_ids = carried_ids.unionByName(inputs.live_ids).distinct()
+    carried_ids = carried_ids.cache()
+    cached.append(carried_ids)
+    carried = {kind: archived[kind].join(carried_ids, "message_id", "left_semi") for kind in ARCHIVE_KINDS}
+    unit = result.unit
+    everything = result.total
+    if inputs.live:
+        everything = tally(archived, options, unit, cached)
+        if previous is not None:
+            everything = previous.settled.plus(everything, unit)
+    settled = everything.minus(tally(carried, options, unit, cached), unit)
 
-    settled_now = settled_ids.count()
-    messages = moments.count()
     folder = out.child(FOLDER, f"run-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}")
-    carried = {kind: archived[kind].join(settled_ids, "message_id", "left_anti") for kind in ARCHIVE_KINDS}
     for kind, frame in carried.items():
         frame.write.mode("overwrite").parquet(folder.child("carried", kind).uri)
-    sketch = total.latency.groupBy("task_name", "hour", "bucket").agg(F.sum("count").alias("count"),
-                                                                      F.max("max").alias("max"))
-    for name, frame in (("latency", sketch), ("throughput", total.throughput),
-                        ("dead_letters", total.dead_letters)):
+    for name, frame in (("latency", settled.latency), ("throughput", settled.throughput),
+                        ("dead_letters", settled.dead_letters)):
         frame.coalesce(1).write.mode("overwrite").parquet(folder.child("settled", name).uri)
     record = {
         "basis": basis_of(options), "watermark": _text(watermark), "files": inputs.files_covered,
-        "settled": {"messages": settled_now + (previous.messages if previous is not None else 0),
-                    "counts": total.counts, "window": [_text(total.window[0]), _text(total.window[1])],
-                    "histogram": total.histogram},
+        "settled": {"counts": settled.counts, "window": [_text(settled.window[0]), _text(settled.window[1])],
+                    "histogram": settled.histogram},
     }
     write_text(spark, folder.child("ledger.json").uri, json.dumps(record) + "\n")
     write_text(spark, out.child(FOLDER, "current.json").uri, json.dumps({"run": folder.text.rsplit("/", 1)[1]}))
     return {
         "watermark": _text(watermark), "files_read": inputs.files_read,
         "files_covered_before": len(previous.files) if previous is not None else 0,
-        "messages_settled_now": settled_now, "messages_settled": record["settled"]["messages"],
-        "messages_carried": messages - settled_now,
+        "messages_carried": carried_ids.count(), "sends_settled": settled.counts["sent"],
+        "sends_settled_before": previous.settled.counts["sent"] if previous is not None else 0,
     }
+
+
+def _newest(F, archived: dict) -> list[datetime | None]:
+    """The newest moment of each kind of archived row (naive UTC)."""
+    return [archived["sent"].agg(F.max("sent_at")).first()[0],
+            archived["incoming"].agg(F.max(F.coalesce("handled_at", "received_at"))).first()[0],
+            archived["dead_letters"].agg(F.max("failed_at")).first()[0]]
+
+
+def _unsettled(F, archived: dict, watermark: datetime | None, horizon_seconds: float):
+    """The ids of the archived messages that can still change, in one pass over their rows: a
+    row within the horizon of the watermark (or with no moment at all), an attempt not ended, or
+    a send not ended (no dead letter, no final inbox row keyed by id alone or by its
+    destination: the rule ``open_sends`` applies)."""
+    rows = (archived["sent"].select("message_id", "destination", F.col("sent_at").alias("moment"),
+                                    F.lit("sent").alias("kind"), F.lit(None).cast("string").alias("status"))
+            .unionByName(archived["incoming"].select("message_id", "destination",
+                                                     F.coalesce("handled_at", "received_at").alias("moment"),
+                                                     F.lit("incoming").alias("kind"), "status"))
+            .unionByName(archived["dead_letters"].select("message_id", "destination",
+                                                         F.col("failed_at").alias("moment"),
+                                                         F.lit("dead").alias("kind"),
+                                                         F.lit(None).cast("string").alias("status"))))
+    final = F.col("status").isin(*FINAL_STATUSES)
+    per = rows.groupBy("message_id").agg(
+        F.max("moment").alias("moment"), (F.count("moment") < F.count(F.lit(1))).alias("undated"),
+        F.collect_set(F.when(F.col("kind") == "sent", F.col("destination"))).alias("sent_to"),
+        F.collect_set(F.when((F.col("kind") == "incoming") & final, F.col("destination"))).alias("ended_at"),
+        F.max((F.col("kind") == "incoming") & ~final).alias("running"),
+        F.max(F.col("kind") == "dead").alias("lettered"))
+    open_send = ((F.size("sent_to") > 0) & ~F.col("lettered") & ~F.array_contains("ended_at", "")
+                 & (F.size(F.array_except("sent_to", "ended_at")) > 0))
+    changing = F.col("undated") | F.col("running") | open_send
+    if watermark is not None:
+        changing = changing | (F.col("moment") >= F.lit(watermark - timedelta(seconds=horizon_seconds)))
+    return per.where(changing).select("message_id")
 
 
 def drop_replaced(spark, out: Location) -> None:
