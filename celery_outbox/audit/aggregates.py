@@ -131,8 +131,8 @@ def window_of(sent) -> tuple[Any, Any]:
 
 def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any]) -> Tally:
     """The tally of the messages in the de-duplicated ``frames`` (``incoming``, ``sent``,
-    ``dead_letters``), its throughput per ``unit``; the latencies are cached (several figures read
-    them) and appended to ``cached`` for the caller to unpersist."""
+    ``dead_letters``), its throughput per ``unit``; the latencies and the tally's frames are cached
+    (several figures read them) and appended to ``cached`` for the caller to unpersist."""
     from pyspark.sql import functions as F
 
     incoming, sent, dead = frames["incoming"], frames["sent"], frames["dead_letters"]
@@ -157,7 +157,9 @@ def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any]) -> 
         "late": late, "inbox_only": incoming.join(sent.select("message_id").distinct(), "message_id",
                                                   "left_anti").count(),
     }
-    return Tally(counts, (sends[1], sends[2]), histogram, sketch, throughput, letters)
+    small = [frame.cache() for frame in (sketch, throughput, letters)]  # read again by every figure that adds them
+    cached.extend(small)
+    return Tally(counts, (sends[1], sends[2]), histogram, *small)
 
 
 def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: dict[str, Any],

@@ -123,12 +123,9 @@ def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, r
     archived = inputs.archived
     watermark = max((m for m in (*_newest(F, archived), previous.watermark if previous else None) if m),
                     default=None)
-    carried_ids = _unsettled(F, archived, watermark, options.horizon_seconds)
-    if inputs.live_ids is not None:
-        carried_ids = carried_ids.unionByName(inputs.live_ids).distinct()
-    carried_ids = carried_ids.cache()
-    cached.append(carried_ids)
-    carried = {kind: archived[kind].join(carried_ids, "message_id", "left_semi") for kind in ARCHIVE_KINDS}
+    carried_per = _carried(F, archived, watermark, options.horizon_seconds, inputs.live_ids).cache()
+    cached.append(carried_per)
+    carried = {kind: carried_per.select(F.explode(kind).alias("row")).select("row.*") for kind in ARCHIVE_KINDS}
     unit = result.unit
     everything = result.total
     if inputs.live:
@@ -153,7 +150,7 @@ def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, r
     return {
         "watermark": _text(watermark), "files_read": inputs.files_read,
         "files_covered_before": len(previous.files) if previous is not None else 0,
-        "messages_carried": carried_ids.count(), "sends_settled": settled.counts["sent"],
+        "messages_carried": carried_per.count(), "sends_settled": settled.counts["sent"],
         "sends_settled_before": previous.settled.counts["sent"] if previous is not None else 0,
     }
 
@@ -165,33 +162,40 @@ def _newest(F, archived: dict) -> list[datetime | None]:
             archived["dead_letters"].agg(F.max("failed_at")).first()[0]]
 
 
-def _unsettled(F, archived: dict, watermark: datetime | None, horizon_seconds: float):
-    """The ids of the archived messages that can still change, in one pass over their rows: a
-    row within the horizon of the watermark (or with no moment at all), an attempt not ended, or
-    a send not ended (no dead letter, no final inbox row keyed by id alone or by its
-    destination: the rule ``open_sends`` applies)."""
-    rows = (archived["sent"].select("message_id", "destination", F.col("sent_at").alias("moment"),
-                                    F.lit("sent").alias("kind"), F.lit(None).cast("string").alias("status"))
-            .unionByName(archived["incoming"].select("message_id", "destination",
-                                                     F.coalesce("handled_at", "received_at").alias("moment"),
-                                                     F.lit("incoming").alias("kind"), "status"))
-            .unionByName(archived["dead_letters"].select("message_id", "destination",
-                                                         F.col("failed_at").alias("moment"),
-                                                         F.lit("dead").alias("kind"),
-                                                         F.lit(None).cast("string").alias("status"))))
+def _carried(F, archived: dict, watermark: datetime | None, horizon_seconds: float, live_ids):
+    """One row per archived message that can still change, with its rows of each kind (arrays named
+    after the kinds), found in one pass over the rows: a row within the horizon of the watermark
+    (or with no moment at all), an attempt not ended, a send not ended (no dead letter, no final
+    inbox row keyed by id alone or by its destination: the rule ``open_sends`` applies), or a
+    message the live tables hold (``live_ids``, None when they were not read)."""
+    moments = {"sent": F.col("sent_at"), "incoming": F.coalesce("handled_at", "received_at"),
+               "dead_letters": F.col("failed_at")}
+    rows = None
+    for kind in ARCHIVE_KINDS:
+        frame = archived[kind]
+        status = F.col("status") if kind == "incoming" else F.lit(None).cast("string")
+        payloads = [(F.struct(*frame.columns) if other == kind else F.lit(None).cast(archived[other].schema))
+                    .alias(other) for other in ARCHIVE_KINDS]
+        projected = frame.select("message_id", "destination", moments[kind].alias("moment"),
+                                 F.lit(kind).alias("kind"), status.alias("status"), *payloads)
+        rows = projected if rows is None else rows.unionByName(projected)
     final = F.col("status").isin(*FINAL_STATUSES)
     per = rows.groupBy("message_id").agg(
         F.max("moment").alias("moment"), (F.count("moment") < F.count(F.lit(1))).alias("undated"),
         F.collect_set(F.when(F.col("kind") == "sent", F.col("destination"))).alias("sent_to"),
         F.collect_set(F.when((F.col("kind") == "incoming") & final, F.col("destination"))).alias("ended_at"),
         F.max((F.col("kind") == "incoming") & ~final).alias("running"),
-        F.max(F.col("kind") == "dead").alias("lettered"))
+        F.max(F.col("kind") == "dead_letters").alias("lettered"),
+        *[F.collect_list(kind).alias(kind) for kind in ARCHIVE_KINDS])
     open_send = ((F.size("sent_to") > 0) & ~F.col("lettered") & ~F.array_contains("ended_at", "")
                  & (F.size(F.array_except("sent_to", "ended_at")) > 0))
     changing = F.col("undated") | F.col("running") | open_send
     if watermark is not None:
         changing = changing | (F.col("moment") >= F.lit(watermark - timedelta(seconds=horizon_seconds)))
-    return per.where(changing).select("message_id")
+    if live_ids is not None:
+        per = per.join(live_ids.withColumn("live", F.lit(True)), "message_id", "left")
+        changing = changing | F.col("live").isNotNull()
+    return per.where(changing).select("message_id", *ARCHIVE_KINDS)
 
 
 def drop_replaced(spark, out: Location) -> None:
