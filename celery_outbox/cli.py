@@ -343,13 +343,15 @@ def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exceptio
 @click.option("--verbose", is_flag=True, help="Spark's own log on the console, not in spark.log in --out.")
 @click.option("--full", is_flag=True, help="Read the whole archive again, not only what the ledger in --out has "
               "not covered.")
+@click.option("--no-ledger", is_flag=True, help="A one-off audit: read everything and keep no ledger in --out "
+              "(about half the cost of a full run that keeps one).")
 @click.option("--horizon", type=Age(), default="1d", show_default=True,
               help="How long after a message's newest row the ledger still matches repeats of its rows.")
 @click.option("--now", type=click.DateTime(formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
               help="Audit as of this moment (ISO 8601, UTC unless it says; default: now).")
 @_with_outbox
 def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master, driver_memory,
-          shuffle_partitions, verbose, full, horizon, now) -> None:
+          shuffle_partitions, verbose, full, no_ledger, horizon, now) -> None:
     """The delivery audit (Spark): lost, duplicated, late and dead-lettered messages; exit 1 when any is lost."""
     import importlib.util
 
@@ -370,4 +372,4 @@ def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuc
                         ("--driver-memory", driver_memory), ("--shuffle-partitions", shuffle_partitions)):
         if value:
             argv += [flag, str(value)]
-    raise SystemExit(audit_main(argv + ["--verbose"] * verbose + ["--full"] * full))
+    raise SystemExit(audit_main(argv + ["--verbose"] * verbose + ["--full"] * full + ["--no-ledger"] * no_ledger))

@@ -56,7 +56,7 @@ from celery_outbox.audit.session import (
     starts_jvm,
 )
 
-__all__ = ["AuditInputError", "AuditOptions", "Stage", "main", "run_audit"]
+__all__ = ["AuditInputError", "AuditOptions", "Mode", "Stage", "main", "run_audit"]
 
 EXIT_CLEAN, EXIT_LOST, EXIT_BAD_INPUT = 0, 1, 2
 SPARK_LOG = "spark.log"
@@ -71,6 +71,13 @@ class Stage(Enum):
     AGGREGATING = "aggregating"
     SETTLING = "settling the ledger"
     WRITING = "writing the outputs"
+
+
+class Mode(str, Enum):
+    """How much of the archive a run read (the summary's ``ledger.mode``)."""
+
+    FULL = "full"  #: all of it
+    INCREMENTAL = "incremental"  #: the files its ledger had not covered, and the messages it carried
 
 
 #: what ``run_audit`` tells of its progress: the stage beginning, and a detail (possibly empty)
@@ -92,7 +99,8 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
     The ledger under ``options.out`` (``ledger``) makes the run incremental: it reads the archive
     files the ledger has not covered and the messages it carried, and writes the next ledger
     before the outputs. Without a ledger of the same basis, or with ``options.full``, the run
-    reads everything; the summary's ``ledger`` entry says which and why.
+    reads everything; the summary's ``ledger`` entry says which and why. With ``options.ledger``
+    off it reads everything and keeps no ledger.
     """
     files = check_inputs(options)
     out = Location.of(options.out)
@@ -105,7 +113,7 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
     try:
         partitions = shuffle_partitions(spark, options)
         spark.conf.set("spark.sql.shuffle.partitions", str(partitions))
-        ledger, why_full = read_ledger(spark, out, options)
+        ledger, why_full = read_ledger(spark, out, options) if options.ledger else (None, "--no-ledger")
         progress(Stage.READING, f"(the files the ledger has not covered, of {len(ledger.files)} covered)"
                  if ledger is not None else f"(all of them: {why_full})")
         inputs = Inputs(spark, options, files, ledger)
@@ -118,10 +126,12 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
         progress(Stage.AGGREGATING, "")
         result = aggregate(inputs, options, cached, spark_facts(spark, partitions),
                            ledger.settled if ledger is not None else None)
-        progress(Stage.SETTLING, "")
-        told = record_ledger(spark, out, options, inputs, result, ledger, cached)
-        recorded = True
-        result.summary["ledger"] = {"mode": "incremental" if ledger is not None else "full",
+        told: dict[str, Any] = {"recorded": False}
+        if options.ledger:
+            progress(Stage.SETTLING, "")
+            told = {"recorded": True, **record_ledger(spark, out, options, inputs, result, ledger, cached)}
+            recorded = True
+        result.summary["ledger"] = {"mode": (Mode.INCREMENTAL if ledger is not None else Mode.FULL).value,
                                     "why_full": why_full or None, **told}
         progress(Stage.WRITING, f"to {out}")
         write_outputs(spark, out, result)
@@ -180,6 +190,8 @@ def parser() -> argparse.ArgumentParser:
                    f"or {PARTITIONS_PER_CORE} per core when that is Spark's default of 200)")
     p.add_argument("--full", action="store_true", help="read the whole archive again, not only what the ledger "
                    "in --out has not covered")
+    p.add_argument("--no-ledger", action="store_true", help="a one-off audit: read everything, keep no ledger in "
+                   "--out for the next run (and skip the pass that settles it)")
     p.add_argument("--horizon", type=float, default=86400.0, help="seconds after a message's newest row that the "
                    "ledger still matches repeats of its rows before settling it")
     p.add_argument("--now", type=_moment, default=None, help="audit as of this ISO time (default: now)")
@@ -212,7 +224,7 @@ def main(argv: list[str] | None = None, spark=None) -> int:
                                late_after_seconds=args.late_after, stuck_after_seconds=args.stuck_after,
                                master=args.master, driver_memory=args.driver_memory,
                                shuffle_partitions=args.shuffle_partitions, verbose=args.verbose,
-                               full=args.full, horizon_seconds=args.horizon,
+                               full=args.full, ledger=not args.no_ledger, horizon_seconds=args.horizon,
                                **({"now": args.now} if args.now else {}))
         summary = run_audit(options, spark, _say)
     except AuditInputError as exc:

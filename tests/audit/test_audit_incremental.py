@@ -170,3 +170,15 @@ def test_a_run_that_fails_before_its_ledger_is_in_force_leaves_the_last_one(spar
 
 def ledger_folders(out: Path) -> list[str]:
     return [path.name for path in (out / "ledger").iterdir() if path.name.startswith("run-")]
+
+
+def test_a_one_off_audit_keeps_no_ledger_and_reports_the_same(spark, tmp_path):
+    archive = tmp_path / "archive"
+    archiver = ParquetArchiver(str(archive))
+    for day in range(2):
+        write_day(archiver, day)
+    now = T0 + DAY + timedelta(hours=2)
+    one_off = audit(tmp_path / "one-off", archive, spark, now, ledger=False)
+    assert one_off["ledger"] == {"mode": "full", "why_full": "--no-ledger", "recorded": False}
+    assert not (tmp_path / "one-off" / "ledger").exists()
+    assert comparable(one_off) == comparable(audit(tmp_path / "kept", archive, spark, now))
