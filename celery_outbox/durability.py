@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Sequence
 
+from . import log_fields
 from .broker import outlet
 from .crashpoints import crashpoint
 from .dead_letter_rows import stored_dead_letter_row
@@ -50,8 +51,9 @@ from .envelope import from_row
 from .relay import RelayResult, redeliver, relay
 from .results import EndedMessage, store_dead_letter_results
 from .runtime import Archiver, Runtime
+from .signals import announce_dead_letters, claims_released, message_redelivered
 from .store import utcnow
-from .vocabulary import DeadLetterReason
+from .vocabulary import ClaimRelease, DeadLetterReason, RedeliveryReason
 
 __all__ = ["Archiver", "CleanupResult", "RecoverResult", "cleanup", "recover"]
 
@@ -187,6 +189,8 @@ def release_dead_claims(runtime: Runtime, max_batches: int | None = None) -> int
         return store.release_owned(conn, store.dead_owners(conn), settings.recover_batch_size, utcnow())
 
     released, _ = _in_batches(runtime, settings.recover_batch_size, max_batches, release)
+    if released:
+        claims_released.send(sender=runtime.owner, count=released, reason=ClaimRelease.DEAD_NODE)
     with store.begin() as conn:
         store.forget_released_nodes(conn)  # only nodes that own nothing any more
     return released
@@ -203,7 +207,10 @@ def release_stale_claims(runtime: Runtime, max_batches: int | None = None) -> in
         return store.release_stale_incoming(
             conn, now - timedelta(seconds=settings.inbox_stale_time), settings.recover_batch_size, now)
 
-    return _in_batches(runtime, settings.recover_batch_size, max_batches, release)[0]
+    released = _in_batches(runtime, settings.recover_batch_size, max_batches, release)[0]
+    if released:
+        claims_released.send(sender=runtime.owner, count=released, reason=ClaimRelease.STALE)
+    return released
 
 
 def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_batches: int | None = None) -> None:
@@ -231,14 +238,13 @@ def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_ba
                         return
                     connected = True
                 exhausted = [row for row in rows if row.recoveries >= settings.relay_max_attempts]
-                if exhausted:
-                    _give_up(runtime, conn, exhausted, now)
-                    result.envelopes_dead_lettered += len(exhausted)
+                dead_letters = _give_up(runtime, conn, exhausted, now) if exhausted else []
+                result.envelopes_dead_lettered += len(exhausted)
                 done = out.publish_each([(row, from_row(row, out.queues)) for row in rows
                                          if row.recoveries < settings.relay_max_attempts], crash_point="during_recover")
                 for row, _, exc in done.failed:  # counted as a recovery; it dies after the cap
                     logger.error("celery-outbox recover: cannot re-publish %s[%s]: %r",
-                                 row.task_name, row.message_id, exc)
+                                 row.task_name, row.message_id, exc, **log_fields.of_row(row))
                 result.envelopes_republished += len(done.published)
                 result.broker_error = done.broker_error_text
                 store.mark_recovered(conn, [
@@ -246,24 +252,31 @@ def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_ba
                      "recover_after": now + min(grace * 2 ** row.recoveries, MAX_RECOVERY_BACKOFF)}
                     for row, *_ in done.published + done.failed])
             # committed: their callers get FAILURE(WorkerLostError), as from Celery past its re-send cap
+            announce_dead_letters(runtime.owner, dead_letters)
+            for _, message in done.published:
+                message_redelivered.send(sender=runtime.owner, message=message, reason=RedeliveryReason.WORKER_LOST)
             store_dead_letter_results(app, DeadLetterReason.WORKER_LOST, [
                 EndedMessage(row.message_id, row.task_name, row.headers, row.properties) for row in exhausted])
             if result.broker_error or len(rows) < settings.recover_batch_size:
                 return
 
 
-def _give_up(runtime: Runtime, conn: Any, rows: Sequence[Any], now: datetime) -> None:
+def _give_up(runtime: Runtime, conn: Any, rows: Sequence[Any], now: datetime) -> list[dict[str, Any]]:
+    """End the envelopes recovery re-published too often, in ``conn``'s transaction: their rows
+    dead, their messages in dead letters (returned)."""
     store, settings = runtime.store, runtime.settings
     keep_until = now + timedelta(seconds=settings.keep_after_handling)
     store.mark_incoming_dead(conn, [(row.message_id, row.destination, row.send_id) for row in rows], now, keep_until)
-    store.insert_dead_letters(conn, [stored_dead_letter_row(
+    dead_letters = [stored_dead_letter_row(
         row, reason=DeadLetterReason.WORKER_LOST, failed_at=now, destination=row.destination, queue=row.queue,
         description=f"the worker running it was lost {row.recoveries} time(s); recovery gave up",
         retries=row.retries, nesting=row.nesting, replays=row.replays,
-    ) for row in rows])
+    ) for row in rows]
+    store.insert_dead_letters(conn, dead_letters)
     for row in rows:
         logger.error("celery-outbox: %s[%s] was recovered %d time(s) and never finished; dead-lettered",
-                     row.task_name, row.message_id, row.recoveries)
+                     row.task_name, row.message_id, row.recoveries, **log_fields.of_row(row))
+    return dead_letters
 
 
 # -- cleanup ---------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .errors import UnstorableMessage
 from .routing import exchange_name
 from .sent_events import RecordingDispatcher, SentEvent
 from .store import SEND_ID_SIZE, as_utc, text_problem
-from .vocabulary import SEND_HEADER
+from .vocabulary import REPLAY_HEADER, SEND_HEADER, Attempt
 
 __all__ = ["SEND_HEADER", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text", "new_send_id",
            "send_id_of"]
@@ -63,6 +63,7 @@ class OutgoingMessage:
     expires_at: datetime | None = None
     deliver_at: datetime | None = None  # durable scheduling: its eta, held in the store until released
     sent_event: SentEvent | None = None  # the task-sent event of this send, published after it (never stored)
+    committed_at: datetime | None = None  # when its unit of work committed (a stored row: when it was stored)
 
     def make_durable(self) -> None:
         """Mark for the outgoing table: the eta header stays (the worker holds the message until
@@ -160,6 +161,13 @@ def header_count(value: Any) -> int:
         return max(int(value or 0), 0)
     except (TypeError, ValueError):
         return 0
+
+
+def attempt_of(headers: Any) -> Attempt:
+    """The attempt a task message's headers carry (garbage counts as 0)."""
+    headers = headers if isinstance(headers, dict) else {}
+    return Attempt(header_count(headers.get("replaced_task_nesting")), header_count(headers.get(REPLAY_HEADER)),
+                   header_count(headers.get("retries")))
 
 
 def _timestamp(value: Any) -> datetime | None:
@@ -301,4 +309,5 @@ def from_row(row: Any, queues: Any) -> OutgoingMessage:
         row_id=column("id"),
         expires_at=as_utc(column("expires_at")),
         deliver_at=as_utc(column("deliver_at")),
+        committed_at=as_utc(column("created_at")),
     )

@@ -34,6 +34,7 @@ from typing import Any, Callable
 from celery import bootsteps, signals
 from celery.exceptions import NotRegistered
 
+from . import log_fields
 from .celery_hooks import (
     TASKS_STEP,
     build_channel_messages_with,
@@ -45,12 +46,13 @@ from .celery_hooks import (
 )
 from .config import OutboxSettings
 from .dead_letter_rows import ID_SIZE, dead_letter_row, is_storable_id, stored_text
-from .envelope import header_count, send_id_of
+from .envelope import attempt_of, send_id_of
 from .results import EndedMessage, store_dead_letter_results
 from .routing import queue_of
 from .runtime import Runtime, runtime_of
+from .signals import announce_dead_letters
 from .store import is_content_error, utcnow
-from .vocabulary import REPLAY_HEADER, REQUEUE_BACKOFF, Attempt, DeadLetterReason
+from .vocabulary import REQUEUE_BACKOFF, Attempt, DeadLetterReason
 
 __all__ = ["MessageGuard", "body_reason", "dead_letter_row_of", "malformed_reason", "sound_envelope",
            "store_limits_reason", "tolerate_any_envelope"]
@@ -290,12 +292,12 @@ def _dead_letter(runtime: Runtime, consumer: Any, message: Any, reason: DeadLett
         stored = _store_dead_letter(runtime, message, reason, description)
     except Exception as exc:  # noqa: BLE001 - not the row's fault: the store cannot be reached or used
         logger.error("celery-outbox: cannot dead-letter a %s message (%s); handing it back to the broker in %ss: "
-                     "%s", reason.value, description, REQUEUE_BACKOFF, exc)
+                     "%s", reason.value, description, REQUEUE_BACKOFF, exc, **log_fields.of_broker_message(message))
         _requeue_later(consumer, message)
         return
     if stored:
         logger.error("celery-outbox: dead-lettered a %s message from %r: %s", reason.value,
-                     message.delivery_info.get("routing_key"), description)
+                     message.delivery_info.get("routing_key"), description, **log_fields.of_broker_message(message))
     message.ack()
     if reason is DeadLetterReason.UNKNOWN_TASK:
         _announce_unknown_task(consumer, message)
@@ -341,7 +343,7 @@ def _store_dead_letter(runtime: Runtime, message: Any, reason: DeadLetterReason,
         if not is_content_error(exc):
             raise
         logger.error("celery-outbox: the store refused the dead letter of a %s message (%s); acked without one: %r",
-                     reason.value, description, exc)
+                     reason.value, description, exc, **log_fields.of_broker_message(message))
         return False
 
 
@@ -363,9 +365,7 @@ def _acknowledgment(settings: OutboxSettings, message: Any, queue: str | None,
     if not settings.is_durable(queue):
         return None
     by_queue = queue if settings.message_identity == "id_and_destination" else None
-    attempt = Attempt(header_count(headers.get("replaced_task_nesting")), header_count(headers.get(REPLAY_HEADER)),
-                      header_count(headers.get("retries")))
-    return headers["id"], by_queue, attempt, send_id_of(headers)
+    return headers["id"], by_queue, attempt_of(headers), send_id_of(headers)
 
 
 def _insert(runtime: Runtime, row: dict[str, Any],
@@ -376,6 +376,7 @@ def _insert(runtime: Runtime, row: dict[str, Any],
         store.insert_dead_letters(conn, [row])
         if acknowledged is not None:
             store.acknowledge_outgoing(conn, *acknowledged)
+    announce_dead_letters(runtime.owner, [row])
 
 
 def _requeue_later(consumer: Any, message: Any) -> None:

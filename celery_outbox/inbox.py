@@ -52,14 +52,14 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from . import dead_letter_rows
+from . import dead_letter_rows, log_fields
 from .crashpoints import crashpoint
 from .delivery import Delivery, dead_letter_row, envelope_of
 from .django.unit_of_work import DjangoAttempt
 from .node import Node
 from .publishing import Publisher
 from .runtime import Runtime
-from .signals import duplicate_discarded
+from .signals import announce_dead_letters, duplicate_discarded, message_handled
 from .store import UNOWNED, utcnow
 from .store.outage import is_outage
 from .unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
@@ -113,30 +113,38 @@ class Inbox:
         delivery = Delivery.from_request(task, settings, queue)
         durable = settings.is_durable(delivery.queue)
         envelope = envelope_of(task, args, kwargs) if durable else {}
+        claimed = time.monotonic()
         try:
             if style == "eager":
-                return self._run_eager(task, delivery, body, unit_of_work, envelope)
-            if durable:
-                self._store_envelope(delivery, envelope, owner=UNOWNED)
-            return self._run_optimistic(task, delivery, body, stored=durable)
+                result = self._run_eager(task, delivery, body, unit_of_work, envelope)
+            else:
+                if durable:
+                    self._store_envelope(delivery, envelope, owner=UNOWNED)
+                result = self._run_optimistic(task, delivery, body, stored=durable)
+            if message_handled.receivers:
+                message_handled.send(sender=self.runtime.owner, message_id=delivery.message_id,
+                                     task_name=delivery.task_name, queue=delivery.queue, attempt=delivery.attempt,
+                                     seconds=time.monotonic() - claimed)
+            return result
         except Duplicate:
             self._discard(delivery)
             raise Ignore() from None
         except InFlight:
             logger.info("celery-outbox: %s[%s] from %r is claimed by an attempt still running; the copy goes "
-                        "back to the broker", delivery.task_name, delivery.message_id, delivery.queue)
+                        "back to the broker", delivery.task_name, delivery.message_id, delivery.queue,
+                        **log_fields.of_delivery(delivery))
             time.sleep(REQUEUE_BACKOFF)
             raise Reject("claimed by an attempt still running", requeue=True) from None
         except ClaimLost:
             logger.warning("celery-outbox: the claim of %s[%s] was taken over while its body ran (its node was "
                            "declared dead); its writes rolled back and the message goes back to the broker",
-                           delivery.task_name, delivery.message_id)
+                           delivery.task_name, delivery.message_id, **log_fields.of_delivery(delivery))
             raise Reject("claim taken over", requeue=True) from None
         except _StoreDown as down:
             logger.warning(
                 "celery-outbox: cannot claim %s[%s] from %r, the message store is unavailable; "
                 "the message goes back to the broker: %s", delivery.task_name, delivery.message_id,
-                delivery.queue, down.reason,
+                delivery.queue, down.reason, **log_fields.of_delivery(delivery),
             )
             time.sleep(REQUEUE_BACKOFF)
             raise Reject(str(down.reason), requeue=True) from None
@@ -218,7 +226,8 @@ class Inbox:
                                                 delivery.attempt, utcnow(), delivery.send_id)
         except Exception as error:  # noqa: BLE001 - the node's heartbeat thread tries again
             logger.warning("celery-outbox: could not release the claim of %s[%s] (the node releases it when the "
-                           "database answers): %s", delivery.task_name, delivery.message_id, error)
+                           "database answers): %s", delivery.task_name, delivery.message_id, error,
+                           **log_fields.of_delivery(delivery))
             self.node.release_later(delivery.message_id, delivery.destination, delivery.attempt,
                                            delivery.send_id)
 
@@ -352,17 +361,19 @@ class Inbox:
         now = utcnow()
         row = self._claim_row(delivery, status, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
+        failed = dead_letter_rows.DeadLetterReason.FAILED
+        dead_letters = [] if exc is None else [dead_letter_row(task, delivery, failed, exc, now)]
         try:
             with store.begin() as conn:
                 store.record_outcome(conn, row)
-                if exc is not None:
-                    failed = dead_letter_rows.DeadLetterReason.FAILED
-                    store.insert_dead_letters(conn, [dead_letter_row(task, delivery, failed, exc, now)])
+                if dead_letters:
+                    store.insert_dead_letters(conn, dead_letters)
+            announce_dead_letters(self.runtime.owner, dead_letters)
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
             if status == IncomingStatus.DEAD and is_outage(error, transient=True):
                 raise _StoreDown(error) from error
             logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
-                         delivery.task_name, delivery.message_id, status, error)
+                         delivery.task_name, delivery.message_id, status, error, **log_fields.of_delivery(delivery))
 
     def end_lost_worker_attempt(self, delivery: Delivery, dead_letter: dict[str, Any]) -> None:
         """The worker's pool process died running this attempt once too often (Celery re-sends a
@@ -376,6 +387,7 @@ class Inbox:
         with store.begin() as conn:
             store.record_outcome(conn, row)
             store.insert_dead_letters(conn, [dead_letter])
+        announce_dead_letters(self.runtime.owner, [dead_letter])
 
     def end_revoked_attempt(self, delivery: Delivery) -> None:
         """The worker discards this delivery unrun (revoked, or expired), as Celery does: end its
@@ -414,9 +426,11 @@ class Inbox:
                 if self.runtime.settings.is_durable(delivery.queue):
                     self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it
         except Exception as error:  # noqa: BLE001 - best effort: the discard stands, a redelivery comes again
-            logger.warning("celery-outbox: could not record a duplicate of %s: %s", delivery.message_id, error)
-        logger.info("celery-outbox: discarded duplicate %s[%s] from queue %r (attempt %d.%d)",
-                    delivery.task_name, delivery.message_id, delivery.queue, delivery.nesting, delivery.retries)
+            logger.warning("celery-outbox: could not record a duplicate of %s: %s", delivery.message_id, error,
+                           **log_fields.of_delivery(delivery))
+        logger.info("celery-outbox: discarded duplicate %s[%s] from queue %r (attempt %s)",
+                    delivery.task_name, delivery.message_id, delivery.queue, delivery.attempt,
+                    **log_fields.of_delivery(delivery))
         duplicate_discarded.send(sender=self.runtime.owner, message_id=delivery.message_id,
                                  task_name=delivery.task_name, queue=delivery.queue)
 

@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from . import log_fields
 from .runtime import Runtime
 from .store import node_lock_key, utcnow
 from .vocabulary import Attempt
@@ -52,6 +53,10 @@ class PendingRelease:
     destination: str
     attempt: Attempt
     send_id: str = ""
+
+    def log_fields(self) -> dict[str, Any]:
+        """The log fields of the claim's message (its task is not known here)."""
+        return log_fields.fields(self.message_id, None, self.destination, self.attempt)
 
 
 class Node:
@@ -187,11 +192,12 @@ class Node:
                                         claim.send_id)
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
                 logger.warning("celery-outbox: node %d could not release the claim of %s yet: %s", node_id,
-                               claim.message_id, exc)
+                               claim.message_id, exc, **claim.log_fields())
                 return
             with self._lock:
                 self._pending_releases.pop(claim, None)
-            logger.info("celery-outbox: node %d released the claim of %s", node_id, claim.message_id)
+            logger.info("celery-outbox: node %d released the claim of %s", node_id, claim.message_id,
+                        **claim.log_fields())
 
     def deregister(self) -> None:
         """Stop the heartbeat, release everything this node owns and delete its row."""

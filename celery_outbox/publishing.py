@@ -23,11 +23,12 @@ from typing import Any
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
+from . import log_fields
 from .broker import Outlet, outlet
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
 from .runtime import Runtime
-from .signals import message_published, publish_failed
+from .signals import message_published, messages_stored, publish_failed
 from .store import utcnow
 
 __all__ = ["Publisher", "store_durable"]
@@ -79,6 +80,12 @@ class Publisher:
         one's is sent now, as Celery sends it with the message).
         """
         now = utcnow()
+        for message in messages:
+            message.committed_at = message.committed_at or now
+        if messages_stored.receivers:
+            stored = [m for m in messages if m.durable]
+            if stored:
+                messages_stored.send(sender=self.runtime.owner, messages=stored)
         settings = self.runtime.settings
         release_before = settings.release_before(now)
         held = [m for m in messages if m.durable and not m.is_due(release_before)]  # wait in the store
@@ -190,13 +197,13 @@ class Publisher:
         if message.durable:
             logger.warning(
                 "celery-outbox: publish of %s[%s] to %r failed, the relay will retry it: %r",
-                message.task_name, message.message_id, message.destination, exc,
+                message.task_name, message.message_id, message.destination, exc, **log_fields.of_message(message),
             )
         else:
             logger.error(
                 "celery-outbox: publish of %s[%s] to %r failed after commit and the queue is not durable, "
                 "the message is lost: %r",
-                message.task_name, message.message_id, message.destination, exc,
+                message.task_name, message.message_id, message.destination, exc, **log_fields.of_message(message),
             )
         publish_failed.send(sender=self.runtime.owner, message=message, exception=exc)
 

@@ -29,14 +29,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from . import log_fields
 from .broker import outlet
 from .dead_letter_rows import stored_dead_letter_row
 from .envelope import OutgoingMessage, from_row
 from .results import EndedMessage, store_dead_letter_results
 from .runtime import Runtime
-from .signals import message_published, publish_failed
+from .signals import announce_dead_letters, message_published, message_redelivered, publish_failed
 from .store import as_utc, utcnow
-from .vocabulary import REDELIVERY_HEADER, DeadLetterReason
+from .vocabulary import REDELIVERY_HEADER, DeadLetterReason, RedeliveryReason
 
 __all__ = ["RelayResult", "redeliver", "relay"]
 
@@ -103,14 +104,12 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                 for message in published:
                     result.published += 1
                     _announce(runtime, message)
-                if expired:
-                    store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED)
-                                                     for row in expired])
-                    result.expired += len(expired)
-                if poisoned:
-                    store.insert_dead_letters(conn, [_dead_letter(row, exc, DeadLetterReason.POISON)
-                                                     for row, exc in poisoned])
-                result.dead_lettered += len(poisoned) + len(expired)
+                dead_letters = [_dead_letter(row, None, DeadLetterReason.EXPIRED) for row in expired] + [
+                    _dead_letter(row, exc, DeadLetterReason.POISON) for row, exc in poisoned]
+                if dead_letters:
+                    store.insert_dead_letters(conn, dead_letters)
+                result.expired += len(expired)
+                result.dead_lettered += len(dead_letters)
                 store.delete_outgoing(conn, [row.id for row, _ in poisoned] + [row.id for row in expired])
                 store.finish_sent(conn, [message.row_id for message in published], now,
                                   settings.first_redelivery(now), record=runtime.archiver is not None)
@@ -119,6 +118,7 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                         {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
                         for m in published if m.deliver_at is not None and m.deliver_at > now])
             # committed: tell their callers what Celery would (REVOKED "expired"; FAILURE with the publish error)
+            announce_dead_letters(runtime.owner, dead_letters)
             store_dead_letter_results(app, DeadLetterReason.EXPIRED, [_ended(row) for row in expired])
             store_dead_letter_results(app, DeadLetterReason.POISON, [_ended(row, exc) for row, exc in poisoned])
             if result.broker_error:
@@ -153,18 +153,22 @@ def redeliver(runtime: Runtime, max_batches: int | None = None) -> tuple[int, st
                         return published, error
                     connected = True
                 expired, live = _split_expired(rows, now)
+                dead_letters = [_dead_letter(row, None, DeadLetterReason.EXPIRED, sent=True) for row in expired]
                 if expired:  # the worker discarded it as expired (Celery: revoked): nothing runs it now
-                    store.insert_dead_letters(conn, [_dead_letter(row, None, DeadLetterReason.EXPIRED, sent=True)
-                                                     for row in expired])
+                    store.insert_dead_letters(conn, dead_letters)
                     store.delete_outgoing(conn, [row.id for row in expired])
                 done = out.publish_each([(row, _redelivery(row, out.queues)) for row in live],
                                         crash_point="during_relay")
                 for row, _, exc in done.failed:  # it waits for its next redelivery
-                    logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc)
+                    logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc,
+                                 **log_fields.of_row(row))
                 published += len(done.published)
                 store.mark_redelivered(conn, [
                     {"id": row.id, "redeliver_at": settings.next_redelivery(now, row.redeliveries)}
                     for row, *_ in done.published + done.failed])
+            announce_dead_letters(runtime.owner, dead_letters)
+            for _, message in done.published:
+                message_redelivered.send(sender=runtime.owner, message=message, reason=RedeliveryReason.UNACKNOWLEDGED)
             if done.broker_error is not None:
                 return published, done.broker_error_text
             if len(rows) < settings.relay_batch_size:

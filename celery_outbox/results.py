@@ -35,6 +35,7 @@ from celery.exceptions import NotRegistered, WorkerLostError
 from celery.utils.objects import Bunch
 from kombu.utils import json as kombu_json
 
+from . import log_fields
 from .vocabulary import DeadLetterReason
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def store_dead_letter_results(app: "Celery", reason: DeadLetterReason, messages:
             error = unreachable
         logger.error("celery-outbox: %s[%s] is dead-lettered (%s), but its result could not be stored in the "
                      "result backend; its caller is not told: %r", message.task_name, message.message_id,
-                     reason.value, error)
+                     reason.value, error, **log_fields.fields(message.message_id, message.task_name, None))
     return written
 
 

@@ -1,19 +1,57 @@
 """Signals celery-outbox sends, in Celery's style (``@message_published.connect``).
 
+Each is sent in the process where the event happens, after the transaction that made it true
+committed (a rolled-back store or dead letter is never announced). ``celery_outbox.metrics``
+counts them; a user's receiver may too. A receiver must be quick and must not raise: it runs
+on the path of the message.
+
+* ``messages_stored(sender=outbox, messages=[OutgoingMessage])``: durable messages committed
+  to the outgoing table (one send per commit).
 * ``message_published(sender=outbox, message=OutgoingMessage, relayed=bool)``: the
   broker accepted the message (after the commit, or later by the relay).
 * ``publish_failed(sender=outbox, message=OutgoingMessage, exception=...)``: a
   publish failed; a durable message stays in the outgoing table for the relay.
+* ``message_redelivered(sender=outbox, message=OutgoingMessage, reason=RedeliveryReason)``: a
+  sent message published again: no inbox acknowledged it, or the worker running it was lost.
 * ``duplicate_discarded(sender=outbox, message_id, task_name, queue)``: the inbox
   discarded a redelivered copy (acked, state IGNORED).
+* ``message_handled(sender=outbox, message_id, task_name, queue, attempt, seconds)``: an
+  attempt's transaction committed behind its inbox claim, ``seconds`` after the claim began.
+* ``message_dead_lettered(sender=outbox, message_id, task_name, queue, reason=DeadLetterReason)``:
+  a message was moved to dead letters.
+* ``claims_released(sender=outbox, count, reason=ClaimRelease)``: recovery released inbox
+  claims so that other workers take them over: their node died, or they were stale.
 """
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["message_published", "publish_failed", "duplicate_discarded"]
+from .vocabulary import DeadLetterReason
 
+__all__ = ["announce_dead_letters", "claims_released", "duplicate_discarded", "message_dead_lettered",
+           "message_handled", "message_published", "message_redelivered", "messages_stored", "publish_failed"]
+
+messages_stored = Signal(name="celery_outbox.messages_stored", providing_args={"messages"})
 message_published = Signal(name="celery_outbox.message_published", providing_args={"message", "relayed"})
 publish_failed = Signal(name="celery_outbox.publish_failed", providing_args={"message", "exception"})
+message_redelivered = Signal(name="celery_outbox.message_redelivered", providing_args={"message", "reason"})
 duplicate_discarded = Signal(
     name="celery_outbox.duplicate_discarded", providing_args={"message_id", "task_name", "queue"}
 )
+message_handled = Signal(name="celery_outbox.message_handled",
+                         providing_args={"message_id", "task_name", "queue", "attempt", "seconds"})
+message_dead_lettered = Signal(name="celery_outbox.message_dead_lettered",
+                               providing_args={"message_id", "task_name", "queue", "reason"})
+claims_released = Signal(name="celery_outbox.claims_released", providing_args={"count", "reason"})
+
+
+def announce_dead_letters(sender: Any, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Send ``message_dead_lettered`` for each dead-letter row (``dead_letter_rows``) once it committed."""
+    if not message_dead_lettered.receivers:
+        return
+    for row in rows:
+        message_dead_lettered.send(sender=sender, message_id=row.get("message_id"), task_name=row.get("task_name"),
+                                   queue=row.get("queue"), reason=DeadLetterReason(row["reason"]))

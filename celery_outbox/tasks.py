@@ -36,6 +36,7 @@ from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from . import log_fields
 from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
 from .delivery import Delivery, dead_letter_row
 from .errors import OutboxError
@@ -111,10 +112,10 @@ class OutboxRequest(HookedRequest):
             logger.error("celery-outbox: cannot record that %s[%s] was %s: %s; it is discarded here, as in "
                          "plain Celery, but a durable message stays unacknowledged and is published again "
                          "after outbox_redeliver_after (a worker that remembers the revoke discards it then)",
-                         task.name, self.id, reason, error)
+                         task.name, self.id, reason, error, **log_fields.of_delivery(delivery))
             return
         logger.info("celery-outbox: %s[%s] %s: its attempt ended unrun, not to be redelivered", task.name,
-                    self.id, reason)
+                    self.id, reason, **log_fields.of_delivery(delivery))
 
     def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception
@@ -148,12 +149,14 @@ class OutboxRequest(HookedRequest):
             inbox.end_lost_worker_attempt(delivery, dead_letter)
         except Exception as error:  # noqa: BLE001 - without a dead letter the message must not be acked
             logger.error("celery-outbox: cannot dead-letter %s[%s], lost with its worker process %d times; the "
-                         "message goes back to the broker: %s", task.name, self.id, (context.retries or 0) + 1, error)
+                         "message goes back to the broker: %s", task.name, self.id, (context.retries or 0) + 1, error,
+                         **log_fields.of_delivery(delivery))
             return False
         finally:
             task.request_stack.pop()
         logger.error("celery-outbox: %s[%s] lost its worker process %d times (max_retries %s); dead-lettered "
-                     "(reason worker_lost)", task.name, self.id, (context.retries or 0) + 1, task.max_retries)
+                     "(reason worker_lost)", task.name, self.id, (context.retries or 0) + 1, task.max_retries,
+                     **log_fields.of_delivery(delivery))
         return True
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple
 
-__all__ = ["REDELIVERY_HEADER", "REPLAY_HEADER", "REQUEUE_BACKOFF", "SEND_HEADER", "Attempt",
-           "DeadLetterReason", "IncomingStatus"]
+__all__ = ["REDELIVERY_HEADER", "REPLAY_HEADER", "REQUEUE_BACKOFF", "SEND_HEADER", "Attempt", "ClaimRelease",
+           "DeadLetterReason", "IncomingStatus", "RedeliveryReason"]
 
 
 class IncomingStatus(str, Enum):
@@ -37,6 +37,20 @@ class DeadLetterReason(str, Enum):
     WORKER_LOST = "worker_lost"  #: the worker running it was lost too many times
 
 
+class RedeliveryReason(str, Enum):
+    """Why the outbox published a sent message again."""
+
+    UNACKNOWLEDGED = "unacknowledged"  #: no inbox acknowledged it in time (delivery tracking)
+    WORKER_LOST = "worker_lost"  #: its stored envelope was running on a worker that was lost (recovery)
+
+
+class ClaimRelease(str, Enum):
+    """Why recovery released an inbox claim, for another worker to take over."""
+
+    DEAD_NODE = "dead_node"  #: the node that held it was declared dead (or has no node row)
+    STALE = "stale"  #: it was older than ``outbox_inbox_stale_time``
+
+
 class Attempt(NamedTuple):
     """One attempt of a delivered message, ordered as compared: a ``replace`` (``nesting``) outranks
     a dead-letter replay (``replays``), which outranks a Celery retry (``retries``)."""
@@ -44,6 +58,10 @@ class Attempt(NamedTuple):
     nesting: int
     replays: int
     retries: int
+
+    def __str__(self) -> str:
+        """``nesting.replays.retries``: how log lines name the attempt."""
+        return f"{self.nesting}.{self.replays}.{self.retries}"
 
 
 #: The header that carries a message's publish identity: one per ``apply_async`` (or ``send_task``),

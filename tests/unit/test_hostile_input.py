@@ -217,7 +217,7 @@ def fake_outbox(**parts):
     """An outbox with default settings (no durable queue) and no app."""
     from celery_outbox.config import OutboxSettings
 
-    return SimpleNamespace(settings=OutboxSettings(), app=None, **parts)
+    return SimpleNamespace(settings=OutboxSettings(), app=None, owner=None, **parts)
 
 
 def no_sleep(seconds):

@@ -5,6 +5,7 @@ Real worker processes on PostgreSQL, Redis and RabbitMQ: tests/integration/test_
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 
@@ -114,6 +115,29 @@ def test_same_id_delivered_twice_runs_once(harness):
     row = harness.outbox.store.get_incoming("pay-1")
     assert (row.status, row.duplicates) == ("handled", 1)
     assert row.keep_until is not None and row.handled_at is not None
+
+
+def test_the_discarded_duplicate_is_logged_with_its_fields(harness):
+    """A real duplicate, discarded by an in-process worker: its INFO line has the fields."""
+    pay = define_pay(harness)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("celery_outbox.inbox")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the in-process worker sets the root logger to ERROR
+    try:
+        with harness.worker():
+            pay.apply_async(("first",), **copy_options("pay-1"))
+            assert harness.wait_for_states("pay-1", 1) == ["SUCCESS"]
+            pay.apply_async(("copy",), **copy_options("pay-1"))
+            assert harness.wait_for_states("pay-1", 2) == ["SUCCESS", "IGNORED"]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    (record,) = [r for r in records if "discarded duplicate" in r.getMessage()]
+    assert {name: getattr(record, name) for name in ("message_id", "task_name", "queue", "attempt")} == {
+        "message_id": "pay-1", "task_name": "shop.pay", "queue": harness.queue, "attempt": "0.0.0"}
 
 
 def test_an_exception_rolls_back_the_claim_and_the_effects_and_dead_letters_the_envelope(harness):
