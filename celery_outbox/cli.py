@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 import unicodedata
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
@@ -20,6 +21,7 @@ import click
 
 from .deadletters import DeadLetterFilter, purge, replay
 from .errors import OutboxError
+from .health import Thresholds, failed_conditions, store_down
 from .outbox import Outbox, outbox_of
 from .store import as_utc, utcnow
 
@@ -132,37 +134,6 @@ def status(box: Outbox, as_json: bool) -> None:
     click.echo(format_status(report))
 
 
-def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
-    lines = [f"{title}:"]
-    if not rows:
-        return lines + ["  (empty)"]
-    cells = [[printable(row[c]) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(columns)]
-    lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for line in cells:
-        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
-    return lines
-
-
-def _age(seconds: float | None) -> str:
-    return "none pending" if seconds is None else f"{seconds:.1f}s"
-
-
-def format_status(report: dict[str, Any]) -> str:
-    lines = [f"store: {report['store']}"]
-    lines += _table("incoming (inbox)", report["incoming"], ["status", "queue", "count"])
-    lines += _table("outgoing (outbox)", report["outgoing"], ["status", "destination", "count"])
-    lines += _table("dead letters", report["dead_letters"], ["reason", "task", "count"])
-    lines.append(f"duplicates discarded: {report['duplicates_discarded']}, "
-                 f"messages recovered: {report['messages_recovered']}")
-    lines.append(f"oldest pending outgoing: {_age(report['oldest_pending_outgoing_age_seconds'])}")
-    lines.append(f"oldest running incoming: {_age(report['oldest_running_incoming_age_seconds'])}")
-    lines += _table("nodes", report["nodes"], ["id", "name", "pid", "heartbeat_age_seconds", "stale_checks"])
-    return "\n".join(lines)
-
-
-# -- dead letters ----------------------------------------------------------------------------------
-
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 DEAD_LETTER_REASONS = ["failed", "poison", "expired", "malformed", "unknown_task", "worker_lost"]
 
@@ -204,6 +175,99 @@ class Since(click.ParamType):
             self.fail(f"{value!r} is neither a duration (2h, 7d) nor an ISO time (2026-11-01T12:00)", param, ctx)
         return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
+
+@outbox.command()
+@click.option("--max-pending-age", type=Age(), default="5m", show_default=True,
+              help="Fail when the oldest due outgoing message not sent yet is older.")
+@click.option("--max-dead-letters", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Fail when more dead letters than this arrived within --window.")
+@click.option("--window", type=Age(), default="1h", show_default=True, help="The window of --max-dead-letters.")
+@click.option("--stuck-after", type=Age(), default="1h", show_default=True,
+              help="A due outgoing message not sent, or a running claim, older than this is stuck.")
+@click.option("--max-stuck", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Fail when more messages than this are stuck.")
+@click.option("--node-stale-after", type=Age(), default=None,
+              help="Fail for a node without a heartbeat for longer [default: outbox_node_stale_after].")
+@click.option("--min-nodes", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Fail when fewer nodes than this beat.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@_with_outbox
+def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window: timedelta, stuck_after: timedelta,
+          max_stuck: int, node_stale_after: timedelta | None, min_nodes: int, as_json: bool) -> None:
+    """Exit 1, with one line per failed condition, when the outbox needs a human: for a probe or a cron alert."""
+    thresholds = Thresholds(
+        max_pending_age=max_pending_age.total_seconds(), max_dead_letters=max_dead_letters, max_stuck=max_stuck,
+        node_stale_after=(node_stale_after.total_seconds() if node_stale_after is not None
+                          else box.settings.node_stale_after),
+        min_nodes=min_nodes,
+    )
+    try:
+        failures = failed_conditions(box.status(stuck_after=stuck_after.total_seconds(),
+                                                recent=window.total_seconds()), thresholds)
+    except Exception as exc:  # noqa: BLE001 - a store that does not answer is the first failed condition
+        failures = [store_down(exc)]
+    if as_json:
+        click.echo(json.dumps({"ok": not failures, "failures": [f.as_dict() for f in failures]}, indent=2))
+    else:
+        for failure in failures:
+            click.echo(f"FAIL {failure.condition.value}: {printable(failure.message)}")
+        if not failures:
+            click.echo("OK")
+    if failures:
+        raise SystemExit(1)
+
+
+@outbox.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="The address to listen on; 0.0.0.0 for every interface.")
+@click.option("--stuck-after", type=Age(), default="1h", show_default=True,
+              help="A due outgoing message not sent, or a running claim, older than this counts as stuck.")
+@_with_outbox
+def metrics(box: Outbox, port: int, address: str, stuck_after: timedelta) -> None:
+    """Serve the store's gauges for Prometheus on /metrics until stopped (with PROMETHEUS_MULTIPROC_DIR
+    set, also the counters of the workers sharing that folder)."""
+    from .metrics import serve
+
+    box.ready()
+    serve(lambda: box.status(stuck_after=stuck_after.total_seconds()), port, address)
+    click.echo(f"celery-outbox metrics on http://{address}:{port}/metrics (Ctrl-C stops)")
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+
+
+def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
+    lines = [f"{title}:"]
+    if not rows:
+        return lines + ["  (empty)"]
+    cells = [[printable(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(columns)]
+    lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for line in cells:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
+    return lines
+
+
+def _age(seconds: float | None) -> str:
+    return "none pending" if seconds is None else f"{seconds:.1f}s"
+
+
+def format_status(report: dict[str, Any]) -> str:
+    lines = [f"store: {report['store']}"]
+    lines += _table("incoming (inbox)", report["incoming"], ["status", "queue", "count"])
+    lines += _table("outgoing (outbox)", report["outgoing"], ["status", "destination", "count"])
+    lines += _table("dead letters", report["dead_letters"], ["reason", "task", "count"])
+    lines.append(f"duplicates discarded: {report['duplicates_discarded']}, "
+                 f"messages recovered: {report['messages_recovered']}")
+    lines.append(f"oldest pending outgoing: {_age(report['oldest_pending_outgoing_age_seconds'])}")
+    lines.append(f"oldest running incoming: {_age(report['oldest_running_incoming_age_seconds'])}")
+    lines += _table("nodes", report["nodes"], ["id", "name", "pid", "heartbeat_age_seconds", "stale_checks"])
+    return "\n".join(lines)
+
+
+# -- dead letters ----------------------------------------------------------------------------------
 
 def _filters(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed([

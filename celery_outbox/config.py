@@ -136,6 +136,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("archive_path", None, parse.optional_string,
             "Where cleanup archives rows (Parquet) for the delivery audit: a path, a `file://` URI or a URI "
             "pyarrow writes (`s3://`, `s3a://`, `gs://`, `hdfs://`); nothing is archived when unset."),
+    Setting("metrics_port", None, parse.optional_port,
+            "A worker serves Prometheus metrics over HTTP on this port (`/metrics`): the counts of every "
+            "process of its pool and the store's gauges. Needs the `metrics` extra (prometheus-client). "
+            "Off when unset."),
+    Setting("metrics_address", "127.0.0.1", parse.string,
+            "The address the worker's metrics endpoint listens on; `0.0.0.0` for every interface."),
 )
 
 _BY_NAME = {s.name: s for s in SETTINGS}
@@ -173,6 +179,8 @@ class OutboxSettings:
     dead_letter_retention: float | None = None
     auto_create_schema: bool = True
     archive_path: str | None = None
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
 
     def is_durable(self, queue: str | None) -> bool:
         return queue is not None and queue in self.durable_queues

@@ -35,6 +35,7 @@ from .publishing import Publisher
 from .relay import RelayResult, relay
 from .runtime import Archiver, Runtime, runtime_of
 from .store import Store
+from .store.status import DEFAULT_RECENT, DEFAULT_STUCK_AFTER
 from .tasks import InboxTask, give_inbox_to_every_task
 from .unit_of_work import transaction
 from .window import check_dedupe_window
@@ -116,11 +117,16 @@ class Outbox:
         app = getattr(sender, "app", None)
         if app is not None and app is not self.app:
             return
-        if sender is not None and hasattr(sender, "pool_cls"):
+        worker = sender is not None and hasattr(sender, "pool_cls")
+        if worker:
             self._size_engine_for(sender)
             self._give_inbox_to_every_task()
         try:
             self.ready()
+            if worker and self.settings.metrics_port is not None:
+                from .metrics import serve_from_worker  # before the pool forks: its processes count too
+
+                serve_from_worker(self, self.settings.metrics_port, self.settings.metrics_address)
         except OutboxError as exc:
             logger.critical("celery-outbox: %s", exc)
             raise SystemExit(f"celery-outbox cannot start: {exc}") from None
@@ -235,9 +241,11 @@ class Outbox:
         """Create or upgrade the tables (what ``celery -A proj outbox migrate`` runs)."""
         return self.runtime.migrate()
 
-    def status(self) -> dict[str, Any]:
-        """Counts, ages and nodes (what ``celery -A proj outbox status`` prints)."""
-        return self.runtime.ready().store.status()
+    def status(self, stuck_after: float = DEFAULT_STUCK_AFTER, recent: float = DEFAULT_RECENT) -> dict[str, Any]:
+        """Counts, ages, rows waiting longer than ``stuck_after`` seconds, dead letters of the last
+        ``recent`` seconds, and nodes (what ``celery -A proj outbox status`` prints, and what
+        ``check`` and the metrics' gauges read). One read-only transaction."""
+        return self.runtime.ready().store.status(stuck_after=stuck_after, recent=recent)
 
 
 def threaded_concurrency(worker: Any) -> int | None:

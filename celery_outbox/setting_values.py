@@ -124,6 +124,16 @@ def positive_int(key: str, value: Any) -> int:
     return value
 
 
+def optional_port(key: str, value: Any) -> int | None:
+    """A TCP port (1 to 65535; a string of digits too, as from an environment variable), or None."""
+    if value is None:
+        return None
+    number = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 < number < 65536:
+        raise invalid(key, value, "expected a TCP port from 1 to 65535")
+    return number
+
+
 def boolean(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value

@@ -6,7 +6,7 @@ pending rows, the nodes (``Outbox.status`` and the ``status`` command).
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, case, func, select
@@ -14,16 +14,25 @@ from sqlalchemy import Connection, case, func, select
 from .base import StoreBase, as_utc, utcnow
 from .schema import is_running
 
-__all__ = ["StatusStatements"]
+__all__ = ["DEFAULT_RECENT", "DEFAULT_STUCK_AFTER", "StatusStatements"]
+
+#: Seconds a row may wait (an unsent due outgoing row, a running claim) before the status calls it stuck
+DEFAULT_STUCK_AFTER = 3600.0
+#: The window, in seconds, of the status's count of recent dead letters
+DEFAULT_RECENT = 3600.0
 
 
 class StatusStatements(StoreBase):
     """The status report of the store."""
 
-    def status(self, now: datetime | None = None) -> dict[str, Any]:
-        """Counts per table by status and destination, the oldest pending rows' age, the nodes."""
+    def status(self, now: datetime | None = None, stuck_after: float = DEFAULT_STUCK_AFTER,
+               recent: float = DEFAULT_RECENT) -> dict[str, Any]:
+        """Counts per table by status and destination, the oldest pending rows' age, the rows
+        waiting longer than ``stuck_after`` seconds, the dead letters of the last ``recent``
+        seconds, the nodes."""
         now = now or utcnow()
         t = self.tables
+        stuck_before = now - timedelta(seconds=stuck_after)
         with self.begin() as conn:
             incoming = _grouped_counts(conn, t.incoming.c.status, t.incoming.c.queue, ("status", "queue"))
             outgoing = _grouped_counts(conn, _outgoing_state(t.outgoing, now), t.outgoing.c.destination,
@@ -41,6 +50,19 @@ class StatusStatements(StoreBase):
             oldest_incoming = as_utc(conn.execute(
                 select(func.min(t.incoming.c.received_at)).where(is_running(t.incoming))
             ).scalar())
+            stuck_outgoing = conn.execute(
+                select(func.count()).select_from(t.outgoing).where(t.outgoing.c.sent_at.is_(None))
+                .where((t.outgoing.c.deliver_at.is_(None)) | (t.outgoing.c.deliver_at <= stuck_before))
+                .where(t.outgoing.c.created_at <= stuck_before)
+            ).scalar()
+            stuck_incoming = conn.execute(
+                select(func.count()).select_from(t.incoming).where(is_running(t.incoming))
+                .where(t.incoming.c.received_at <= stuck_before)
+            ).scalar()
+            recent_dead_letters = conn.execute(
+                select(func.count()).select_from(t.dead_letters)
+                .where(t.dead_letters.c.failed_at >= now - timedelta(seconds=recent))
+            ).scalar()
             nodes = [
                 {
                     "id": row.id,
@@ -61,6 +83,8 @@ class StatusStatements(StoreBase):
             "messages_recovered": int(recoveries),
             "oldest_pending_outgoing_age_seconds": _age(now, oldest_outgoing),
             "oldest_running_incoming_age_seconds": _age(now, oldest_incoming),
+            "stuck": {"after_seconds": stuck_after, "outgoing": int(stuck_outgoing), "incoming": int(stuck_incoming)},
+            "recent_dead_letters": {"seconds": recent, "count": int(recent_dead_letters)},
             "nodes": nodes,
         }
 
@@ -72,7 +96,8 @@ def _grouped_counts(conn: Connection, first, second, names: tuple[str, str]) -> 
 
 
 def _outgoing_state(table, now: datetime):
-
+    """The status of an outgoing row now: ``sent`` (awaiting its inbox's acknowledgment),
+    ``scheduled`` (held until its eta) or ``pending`` (due, not sent yet)."""
     return case(
         (table.c.sent_at.is_not(None), "sent"),
         ((table.c.deliver_at.is_not(None)) & (table.c.deliver_at > now), "scheduled"),

@@ -101,6 +101,11 @@ def test_unknown_setting_is_an_error_with_a_did_you_mean():
         ("outbox_release_ahead", 0, "finite positive number of seconds"),
         ("outbox_release_ahead", "15s", "finite positive number of seconds"),
         ("outbox_release_ahead", 4, "at least outbox_recover_interval (5 s)"),
+        ("outbox_metrics_port", 0, "a TCP port from 1 to 65535"),
+        ("outbox_metrics_port", 65536, "a TCP port from 1 to 65535"),
+        ("outbox_metrics_port", "http", "a TCP port from 1 to 65535"),
+        ("outbox_metrics_port", True, "a TCP port from 1 to 65535"),
+        ("outbox_metrics_address", "", "non-empty string"),
     ],
 )
 def test_bad_values_name_the_setting_the_value_and_what_is_allowed(key, value, allowed):
@@ -108,6 +113,11 @@ def test_bad_values_name_the_setting_the_value_and_what_is_allowed(key, value, a
         settings_of(app_with(**{key: value}))
     message = str(error.value)
     assert key in message and repr(value) in message and allowed in message
+
+
+def test_the_metrics_port_may_be_given_as_digits_as_from_the_environment():
+    settings = settings_of(app_with(CELERY_OUTBOX_METRICS_PORT=" 9808 "))
+    assert (settings.metrics_port, settings.metrics_address) == (9808, "127.0.0.1")
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
