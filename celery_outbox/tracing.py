@@ -7,8 +7,9 @@ the caller's trace. The inbox runs a delivery in that context (``in_delivery_con
 unless another instrumentation (Celery's own) set one up already. Each of the outbox's
 own steps is a span named by its constant below.
 
-Without ``opentelemetry`` installed, or with no tracer provider set, every function here
-is a no-op that makes no span, reads no header and returns at once.
+Without ``opentelemetry`` installed, or with no tracer provider set, no span is made and
+no context is added: each call returns after one check. The context a delivery already
+carries is kept for its recovery (``carried``) whenever ``opentelemetry`` is installed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ __all__ = ["CLAIM", "DISCARD", "PUBLISH", "RECOVER", "REDELIVER", "RELAY", "STOR
            "delivery_span", "in_delivery_context", "inject", "messages_span", "publish_span"]
 
 STORE = "celery_outbox.store"  #: durable messages inserted in the unit of work's transaction
-PUBLISH = "celery_outbox.publish"  #: a message published after the commit (or outside a unit of work)
+PUBLISH = "celery_outbox.publish"  #: published after the commit (or a durable message sent outside one)
 RELAY = "celery_outbox.relay"  #: a stored message the relay published later
 REDELIVER = "celery_outbox.redeliver"  #: a sent message no inbox acknowledged, published again
 RECOVER = "celery_outbox.recover"  #: the stored envelope of a delivery stranded by a dead worker, published again
@@ -87,7 +88,7 @@ def in_delivery_context(run: F) -> F:
     def traced(inbox: Any, task: Any, *args: Any, **kwargs: Any) -> Any:
         if _active_tracer() is None or trace.get_current_span().get_span_context().is_valid:
             return run(inbox, task, *args, **kwargs)
-        token = otel_context.attach(propagate.extract(task.request, getter=_REQUEST_GETTER))
+        token = otel_context.attach(propagate.extract(task.request, getter=_GETTER))
         try:
             return run(inbox, task, *args, **kwargs)
         finally:
@@ -138,7 +139,7 @@ class PublishSpans:
         """Start the span of ``message``'s publish."""
         if self._tracer is None:
             return
-        stored = propagate.extract(message.headers)
+        stored = propagate.extract(message.headers, getter=_GETTER)
         parent = trace.get_current_span(stored).get_span_context()
         current = trace.get_current_span().get_span_context()
         links = [Link(current)] if current.is_valid and current.trace_id != parent.trace_id else None
@@ -186,7 +187,7 @@ def _message_attributes(message_id: str, task_name: str, queue: str) -> dict[str
 
 
 def _outgoing_attributes(message: Any) -> dict[str, Any]:
-    headers = message.headers
+    headers = message.headers if isinstance(message.headers, dict) else {}
     attributes = {**_message_attributes(message.message_id, message.task_name, message.destination),
                   "celery_outbox.attempt": _attempt(headers.get("replaced_task_nesting"),
                                                     headers.get(REPLAY_HEADER), headers.get("retries"))}
@@ -207,12 +208,14 @@ def _count(value: Any) -> int:
         return 0
 
 
-class _RequestGetter:
-    """Reads trace fields from a task's request, where Celery puts a message's own headers."""
+class _Getter:
+    """Reads the trace fields of a message's headers (a dict), or of a task's request (where
+    Celery puts a delivered message's headers); a field that is not text, as any header of a
+    hostile message may be, is absent."""
 
     @staticmethod
     def get(carrier: Any, key: str) -> list[str] | None:
-        value = getattr(carrier, key, None)
+        value = carrier.get(key) if isinstance(carrier, dict) else getattr(carrier, key, None)
         return [value] if isinstance(value, str) else None
 
     @staticmethod
@@ -220,4 +223,4 @@ class _RequestGetter:
         return []
 
 
-_REQUEST_GETTER = _RequestGetter()
+_GETTER = _Getter()

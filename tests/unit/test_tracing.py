@@ -90,6 +90,16 @@ def test_a_failed_publish_ends_its_span_with_the_error(spans):
         "0.0.2", 1)
 
 
+@pytest.mark.parametrize("headers", [{"traceparent": 7}, {"traceparent": ["00-x"]}, {"traceparent": "garbage"},
+                                     ["traceparent"]])
+def test_a_hostile_trace_header_makes_a_publish_span_of_the_current_trace(spans, headers):
+    with spans.tracer.start_as_current_span("relay pass") as relay_pass:
+        publishes = tracing.PublishSpans(tracing.RELAY)
+        publishes.start(SimpleNamespace(message_id="m-1", task_name="t", destination="q", headers=headers))
+        publishes.end({})
+    assert traces.parent_of(spans.one(tracing.RELAY)) == relay_pass.get_span_context().span_id
+
+
 @pytest.fixture
 def shop(sqlite_url, table_prefix):
     shop = make_shop("memory://", sqlite_url, table_prefix)
