@@ -12,6 +12,7 @@ from typing import Any, Generic, Iterator, Sequence, TypeVar
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
+from . import tracing
 from .celery_hooks import cache_exchange_bindings, can_batch_publish, start_publish_batch, uncache_exchange_bindings
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
@@ -124,6 +125,13 @@ class PublishPass(Generic[T]):
         error = self.broker_error
         return None if error is None else f"{type(error).__name__}: {error}"
 
+    def errors(self) -> dict[int, BaseException]:
+        """The error of each message not published, keyed by the message's ``id()``."""
+        errors = {id(message): exc for _, message, exc in self.failed}
+        if self.broker_error is not None:
+            errors.update((id(message), self.broker_error) for _, message in self.not_sent)
+        return errors
+
 
 class Outlet:
     """One producer of the app and what a publish loop needs with it: the broker's error types,
@@ -140,16 +148,19 @@ class Outlet:
         return connect_quickly(self.producer.connection)
 
     def publish_each(self, pairs: Sequence[tuple[T, OutgoingMessage]], crash_point: str | None = None,
-                     ) -> PublishPass[T]:
+                     step: str = tracing.PUBLISH) -> PublishPass[T]:
         """Publish each pair's message in order, without retries, batched where the transport can
         (``PublishBatch``). A publish that fails for a reason of its own (the message) is
         ``failed`` and the loop goes on; a broker error stops it: that message and the rest are
         ``not_sent``. When the batch could not be flushed, nothing of it counts as published
         (``not_sent``; ``broker_error`` says why). Once the batch is flushed, ``crash_point`` is
-        passed once per published message."""
+        passed once per published message. Each message's publish is a span of ``step``
+        (``tracing.PublishSpans``)."""
         result: PublishPass[T] = PublishPass()
+        spans = tracing.PublishSpans(step)
         with PublishBatch(self.producer, len(pairs)) as batch:
             for index, (item, message) in enumerate(pairs):
+                spans.start(message)
                 try:
                     message.publish(self.producer, retry=False, entities=self._bound)
                 except self.broker_errors as exc:
@@ -164,6 +175,8 @@ class Outlet:
             result.broker_error = batch.error
             result.not_sent = result.published + result.not_sent
             result.published = []
+        if spans:
+            spans.end(result.errors())
         if crash_point is not None:
             for _ in result.published:
                 crashpoint(crash_point)
@@ -171,7 +184,8 @@ class Outlet:
 
     def publish_one(self, message: OutgoingMessage) -> None:
         """Publish ``message`` with Celery's retry policy (a message with no row to wait in)."""
-        message.publish(self.producer, entities=self._bound)
+        with tracing.publish_span(tracing.PUBLISH, message):
+            message.publish(self.producer, entities=self._bound)
 
 
 @contextmanager

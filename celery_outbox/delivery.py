@@ -15,7 +15,7 @@ from typing import Any
 
 from kombu.serialization import dumps
 
-from . import dead_letter_rows
+from . import dead_letter_rows, tracing
 from .envelope import header_count, json_text, valid_send_id
 from .routing import queue_of
 from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, SEND_HEADER, Attempt
@@ -93,6 +93,7 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         "eta": request.eta, "expires": request.expires, "origin": getattr(request, "origin", None),
         REPLAY_HEADER: header_count(getattr(request, REPLAY_HEADER, 0)),
         SEND_HEADER: valid_send_id(getattr(request, SEND_HEADER, None)) or None,
+        **tracing.carried(request),
     }
     delivery_info = request.delivery_info or {}
     return {

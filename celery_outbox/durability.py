@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Sequence
 
-from . import log_fields
+from . import log_fields, tracing
 from .broker import outlet
 from .crashpoints import crashpoint
 from .dead_letter_rows import stored_dead_letter_row
@@ -241,7 +241,8 @@ def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_ba
                 dead_letters = _give_up(runtime, conn, exhausted, now) if exhausted else []
                 result.envelopes_dead_lettered += len(exhausted)
                 done = out.publish_each([(row, from_row(row, out.queues)) for row in rows
-                                         if row.recoveries < settings.relay_max_attempts], crash_point="during_recover")
+                                         if row.recoveries < settings.relay_max_attempts], crash_point="during_recover",
+                                         step=tracing.RECOVER)
                 for row, _, exc in done.failed:  # counted as a recovery; it dies after the cap
                     logger.error("celery-outbox recover: cannot re-publish %s[%s]: %r",
                                  row.task_name, row.message_id, exc, **log_fields.of_row(row))

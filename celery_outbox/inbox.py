@@ -52,7 +52,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from . import dead_letter_rows, log_fields
+from . import dead_letter_rows, log_fields, tracing
 from .crashpoints import crashpoint
 from .delivery import Delivery, dead_letter_row, envelope_of
 from .django.unit_of_work import DjangoAttempt
@@ -102,6 +102,7 @@ class Inbox:
         """Make this the inbox the app's tasks run through (``inbox_of``)."""
         setattr(self.runtime.app, _APP_ATTRIBUTE, self)
 
+    @tracing.in_delivery_context
     def run(self, task: Any, args: tuple, kwargs: dict, body: Callable[[], Any], style: str,
             unit_of_work: bool, queue: str | None = None) -> Any:
         """Run ``body`` once per delivery of ``task``'s current request (from ``queue``, when the caller
@@ -186,7 +187,7 @@ class Inbox:
         outcome: BaseException | None = None
         with self._attempt(task, delivery, unit_of_work=True) as uow:
             now = utcnow()
-            with _store_errors():
+            with _store_errors(), tracing.delivery_span(tracing.CLAIM, delivery):
                 row = self._claim_row(delivery, IncomingStatus.HANDLED, UNOWNED, now)
                 claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
                                                self.runtime.settings.silent_before(now), stored=stored)
@@ -235,7 +236,8 @@ class Inbox:
                            envelope: dict[str, Any], node_id: int) -> Any:
         store = self.runtime.store
         if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
-            self._store_envelope(delivery, envelope, owner=node_id)
+            with tracing.delivery_span(tracing.CLAIM, delivery):
+                self._store_envelope(delivery, envelope, owner=node_id)
 
         def finish(connection: Connection, commit: bool) -> bool:  # False: another node took the claim over
             finished = utcnow()
@@ -249,7 +251,7 @@ class Inbox:
                 now = utcnow()
                 # committed without waiting for the disk (the body's commit makes it durable), on the
                 # attempt's connection: the body's transaction begins in the same round trip
-                with _store_errors():
+                with _store_errors(), tracing.delivery_span(tracing.CLAIM, delivery):
                     row = self._claim_row(delivery, IncomingStatus.RUNNING, node_id, now)
                     claimed = store.claim_incoming_alone(row, self._stale_before(now), uow.connection_before_begin,
                                                          self.runtime.settings.silent_before(now))
@@ -421,7 +423,7 @@ class Inbox:
 
     def _discard(self, delivery: Delivery) -> None:
         try:
-            with self.runtime.store.begin(durable=False) as conn:
+            with tracing.delivery_span(tracing.DISCARD, delivery), self.runtime.store.begin(durable=False) as conn:
                 self.runtime.store.count_duplicate(conn, delivery.message_id, delivery.destination, delivery.send_id)
                 if self.runtime.settings.is_durable(delivery.queue):
                     self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it

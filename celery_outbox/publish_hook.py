@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 from celery.app.amqp import AMQP
 
+from . import tracing
 from .celery_hooks import default_event_dispatcher, install_task_sender
 from .django.transactions import joined_transaction
 from .envelope import OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
@@ -34,6 +35,7 @@ def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., 
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
         continued = stamp_send_id(runtime.app, message.headers)
+        tracing.inject(message.headers)
         uow = current_unit_of_work()
         if uow is None and runtime.joins_django:
             uow = joined_transaction(publisher)

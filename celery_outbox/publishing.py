@@ -23,7 +23,7 @@ from typing import Any
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from . import log_fields
+from . import log_fields, tracing
 from .broker import Outlet, outlet
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
@@ -38,7 +38,8 @@ logger = logging.getLogger("celery_outbox.publishing")
 
 def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> None:
     """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids."""
-    ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages])
+    with tracing.messages_span(tracing.STORE, messages):
+        ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages])
     for message, row_id in zip(messages, ids, strict=True):
         message.row_id = row_id
 

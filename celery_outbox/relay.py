@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from . import log_fields
+from . import log_fields, tracing
 from .broker import outlet
 from .dead_letter_rows import stored_dead_letter_row
 from .envelope import OutgoingMessage, from_row
@@ -88,7 +88,7 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                 last_id = rows[-1].id
                 expired, live = _split_expired(rows, now)
                 done = out.publish_each([(row, with_eta(from_row(row, out.queues))) for row in live],
-                                        crash_point="during_relay")
+                                        crash_point="during_relay", step=tracing.RELAY)
                 poisoned: list[tuple[Any, BaseException]] = []
                 for row, message, exc in done.failed:
                     result.failed += 1
@@ -158,7 +158,7 @@ def redeliver(runtime: Runtime, max_batches: int | None = None) -> tuple[int, st
                     store.insert_dead_letters(conn, dead_letters)
                     store.delete_outgoing(conn, [row.id for row in expired])
                 done = out.publish_each([(row, _redelivery(row, out.queues)) for row in live],
-                                        crash_point="during_relay")
+                                        crash_point="during_relay", step=tracing.REDELIVER)
                 for row, _, exc in done.failed:  # it waits for its next redelivery
                     logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc,
                                  **log_fields.of_row(row))

@@ -1,0 +1,167 @@
+"""Traces around a real worker (in this process, so one in-memory exporter sees both sides) on
+Redis and PostgreSQL: the caller's trace continues through the commit, the relay and a
+redelivery to the claim and the body, and beside Celery's own instrumentation each delivery
+has one consumer span."""
+
+from __future__ import annotations
+
+import pytest
+from celery._state import get_current_app
+from celery.contrib.testing.worker import start_worker
+from opentelemetry.instrumentation.celery import CeleryInstrumentor
+from opentelemetry.trace import SpanKind
+
+from celery_outbox import IdempotentTask, tracing
+
+from .. import traces
+from ..apps.factory import make_shop
+from ..brokers import copy_options, purge, receive
+from ..conftest import drop_store
+from ..services import wait_until
+from ..unit.test_durability import envelope_row
+
+spans = traces.spans
+
+
+@pytest.fixture
+def make_traced_shop(redis_url, postgres_url, table_prefix, spans):
+    """Makes shops whose ``shop.traced`` task (an ``IdempotentTask``) opens a ``body`` span."""
+    made = []
+
+    def make(**conf):
+        shop = make_shop(redis_url, postgres_url, table_prefix, **conf)
+        shop.outbox.ready()
+        made.append(shop)
+
+        @shop.app.task(base=IdempotentTask, bind=True, name="shop.traced", shared=False)
+        def traced(self, note):
+            with spans.tracer.start_as_current_span("body"):
+                return note
+
+        shop.traced = traced
+        return shop
+
+    yield make
+    for shop in made:
+        purge(shop.app, shop.durable_queue)
+        drop_store(shop.outbox.store)
+
+
+@pytest.fixture
+def shop(make_traced_shop):
+    return make_traced_shop()
+
+
+def worker(shop):
+    return start_worker(shop.app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
+                        queues=[shop.durable_queue])
+
+
+def send_in_request(shop, spans, note, **options):
+    """``apply_async`` in a unit of work inside a ``request`` span; the request span."""
+    with spans.tracer.start_as_current_span("request") as request:
+        with shop.outbox.transaction():
+            shop.traced.apply_async((note,), queue=shop.durable_queue, **options)
+    return request
+
+
+def assert_one_trace(request, *chain):
+    trace_id = request.get_span_context().trace_id
+    assert [span.context.trace_id for span in chain] == [trace_id] * len(chain), [s.name for s in chain]
+
+
+def test_a_message_published_at_commit_continues_the_callers_trace_to_the_claim_and_the_body(shop, spans):
+    with worker(shop):
+        request = send_in_request(shop, spans, "now")
+        body = spans.wait_for("body")[0]
+    store, publish, claim = spans.one(tracing.STORE), spans.one(tracing.PUBLISH), spans.one(tracing.CLAIM)
+    assert_one_trace(request, store, publish, claim, body)
+    request_id = request.get_span_context().span_id
+    assert [traces.parent_of(s) for s in (store, publish, claim, body)] == [request_id] * 4
+    assert publish.kind == SpanKind.PRODUCER
+    assert publish.start_time < claim.start_time < claim.end_time <= body.start_time
+    message_id = claim.attributes["messaging.message.id"]
+    assert publish.attributes["messaging.message.id"] == message_id
+    assert dict(claim.attributes) == {
+        "messaging.system": "celery", "messaging.message.id": message_id, "celery.task_name": "shop.traced",
+        "messaging.destination.name": shop.durable_queue, "celery_outbox.attempt": "0.0.0"}
+
+
+def test_a_message_the_relay_publishes_later_continues_the_callers_trace(shop, spans, monkeypatch):
+    monkeypatch.setattr(shop.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
+    request = send_in_request(shop, spans, "later")
+    monkeypatch.undo()
+    assert spans.named(tracing.PUBLISH) == [], "held back: nothing published at the commit"
+    with spans.tracer.start_as_current_span("relay pass") as relay_pass:
+        assert shop.outbox.relay().published == 1
+    with worker(shop):
+        body = spans.wait_for("body")[0]
+    relayed, claim = spans.one(tracing.RELAY), spans.one(tracing.CLAIM)
+    assert_one_trace(request, spans.one(tracing.STORE), relayed, claim, body)
+    assert traces.parent_of(relayed) == request.get_span_context().span_id, "a child of the stored context"
+    assert [link.context.span_id for link in relayed.links] == [relay_pass.get_span_context().span_id]
+    assert relayed.attributes["messaging.message.id"] == claim.attributes["messaging.message.id"]
+
+
+def test_a_redelivered_message_continues_the_callers_trace_and_a_duplicate_is_discarded(make_traced_shop, spans):
+    shop = make_traced_shop(outbox_redeliver_after=0.2)
+    request = send_in_request(shop, spans, "lost", **copy_options("lost-1"))
+    receive(shop.app, shop.durable_queue, 1)  # the broker loses it: no inbox acknowledges it
+    wait_until(lambda: shop.outbox.recover().redelivered == 1, message="the redelivery")
+    with worker(shop):
+        body = spans.wait_for("body")[0]
+        copy_request = send_in_request(shop, spans, "copy", **copy_options("lost-1"))  # a copy of the same send
+        discard = spans.wait_for(tracing.DISCARD)[0]
+    redelivered, claim = spans.one(tracing.REDELIVER), spans.one(tracing.CLAIM)
+    assert_one_trace(request, redelivered, claim, body)
+    assert redelivered.attributes["celery_outbox.redelivery"] == 1
+    assert claim.attributes["celery_outbox.redelivery"] == 1
+    assert_one_trace(copy_request, discard)
+    assert discard.attributes["messaging.message.id"] == "lost-1"
+    assert len(spans.named("body")) == 1, "the duplicate never ran"
+
+
+def test_a_recovered_envelope_continues_the_callers_trace(shop, spans):
+    """The stored envelope of a delivery whose worker died is published again by recovery, in
+    the trace of the code that sent it."""
+    with spans.tracer.start_as_current_span("request") as request:
+        task_id = envelope_row(shop, "stranded")
+    assert shop.outbox.recover().envelopes_republished == 1
+    with worker(shop):
+        claim = spans.wait_for(tracing.CLAIM)[0]
+        wait_until(lambda: shop.outbox.store.get_incoming(task_id).status == "handled", message="the recovered run")
+    recovered = spans.one(tracing.RECOVER)
+    assert_one_trace(request, recovered, claim)
+    assert traces.parent_of(recovered) == request.get_span_context().span_id
+    assert recovered.attributes["messaging.message.id"] == claim.attributes["messaging.message.id"] == task_id
+
+
+@pytest.fixture
+def instrumented(shop):
+    """Celery's instrumentation on, with the shop's app current (the instrumentation finds a
+    published task in the current app's registry)."""
+    previous = get_current_app()
+    shop.app.set_current()
+    CeleryInstrumentor().instrument()
+    try:
+        yield
+    finally:
+        CeleryInstrumentor().uninstrument()
+        previous.set_current()
+
+
+def test_beside_celerys_instrumentation_each_delivery_has_one_consumer_span_in_one_trace(shop, spans,
+                                                                                         instrumented):
+    with worker(shop):
+        request = send_in_request(shop, spans, "instrumented")
+        body = spans.wait_for("body")[0]
+        run = spans.wait_for("run/shop.traced")[0]
+    (apply_async,) = [s for s in spans.all() if s.name.startswith("apply_async/")]
+    consumers = [s for s in spans.all() if s.kind == SpanKind.CONSUMER]
+    assert consumers == [run], "one consumer span per delivery: the outbox opened none"
+    claim, publish = spans.one(tracing.CLAIM), spans.one(tracing.PUBLISH)
+    assert_one_trace(request, apply_async, publish, run, claim, body)
+    assert traces.parent_of(apply_async) == request.get_span_context().span_id
+    assert traces.parent_of(run) == apply_async.context.span_id, "the instrumentation's context, not a second one"
+    assert traces.parent_of(publish) == apply_async.context.span_id
+    assert traces.parent_of(claim) == traces.parent_of(body) == run.context.span_id
