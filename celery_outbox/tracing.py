@@ -18,7 +18,8 @@ from contextlib import contextmanager, nullcontext
 from functools import wraps
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence, TypeVar
 
-from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER
+from .envelope import attempt_of, header_count
+from .vocabulary import REDELIVERY_HEADER
 
 try:
     from opentelemetry import context as otel_context
@@ -103,7 +104,7 @@ def delivery_span(name: str, delivery: Any) -> ContextManager[Any]:
     if tracer is None:
         return nullcontext()
     attributes = {**_message_attributes(delivery.message_id, delivery.task_name, delivery.queue),
-                  "celery_outbox.attempt": _attempt(*delivery.attempt)}
+                  "celery_outbox.attempt": str(delivery.attempt)}
     if delivery.redelivered:
         attributes["celery_outbox.redelivery"] = delivery.redelivered
     return tracer.start_as_current_span(name, attributes=attributes)
@@ -189,23 +190,10 @@ def _message_attributes(message_id: str, task_name: str, queue: str) -> dict[str
 def _outgoing_attributes(message: Any) -> dict[str, Any]:
     headers = message.headers if isinstance(message.headers, dict) else {}
     attributes = {**_message_attributes(message.message_id, message.task_name, message.destination),
-                  "celery_outbox.attempt": _attempt(headers.get("replaced_task_nesting"),
-                                                    headers.get(REPLAY_HEADER), headers.get("retries"))}
+                  "celery_outbox.attempt": str(attempt_of(headers))}
     if headers.get(REDELIVERY_HEADER):
-        attributes["celery_outbox.redelivery"] = _count(headers.get(REDELIVERY_HEADER))
+        attributes["celery_outbox.redelivery"] = header_count(headers.get(REDELIVERY_HEADER))
     return attributes
-
-
-def _attempt(nesting: Any, replays: Any, retries: Any) -> str:
-    """An attempt as ``nesting.replays.retries`` (``vocabulary.Attempt``'s order)."""
-    return f"{_count(nesting)}.{_count(replays)}.{_count(retries)}"
-
-
-def _count(value: Any) -> int:
-    try:
-        return max(int(value or 0), 0)
-    except (TypeError, ValueError):
-        return 0
 
 
 class _Getter:
