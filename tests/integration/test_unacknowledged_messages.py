@@ -27,7 +27,6 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import select
 
-from celery_outbox.durability import recover
 from celery_outbox.store import utcnow
 from celery_outbox.vocabulary import IncomingStatus
 
@@ -113,7 +112,7 @@ class Setup:
     def recover_after_redelivery_time(self, sent_at: datetime):
         wait_until(lambda: utcnow() >= sent_at + timedelta(seconds=REDELIVER_AFTER), timeout=10,
                    message="the redelivery time to pass")
-        return recover(self.shop.outbox)
+        return self.shop.outbox.recover()
 
     def close(self) -> None:
         for worker in self.workers:
