@@ -229,7 +229,7 @@ def metrics(box: Outbox, port: int, address: str, stuck_after: timedelta) -> Non
     set, also the counters of the workers sharing that folder)."""
     from .metrics import serve
 
-    box.ready()
+    # no ready() first: a store that is down is what store_up 0 reports, scrape after scrape
     serve(lambda: box.status(stuck_after=stuck_after.total_seconds()), port, address)
     click.echo(f"celery-outbox metrics on http://{address}:{port}/metrics (Ctrl-C stops)")
     try:

@@ -37,6 +37,7 @@ from .signals import (
     publish_failed,
 )
 from .store import utcnow
+from .vocabulary import DeadLetterReason
 
 __all__ = ["MULTIPROCESS_DIR_VARIABLE", "OutboxMetrics", "StoreCollector", "install", "serve", "serve_from_worker"]
 
@@ -45,6 +46,8 @@ logger = logging.getLogger("celery_outbox.metrics")
 MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 PREFIX = "celery_outbox"
 # seconds: from a millisecond (a publish at commit) to the relay's pace and redelivery's minutes
+# dead letters whose task name is not one the worker registered: counted without it
+UNREGISTERED_TASK_REASONS = frozenset({DeadLetterReason.MALFORMED, DeadLetterReason.UNKNOWN_TASK})
 DELAY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
 
@@ -129,7 +132,10 @@ class OutboxMetrics:
         self.duplicates.labels(task_name or "", queue or "").inc()
 
     def _on_dead_letter(self, task_name: str | None, reason: Any, **_: Any) -> None:
-        self.dead_letters.labels(reason.value, task_name or "").inc()
+        # a malformed message or an unknown task names whatever task its sender wrote: one series per
+        # name would let hostile input grow the metrics without bound
+        task = "" if reason in UNREGISTERED_TASK_REASONS else (task_name or "")
+        self.dead_letters.labels(reason.value, task).inc()
 
     def _on_claims_released(self, count: int, reason: Any, **_: Any) -> None:
         self.claims_taken_over.labels(reason.value).inc(count)

@@ -1,9 +1,10 @@
 """Signals celery-outbox sends, in Celery's style (``@message_published.connect``).
 
-Each is sent in the process where the event happens, after the transaction that made it true
-committed (a rolled-back store or dead letter is never announced). ``celery_outbox.metrics``
-counts them; a user's receiver may too. A receiver must be quick and must not raise: it runs
-on the path of the message.
+Each is sent in the process where the event happens, once it is true: a store, a dead letter
+or a claim's release after its transaction committed (a rolled-back one is never announced), a
+publish once the broker accepted it. ``celery_outbox.metrics``
+counts them; a user's receiver may too. A receiver runs on the path of the message: it must be
+quick. One that raises is logged by Celery's dispatcher and the message goes on.
 
 * ``messages_stored(sender=outbox, messages=[OutgoingMessage])``: durable messages committed
   to the outgoing table (one send per commit).

@@ -196,6 +196,26 @@ def test_the_metrics_command_serves_the_stores_gauges_and_says_when_the_store_is
     assert f"http://127.0.0.1:{port}/metrics" in output
 
 
+def test_the_metrics_command_answers_while_the_database_refuses_connections(table_prefix, tmp_path):
+    """A database nobody listens on: the command still serves, with store_up 0 and no gauge."""
+    port = free_port()
+    env = {"TEST_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test?connect_timeout=2",
+           "TEST_TABLE_PREFIX": table_prefix, "PYTHONPATH": str(ROOT)}
+    command = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "metrics",
+                                "--port", str(port)], cwd=ROOT, env={**os.environ, **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        samples = wait_until(lambda: _scrape_or_none(port) or command.poll() is not None, timeout=60,
+                             message="the metrics command to serve")
+        assert command.poll() is None, command.communicate()[0]
+        assert value(samples, "celery_outbox_store_up") == 0
+        assert "celery_outbox_outgoing_messages" not in samples
+    finally:
+        command.terminate()
+        output = command.communicate(timeout=30)[0]
+    assert "the store did not answer" in output
+
+
 def _scrape_or_none(port: int):
     try:
         return scrape(port)
