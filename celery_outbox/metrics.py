@@ -20,8 +20,10 @@ from a process of its own. Both listen on 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from typing import Any, Callable, Iterable, Iterator
 
@@ -242,7 +244,8 @@ def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0
 def use_multiprocess_dir() -> str:
     """Make this process and those it forks count into one multiprocess folder: the one
     ``PROMETHEUS_MULTIPROC_DIR`` names (it must exist; it is the operator's to empty between
-    runs), or a new empty one. Call before any counter is made."""
+    runs), or a new empty one, removed when the process that made it exits. Call before any
+    counter is made."""
     directory = os.environ.get(MULTIPROCESS_DIR_VARIABLE)
     if directory:
         if not os.path.isdir(directory):
@@ -250,6 +253,8 @@ def use_multiprocess_dir() -> str:
     else:
         directory = tempfile.mkdtemp(prefix="celery-outbox-metrics-")
         os.environ[MULTIPROCESS_DIR_VARIABLE] = directory
+        maker = os.getpid()  # the pool's processes inherit the exit hook: only the maker removes it
+        atexit.register(lambda: os.getpid() == maker and shutil.rmtree(directory, ignore_errors=True))
     from prometheus_client import values
 
     values.ValueClass = values.get_value_class()  # prometheus-client chose its value class at import

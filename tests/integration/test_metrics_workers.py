@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -233,6 +234,7 @@ def test_a_worker_whose_metrics_port_is_taken_stops_with_one_clear_line(postgres
         taken.listen()
         port = taken.getsockname()[1]
         scenario = Scenario(redis_url, postgres_url, table_prefix, tmp_path, outbox_metrics_port=port)
+        folders_before = set(Path(tempfile.gettempdir()).glob("celery-outbox-metrics-*"))
         try:
             worker = WorkerProcess("tests.apps.inbox_app", scenario.env, concurrency=1,
                                    queues=[scenario.env["TEST_QUEUE"]], log_path=tmp_path / "worker.log").start()
@@ -240,5 +242,7 @@ def test_a_worker_whose_metrics_port_is_taken_stops_with_one_clear_line(postgres
             assert worker.process.wait(timeout=60) != 0
             assert f"cannot serve metrics on 127.0.0.1:{port}" in worker.log()
             assert "Traceback" not in worker.log()
+            assert set(Path(tempfile.gettempdir()).glob("celery-outbox-metrics-*")) <= folders_before, \
+                "the multiprocess folder the worker made is gone with it"
         finally:
             scenario.close()
