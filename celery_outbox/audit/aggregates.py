@@ -23,7 +23,7 @@ from celery_outbox.audit.sketch import bucket_of, quantile_columns
 from celery_outbox.vocabulary import IncomingStatus
 
 __all__ = ["COUNTS", "FINAL_STATUSES", "LATENCY_BUCKETS", "Aggregates", "Tally", "Tracking", "aggregate", "iso",
-           "open_sends", "quantiles", "tally", "window_of"]
+           "merged_window", "open_sends", "quantiles", "sends_of", "tally"]
 
 LATENCY_BUCKETS = [0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
                    3600.0, 86400.0]
@@ -68,18 +68,15 @@ class Tally:
         tally's, or a coarser one)."""
         from pyspark.sql import functions as F
 
-        starts, ends = [w[0] for w in (self.window, other.window) if w[0]], [w[1] for w in (self.window, other.window)
-                                                                            if w[1]]
         periods = self.throughput.unionByName(other.throughput).groupBy(
             F.date_trunc(unit, "period").alias("period")).agg(F.sum("sent").alias("sent"),
                                                                F.sum("handled").alias("handled"))
         letters = self.dead_letters.unionByName(other.dead_letters).groupBy("task_name", "exception").agg(
             F.sum("count").alias("count"))
         return Tally({key: self.counts[key] + other.counts[key] for key in COUNTS},
-                     (min(starts, default=None), max(ends, default=None)),
+                     merged_window(self.window, other.window),
                      [a + b for a, b in zip(self.histogram, other.histogram, strict=True)],
                      self.latency.unionByName(other.latency), periods, letters)
-
 
     def minus(self, part: "Tally", unit: str) -> "Tally":
         """The tally of this set without ``part``, a subset of it. The window and each latency
@@ -121,18 +118,27 @@ class Aggregates:
     total: Tally
 
 
-def window_of(sent) -> tuple[Any, Any]:
-    """(first, last) ``sent_at`` of the de-duplicated sends (naive UTC; None without sends)."""
+def sends_of(sent) -> tuple[int, tuple[Any, Any]]:
+    """How many de-duplicated sends there are, and their window: (first, last) ``sent_at`` (naive
+    UTC; None without sends). One Spark job."""
     from pyspark.sql import functions as F
 
-    row = sent.agg(F.min("sent_at"), F.max("sent_at")).first()
-    return row[0], row[1]
+    row = sent.agg(F.count(F.lit(1)), F.min("sent_at"), F.max("sent_at")).first()
+    return row[0], (row[1], row[2])
 
 
-def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any]) -> Tally:
+def merged_window(*windows: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The window that spans ``windows``: the first start and the last end present (None if none)."""
+    return (min((w[0] for w in windows if w[0] is not None), default=None),
+            max((w[1] for w in windows if w[1] is not None), default=None))
+
+
+def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any],
+          sends: tuple[int, tuple[Any, Any]] | None = None) -> Tally:
     """The tally of the messages in the de-duplicated ``frames`` (``incoming``, ``sent``,
-    ``dead_letters``), its throughput per ``unit``; the latencies and the tally's frames are cached
-    (several figures read them) and appended to ``cached`` for the caller to unpersist."""
+    ``dead_letters``), its throughput per ``unit``; ``sends`` is ``sends_of(frames["sent"])`` when
+    the caller has it already. The latencies and the tally's frames are cached (several figures
+    read them) and appended to ``cached`` for the caller to unpersist."""
     from pyspark.sql import functions as F
 
     incoming, sent, dead = frames["incoming"], frames["sent"], frames["dead_letters"]
@@ -148,18 +154,18 @@ def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any]) -> 
                   .join(handled.groupBy(F.date_trunc(unit, "handled_at").alias("period"))
                         .agg(F.count(F.lit(1)).alias("handled")), "period", "full_outer").na.fill(0))
     letters = dead.groupBy("task_name", F.coalesce("exception_type", "reason").alias("exception")).count()
-    sends = sent.agg(F.count(F.lit(1)), F.min("sent_at"), F.max("sent_at")).first()
+    sent_count, window = sends if sends is not None else sends_of(sent)
     inbox = incoming.agg(F.count_if(F.col("status") == IncomingStatus.HANDLED.value),
                          F.coalesce(F.sum("duplicates"), F.lit(0))).first()
     histogram, late = _histogram(latency, F, options.late_after_seconds)
     counts = {
-        "sent": sends[0], "handled": inbox[0], "dead_lettered": dead.count(), "duplicates_discarded": int(inbox[1]),
+        "sent": sent_count, "handled": inbox[0], "dead_lettered": dead.count(), "duplicates_discarded": int(inbox[1]),
         "late": late, "inbox_only": incoming.join(sent.select("message_id").distinct(), "message_id",
                                                   "left_anti").count(),
     }
     small = [frame.cache() for frame in (sketch, throughput, letters)]  # read again by every figure that adds them
     cached.extend(small)
-    return Tally(counts, (sends[1], sends[2]), histogram, *small)
+    return Tally(counts, window, histogram, *small)
 
 
 def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: dict[str, Any],
@@ -187,13 +193,10 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
     lost = lost.cache()  # its examples, its count and its aggregate
     cached.append(lost)
 
-    window = window_of(inputs.sent)
-    if settled is not None:
-        window = (min((w for w in (window[0], settled.window[0]) if w), default=None),
-                  max((w for w in (window[1], settled.window[1]) if w), default=None))
-    unit = _throughput_unit(*window)
+    sends = sends_of(inputs.sent)
+    unit = _throughput_unit(*(sends[1] if settled is None else merged_window(sends[1], settled.window)))
     frames = {"incoming": inputs.incoming, "sent": inputs.sent, "dead_letters": inputs.dead}
-    total = tally(frames, options, unit, cached)
+    total = tally(frames, options, unit, cached, sends)
     if settled is not None:
         total = settled.plus(total, unit)
     overall = quantile_columns(F, total.latency, []).first()
