@@ -34,6 +34,17 @@ class Scenario:
         self.workers.append(worker)
         return worker.wait_ready()
 
+    def worker_with_both_styles_in_flight(self) -> WorkerProcess:
+        """A worker of the durable queue running ``eager-1`` (eager) and ``optimistic-1`` (optimistic),
+        both bodies started and held for two minutes: the victim of a kill."""
+        durable = self.env["TEST_OTHER_QUEUE"]
+        victim = self.worker(queues=[durable], concurrency=2)
+        self.shop.pay_eager.apply_async(("eager-1", 120), task_id="eager-1", queue=durable)
+        self.shop.pay.apply_async(("optimistic-1", 120), task_id="optimistic-1", queue=durable)
+        self.wait_events("eager-1", "body", 1)
+        self.wait_events("optimistic-1", "body", 1)
+        return victim
+
     def wait_events(self, task_id, kind, count, timeout=60):
         return wait_until(
             lambda: (rows := [e for e in self.shop.events(task_id) if e.kind == kind]) and len(rows) >= count and rows,

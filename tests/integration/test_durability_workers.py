@@ -36,11 +36,7 @@ def test_a_sigkilled_workers_messages_are_delivered_by_another_worker(postgres_u
                         outbox_recover_interval=1, outbox_node_stale_after=2)
     try:
         shop, durable = scenario.shop, scenario.env["TEST_OTHER_QUEUE"]
-        victim = scenario.worker(queues=[durable], concurrency=2)
-        shop.pay_eager.apply_async(("eager-1", 120), task_id="eager-1", queue=durable)
-        shop.pay.apply_async(("optimistic-1", 120), task_id="optimistic-1", queue=durable)
-        scenario.wait_events("eager-1", "body", 1)
-        scenario.wait_events("optimistic-1", "body", 1)
+        victim = scenario.worker_with_both_styles_in_flight()
         assert shop.outbox.store.get_incoming("eager-1").owner != 0, "the eager claim is owned by the victim"
         victim.kill()
 

@@ -119,12 +119,7 @@ def test_recovery_counts_the_claims_it_takes_over_and_the_envelopes_it_redeliver
     counted = metrics.OutboxMetrics(registry).connect(scenario.shop.outbox)
     try:
         shop, durable = scenario.shop, scenario.env["TEST_OTHER_QUEUE"]
-        victim = scenario.worker(queues=[durable], concurrency=2)
-        shop.pay_eager.apply_async(("eager-1", 120), task_id="eager-1", queue=durable)
-        shop.pay.apply_async(("optimistic-1", 120), task_id="optimistic-1", queue=durable)
-        scenario.wait_events("eager-1", "body", 1)
-        scenario.wait_events("optimistic-1", "body", 1)
-        victim.kill()
+        scenario.worker_with_both_styles_in_flight().kill()
         scenario.worker(queues=[durable], concurrency=2)
 
         def recovered():

@@ -92,6 +92,15 @@ def define_pay(harness, **options):
     return pay
 
 
+def send_pay_and_its_copy(harness, pay) -> None:
+    """``pay-1`` runs in an in-process worker, then a copy of its send arrives and is discarded."""
+    with harness.worker():
+        pay.apply_async(("first",), **copy_options("pay-1"))
+        assert harness.wait_for_states("pay-1", 1) == ["SUCCESS"]
+        pay.apply_async(("copy",), **copy_options("pay-1"))
+        assert harness.wait_for_states("pay-1", 2) == ["SUCCESS", "IGNORED"]
+
+
 def test_same_id_delivered_twice_runs_once(harness):
     pay = define_pay(harness)
     discarded = []
@@ -101,11 +110,7 @@ def test_same_id_delivered_twice_runs_once(harness):
 
     duplicate_discarded.connect(on_discard)
     try:
-        with harness.worker():
-            pay.apply_async(("first",), **copy_options("pay-1"))
-            assert harness.wait_for_states("pay-1", 1) == ["SUCCESS"]
-            pay.apply_async(("copy",), **copy_options("pay-1"))
-            assert harness.wait_for_states("pay-1", 2) == ["SUCCESS", "IGNORED"]
+        send_pay_and_its_copy(harness, pay)
     finally:
         duplicate_discarded.disconnect(on_discard)
     assert harness.runs == [("pay-1", 0)]
@@ -127,11 +132,7 @@ def test_the_discarded_duplicate_is_logged_with_its_fields(harness):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)  # the in-process worker sets the root logger to ERROR
     try:
-        with harness.worker():
-            pay.apply_async(("first",), **copy_options("pay-1"))
-            assert harness.wait_for_states("pay-1", 1) == ["SUCCESS"]
-            pay.apply_async(("copy",), **copy_options("pay-1"))
-            assert harness.wait_for_states("pay-1", 2) == ["SUCCESS", "IGNORED"]
+        send_pay_and_its_copy(harness, pay)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
