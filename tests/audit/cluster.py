@@ -63,6 +63,8 @@ class SparkCluster:
                 return json.load(response).get("aliveworkers") == 1
         except OSError:  # the master's UI is not up yet
             return False
+        except ValueError:  # its UI answers /json/ with the HTML page until the JSON handler is attached
+            return False
 
     def stop(self) -> None:
         """End the worker (and its executors) and then the master, by process group."""
