@@ -123,7 +123,8 @@ SETTINGS: tuple[Setting, ...] = (
             "with its eta, so the worker holds it and runs it at its eta as Celery does; until then it waits "
             "in the outgoing table (long countdowns never sit in the broker, where Redis' visibility timeout "
             "would deliver them again). At least `outbox_recover_interval`, which releases it; keep it well "
-            "under Redis' `visibility_timeout`. Unset: three recover intervals (15 s)."),
+            "under Redis' `visibility_timeout` (a worker or beat starting with it at or above that timeout "
+            "warns). Unset: three recover intervals (15 s)."),
     Setting("cleanup_interval", 60.0, parse.seconds,
             "Seconds between two beat runs of `celery_outbox.cleanup`."),
     Setting("maintenance_queue", None, parse.optional_string,

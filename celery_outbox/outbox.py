@@ -38,7 +38,7 @@ from .store import Store
 from .store.status import DEFAULT_RECENT, DEFAULT_STUCK_AFTER
 from .tasks import InboxTask, give_inbox_to_every_task
 from .unit_of_work import transaction
-from .window import check_dedupe_window
+from .window import check_dedupe_window, check_release_ahead
 
 __all__ = ["Outbox"]
 
@@ -131,6 +131,7 @@ class Outbox:
             logger.critical("celery-outbox: %s", exc)
             raise SystemExit(f"celery-outbox cannot start: {exc}") from None
         check_dedupe_window(self.app, self.settings.keep_after_handling)
+        check_release_ahead(self.app, self.settings.release_ahead_seconds)
 
     def _give_inbox_to_every_task(self) -> None:
         """A worker: tasks whose class bypasses the app's task base go through the inbox too

@@ -1,10 +1,16 @@
-"""The dedupe window check: handled inbox rows must outlive every redelivery.
+"""Start-up checks of the windows that must fit the broker's redelivery: handled inbox rows
+must outlive every redelivery, and a durable scheduled message must not wait in the broker long
+enough for it to be redelivered.
 
 A duplicate is recognised only while its handled row exists, that is for
 ``outbox_keep_after_handling`` seconds. Redis and SQS re-deliver an unacked message
 after ``visibility_timeout`` (one hour by default), and a task's own retries can
 bring an attempt back after its retry delays. When either horizon could outlive
 the window, a redelivered copy could run again: this says so, clearly, at start-up.
+
+A durable message with an eta goes to the broker ``outbox_release_ahead`` seconds before it, and
+a worker holds it unacknowledged until then: when that reaches Redis' ``visibility_timeout``,
+the broker delivers it again meanwhile, and another worker holds a copy the inbox discards.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["check_dedupe_window", "redelivery_horizons"]
+__all__ = ["check_dedupe_window", "check_release_ahead", "redelivery_horizons", "visibility_timeout"]
 
 logger = logging.getLogger("celery_outbox.window")
 
@@ -27,12 +33,20 @@ def _broker_scheme(app: Any) -> str:
     return str(url).split("://", 1)[0].split("+", 1)[0].lower()
 
 
+def visibility_timeout(app: Any) -> float | None:
+    """Seconds after which ``app``'s broker delivers an unacknowledged message again (Redis, SQS);
+    None for a broker that does not (RabbitMQ redelivers only when the consumer's channel closes)."""
+    if _broker_scheme(app) not in VISIBILITY_TRANSPORTS:
+        return None
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+
+
 def redelivery_horizons(app: Any) -> list[tuple[str, float]]:
     """(what, seconds) for each way a message can come back after it was handled."""
     horizons: list[tuple[str, float]] = []
-    if _broker_scheme(app) in VISIBILITY_TRANSPORTS:
-        options = app.conf.broker_transport_options or {}
-        timeout = float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+    timeout = visibility_timeout(app)
+    if timeout is not None:
         horizons.append((f"the broker's visibility_timeout ({timeout:g}s)", timeout))
     from .tasks import IdempotentTask
 
@@ -61,3 +75,17 @@ def check_dedupe_window(app: Any, window: float) -> list[str]:
     for warning in warnings:
         logger.warning(warning)
     return warnings
+
+
+def check_release_ahead(app: Any, release_ahead: float) -> list[str]:
+    """Warn when ``release_ahead`` (``OutboxSettings.release_ahead_seconds``) reaches ``app``'s
+    visibility timeout: a scheduled durable message held by a worker until its eta would be
+    delivered again meanwhile. Return the warnings."""
+    timeout = visibility_timeout(app)
+    if timeout is None or release_ahead < timeout:
+        return []
+    warning = (f"celery-outbox: outbox_release_ahead ({release_ahead:g}s) reaches the broker's visibility_timeout "
+               f"({timeout:g}s): a durable message published that long before its eta is delivered again while a "
+               f"worker holds it. Lower outbox_release_ahead below {timeout:g}s.")
+    logger.warning(warning)
+    return [warning]
