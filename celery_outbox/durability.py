@@ -257,7 +257,7 @@ def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_ba
             for _, message in done.published:
                 message_redelivered.send(sender=runtime.owner, message=message, reason=RedeliveryReason.WORKER_LOST)
             store_dead_letter_results(app, DeadLetterReason.WORKER_LOST, [
-                EndedMessage(row.message_id, row.task_name, row.headers, row.properties) for row in exhausted])
+                EndedMessage.of_row(row) for row in exhausted])
             if result.broker_error or len(rows) < settings.recover_batch_size:
                 return
 

@@ -119,8 +119,9 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                         for m in published if m.deliver_at is not None and m.deliver_at > now])
             # committed: tell their callers what Celery would (REVOKED "expired"; FAILURE with the publish error)
             announce_dead_letters(runtime.owner, dead_letters)
-            store_dead_letter_results(app, DeadLetterReason.EXPIRED, [_ended(row) for row in expired])
-            store_dead_letter_results(app, DeadLetterReason.POISON, [_ended(row, exc) for row, exc in poisoned])
+            store_dead_letter_results(app, DeadLetterReason.EXPIRED, [EndedMessage.of_row(row) for row in expired])
+            store_dead_letter_results(app, DeadLetterReason.POISON,
+                                      [EndedMessage.of_row(row, exc) for row, exc in poisoned])
             if result.broker_error:
                 break
     if result.published or result.failed:
@@ -209,10 +210,6 @@ def _split_expired(rows: Any, now: datetime) -> tuple[list[Any], list[Any]]:
 def _expired(row: Any, now: datetime) -> bool:
     expires_at = as_utc(row.expires_at)
     return expires_at is not None and expires_at <= now
-
-
-def _ended(row: Any, exc: BaseException | None = None) -> EndedMessage:
-    return EndedMessage(row.message_id, row.task_name, row.headers, row.properties, exc)
 
 
 def _dead_letter(row: Any, exc: BaseException | None, reason: DeadLetterReason, sent: bool = False) -> dict[str, Any]:

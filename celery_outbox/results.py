@@ -15,9 +15,19 @@ function, ``store_dead_letter_results``, which the guard, the relay and recovery
   read (``on_invalid_task``, ``on_decode_error``, ``on_unknown_message``), and a task that
   failed stored its own result when it failed.
 
+A FAILURE or REVOKED of a known task is written with the request Celery's worker would have
+given the task: its headers, and the chord, chain and errbacks its body carries. So, as in
+Celery, a FAILURE fails the chord the message is part of (its body fails with ``ChordError``),
+marks the rest of its chain failed and calls its ``link_error`` errbacks (one that takes the
+request, the exception and the traceback runs in this process, as Celery runs it in the
+worker's; an older one that takes the task id is sent as a task); a REVOKED fails its chord. A
+body that cannot be read (or whose embedded signatures are not mappings) gives none of them:
+the result is still stored, and a warning names the message.
+
 As Celery does, a FAILURE or REVOKED of a known task is not stored when the message asked
 to ignore its result (header ``ignore_result``, else the task's ``ignore_result``), unless
-the task has ``store_errors_even_if_ignored``. The unknown task's FAILURE is always stored.
+the task has ``store_errors_even_if_ignored``; its chord, chain and errbacks are still told.
+The unknown task's FAILURE is always stored.
 
 Transaction boundary: called after the dead letter committed (the message is kept whatever
 happens here). A result backend that fails is logged, message by message, and the dead
@@ -30,9 +40,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 from celery.exceptions import NotRegistered, WorkerLostError
 from celery.utils.objects import Bunch
+from kombu.serialization import loads as kombu_loads
+from kombu.serialization import prepare_accept_content
 from kombu.utils import json as kombu_json
 
 from . import log_fields
@@ -51,14 +64,24 @@ EXPIRED_REASON = "expired"  # the reason Celery's worker gives an expired messag
 @dataclass(frozen=True)
 class EndedMessage:
     """A message that ended in dead letters, as its result needs it: its id and task name, its
-    headers and properties as sent (mappings, or stored JSON text, or None), and for ``poison``
-    the error its publish failed with."""
+    headers and properties as sent (mappings, or stored JSON text, or None), for ``poison`` the
+    error its publish failed with, and its body as sent (with its content type and encoding),
+    which carries its chord, chain and errbacks."""
 
     message_id: str
     task_name: str
     headers: Any = None
     properties: Any = None
     error: BaseException | None = None
+    body: bytes | None = None
+    content_type: str | None = None
+    content_encoding: str | None = None
+
+    @classmethod
+    def of_row(cls, row: Any, error: BaseException | None = None) -> "EndedMessage":
+        """The message of a stored row (an outgoing row, an inbox envelope)."""
+        return cls(row.message_id, row.task_name, row.headers, row.properties, error, row.body, row.content_type,
+                   row.content_encoding)
 
 
 def store_dead_letter_results(app: "Celery", reason: DeadLetterReason, messages: Iterable[EndedMessage]) -> int:
@@ -120,39 +143,83 @@ def _poison(app: "Celery", message: EndedMessage) -> int:
 
 def _failure(app: "Celery", message: EndedMessage, error: BaseException) -> int:
     backend, store, request = _target(app, message)
-    if backend is None or not store:
+    if backend is None or not (store or _linked(request)):
         return 0
-    backend.mark_as_failure(message.message_id, error, request=request, store_result=True, call_errbacks=False)
-    return 1
+    backend.mark_as_failure(message.message_id, error, request=request, store_result=store)
+    return int(store)
 
 
 def _expired(app: "Celery", message: EndedMessage) -> int:
     backend, store, request = _target(app, message)
-    if backend is None or not store:
+    if backend is None or not (store or request.chord):
         return 0
-    backend.mark_as_revoked(message.message_id, EXPIRED_REASON, request=request, store_result=True)
-    return 1
+    backend.mark_as_revoked(message.message_id, EXPIRED_REASON, request=request, store_result=store)
+    return int(store)
 
 
-def _target(app: "Celery", message: EndedMessage) -> tuple[Any, bool, Bunch]:
+def _linked(request: Context) -> bool:
+    """Whether a failure of ``request`` has a chord, a chain or errbacks to tell."""
+    return bool(request.chord or request.chain or request.errbacks)
+
+
+def _target(app: "Celery", message: EndedMessage) -> tuple[Any, bool, Context]:
     """The task's result backend (None when disabled), whether its errors are stored (Celery's
-    ``Request.store_errors``), and the request the backend writes with: the message's own fields,
-    without a chord or errbacks (neither is run from here)."""
+    ``Request.store_errors``), and the request the backend writes with (``_request``)."""
     task = app.tasks.get(message.task_name)
     backend = task.backend if task is not None else app.backend
     if isinstance(backend, DisabledBackend):
-        return None, False, Bunch()
-    headers, properties = _mapping(message.headers), _mapping(message.properties)
+        return None, False, Context()
+    headers = _mapping(message.headers)
     ignore_result = headers.get("ignore_result")
     if ignore_result is None:
         ignore_result = task.ignore_result if task is not None else False
     store = not ignore_result or bool(task is not None and task.store_errors_even_if_ignored)
-    request = Bunch(id=message.message_id, task=message.task_name, name=message.task_name, chord=None,
-                    errbacks=None, root_id=headers.get("root_id"), parent_id=headers.get("parent_id"),
-                    group=headers.get("group"), retries=headers.get("retries"),
-                    correlation_id=properties.get("correlation_id") or message.message_id,
-                    reply_to=properties.get("reply_to"))
-    return backend, store, request
+    return backend, store, _request(app, message, headers)
+
+
+def _request(app: "Celery", message: EndedMessage, headers: Mapping[str, Any]) -> Context:
+    """The request Celery's worker gives the message's task: its headers (protocol 2), its
+    properties' ``correlation_id`` and ``reply_to``, and the chord, chain and errbacks its body
+    embeds (``_links``)."""
+    properties = _mapping(message.properties)
+    fields = {key: value for key, value in headers.items() if isinstance(key, str)}
+    fields.update(id=message.message_id, task=message.task_name, name=message.task_name,
+                  correlation_id=properties.get("correlation_id") or message.message_id,
+                  reply_to=properties.get("reply_to"), delivery_info={}, is_eager=False,
+                  **_links(app, message))
+    return Context(fields)
+
+
+#: the links of a message that its body embeds, and the shape each must have
+_LINK_SHAPES: dict[str, type] = {"chord": Mapping, "chain": list, "errbacks": list}
+
+
+def _links(app: "Celery", message: EndedMessage) -> dict[str, Any]:
+    """The chord (a signature), chain and errbacks (lists of signatures) that the message's body
+    embeds (protocol 2: ``[args, kwargs, embed]``), each None when absent. An unreadable body,
+    or one whose links do not have those shapes, gives none: the result is stored without them
+    and a warning names the message."""
+    links: dict[str, Any] = dict.fromkeys(_LINK_SHAPES)
+    if message.body is None:
+        return links
+    try:
+        body = kombu_loads(message.body, message.content_type, message.content_encoding,
+                           accept=prepare_accept_content(app.conf.accept_content))
+        embed = body[2] if isinstance(body, (list, tuple)) and len(body) == 3 else {}
+        if not isinstance(embed, Mapping):
+            raise ValueError(f"its embedded links are a {type(embed).__name__}, not a mapping")
+        for name, shape in _LINK_SHAPES.items():
+            value = embed.get(name)
+            if value is not None and not (isinstance(value, shape)
+                                          and (shape is Mapping or all(isinstance(v, Mapping) for v in value))):
+                raise ValueError(f"its {name!r} is not a {'signature' if shape is Mapping else 'list of signatures'}")
+            links[name] = value or None
+    except Exception as exc:  # noqa: BLE001 - the dead letter keeps the message; its result is still stored
+        logger.warning("celery-outbox: the body of %s[%s] cannot be read (%s): its chord, chain and errbacks are not "
+                       "told that it ended", message.task_name, message.message_id, exc,
+                       **log_fields.fields(message.message_id, message.task_name, None))
+        return dict.fromkeys(_LINK_SHAPES)
+    return links
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

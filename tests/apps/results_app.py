@@ -6,7 +6,8 @@ and one durable queue, so one scenario runs both ways. The worker builds it from
 in its own process with ``create(...)`` to send tasks and read results. Its worker sends task
 events (``-E``), so a test can see the ``task-failed`` event. The worker records each
 ``task_unknown`` signal in the result backend's Redis (key ``unknown-signal:<task id>``, the task
-name), so a test can see the signal was sent.
+name), so a test can see the signal was sent; its errback ``results.record_error`` records the
+failed task's id there too (key ``errback:<task id>``).
 """
 
 from __future__ import annotations
@@ -40,11 +41,27 @@ def create(broker_url: str, result_backend: str, queue: str, durable_queue: str,
         """Kills its own pool process: the worker running it is lost."""
         os.kill(os.getpid(), signal.SIGKILL)
 
-    return SimpleNamespace(app=app, outbox=outbox, add=add, lose_worker=lose_worker)
+    @app.task(name="results.record_error", shared=False)
+    def record_error(task_id: str) -> None:
+        """An errback of the older kind (Celery sends it as a task, with the failed task's id):
+        records that it ran, in the result backend's Redis."""
+        app.backend.client.set(errback_key(task_id), "ran", ex=600)
+
+    @app.task(name="results.total", shared=False)
+    def total(values: list[int]) -> int:
+        """A chord's body."""
+        return sum(values)
+
+    return SimpleNamespace(app=app, outbox=outbox, add=add, lose_worker=lose_worker, record_error=record_error,
+                           total=total)
 
 
 def unknown_signal_key(task_id: str) -> str:
     return f"unknown-signal:{task_id}"
+
+
+def errback_key(task_id: str) -> str:
+    return f"errback:{task_id}"
 
 
 if "TEST_BROKER_URL" in os.environ:

@@ -16,6 +16,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+from celery import chain, chord
 from celery.exceptions import NotRegistered, TaskRevokedError, WorkerLostError
 from celery.result import AsyncResult
 from kombu.messaging import Producer
@@ -28,7 +29,8 @@ from ..apps.factory import make_shop, strand
 from ..brokers import purge
 from ..conftest import drop_store, unique_prefix, unsent_rows
 from ..services import free_port, require, wait_until
-from ..unit.test_durability import envelope_row
+from ..unit.test_durability import envelope_row, lost_envelopes
+from ..unit.test_durability import outgoing as outgoing_of
 from ..workers import WorkerProcess
 from .test_inbox_workers import publish_raw
 
@@ -222,6 +224,63 @@ def test_a_lost_worker_fails_with_worker_lost_error(world, shop):
     assert letter.reason == "worker_lost"
 
 
+def sent_but_stranded(shop, send):
+    """What ``send()`` sends, stored as in a unit of work whose process died right after the
+    commit (``strand``): the rows stay in the outgoing table. Returns what ``send`` returned."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
+        with shop.outbox.transaction():
+            return send()
+
+
+def errback_ran(world, task_id):
+    return wait_until(lambda: world.plain.app.backend.client.get(results_app.errback_key(task_id)),
+                      timeout=TIMEOUT, message=f"the errback of {task_id}")
+
+
+def test_a_lost_worker_calls_its_errbacks_and_fails_the_rest_of_its_chain(world, shop):
+    """Plain Celery: the worker running the first task of a chain is lost: its ``link_error``
+    errback runs (an older one, sent as a task with the failed task's id) and the chain's next
+    task is marked failed with the same WorkerLostError, so waiting on the chain raises. The
+    outbox: recovery gives up on the stranded envelope, and the same happens, from the chain and
+    errback its body carries."""
+    lose = world.plain.lose_worker.si().set(queue=world.queues.plain,
+                                            link_error=world.plain.record_error.s().set(queue=world.queues.plain))
+    plain = chain(lose, world.plain.add.si(1, 2).set(queue=world.queues.plain)).apply_async()
+    with pytest.raises(WorkerLostError):
+        plain.get(timeout=TIMEOUT)
+    assert errback_ran(world, plain.parent.id) == b"ran"
+
+    errback = shop.app.signature("results.record_error", queue=world.queues.outbox)  # the outbox worker runs it
+    outboxed = sent_but_stranded(shop, lambda: chain(shop.durable.si("lost").set(link_error=errback),
+                                                     shop.plain.si(3)).apply_async())
+    assert lost_envelopes(shop, recoveries=2) == [outboxed.parent.id]
+    assert shop.outbox.recover().envelopes_dead_lettered == 1
+    with pytest.raises(WorkerLostError):
+        outboxed.get(timeout=TIMEOUT)
+    assert (plain.state, plain.parent.state, outboxed.state, outboxed.parent.state) == ("FAILURE",) * 4
+    assert errback_ran(world, outboxed.parent.id) == b"ran"
+
+
+def test_a_lost_worker_fails_its_chord(world, shop):
+    """Plain Celery: the workers running a chord's header tasks are lost: the chord's body is
+    marked failed with their WorkerLostError, so waiting on the chord raises it. The outbox:
+    recovery gives up on the header's stranded envelopes, and the chord fails the same way, from
+    the chord their bodies carry."""
+    lose = world.plain.lose_worker.si().set(queue=world.queues.plain)
+    plain = chord([lose, lose.clone()], world.plain.total.s().set(queue=world.queues.plain)).apply_async()
+    with pytest.raises(WorkerLostError) as plain_raised:
+        plain.get(timeout=TIMEOUT)
+
+    body = shop.app.signature("results.total", queue=world.queues.outbox)
+    outboxed = sent_but_stranded(shop, lambda: chord([shop.durable.si("a"), shop.durable.si("b")], body).apply_async())
+    assert len(lost_envelopes(shop, recoveries=2)) == 2
+    assert shop.outbox.recover().envelopes_dead_lettered == 2
+    with pytest.raises(WorkerLostError) as outboxed_raised:
+        outboxed.get(timeout=TIMEOUT)
+    assert type(plain_raised.value) is type(outboxed_raised.value)
+
+
 # -- the relay's dead letters ----------------------------------------------------------------------
 
 
@@ -249,6 +308,28 @@ def test_a_message_that_expired_before_it_was_published_is_revoked_expired(world
     assert str(plain.result) == str(outboxed.result) == "expired"
     (letter,) = dead_letters(shop.outbox, outboxed.id)
     assert letter.reason == "expired"
+
+
+def test_messages_that_expired_before_they_were_published_fail_their_chord(world, shop):
+    """Plain Celery's worker receives a chord's header tasks expired, revokes them, and the chord
+    fails with their TaskRevokedError. The outbox relay finds them expired before they were
+    published, and the chord they carry fails the same way."""
+    past = utcnow() - timedelta(seconds=1)
+    header = [world.plain.add.si(1, n).set(queue=world.queues.plain, expires=past) for n in (1, 2)]
+    plain = chord(header, world.plain.total.s().set(queue=world.queues.plain)).apply_async()
+    with pytest.raises(TaskRevokedError) as plain_raised:
+        plain.get(timeout=TIMEOUT)
+
+    body = shop.app.signature("results.total", queue=world.queues.outbox)
+    soon = utcnow() + timedelta(seconds=30)
+    outboxed = sent_but_stranded(shop, lambda: chord([shop.durable.si(n).set(expires=soon) for n in (1, 2)],
+                                                     body).apply_async())
+    for row in outgoing_of(shop):
+        expire_outgoing(shop, row.message_id)
+    assert shop.outbox.recover().relay.expired == 2
+    with pytest.raises(TaskRevokedError) as outboxed_raised:
+        outboxed.get(timeout=TIMEOUT)
+    assert str(plain_raised.value) == str(outboxed_raised.value) == "expired"
 
 
 def test_an_expired_message_that_ignores_its_result_stores_none(world, shop):

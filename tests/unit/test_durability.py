@@ -118,20 +118,29 @@ def test_an_expired_outgoing_row_is_dead_lettered_not_published(shop):
 
 def envelope_row(shop, message_id, **extra):
     """An inbox row as a worker of a durable queue leaves it when it dies mid-task."""
-    (sent,) = strand(shop, message_id)
-    (row,) = outgoing(shop)
+    strand(shop, message_id)
+    (task_id,) = lost_envelopes(shop, **extra)
+    return task_id
+
+
+def lost_envelopes(shop, **extra) -> list[str]:
+    """Every outgoing row turned into the inbox row a worker of its durable queue leaves when it
+    dies mid-task (the sender's row gone, the envelope running, unowned, due for recovery); their
+    message ids."""
+    rows = outgoing(shop)
     with shop.outbox.store.begin() as conn:
-        shop.outbox.store.delete_outgoing(conn, [row.id])
+        shop.outbox.store.delete_outgoing(conn, [row.id for row in rows])
     now = utcnow()
-    values = dict(message_id=sent.id, destination="", task_name=row.task_name, queue=shop.durable_queue,
-                  status="running", owner=0, received_at=now, recover_after=now - timedelta(seconds=1),
-                  exchange=row.exchange, routing_key=row.routing_key, body=row.body,
-                  content_type=row.content_type, content_encoding=row.content_encoding, headers=row.headers,
-                  properties=row.properties)
-    values.update(extra)
-    with shop.outbox.store.begin() as conn:
-        shop.outbox.store.insert_incoming(conn, values)
-    return sent.id
+    for row in rows:
+        values = dict(message_id=row.message_id, destination="", task_name=row.task_name, queue=shop.durable_queue,
+                      status="running", owner=0, received_at=now, recover_after=now - timedelta(seconds=1),
+                      exchange=row.exchange, routing_key=row.routing_key, body=row.body,
+                      content_type=row.content_type, content_encoding=row.content_encoding, headers=row.headers,
+                      properties=row.properties)
+        values.update(extra)
+        with shop.outbox.store.begin() as conn:
+            shop.outbox.store.insert_incoming(conn, values)
+    return [row.message_id for row in rows]
 
 
 def test_a_stranded_envelope_is_republished_then_backs_off(shop):
