@@ -69,6 +69,11 @@ __all__ = ["Inbox", "inbox_of"]
 
 logger = logging.getLogger("celery_outbox.inbox")
 
+# Seconds the worker's main process waits for a terminated attempt's open transaction to end (the
+# killed process's connection closing rolls it back) before it gives up recording the revoke
+TERMINATED_LOCK_WAIT = 5.0
+
+
 class Duplicate(Exception):
     """The delivery was already handled or ended: discard it."""
 
@@ -391,8 +396,9 @@ class Inbox:
             store.insert_dead_letters(conn, [dead_letter])
         announce_dead_letters(self.runtime.owner, [dead_letter])
 
-    def end_revoked_attempt(self, delivery: Delivery) -> None:
-        """The worker discards this delivery unrun (revoked, or expired), as Celery does: end its
+    def end_revoked_attempt(self, delivery: Delivery, terminated: bool = False) -> None:
+        """The worker discards this delivery unrun (revoked, or expired), or has killed the pool
+        process running it (``terminated``: ``revoke(terminate=True)``), as Celery does: end its
         attempt as ``revoked`` and, for a durable queue, acknowledge the sender's outgoing rows, in
         one transaction, before Celery acks the message. A later copy of the attempt (one the
         broker or recovery sends again, to a worker that has forgotten the revoke) is then a
@@ -400,14 +406,19 @@ class Inbox:
 
         The attempt is recorded by the claim's own rule (``Store.claim_incoming``): a new row, or
         one this delivery could claim (an earlier attempt, a released claim). A row of an attempt
-        that is running in a live worker, or that ended, keeps its outcome. Raises on a store
-        error (the caller logs it; the revoke stands in this worker)."""
+        that is running in a live worker, or that ended, keeps its outcome, except that a
+        terminated attempt takes over its own running claim (the killed process's: recovery must
+        not run it again). A terminated optimistic attempt's claim is in the killed process's
+        open transaction: its row waits for that transaction to end, at most
+        ``TERMINATED_LOCK_WAIT`` seconds. Raises on a store error (the caller logs it; the revoke
+        stands in this worker)."""
         store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, IncomingStatus.REVOKED, UNOWNED, now)
         row.update(handled_at=now, keep_until=self._keep_until(now), recover_after=None)
-        with store.begin() as conn:
-            store.claim_incoming(conn, row, self._stale_before(now), self.runtime.settings.silent_before(now))
+        stale_before = now if terminated else self._stale_before(now)
+        with store.begin(lock_wait=TERMINATED_LOCK_WAIT if terminated else None) as conn:
+            store.claim_incoming(conn, row, stale_before, self.runtime.settings.silent_before(now))
             if self.runtime.settings.is_durable(delivery.queue):
                 self._acknowledge(conn, delivery)
 

@@ -81,17 +81,19 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
 class OutboxRequest(HookedRequest):
     """The worker's request (in the worker's main process): a pool process lost running an
     inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; an
-    inbox attempt the worker discards unrun (revoked, expired) ends as ``revoked`` before
-    Celery acks it."""
+    inbox attempt the worker discards unrun (revoked, expired) or terminates (``revoke(terminate=
+    True)``) ends as ``revoked`` before Celery acks it."""
 
     def before_revoked_announced(self, reason: str, terminated: bool) -> None:
         """Celery marks the task REVOKED and acks its message. Before that, an inbox attempt that
-        never ran (revoked before it started, or expired) is recorded as ended and its outgoing
-        rows acknowledged (``Inbox.end_revoked_attempt``), in one transaction: a later copy is a
-        duplicate, and delivery tracking does not publish the message again. When the store
-        cannot take it, that is logged and the revoke stands in this worker, as in plain Celery."""
-        if not terminated and self._goes_through_inbox():
-            self._end_revoked(reason)
+        never ran (revoked before it started, or expired) or whose pool process Celery has just
+        killed (``revoke(terminate=True)``) is recorded as ended and its outgoing rows
+        acknowledged (``Inbox.end_revoked_attempt``), in one transaction: a later copy is a
+        duplicate, and neither delivery tracking nor recovery publishes the message again. When
+        the store cannot take it, that is logged and the revoke stands in this worker, as in plain
+        Celery."""
+        if self._goes_through_inbox():
+            self._end_revoked(reason, terminated)
 
     def _goes_through_inbox(self) -> bool:
         task = self.task
@@ -102,20 +104,21 @@ class OutboxRequest(HookedRequest):
         return isinstance(task, IdempotentTask) or settings.is_durable(
             queue_of(self.delivery_info, task.app, settings.durable_queues))
 
-    def _end_revoked(self, reason: str) -> None:
+    def _end_revoked(self, reason: str, terminated: bool) -> None:
         task = self.task
         inbox = installed_inbox(task.app)
         delivery = Delivery.from_context(task, request_context(self), inbox.runtime.settings)
         try:
-            inbox.end_revoked_attempt(delivery)
+            inbox.end_revoked_attempt(delivery, terminated)
         except Exception as error:  # noqa: BLE001 - Celery's revoke stands; delivery tracking may send it again
             logger.error("celery-outbox: cannot record that %s[%s] was %s: %s; it is discarded here, as in "
                          "plain Celery, but a durable message stays unacknowledged and is published again "
                          "after outbox_redeliver_after (a worker that remembers the revoke discards it then)",
                          task.name, self.id, reason, error, **log_fields.of_delivery(delivery))
             return
-        logger.info("celery-outbox: %s[%s] %s: its attempt ended unrun, not to be redelivered", task.name,
-                    self.id, reason, **log_fields.of_delivery(delivery))
+        logger.info("celery-outbox: %s[%s] %s: its attempt ended %s, not to be redelivered", task.name,
+                    self.id, reason, "in its killed pool process" if terminated else "unrun",
+                    **log_fields.of_delivery(delivery))
 
     def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception

@@ -97,7 +97,7 @@ class StoreBase:
             f"cannot use the message store at {self.describe()}: {redact(message, self.engine.url)}"
         )
 
-    def begin(self, durable: bool = True):
+    def begin(self, durable: bool = True, lock_wait: float | None = None):
         """A short transaction of its own: ``with store.begin() as conn: ...``.
 
         ``durable=False`` is for bookkeeping that no irreversible act (an ack, a reply,
@@ -105,8 +105,12 @@ class StoreBase:
         go out again, for the inbox to discard: on PostgreSQL it commits without
         waiting for the WAL flush (``synchronous_commit = off``). The next durable
         commit of any session makes it durable too: the WAL is flushed in order.
+
+        ``lock_wait`` (seconds, PostgreSQL) bounds how long a statement of the transaction
+        waits for a row another transaction holds (``lock_timeout``): past it the statement
+        raises instead of holding up its caller.
         """
-        return _Transaction(self, durable)
+        return _Transaction(self, durable, lock_wait)
 
     def ping(self) -> None:
         """Raise ``StoreUnavailable`` unless the database answers."""
@@ -147,9 +151,10 @@ class _Transaction:
     """``with store.begin() as conn``: commit on success, roll back on error, and turn a
     database that cannot be reached into ``StoreUnavailable`` naming the store."""
 
-    def __init__(self, store: StoreBase, durable: bool = True):
+    def __init__(self, store: StoreBase, durable: bool = True, lock_wait: float | None = None):
         self.store = store
         self.durable = durable
+        self.lock_wait = lock_wait
         self._context = None
 
     def __enter__(self) -> Connection:
@@ -158,6 +163,8 @@ class _Transaction:
             conn = self._context.__enter__()
             if not self.durable and self.store.is_postgres:
                 conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+            if self.lock_wait is not None and self.store.is_postgres:
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {max(1, int(self.lock_wait * 1000))}")
             return conn
         except OperationalError as exc:
             raise self.store.unavailable(exc) from exc

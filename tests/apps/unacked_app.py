@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -65,6 +66,14 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, late_que
         count(self.request.id)
         return self.request.id
 
+    @app.task(name="unacked.block", bind=True, shared=False)
+    def block(self) -> None:
+        """Counts its run, then runs until its pool process is killed (at most a minute)."""
+        count(self.request.id)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
     @app.task(name="unacked.foreign", bind=True, shared=False, base=Task)
     def foreign(self) -> str:
         count(self.request.id)
@@ -88,8 +97,8 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, late_que
             client.delete(*keys)
         client.close()
 
-    return SimpleNamespace(app=app, outbox=outbox, count=count_run, foreign=foreign, foreign_custom=foreign_custom,
-                           runs=runs, forget=forget, queue=queue, late_queue=late_queue)
+    return SimpleNamespace(app=app, outbox=outbox, count=count_run, block=block, foreign=foreign,
+                           foreign_custom=foreign_custom, runs=runs, forget=forget, queue=queue, late_queue=late_queue)
 
 
 if "TEST_BROKER_URL" in os.environ:

@@ -84,10 +84,10 @@ class Setup:
         self.worker.stop()
         self.worker = self._start_worker()
 
-    def control(self, method: str, *args) -> None:
+    def control(self, method: str, *args, **options) -> None:
         """A remote control command to this test's worker only, once it has answered."""
         command = getattr(self.shop.app.control, method)
-        wait_until(lambda: command(*args, destination=[self.node], reply=True, timeout=2), timeout=30,
+        wait_until(lambda: command(*args, destination=[self.node], reply=True, timeout=2, **options), timeout=30,
                    message=f"the worker to answer {method}{args} (log: {self.worker.log_path})")
 
     def ran_after(self, task_id: str, queue: str) -> int:
@@ -146,6 +146,38 @@ def test_a_message_revoked_before_it_runs_never_runs(setup):
         setup.nothing_redelivered(sent_at)
     setup.restart()
     assert setup.ran_after(task_id, setup.queue) == 0, "never runs, also in a worker that forgot the revoke"
+    assert result.state == "REVOKED"
+
+
+def test_a_running_task_revoked_with_terminate_is_not_run_again(setup):
+    """``revoke(terminate=True)`` of a running attempt: Celery kills the pool process running it,
+    marks it REVOKED and acknowledges the message. With the outbox the attempt's claim was taken by
+    the killed process: recovery, once that process is declared dead, must not publish it again
+    as a lost worker's, so it never runs again, also in a worker that forgot the revoke."""
+    task_id = f"terminated-{uuid.uuid4().hex[:8]}"
+    sent_at = utcnow()
+    result = setup.shop.block.apply_async(task_id=task_id, queue=setup.queue)
+    wait_until(lambda: setup.shop.runs(task_id) == 1, timeout=30,
+               message=f"{task_id} to start (log: {setup.worker.log_path})")
+    setup.control("revoke", task_id, terminate=True)
+    wait_until(lambda: result.state == "REVOKED", timeout=30, message=f"{task_id} to be REVOKED")
+    if setup.with_outbox:
+        store = setup.shop.outbox.store
+        owner = store.get_incoming(task_id).owner
+        published = []
+
+        def owner_declared_dead() -> bool:
+            recovered = setup.recover_after_redelivery_time(sent_at)
+            published.append(recovered.envelopes_republished + recovered.redelivered + recovered.relay.published)
+            return owner == 0 or owner in recovered.nodes_declared_dead
+
+        wait_until(owner_declared_dead, timeout=30, interval=0.2, message="the killed pool process declared dead")
+        owner_declared_dead()  # a pass after the declaration, over what it released
+        assert sum(published) == 0, "nothing published again"
+        assert store.get_incoming(task_id).status == IncomingStatus.REVOKED.value
+        assert setup.outgoing_rows(task_id) == [], "the outgoing row is acknowledged"
+    setup.restart()
+    assert setup.ran_after(task_id, setup.queue) == 1, "ran once, never again"
     assert result.state == "REVOKED"
 
 

@@ -1,0 +1,142 @@
+"""``revoke(terminate=True)``: the worker's main process records the terminated attempt as
+``revoked`` (``Inbox.end_revoked_attempt(..., terminated=True)``), on a real PostgreSQL, whatever
+state the killed pool process left its claim in:
+
+* an eager claim (running, owned by a live node): taken over, so recovery never runs it again;
+* an optimistic claim, still in the killed process's open transaction: the record waits for that
+  transaction to end (the killed process's connection closing rolls it back), then is written; if
+  the attempt committed first, its outcome stands;
+* a transaction that does not end within ``TERMINATED_LOCK_WAIT``: the record gives up with an
+  error (the worker logs it; the revoke stands in that worker), instead of holding up the
+  worker's main process.
+
+Real worker processes and a real ``revoke(terminate=True)`` are in
+tests/integration/test_unacknowledged_messages.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from celery import Celery
+from sqlalchemy import text
+
+from celery_outbox import Outbox, inbox
+from celery_outbox.delivery import Delivery
+from celery_outbox.store import utcnow
+from celery_outbox.tasks import installed_inbox
+from celery_outbox.vocabulary import IncomingStatus
+
+from ..conftest import drop_store
+from ..services import wait_until
+
+
+@pytest.fixture
+def outbox(postgres_url, table_prefix):
+    app = Celery("terminated", broker="memory://", set_as_current=False)
+    app.conf.update(outbox_database_url=postgres_url, outbox_table_prefix=table_prefix,
+                    outbox_durable_queues=["durable"])
+    outbox = Outbox(app).ready()
+    yield outbox
+    outbox.node.deregister()
+    drop_store(outbox.store)
+    outbox.engine.dispose()
+
+
+def delivery(message_id: str) -> Delivery:
+    return Delivery(message_id=message_id, destination="", task_name="t.block", queue="durable", retries=0, nesting=0)
+
+
+def claim_row(message_id: str, status: IncomingStatus, owner: int) -> dict:
+    now = utcnow()
+    return dict(message_id=message_id, destination="", task_name="t.block", queue="durable", status=status.value,
+                owner=owner, retries=0, nesting=0, replays=0, received_at=now, claimed_at=now)
+
+
+def status_of(outbox: Outbox, message_id: str) -> str | None:
+    row = outbox.store.get_incoming(message_id)
+    return None if row is None else row.status
+
+
+def test_an_eager_claim_of_a_live_node_is_taken_over_only_when_terminated(outbox):
+    """A running claim of a heartbeating node: a plain revoke leaves it (the attempt may still
+    finish), a terminated attempt takes it over as revoked."""
+    the_inbox = installed_inbox(outbox.app)
+    for message_id in ("revoked-1", "terminated-1"):
+        with outbox.store.begin() as conn:
+            outbox.store.insert_incoming(conn, claim_row(message_id, IncomingStatus.RUNNING, outbox.node.id))
+    the_inbox.end_revoked_attempt(delivery("revoked-1"))
+    the_inbox.end_revoked_attempt(delivery("terminated-1"), terminated=True)
+    assert status_of(outbox, "revoked-1") == IncomingStatus.RUNNING.value
+    assert status_of(outbox, "terminated-1") == IncomingStatus.REVOKED.value
+    row = outbox.store.get_incoming("terminated-1")
+    assert row.owner == 0 and row.recover_after is None, "nothing left for recovery"
+
+
+class OpenClaim:
+    """An optimistic claim in a transaction of its own, left open, as the killed pool process's
+    body left it; ``end`` commits or rolls it back."""
+
+    def __init__(self, outbox: Outbox, message_id: str):
+        self.context = outbox.engine.begin()
+        self.conn = self.context.__enter__()
+        self.pid = self.conn.execute(text("SELECT pg_backend_pid()")).scalar()
+        outbox.store.insert_incoming(self.conn, claim_row(message_id, IncomingStatus.HANDLED, 0))
+
+    def end(self, commit: bool) -> None:
+        if commit:
+            self.context.__exit__(None, None, None)
+        else:
+            self.conn.rollback()
+            self.context.__exit__(None, None, None)
+
+
+def waiting_for_a_lock(outbox: Outbox, holder_pid: int) -> bool:
+    with outbox.engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND :holder = ANY("
+            "pg_blocking_pids(pid))"), {"holder": holder_pid}).scalar())
+
+
+def record_in_thread(the_inbox, message_id: str) -> tuple[threading.Thread, list]:
+    outcome: list = []
+
+    def record() -> None:
+        try:
+            the_inbox.end_revoked_attempt(delivery(message_id), terminated=True)
+            outcome.append("recorded")
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=record)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("commit, status", [(False, IncomingStatus.REVOKED), (True, IncomingStatus.HANDLED)])
+def test_an_optimistic_claim_in_an_open_transaction_is_waited_for(outbox, commit, status):
+    """The record waits for the killed process's transaction: rolled back (its connection closed),
+    the attempt is recorded revoked; committed first, the attempt's own outcome stands."""
+    the_inbox = installed_inbox(outbox.app)
+    claim = OpenClaim(outbox, "optimistic-1")
+    thread, outcome = record_in_thread(the_inbox, "optimistic-1")
+    try:
+        wait_until(lambda: waiting_for_a_lock(outbox, claim.pid), timeout=10, message="the record waiting")
+    finally:
+        claim.end(commit)
+    thread.join(timeout=30)
+    assert outcome == ["recorded"]
+    assert status_of(outbox, "optimistic-1") == status.value
+
+
+def test_a_transaction_that_does_not_end_is_waited_for_only_so_long(outbox, monkeypatch):
+    monkeypatch.setattr(inbox, "TERMINATED_LOCK_WAIT", 0.2)
+    the_inbox = installed_inbox(outbox.app)
+    claim = OpenClaim(outbox, "stuck-1")
+    try:
+        thread, outcome = record_in_thread(the_inbox, "stuck-1")
+        thread.join(timeout=30)
+        assert len(outcome) == 1 and "lock timeout" in str(outcome[0]), outcome
+    finally:
+        claim.end(commit=False)
+    assert status_of(outbox, "stuck-1") is None, "nothing recorded; the revoke stands in the worker"
