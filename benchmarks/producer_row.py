@@ -14,12 +14,20 @@ Four ways, on the same broker and the same PostgreSQL, taking turns in rounds (`
   rows (built once) inserted in its transaction by one more statement, then, after the
   ``apply_async`` calls, one UPDATE marking them sent on a connection of its own in autocommit
   mode that does not wait for the WAL flush. No implementation that stores the messages in the
-  user's transaction does less: one more statement in it (the library's INSERT of rows as one
-  JSON text, made once here), one after the publish. (It takes no
+  user's transaction and keeps the library's guarantee for a crash between the commit and the
+  publish (the rows go out at the relay's next pass) does less: one more statement in the
+  transaction (the library's INSERT of rows as one JSON text, made once here), one after the
+  publish, which tells the relay the rows are sent. (It takes no
   lock before the publish, as the library does: a relay running at that moment may publish a row
   too, and the consumer's inbox discards the copy.) Where publishes are pipelined (Redis) and
   N > 1, the durable path sends its publishes in one pipeline where the floor's ``apply_async``
-  calls go one by one: there the floor is not the least, and the durable row does not carry it.
+  calls go one by one: there the floor is not the least, and the durable row does not carry it;
+* the least a design that gives up that guarantee can do (``PreMarkedFloor``), by hand: the rows
+  are inserted already marked sent, their redelivery due after ``outbox_redeliver_after``, and the
+  INSERT goes to the server in one network message with the COMMIT; nothing follows the publish.
+  A crash between the commit and the publish then delays the messages until their redelivery
+  (ten minutes by default) instead of the relay's next pass. No target: it shows what trading
+  that guarantee would buy.
 
 The user's table (``<prefix>orders``) is the benchmark's own, on the outboxes' PostgreSQL. The
 target, at N = 1: 0.9 of plain Celery. After the rounds, the durable row's note says what its
@@ -74,19 +82,23 @@ UNITS = {1: 600, 10: 200}
 # Units of work of the pass that counts and times what one of them spends (N = 1)
 SPENT_UNITS = 300
 TARGET = 0.9
-WAYS = ("plain", "in-memory", "durable", "floor")
+WAYS = ("plain", "in-memory", "durable", "floor", "pre-marked floor")
 
 
-def captured_rows(outbox: Outbox, durable: Any, n: int) -> tuple[Any, dict[str, str]]:
+def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = False) -> tuple[Any, dict[str, str]]:
     """N messages of ``durable`` captured in a unit of work (neither stored nor published), as the
     library's INSERT of outgoing rows takes them: its statement and its parameters (the rows as
-    one JSON text), made once."""
+    one JSON text), made once; with ``marked_sent``, the rows marked sent as the publisher marks
+    them (``sent_at``, ``redeliver_at``)."""
     with outbox.transaction():
         for i in range(n):
             durable.apply_async((i,))
         uow = current_unit_of_work()
         messages, uow.pending = uow.pending, []  # captured only: neither stored nor published
-    rows = [message.to_row(utcnow()) for message in messages]
+    now = utcnow()
+    rows = [message.to_row(now) for message in messages]
+    if marked_sent:
+        rows = [dict(row, sent_at=now, redeliver_at=outbox.settings.first_redelivery(now)) for row in rows]
     names = tuple(sorted(rows[0]))
     return _insert_from_json(outbox.store.tables.outgoing, names), {"rows": _json_rows(rows, names)}
 
@@ -167,6 +179,31 @@ class Floor:
         self.engine.dispose()
 
 
+class PreMarkedFloor:
+    """The least a design that gives up the prompt relay of a crash between the commit and the
+    publish can do, by hand: plain Celery's unit, with the N messages' rows (built once) inserted
+    already marked sent, that INSERT and the COMMIT sent in one network message (psycopg's
+    pipeline mode), then the ``apply_async`` calls; nothing after them."""
+
+    def __init__(self, orders: Orders, durable: Any, n: int):
+        self.orders = orders
+        insert, given = captured_rows(orders.outbox, durable, n, marked_sent=True)
+        compiled = insert.compile(dialect=orders.engine.dialect)
+        self.statement, self.values = compiled.string, {**compiled.params, **given}
+
+    def send(self, task: Any, units: int, n: int) -> None:
+        orders = self.orders
+        for _ in range(units):
+            with orders.engine.begin() as conn:
+                conn.execute(orders.write)
+                driver = conn.connection.driver_connection
+                with driver.pipeline():  # the INSERT and the COMMIT in one network message
+                    driver.execute(self.statement, self.values)
+                    driver.commit()  # SQLAlchemy's COMMIT that follows finds no transaction: psycopg sends none
+            for i in range(n):
+                task.apply_async((i,))
+
+
 def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publishes: bool,
             options: Options) -> list[Result]:
     """The rows of one broker, with the app the producer benchmark built (its tasks: ``plain`` to
@@ -175,11 +212,11 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
     results = []
     try:
         for n in BATCHES:
-            floor = Floor(orders, durable, n)
+            floor, pre_marked = Floor(orders, durable, n), PreMarkedFloor(orders, durable, n)
             try:
                 units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS, 1)
                 ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
-                        partial(floor.send, plain)]
+                        partial(floor.send, plain), partial(pre_marked.send, plain)]
                 for way in ways:  # warm: statements compiled, connections made
                     way(1, n)
                 rounds = in_rounds(repeats, *(partial(rate, units * n, partial(way, units, n)) for way in ways))
@@ -200,6 +237,10 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
                 Result.of_rounds("producer", f"{broker}, N={n} writing one row, floor: its transaction inserting the "
                                  "messages' rows by hand, one UPDATE after the publish", "msg/s",
                                  [(r[3], r[0], None) for r in rounds]),
+                Result.of_rounds("producer", f"{broker}, N={n} writing one row, floor of a design giving up the prompt "
+                                 "relay after a crash between commit and publish: the rows inserted marked sent, with "
+                                 "the COMMIT in one message, nothing after the publish", "msg/s",
+                                 [(r[4], r[0], None) for r in rounds]),
             ]
     finally:
         orders.close()

@@ -137,6 +137,10 @@ def test_benchmark_command_prints_ratios_and_writes_them_as_json(tmp_path):
             floor = cases[f"{broker}, N={n} writing one row, floor: its transaction inserting the messages' rows "
                           "by hand, one UPDATE after the publish"]
             assert floor["target"] is None and floor["plain"] == cases[f"{case}, durable"]["plain"]
+            pre_marked = cases[f"{broker}, N={n} writing one row, floor of a design giving up the prompt relay after "
+                               "a crash between commit and publish: the rows inserted marked sent, with the COMMIT "
+                               "in one message, nothing after the publish"]
+            assert pre_marked["target"] is None and pre_marked["plain"] == floor["plain"] and pre_marked["ours"] > 0
         realistic = cases[f"{broker}, N=1 in one unit of work writing one row, durable"]
         assert realistic["floor"] == cases[f"{broker}, N=1 writing one row, floor: its transaction inserting the "
                                            "messages' rows by hand, one UPDATE after the publish"]["ours"]
