@@ -156,10 +156,12 @@ def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, r
 
 
 def _newest(F, archived: dict) -> list[datetime | None]:
-    """The newest moment of each kind of archived row (naive UTC)."""
-    return [archived["sent"].agg(F.max("sent_at")).first()[0],
-            archived["incoming"].agg(F.max(F.coalesce("handled_at", "received_at"))).first()[0],
-            archived["dead_letters"].agg(F.max("failed_at")).first()[0]]
+    """The newest moment of each kind of archived row (naive UTC), in one Spark job: the three
+    one-row aggregates side by side."""
+    newest = archived["sent"].agg(F.max("sent_at").alias("sent")) \
+        .crossJoin(archived["incoming"].agg(F.max(F.coalesce("handled_at", "received_at")).alias("incoming"))) \
+        .crossJoin(archived["dead_letters"].agg(F.max("failed_at").alias("dead_letters"))).first()
+    return [newest["sent"], newest["incoming"], newest["dead_letters"]]
 
 
 def _carried(F, archived: dict, watermark: datetime | None, horizon_seconds: float, live_ids):
