@@ -385,7 +385,8 @@ class FaultRun:
             return
         with self.shop.app.producer_or_acquire() as producer:
             for row in rows[: self.copies - len(self._copied)]:
-                from_row(row, self.shop.app.amqp.queues).publish(producer, retry=False)
+                # with retries: a pooled connection a broker restart cut is connected again, not failed on for good
+                from_row(row, self.shop.app.amqp.queues).publish(producer, retry=True)
                 self._copied[row.message_id] = row.duplicates + 1
 
     def _lost_tasks_unanswered(self) -> int:
