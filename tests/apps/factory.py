@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from celery import Celery
 
@@ -50,9 +50,15 @@ def make_shop(broker_url: str, database_url: str, table_prefix: str, **conf: Any
 def strand(shop: Shop, *args: Any, **options: Any) -> list[Any]:
     """Send durable messages as if the process died right after the commit: the rows stay in the
     outgoing table and nothing is published."""
+    return stranded(shop, lambda: [shop.durable.apply_async((arg,), **options) for arg in args])
+
+
+def stranded(shop: Shop, send: Callable[[], Any]) -> Any:
+    """What ``send()`` sends in a unit of work, stored as if the process died right after the
+    commit (``strand``: nothing is published); what ``send`` returned."""
     import pytest
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
         with shop.outbox.transaction():
-            return [shop.durable.apply_async((arg,), **options) for arg in args]
+            return send()

@@ -25,7 +25,7 @@ from sqlalchemy import func, select, update
 from celery_outbox.store import utcnow
 
 from ..apps import results_app
-from ..apps.factory import make_shop, strand
+from ..apps.factory import make_shop, strand, stranded
 from ..brokers import purge
 from ..conftest import drop_store, unique_prefix, unsent_rows
 from ..services import free_port, require, wait_until
@@ -224,15 +224,6 @@ def test_a_lost_worker_fails_with_worker_lost_error(world, shop):
     assert letter.reason == "worker_lost"
 
 
-def sent_but_stranded(shop, send):
-    """What ``send()`` sends, stored as in a unit of work whose process died right after the
-    commit (``strand``): the rows stay in the outgoing table. Returns what ``send`` returned."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
-        with shop.outbox.transaction():
-            return send()
-
-
 def errback_ran(world, task_id):
     return wait_until(lambda: world.plain.app.backend.client.get(results_app.errback_key(task_id)),
                       timeout=TIMEOUT, message=f"the errback of {task_id}")
@@ -252,7 +243,7 @@ def test_a_lost_worker_calls_its_errbacks_and_fails_the_rest_of_its_chain(world,
     assert errback_ran(world, plain.parent.id) == b"ran"
 
     errback = shop.app.signature("results.record_error", queue=world.queues.outbox)  # the outbox worker runs it
-    outboxed = sent_but_stranded(shop, lambda: chain(shop.durable.si("lost").set(link_error=errback),
+    outboxed = stranded(shop, lambda: chain(shop.durable.si("lost").set(link_error=errback),
                                                      shop.plain.si(3)).apply_async())
     assert lost_envelopes(shop, recoveries=2) == [outboxed.parent.id]
     assert shop.outbox.recover().envelopes_dead_lettered == 1
@@ -273,7 +264,7 @@ def test_a_lost_worker_fails_its_chord(world, shop):
         plain.get(timeout=TIMEOUT)
 
     body = shop.app.signature("results.total", queue=world.queues.outbox)
-    outboxed = sent_but_stranded(shop, lambda: chord([shop.durable.si("a"), shop.durable.si("b")], body).apply_async())
+    outboxed = stranded(shop, lambda: chord([shop.durable.si("a"), shop.durable.si("b")], body).apply_async())
     assert len(lost_envelopes(shop, recoveries=2)) == 2
     assert shop.outbox.recover().envelopes_dead_lettered == 2
     with pytest.raises(WorkerLostError) as outboxed_raised:
@@ -322,7 +313,7 @@ def test_messages_that_expired_before_they_were_published_fail_their_chord(world
 
     body = shop.app.signature("results.total", queue=world.queues.outbox)
     soon = utcnow() + timedelta(seconds=30)
-    outboxed = sent_but_stranded(shop, lambda: chord([shop.durable.si(n).set(expires=soon) for n in (1, 2)],
+    outboxed = stranded(shop, lambda: chord([shop.durable.si(n).set(expires=soon) for n in (1, 2)],
                                                      body).apply_async())
     for row in outgoing_of(shop):
         expire_outgoing(shop, row.message_id)

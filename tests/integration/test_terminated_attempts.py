@@ -29,6 +29,7 @@ from celery_outbox.vocabulary import IncomingStatus
 
 from ..conftest import drop_store
 from ..services import wait_until
+from .test_store_contract import incoming_row
 
 
 @pytest.fixture
@@ -48,9 +49,9 @@ def delivery(message_id: str) -> Delivery:
 
 
 def claim_row(message_id: str, status: IncomingStatus, owner: int) -> dict:
-    now = utcnow()
-    return dict(message_id=message_id, destination="", task_name="t.block", queue="durable", status=status.value,
-                owner=owner, retries=0, nesting=0, replays=0, received_at=now, claimed_at=now)
+    """The claim of ``delivery(message_id)``'s attempt, as its pool process left it."""
+    return incoming_row(message_id, task_name="t.block", queue="durable", status=status.value, owner=owner,
+                        claimed_at=utcnow())
 
 
 def status_of(outbox: Outbox, message_id: str) -> str | None:
