@@ -1,19 +1,24 @@
 """Producer, the realistic row: one unit of work writes one row of the user's data and sends N
 messages (N = 1 and 10), vs plain Celery doing the same write, committing, then ``apply_async``.
 
-Four ways, on the same broker and the same PostgreSQL, taking turns in rounds (``in_rounds``):
+Six ways, on the same broker and the same PostgreSQL, taking turns in rounds (``in_rounds``):
 
 * plain Celery: the row written on a plain SQLAlchemy engine (``with engine.begin() as conn:``),
   committed, then N ``apply_async``;
-* in-memory: ``with outbox.transaction() as session:`` the row written through ``session`` and
-  N ``apply_async`` to a plain queue, published after the commit;
-* durable: the same to a durable queue: the messages' rows are inserted in the transaction, and
-  after the commit one UPDATE takes them (locked, marked sent), they are published, and that
-  transaction commits (not waiting for the WAL flush);
+* in-memory: ``with outbox.begin() as conn:`` (the same Core connection API) the row written
+  through ``conn`` and N ``apply_async`` to a plain queue, published after the commit;
+* durable: the same to a durable queue: the messages' rows are inserted in the transaction, by
+  its last statement, which goes with the COMMIT in one round trip; after the commit one UPDATE
+  takes them (locked, marked sent), they are published, and that transaction commits (not
+  waiting for the WAL flush);
+* durable through a Session: the same in ``with outbox.transaction() as session:``, the row
+  written through ``session`` (the ORM Session's own cost, and the INSERT and the COMMIT in
+  round trips of their own);
 * the durable unit's floor, by hand, with no library code: plain Celery's unit with the messages'
-  rows (built once) inserted in its transaction by one more statement, then, after the
-  ``apply_async`` calls, one UPDATE marking them sent on a connection of its own in autocommit
-  mode that does not wait for the WAL flush. No implementation that stores the messages in the
+  rows (built once) inserted in its transaction by one more statement, sent with the COMMIT in
+  one network message (psycopg's pipeline mode), then, after the ``apply_async`` calls, one
+  UPDATE marking them sent on a connection of its own in autocommit mode that does not wait for
+  the WAL flush. No implementation that stores the messages in the
   user's transaction and keeps the library's guarantee for a crash between the commit and the
   publish (the rows go out at the relay's next pass) does less: one more statement in the
   transaction (the library's INSERT of rows as one JSON text, made once here), one after the
@@ -82,7 +87,7 @@ UNITS = {1: 600, 10: 200}
 # Units of work of the pass that counts and times what one of them spends (N = 1)
 SPENT_UNITS = 300
 TARGET = 0.9
-WAYS = ("plain", "in-memory", "durable", "floor", "pre-marked floor")
+WAYS = ("plain", "in-memory", "durable", "durable, Session", "floor", "pre-marked floor")
 
 
 def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = False) -> tuple[Any, dict[str, str]]:
@@ -104,8 +109,9 @@ def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = Fals
 
 
 class Orders:
-    """The user's table and the two ways of writing one row of it: through the unit of work's
-    Session, and on a plain SQLAlchemy engine as a Celery user without celery-outbox would."""
+    """The user's table and the ways of writing one row of it: in a unit of work (on its Core
+    connection, or its Session), and on a plain SQLAlchemy engine as a Celery user without
+    celery-outbox would."""
 
     def __init__(self, outbox: Outbox):
         self.outbox = outbox
@@ -126,7 +132,15 @@ class Orders:
                 task.apply_async((i,))
 
     def ours(self, task: Any, units: int, n: int) -> None:
-        """One unit of work: the row written through its Session, N ``apply_async`` in it."""
+        """One unit of work on a Core connection: the row written through it, N ``apply_async`` in it."""
+        for _ in range(units):
+            with self.outbox.begin() as conn:
+                conn.execute(self.write)
+                for i in range(n):
+                    task.apply_async((i,))
+
+    def ours_in_a_session(self, task: Any, units: int, n: int) -> None:
+        """One unit of work on a Session: the row written through it, N ``apply_async`` in it."""
         for _ in range(units):
             with self.outbox.transaction() as session:
                 session.execute(self.write)
@@ -136,8 +150,8 @@ class Orders:
     def ours_without_messages(self, units: int) -> None:
         """The unit of work writing its row and sending nothing."""
         for _ in range(units):
-            with self.outbox.transaction() as session:
-                session.execute(self.write)
+            with self.outbox.begin() as conn:
+                conn.execute(self.write)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -146,7 +160,8 @@ class Orders:
 
 class Floor:
     """The durable unit of work by hand: plain Celery's unit, with the N messages' rows (built
-    once) inserted in its transaction, then one UPDATE marking them sent after the publishes, in
+    once) inserted in its transaction, that INSERT and the COMMIT sent in one network message
+    (psycopg's pipeline mode), then one UPDATE marking them sent after the publishes, in
     autocommit mode, not waiting for the WAL flush (on an engine of its own: the setting stays
     with its connection)."""
 
@@ -155,7 +170,9 @@ class Floor:
         outgoing = outbox.store.tables.outgoing
         self.orders, self.settings = orders, outbox.settings
         # the statement the library inserts with, on a JSON text of the rows made once
-        self.insert, self.given = captured_rows(outbox, durable, n)
+        insert, given = captured_rows(outbox, durable, n)
+        compiled = insert.compile(dialect=orders.engine.dialect)
+        self.statement, self.values = compiled.string, {**compiled.params, **given}
         self.mark = update(outgoing).where(outgoing.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))) \
             .values(sent_at=bindparam("now"), redeliver_at=bindparam("redeliver_at"))
         self.engine = create_engine(POSTGRES_URL, pool_size=1, isolation_level="AUTOCOMMIT")
@@ -167,7 +184,11 @@ class Floor:
         for _ in range(units):
             with orders.engine.begin() as conn:
                 conn.execute(orders.write)
-                ids = list(conn.execute(self.insert, self.given).scalars())
+                driver = conn.connection.driver_connection
+                with driver.pipeline():  # the INSERT and the COMMIT in one network message
+                    inserted = driver.execute(self.statement, self.values)
+                    driver.commit()  # SQLAlchemy's COMMIT that follows finds no transaction: psycopg sends none
+                ids = [row[0] for row in inserted.fetchall()]
             for i in range(n):
                 task.apply_async((i,))
             now = utcnow()
@@ -216,7 +237,8 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
             try:
                 units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS, 1)
                 ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
-                        partial(floor.send, plain), partial(pre_marked.send, plain)]
+                        partial(orders.ours_in_a_session, durable), partial(floor.send, plain),
+                        partial(pre_marked.send, plain)]
                 for way in ways:  # warm: statements compiled, connections made
                     way(1, n)
                 rounds = in_rounds(repeats, *(partial(rate, units * n, partial(way, units, n)) for way in ways))
@@ -233,14 +255,16 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
                 Result.of_rounds("producer", f"{case}, in-memory", "msg/s", [(r[1], r[0], None) for r in rounds],
                                  target=target),
                 Result.of_rounds("producer", f"{case}, durable", "msg/s",
-                                 [(r[2], r[0], r[3] if floored else None) for r in rounds], target=target, note=spent),
+                                 [(r[2], r[0], r[4] if floored else None) for r in rounds], target=target, note=spent),
+                Result.of_rounds("producer", f"{case}, durable, through a Session (outbox.transaction())", "msg/s",
+                                 [(r[3], r[0], r[4] if floored else None) for r in rounds]),
                 Result.of_rounds("producer", f"{broker}, N={n} writing one row, floor: its transaction inserting the "
                                  "messages' rows by hand, one UPDATE after the publish", "msg/s",
-                                 [(r[3], r[0], None) for r in rounds]),
+                                 [(r[4], r[0], None) for r in rounds]),
                 Result.of_rounds("producer", f"{broker}, N={n} writing one row, floor of a design giving up the prompt "
                                  "relay after a crash between commit and publish: the rows inserted marked sent, with "
                                  "the COMMIT in one message, nothing after the publish", "msg/s",
-                                 [(r[4], r[0], None) for r in rounds]),
+                                 [(r[5], r[0], None) for r in rounds]),
             ]
     finally:
         orders.close()
@@ -260,6 +284,7 @@ class _Trips:
         self.after_commit = False
         self.before: list[str] = []
         self.after: list[str] = []
+        self.committed_in_message = False  # the message had the COMMIT: SQLAlchemy's own sends nothing
 
     def note(self, what: str) -> None:
         (self.after if self.after_commit else self.before).append(what)
@@ -268,9 +293,12 @@ class _Trips:
         self.note("BEGIN")
 
     def _execute(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        self.note(statement.split(None, 1)[0].upper())
+        self.note(_first_word(statement))
 
     def _commit(self, conn: Any) -> None:
+        if self.committed_in_message:
+            self.committed_in_message = False
+            return
         self.note("COMMIT")
 
     @contextmanager
@@ -286,36 +314,48 @@ class _Trips:
                 for name, handler in handlers:
                     event.remove(engine, name, handler)
 
-    def one_message(self, entering: bool) -> None:
+    def one_message(self, entering: bool, args: tuple[Any, ...]) -> None:
         """The store sends statements together in one network message (``OneMessage``): one round
-        trip, its BEGIN with it (SQLAlchemy's ``begin`` event sends nothing)."""
+        trip, its BEGIN with it (SQLAlchemy's ``begin`` event sends nothing), and its COMMIT
+        (SQLAlchemy's ``commit`` event that follows sends nothing)."""
         if entering:
-            noted = self.after if self.after_commit else self.before
-            if noted and noted[-1] == "BEGIN":
-                noted.pop()
-            self.note("one message: BEGIN, SET, UPDATE")
+            _store, _conn, query, _values, before, after, *_ = args
+            if before[:1] == (b"BEGIN",):
+                noted = self.after if self.after_commit else self.before
+                if noted and noted[-1] == "BEGIN":
+                    noted.pop()
+            statements = [s.decode().split(None, 1)[0] for s in before] + [_first_word(query.statement)] \
+                + [s.decode() for s in after]
+            self.committed_in_message = b"COMMIT" in after
+            self.note(f"one message ({', '.join(statements)})")
 
     def reset(self) -> None:
         self.before, self.after = [], []
 
 
+def _first_word(statement: str) -> str:
+    return statement.split(None, 1)[0].upper()
+
+
 @contextmanager
-def _timed(owner: type, name: str, spent: dict[str, float], key: str,
-           around: Callable[[bool], None] | None = None) -> Iterator[None]:
-    """For the block: ``owner.name`` adds the seconds each call takes to ``spent[key]`` (and calls
-    ``around(True)`` before, ``around(False)`` after each call)."""
+def _timed(owner: type, name: str, spent: dict[str, float], key: str | Callable[..., str],
+           around: Callable[[bool, tuple[Any, ...]], None] | None = None) -> Iterator[None]:
+    """For the block: ``owner.name`` adds the seconds each call takes to ``spent[key]`` (``key``
+    may be a function of the call's arguments; and calls ``around(True, args)`` before,
+    ``around(False, args)`` after each call)."""
     original = owner.__dict__[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        label = key(*args) if callable(key) else key
         if around is not None:
-            around(True)
+            around(True, args)
         started = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            spent[key] += time.perf_counter() - started
+            spent[label] += time.perf_counter() - started
             if around is not None:
-                around(False)
+                around(False, args)
 
     setattr(owner, name, wrapper)
     try:
@@ -331,7 +371,7 @@ def what_it_spends(orders: Orders, plain: Any, durable: Any, units: int) -> str:
     spent: dict[str, float] = defaultdict(float)
     plain_spent: dict[str, float] = defaultdict(float)
 
-    def publishing(entering: bool) -> None:
+    def publishing(entering: bool, _args: tuple[Any, ...]) -> None:
         trips.after_commit = entering
 
     with trips.listening():
@@ -352,7 +392,8 @@ def what_it_spends(orders: Orders, plain: Any, durable: Any, units: int) -> str:
         plain_spent["no message"] = time.perf_counter() - started
         with ExitStack() as stack:
             stack.enter_context(_timed(Publisher, "publish_committed", spent, "after the commit", publishing))
-            stack.enter_context(_timed(OneMessage, "_send_one_message", spent, "UPDATE",
+            stack.enter_context(_timed(OneMessage, "_send_one_message", spent,
+                                       lambda _store, _conn, query, *_: f"message {_first_word(query.statement)}",
                                        trips.one_message))
             stack.enter_context(_timed(Outlet, "publish_each", spent, "publish"))
             stack.enter_context(_timed(UnitOfWork, "_store_durable", spent, "INSERT"))
@@ -370,6 +411,6 @@ def what_it_spends(orders: Orders, plain: Any, durable: Any, units: int) -> str:
             f"{', '.join(ours_after)} (plain Celery's: {', '.join(plain_trips)}); ms per unit of work: ours "
             f"{ms['unit']:.2f}, plain Celery's {plain_ms['unit']:.2f} (its transaction {plain_ms['transaction']:.2f}, "
             f"apply_async {plain_ms['unit'] - plain_ms['transaction']:.2f}); of ours, after the commit "
-            f"{ms['after the commit']:.2f} (the UPDATE taking the row {ms['UPDATE']:.2f}, the publish "
-            f"{ms['publish']:.2f}), the message row's INSERT {ms['INSERT']:.2f}; the unit of work writing its row and "
-            f"sending nothing {plain_ms['no message']:.2f}")
+            f"{ms['after the commit']:.2f} (the UPDATE taking the row {ms['message UPDATE']:.2f}, the publish "
+            f"{ms['publish']:.2f}), the message row's INSERT sent with the COMMIT {ms['INSERT']:.2f}; the unit of "
+            f"work writing its row and sending nothing {plain_ms['no message']:.2f}")

@@ -7,7 +7,8 @@ captured message is published in call order with one producer (``broker.Outlet``
 marks commit (the consuming inbox deletes the rows when it has the message; redelivery
 publishes them again if it never does); with delivery tracking off, one DELETE takes them
 instead. Outside a unit of work, a durable message is stored in a
-transaction of its own, then published.
+transaction of its own (on PostgreSQL its BEGIN, INSERT and COMMIT in one round trip), then
+published.
 
 Guarantee: never raises for a broker error once the commit happened; a durable message whose
 publish fails stays in the outgoing table for the relay, so it is delayed, never lost.
@@ -36,10 +37,11 @@ __all__ = ["Publisher", "store_durable"]
 logger = logging.getLogger("celery_outbox.publishing")
 
 
-def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage]) -> None:
-    """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids."""
+def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage], commit: bool = False) -> None:
+    """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids;
+    with ``commit``, the transaction's last statement, which the COMMIT may go with."""
     with tracing.messages_span(tracing.STORE, messages):
-        ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages])
+        ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages], commit=commit)
     for message, row_id in zip(messages, ids, strict=True):
         message.row_id = row_id
 
@@ -58,8 +60,8 @@ class Publisher:
         durable = [m for m in messages if m.durable]
         if durable:
             store = self.runtime.ready().store
-            with store.begin() as conn:
-                store_durable(store, conn, durable)
+            with store.begin() as conn:  # on PostgreSQL, BEGIN, the INSERT and the COMMIT in one round trip
+                store_durable(store, conn, durable, commit=True)
             crashpoint("after_commit")
         self.publish_committed(messages, producer)
 

@@ -20,8 +20,9 @@ outgoing table for the relay, so it is delayed, never lost.
 
 State lives in a ``ContextVar``: it follows the thread or task that opened it, in
 prefork, threads and eventlet/gevent pools alike. ``transaction()`` opens a unit of work
-on a Session (``Outbox.transaction``); ``ConnectionUnitOfWork`` is a task attempt's,
-owned by the inbox, and ``run_body`` makes it the running body's (``self.session``).
+on a Session (``Outbox.transaction``), ``begin()`` one on a Core connection
+(``Outbox.begin``); ``ConnectionUnitOfWork`` is also a task attempt's, owned by the
+inbox, and ``run_body`` makes it the running body's (``self.session``).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from .errors import OutboxError
 from .publishing import Publisher, store_durable
 from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions
 
-__all__ = ["ConnectionUnitOfWork", "UnitOfWork", "current_connection", "current_session", "current_unit_of_work",
-           "run_body", "transaction"]
+__all__ = ["ConnectionUnitOfWork", "UnitOfWork", "begin", "current_connection", "current_session",
+           "current_unit_of_work", "run_body", "transaction"]
 
 logger = logging.getLogger("celery_outbox.unit_of_work")
 
@@ -138,13 +139,14 @@ class UnitOfWork:
 
     # -- the transaction's ends ----------------------------------------------------------------
 
-    def _store_durable(self, connection: Connection) -> None:
-        """Just before the outermost commit: insert the durable messages, in its transaction."""
+    def _store_durable(self, connection: Connection, commit: bool = False) -> None:
+        """Just before the outermost commit: insert the durable messages, in its transaction;
+        with ``commit``, as its last statement, which the COMMIT may go with."""
+        crashpoint("before_commit")
         durable = [m for m in self.pending if m.durable and m.row_id is None]
         if durable:
-            store_durable(self.publisher.runtime.store, connection, durable)
+            store_durable(self.publisher.runtime.store, connection, durable, commit)
         self._committing = True
-        crashpoint("before_commit")
 
     def _publish_committed(self) -> None:
         """Just after the outermost commit: publish what was captured, in call order."""
@@ -183,6 +185,11 @@ class ConnectionUnitOfWork(UnitOfWork):
 
     #: whether ``last`` may send the COMMIT with it (the transaction is this unit's own to commit)
     commits_with_last = True
+    #: whether, with no ``last``, the COMMIT may go with the durable messages' INSERT
+    commits_with_insert = False
+    #: the error when the transaction was ended before ``commit``: by whom, and what to do instead
+    ended_inside = ("the task's transaction was rolled back inside its body (self.session.rollback()), "
+                    "its inbox claim with it: raise an exception to fail the task instead")
 
     def __init__(self, publisher: "Publisher", engine: Engine | None = None):
         super().__init__(publisher, None)
@@ -216,12 +223,11 @@ class ConnectionUnitOfWork(UnitOfWork):
         statement, which may send the COMMIT with it), commit, then publish. False, with nothing
         committed or published, when ``last`` returns False: the caller rolls back."""
         if self._transaction is not None and not self._transaction.is_active:
-            raise OutboxError("the task's transaction was rolled back inside its body (self.session.rollback()), "
-                              "its inbox claim with it: raise an exception to fail the task instead")
+            raise OutboxError(self.ended_inside)
         if self._session is not None:
             self._session.flush()
         connection = self.connection
-        self._store_durable(connection)
+        self._store_durable(connection, commit=last is None and self.commits_with_insert)
         if last is not None and not last(connection, self.commits_with_last):
             return False
         self._commit()
@@ -273,6 +279,53 @@ class ConnectionUnitOfWork(UnitOfWork):
     def _after_commit(self, session: Session) -> None:
         return None
 
+
+class _BlockUnitOfWork(ConnectionUnitOfWork):
+    """The unit of work of a ``begin()`` block: its COMMIT goes with the durable messages' INSERT,
+    and it publishes once ``close`` gave its connection back to the pool (publishing takes one:
+    blocks committing at once would otherwise wait on the pool for each other)."""
+
+    commits_with_insert = True
+
+    def _publish_committed(self) -> None:
+        self._committed = True
+
+    def close(self) -> None:
+        """Give the connection back to the pool, then publish what a commit left to publish."""
+        try:
+            super().close()
+        finally:
+            if self._committed:
+                self._committed = False
+                UnitOfWork._publish_committed(self)
+
+    ended_inside = ("the unit of work's transaction was ended inside its block (commit() or rollback() on its "
+                    "connection or Session): let the block end it, committing, or raise an exception to roll it "
+                    "back; its messages are dropped")
+
+
+@contextmanager
+def begin(publisher: Publisher) -> Iterator[Connection]:
+    """A unit of work on a Core connection (``Outbox.begin``), as ``engine.begin()`` gives one:
+    its transaction begun, committed when the block ends (durable messages inserted just
+    before the COMMIT, everything captured published just after) and rolled back on an
+    exception; a block inside an open unit of work joins it (its connection). No ORM Session
+    is made unless the block asks the unit of work for one."""
+    outer = current_unit_of_work()
+    if outer is not None:
+        yield outer.connection
+        return
+    uow = _BlockUnitOfWork(publisher)
+    try:
+        with uow.opened():
+            try:
+                yield uow.connection
+                uow.commit()
+            except BaseException:
+                uow.rollback()
+                raise
+    finally:
+        uow.close()
 
 
 @contextmanager

@@ -56,7 +56,7 @@ def _insert_from_json(table: Any, names: tuple[str, ...]) -> Any:
         field = literal_column("given.doc").op("->>")(literal_column(str(position)))
         kind = table.c[name].type
         if isinstance(kind, LargeBinary):
-            return func.decode(field, "base64")
+            return func.decode(field, literal_column("'base64'"))
         return field if isinstance(kind, (String, Text)) else cast(field, kind)
 
     given = func.jsonb_array_elements(cast(bindparam("rows", type_=Text), postgresql.JSONB)).table_valued(
@@ -85,10 +85,16 @@ def _json_value(value: Any) -> Any:
 class OutgoingStatements(OneMessage):
     """The statements of the ``outgoing`` and ``sent`` tables."""
 
-    def insert_outgoing(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> list[int]:
+    def insert_outgoing(self, conn: Connection, rows: Sequence[dict[str, Any]], commit: bool = False) -> list[int]:
         """Insert fully built messages. Returns their ids in the rows' order. PostgreSQL: one
         INSERT from one JSON array of the rows, whatever their count; SQLite: one multi-row
-        INSERT per 1000 rows."""
+        INSERT per 1000 rows.
+
+        With ``commit``, the last statement of the caller's transaction, on PostgreSQL the
+        transaction's COMMIT goes with it in one round trip (and its BEGIN too when nothing ran
+        before it). An INSERT that fails is raised and its transaction is left for the
+        caller to roll back; the caller's own commit then finds the transaction ended (psycopg
+        sends nothing); it still ends SQLAlchemy's."""
         if not rows:
             return []
         table = self.tables.outgoing
@@ -97,7 +103,13 @@ class OutgoingStatements(OneMessage):
             # the rows as one JSON parameter: the same short statement at any row count, so psycopg
             # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
             names = tuple(sorted(columns))
-            return sorted(conn.execute(_insert_from_json(table, names), {"rows": _json_rows(rows, names)}).scalars())
+            statement, values = _insert_from_json(table, names), {"rows": _json_rows(rows, names)}
+            opening = self._opening(conn) if commit else None
+            if opening is not None:
+                query = _pipelined_query(statement, conn.dialect, tuple(values), "insert_outgoing")
+                result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",))
+                return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
+            return sorted(conn.execute(statement, values).scalars())
         rows = [{key: row.get(key) for key in columns} for row in rows]
         ids: list[int] = []
         for start in range(0, len(rows), INSERT_CHUNK):

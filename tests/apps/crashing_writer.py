@@ -11,8 +11,10 @@ from celery import Celery
 from celery_outbox import Outbox
 
 
-def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: str, tracking: str = "on") -> None:
-    """``tracking`` "off": delivery tracking off (``outbox_redeliver_after = None``)."""
+def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: str, tracking: str = "on",
+         unit: str = "session") -> None:
+    """``tracking`` "off": delivery tracking off (``outbox_redeliver_after = None``); ``unit``
+    "connection": the unit of work is ``outbox.begin()``, else ``outbox.transaction()``."""
     app = Celery("crashing_writer", broker=broker_url, set_as_current=False)
     app.conf.update(
         outbox_database_url=database_url,
@@ -26,6 +28,6 @@ def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: s
     outbox.ready()
     task_id = "crash-" + __import__("uuid").uuid4().hex
     print(task_id, flush=True)
-    with outbox.transaction():
+    with outbox.begin() if unit == "connection" else outbox.transaction():
         app.send_task("shop.durable", args=["written before the crash"], task_id=task_id)
     sys.exit(0)  # not reached when the crash point fires

@@ -7,8 +7,9 @@ with ``create(...)`` to read the tables.
 
 * The producer (``python -m tests.apps.fault_app produce N``) places the orders
   ``order-0 .. order-N-1`` that are not in the database yet, each in one unit of
-  work: the order row and its payment message (every third one to the eager
-  style) commit together. An order row is therefore exactly a committed send. A
+  work (every other one ``outbox.begin()``, the others ``outbox.transaction()``):
+  the order row and its payment message (every third one to the eager style)
+  commit together. An order row is therefore exactly a committed send. A
   database that is down makes it wait and try the same order again.
 * ``fault.pay`` (optimistic) and ``fault.pay_eager`` (eager) write a ``payment``
   effect and send the order's receipt from their unit of work; ``fault.receipt``
@@ -121,10 +122,12 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
             self.session.execute(insert(effects).values(order_id=order_id, kind="receipt", pid=os.getpid()))
 
     def place(number: int) -> None:
-        """Commit one order and its payment message in one unit of work."""
+        """Commit one order and its payment message in one unit of work: every other order on a
+        Core connection (``outbox.begin()``, its COMMIT sent with the message's INSERT), the
+        others on a Session (``outbox.transaction()``)."""
         order_id = ORDER_ID.format(number)
-        with outbox.transaction() as session:
-            session.execute(insert(orders).values(id=order_id))
+        with outbox.begin() if number % 2 else outbox.transaction() as conn_or_session:
+            conn_or_session.execute(insert(orders).values(id=order_id))
             (pay_eager if number % 3 == 2 else pay).apply_async((order_id,), task_id=order_id)
 
     def placed() -> set[str]:

@@ -28,6 +28,13 @@ def broker_url(request) -> str:
     return require(request.param)
 
 
+@pytest.fixture(params=["session", "connection"])
+def unit_of_work(request):
+    """Opens a unit of work on ``shop``'s outbox: ``outbox.transaction()`` (a Session) or
+    ``outbox.begin()`` (a Core connection)."""
+    return lambda shop: shop.outbox.transaction() if request.param == "session" else shop.outbox.begin()
+
+
 @pytest.fixture
 def shop(broker_url, database_url, table_prefix):
     shop = make_shop(broker_url, database_url, table_prefix)
@@ -42,9 +49,9 @@ def shop(broker_url, database_url, table_prefix):
 
 
 
-def test_rollback_publishes_nothing(shop):
+def test_rollback_publishes_nothing(shop, unit_of_work):
     with pytest.raises(RuntimeError):
-        with shop.outbox.transaction():
+        with unit_of_work(shop):
             shop.plain.delay(1)
             shop.durable.delay(2)
             raise RuntimeError("rolled back")
@@ -53,8 +60,8 @@ def test_rollback_publishes_nothing(shop):
     assert unsent_rows(shop.outbox.store) == 0
 
 
-def test_commit_publishes_exactly_once(shop):
-    with shop.outbox.transaction():
+def test_commit_publishes_exactly_once(shop, unit_of_work):
+    with unit_of_work(shop):
         plain = shop.plain.delay(1)
         durable = shop.durable.delay(2)
         assert nothing_more(shop.app, shop.plain_queue), "nothing reaches the broker before the commit"
@@ -64,15 +71,15 @@ def test_commit_publishes_exactly_once(shop):
     assert nothing_more(shop.app, shop.durable_queue)
 
 
-def test_order_is_kept(shop):
-    with shop.outbox.transaction():
+def test_order_is_kept(shop, unit_of_work):
+    with unit_of_work(shop):
         plain_ids = [shop.plain.delay(n).id for n in range(30)]
         durable_ids = [shop.durable.delay(n).id for n in range(30)]
     assert [m.id for m in receive(shop.app, shop.plain_queue, 30)] == plain_ids
     assert [m.id for m in receive(shop.app, shop.durable_queue, 30)] == durable_ids
 
 
-def test_durable_row_exists_until_the_publish_and_is_gone_after(shop):
+def test_durable_row_exists_until_the_publish_and_is_gone_after(shop, unit_of_work):
     rows_when_published = []
 
     def on_published(sender, message, relayed, **_):
@@ -80,9 +87,8 @@ def test_durable_row_exists_until_the_publish_and_is_gone_after(shop):
 
     message_published.connect(on_published)
     try:
-        with shop.outbox.transaction() as session:
+        with unit_of_work(shop):
             shop.durable.delay(1)
-            session.flush()
             assert unsent_rows(shop.outbox.store) == 0, "uncommitted rows are invisible to others"
     finally:
         message_published.disconnect(on_published)
@@ -185,27 +191,29 @@ def test_rabbitmq_unreachable_during_commit_then_relay_delivers(rabbitmq_url, da
         drop_store(writer.outbox.store)
 
 
-def run_writer(broker_url, database_url, table_prefix, crashpoint, durable_queue, tracking="on"):
+def run_writer(broker_url, database_url, table_prefix, crashpoint, durable_queue, tracking="on", unit="session"):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CELERY_OUTBOX_CRASHPOINT=crashpoint)
     script = (
         "import sys; from tests.apps.crashing_writer import main; "
-        "main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])"
+        "main(*sys.argv[1:])"
     )
     return subprocess.run(
-        [sys.executable, "-c", script, broker_url, database_url, table_prefix, durable_queue, tracking],
+        [sys.executable, "-c", script, broker_url, database_url, table_prefix, durable_queue, tracking, unit],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
 
 
-@pytest.mark.parametrize(("crashpoint", "tracking"), [("after_commit", "on"), ("after_publish", "on"),
-                                                      ("after_publish", "off")],
-                         ids=["after_commit", "after_publish", "after_publish-tracking-off"])
-def test_process_dying_after_commit_loses_nothing(shop, crashpoint, tracking):
-    """The writer exits with os._exit right after the commit (nothing published) or right after the
-    publish (the marks, or with delivery tracking off the DELETE, not committed): the relay delivers
-    what is missing; nothing is lost."""
+@pytest.mark.parametrize(("crashpoint", "tracking", "unit"), [
+    ("after_commit", "on", "session"), ("after_publish", "on", "session"), ("after_publish", "off", "session"),
+    ("after_commit", "on", "connection"), ("after_publish", "on", "connection"),
+], ids=["after_commit", "after_publish", "after_publish-tracking-off", "after_commit-begin", "after_publish-begin"])
+def test_process_dying_after_commit_loses_nothing(shop, crashpoint, tracking, unit):
+    """The writer (its unit of work ``outbox.transaction()``, or ``outbox.begin()``) exits with
+    os._exit right after the commit (nothing published) or right after the publish (the marks,
+    or with delivery tracking off the DELETE, not committed): the relay delivers what is
+    missing; nothing is lost."""
     done = run_writer(shop.app.conf.broker_url, shop.outbox.store.engine.url.render_as_string(False),
-                      shop.outbox.settings.table_prefix, crashpoint, shop.durable_queue, tracking)
+                      shop.outbox.settings.table_prefix, crashpoint, shop.durable_queue, tracking, unit)
     assert done.returncode == EXIT_CODE, done.stderr
     message_id = done.stdout.strip().splitlines()[-1]
     assert unsent_rows(shop.outbox.store) == 1, "the committed row survived the crash"
@@ -283,6 +291,70 @@ def test_with_delivery_tracking_off_a_failed_publish_keeps_only_its_row(broker_u
         assert store.count_outgoing() == 0
         assert recorded() == (sorted(sent) if archived else [])
     finally:
+        purge(shop.app, shop.plain_queue, shop.durable_queue)
+        drop_store(shop.outbox.store)
+        shop.outbox.engine.dispose()
+
+
+def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_url, table_prefix):
+    """On PostgreSQL ``outbox.begin()`` sends the durable messages' INSERT and the COMMIT in one
+    round trip, then gives its connection back: the publisher takes the rows on that same
+    connection (a pool of one is enough), in the next round trip."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no round trips")
+    from sqlalchemy import text
+
+    from .test_store_contract import ProtocolTrace, _statements
+
+    shop = make_shop(broker_url, database_url, table_prefix,
+                     outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5})
+    shop.outbox.ready()
+    trace = ProtocolTrace(shop.outbox.store)
+    try:
+        with shop.outbox.begin() as conn:  # prepares the statements on the new connection
+            shop.durable.delay(0)
+        warm = len(trace.round_trips())
+        with shop.outbox.begin() as conn:
+            conn.execute(text("SELECT 1"))
+            shop.durable.delay(1)
+        trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()[warm:]]
+        begin, select_one, insert, take, commit = trips
+        assert (begin, select_one, commit) == (['"BEGIN"'], ['"SELECT 1"'], ['"COMMIT"']), trips
+        assert insert[0].startswith("EXECUTE celery_outbox_insert_outgoing_") and insert[1:] == ["COMMIT"], trips
+        assert take[-1].startswith("EXECUTE celery_outbox_take_outgoing_"), trips
+        assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 1]
+        assert unsent_rows(shop.outbox.store) == 0
+    finally:
+        trace.close()
+        purge(shop.app, shop.plain_queue, shop.durable_queue)
+        drop_store(shop.outbox.store)
+        shop.outbox.engine.dispose()
+
+
+def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(broker_url, database_url,
+                                                                             table_prefix):
+    """On PostgreSQL a durable ``delay()`` outside a unit of work stores its row in one round trip
+    (BEGIN, the INSERT, COMMIT), then the publisher takes it after the publish."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no round trips")
+    from .test_store_contract import ProtocolTrace, _statements
+
+    shop = make_shop(broker_url, database_url, table_prefix)
+    shop.outbox.ready()
+    trace = ProtocolTrace(shop.outbox.store)
+    try:
+        sent = [shop.durable.delay(n).id for n in range(2)]
+        trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()]
+        stores = [trip for trip in trips if any("insert_outgoing" in s for s in trip)]
+        assert len(stores) == 2, trips
+        for trip in stores:
+            statements = [s for s in trip if not s.startswith("PREPARE")]
+            assert statements[0] == "BEGIN" and statements[1].startswith("EXECUTE celery_outbox_insert_outgoing_") \
+                and statements[2:] == ["COMMIT"], trip
+        assert sorted(m.id for m in receive(shop.app, shop.durable_queue, 2)) == sorted(sent)
+        assert unsent_rows(shop.outbox.store) == 0
+    finally:
+        trace.close()
         purge(shop.app, shop.plain_queue, shop.durable_queue)
         drop_store(shop.outbox.store)
         shop.outbox.engine.dispose()

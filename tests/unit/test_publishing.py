@@ -134,6 +134,76 @@ def test_joining_a_session_the_caller_owns_publishes_at_its_commit(shop):
     assert nothing_more(shop.app, shop.plain_queue)
 
 
+def test_begin_is_a_unit_of_work_on_a_core_connection(shop, monkeypatch):
+    from sqlalchemy.engine import Connection
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("outbox.begin() made an ORM Session")
+
+    monkeypatch.setattr(shop.outbox.runtime, "new_session", no_session)
+    with shop.outbox.begin() as conn:
+        assert isinstance(conn, Connection) and conn.in_transaction()
+        conn.execute(text("CREATE TABLE IF NOT EXISTS begin_orders (n INTEGER)"))
+        conn.execute(text("INSERT INTO begin_orders VALUES (1)"))
+        durable = shop.durable.delay("durable")
+        plain = shop.plain.delay("plain")
+        assert nothing_more(shop.app, shop.plain_queue), "nothing may reach the broker before the commit"
+    with shop.outbox.engine.connect() as reader:
+        assert reader.execute(text("SELECT n FROM begin_orders")).scalars().all() == [1], "the block committed"
+    assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [durable.id]
+    assert [m.id for m in receive(shop.app, shop.plain_queue, 1)] == [plain.id]
+    assert unsent_rows(shop.outbox.store) == 0
+
+
+def test_begin_rolls_back_on_an_exception_and_publishes_nothing(shop):
+    with shop.outbox.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS begin_orders (n INTEGER)"))
+    with pytest.raises(RuntimeError):
+        with shop.outbox.begin() as conn:
+            conn.execute(text("INSERT INTO begin_orders VALUES (1)"))
+            shop.plain.delay(1)
+            shop.durable.delay(2)
+            raise RuntimeError("the caller's transaction fails")
+    with shop.outbox.engine.connect() as reader:
+        assert reader.execute(text("SELECT count(*) FROM begin_orders")).scalar() == 0
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert unsent_rows(shop.outbox.store) == 0
+
+
+def test_begin_inside_an_open_unit_of_work_joins_it(shop):
+    with shop.outbox.transaction() as session:
+        with shop.outbox.begin() as conn:
+            assert conn is session.connection()
+            shop.plain.delay("inner")
+        assert nothing_more(shop.app, shop.plain_queue), "the inner block does not commit"
+        with shop.outbox.begin() as outer:
+            with shop.outbox.begin() as inner:
+                assert inner is outer
+        shop.plain.delay("outer")
+    assert [m.args for m in receive(shop.app, shop.plain_queue, 2)] == [["inner"], ["outer"]]
+    with shop.outbox.begin() as conn:
+        with shop.outbox.transaction() as session:
+            assert session.connection() is conn
+            shop.plain.delay("in a Session on the block's connection")
+        assert nothing_more(shop.app, shop.plain_queue), "the Session's block does not commit"
+    assert [m.args for m in receive(shop.app, shop.plain_queue, 1)] == [["in a Session on the block's connection"]]
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_begin_refuses_a_transaction_ended_inside_its_block(shop, end):
+    from celery_outbox.errors import OutboxError
+
+    with pytest.raises(OutboxError, match="ended inside its block"):
+        with shop.outbox.begin() as conn:
+            shop.durable.delay(1)
+            shop.plain.delay(2)
+            getattr(conn, end)()
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert unsent_rows(shop.outbox.store) == 0, "no row was stored for the messages dropped"
+
+
 def test_canvas_is_caught_and_published_after_commit(shop):
     add = shop.plain
     with shop.outbox.transaction():
