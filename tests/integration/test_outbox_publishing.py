@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,14 +36,23 @@ def unit_of_work(request):
     return lambda shop: shop.outbox.transaction() if request.param == "session" else shop.outbox.begin()
 
 
+@contextmanager
+def own_shop(broker_url, database_url, table_prefix, **conf):
+    """A shop with its tables, emptied and dropped after the block."""
+    shop = make_shop(broker_url, database_url, table_prefix, **conf)
+    shop.outbox.ready()
+    try:
+        yield shop
+    finally:
+        purge(shop.app, shop.plain_queue, shop.durable_queue)
+        drop_store(shop.outbox.store)
+        shop.outbox.engine.dispose()
+
+
 @pytest.fixture
 def shop(broker_url, database_url, table_prefix):
-    shop = make_shop(broker_url, database_url, table_prefix)
-    shop.outbox.ready()
-    yield shop
-    purge(shop.app, shop.plain_queue, shop.durable_queue)
-    drop_store(shop.outbox.store)
-    shop.outbox.engine.dispose()
+    with own_shop(broker_url, database_url, table_prefix) as shop:
+        yield shop
 
 
 
@@ -306,29 +316,25 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
 
     from .test_store_contract import ProtocolTrace, _statements
 
-    shop = make_shop(broker_url, database_url, table_prefix,
-                     outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5})
-    shop.outbox.ready()
-    trace = ProtocolTrace(shop.outbox.store)
-    try:
-        with shop.outbox.begin() as conn:  # prepares the statements on the new connection
-            shop.durable.delay(0)
-        warm = len(trace.round_trips())
-        with shop.outbox.begin() as conn:
-            conn.execute(text("SELECT 1"))
-            shop.durable.delay(1)
-        trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()[warm:]]
+    with own_shop(broker_url, database_url, table_prefix,
+                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
+        trace = ProtocolTrace(shop.outbox.store)
+        try:
+            with shop.outbox.begin() as conn:  # prepares the statements on the new connection
+                shop.durable.delay(0)
+            warm = len(trace.round_trips())
+            with shop.outbox.begin() as conn:
+                conn.execute(text("SELECT 1"))
+                shop.durable.delay(1)
+            trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()[warm:]]
+        finally:
+            trace.close()
         begin, select_one, insert, take, commit = trips
         assert (begin, select_one, commit) == (['"BEGIN"'], ['"SELECT 1"'], ['"COMMIT"']), trips
         assert insert[0].startswith("EXECUTE celery_outbox_insert_outgoing_") and insert[1:] == ["COMMIT"], trips
         assert take[-1].startswith("EXECUTE celery_outbox_take_outgoing_"), trips
         assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 1]
         assert unsent_rows(shop.outbox.store) == 0
-    finally:
-        trace.close()
-        purge(shop.app, shop.plain_queue, shop.durable_queue)
-        drop_store(shop.outbox.store)
-        shop.outbox.engine.dispose()
 
 
 def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(broker_url, database_url,
@@ -339,12 +345,13 @@ def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(br
         pytest.skip("PostgreSQL only: SQLite has no round trips")
     from .test_store_contract import ProtocolTrace, _statements
 
-    shop = make_shop(broker_url, database_url, table_prefix)
-    shop.outbox.ready()
-    trace = ProtocolTrace(shop.outbox.store)
-    try:
-        sent = [shop.durable.delay(n).id for n in range(2)]
-        trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()]
+    with own_shop(broker_url, database_url, table_prefix) as shop:
+        trace = ProtocolTrace(shop.outbox.store)
+        try:
+            sent = [shop.durable.delay(n).id for n in range(2)]
+            trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()]
+        finally:
+            trace.close()
         stores = [trip for trip in trips if any("insert_outgoing" in s for s in trip)]
         assert len(stores) == 2, trips
         for trip in stores:
@@ -353,8 +360,3 @@ def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(br
                 and statements[2:] == ["COMMIT"], trip
         assert sorted(m.id for m in receive(shop.app, shop.durable_queue, 2)) == sorted(sent)
         assert unsent_rows(shop.outbox.store) == 0
-    finally:
-        trace.close()
-        purge(shop.app, shop.plain_queue, shop.durable_queue)
-        drop_store(shop.outbox.store)
-        shop.outbox.engine.dispose()
