@@ -131,19 +131,12 @@ class Orders:
             for i in range(n):
                 task.apply_async((i,))
 
-    def ours(self, task: Any, units: int, n: int) -> None:
-        """One unit of work on a Core connection: the row written through it, N ``apply_async`` in it."""
+    def ours(self, task: Any, units: int, n: int, in_a_session: bool = False) -> None:
+        """One unit of work on a Core connection (``outbox.begin()``), or with ``in_a_session`` on a
+        Session (``outbox.transaction()``): the row written through it, N ``apply_async`` in it."""
         for _ in range(units):
-            with self.outbox.begin() as conn:
+            with self.outbox.transaction() if in_a_session else self.outbox.begin() as conn:
                 conn.execute(self.write)
-                for i in range(n):
-                    task.apply_async((i,))
-
-    def ours_in_a_session(self, task: Any, units: int, n: int) -> None:
-        """One unit of work on a Session: the row written through it, N ``apply_async`` in it."""
-        for _ in range(units):
-            with self.outbox.transaction() as session:
-                session.execute(self.write)
                 for i in range(n):
                     task.apply_async((i,))
 
@@ -237,7 +230,7 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
             try:
                 units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS, 1)
                 ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
-                        partial(orders.ours_in_a_session, durable), partial(floor.send, plain),
+                        partial(orders.ours, durable, in_a_session=True), partial(floor.send, plain),
                         partial(pre_marked.send, plain)]
                 for way in ways:  # warm: statements compiled, connections made
                     way(1, n)

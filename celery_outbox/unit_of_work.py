@@ -286,6 +286,9 @@ class _BlockUnitOfWork(ConnectionUnitOfWork):
     blocks committing at once would otherwise wait on the pool for each other)."""
 
     commits_with_insert = True
+    ended_inside = ("the unit of work's transaction was ended inside its block (commit() or rollback() on its "
+                    "connection or Session): let the block end it, committing, or raise an exception to roll it "
+                    "back; its messages are dropped")
 
     def _publish_committed(self) -> None:
         self._committed = True
@@ -298,10 +301,6 @@ class _BlockUnitOfWork(ConnectionUnitOfWork):
             if self._committed:
                 self._committed = False
                 UnitOfWork._publish_committed(self)
-
-    ended_inside = ("the unit of work's transaction was ended inside its block (commit() or rollback() on its "
-                    "connection or Session): let the block end it, committing, or raise an exception to roll it "
-                    "back; its messages are dropped")
 
 
 @contextmanager
