@@ -37,9 +37,10 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
-from .errors import OutboxError
+from .errors import OutboxError, StoreUnavailable
 from .publishing import Publisher, store_durable
 from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions
+from .store.outage import as_driver_error
 
 __all__ = ["ConnectionUnitOfWork", "UnitOfWork", "begin", "current_connection", "current_session",
            "current_unit_of_work", "run_body", "transaction"]
@@ -289,6 +290,15 @@ class _BlockUnitOfWork(ConnectionUnitOfWork):
     ended_inside = ("the unit of work's transaction was ended inside its block (commit() or rollback() on its "
                     "connection or Session): let the block end it, committing, or raise an exception to roll it "
                     "back; its messages are dropped")
+
+    def commit(self, last: Callable[[Connection, bool], bool] | None = None) -> bool:
+        """As ``ConnectionUnitOfWork.commit``; a connection lost under the INSERT and COMMIT is
+        raised as ``engine.begin()`` raises a lost COMMIT (SQLAlchemy's ``OperationalError``), so
+        the caller's retry of its database work catches it."""
+        try:
+            return super().commit(last)
+        except StoreUnavailable as exc:
+            raise as_driver_error(exc) from exc.__cause__
 
     def _publish_committed(self) -> None:
         self._committed = True

@@ -16,7 +16,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import StoreUnavailable
 
-__all__ = ["is_outage"]
+__all__ = ["as_driver_error", "is_outage"]
 
 # SQLSTATE classes of an unusable database: connection exception, insufficient resources,
 # operator intervention (admin shutdown, crash shutdown, cannot connect now, idle session timeout)
@@ -65,3 +65,14 @@ def is_outage(exc: BaseException, *, transient: bool = False) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def as_driver_error(exc: StoreUnavailable) -> BaseException:
+    """The error SQLAlchemy raises for the driver's error ``exc`` was made from: a lost connection
+    is an ``OperationalError`` with ``connection_invalidated`` set, as ``engine.begin()`` raises
+    it. For a user's own transaction, whose retry catches SQLAlchemy's errors; ``exc`` itself
+    when no driver error caused it."""
+    cause = exc.__cause__
+    if cause is None or isinstance(cause, DBAPIError):
+        return cause or exc
+    return DBAPIError.instance(None, None, cause, Exception, connection_invalidated=True)

@@ -360,3 +360,30 @@ def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(br
                 and statements[2:] == ["COMMIT"], trip
         assert sorted(m.id for m in receive(shop.app, shop.durable_queue, 2)) == sorted(sent)
         assert unsent_rows(shop.outbox.store) == 0
+
+
+def test_a_connection_lost_before_the_commit_raises_what_engine_begin_raises(shop, database_url, unit_of_work):
+    """The server ends the unit of work's session before its block ends: the block raises
+    SQLAlchemy's ``OperationalError`` with ``connection_invalidated`` set, as ``engine.begin()``
+    does (a caller's retry of its database work catches it); nothing is stored or published, and
+    the next unit of work commits and publishes."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no server to end a session")
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from .test_engine_and_commits import terminate
+
+    with pytest.raises(OperationalError) as raised:
+        with unit_of_work(shop) as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            shop.plain.delay(1)
+            shop.durable.delay(2)
+            terminate(database_url, pid)
+    assert raised.value.connection_invalidated, raised.value
+    assert nothing_more(shop.app, shop.plain_queue)
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert shop.outbox.store.count_outgoing() == 0
+    with unit_of_work(shop):
+        durable = shop.durable.delay(3)
+    assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [durable.id]
