@@ -161,15 +161,20 @@ class UnitOfWork:
 
     def _rolled_back(self) -> None:
         """After the outermost rollback: drop what was captured, except a retry or replace of the
-        running task, which Celery decided on: it still goes out."""
+        running task, which Celery decided on: it still goes out (``store_and_forward``)."""
+        survivors = self._drop_captured()
+        if survivors:
+            self.publisher.store_and_forward(survivors)
+
+    def _drop_captured(self) -> list[OutgoingMessage]:
+        """Drop what was captured; returns the retries and replaces of the running task."""
         for message in self.pending:
             message.row_id = None  # rows inserted by a failed commit are gone with it
         self._committing = False
         self._savepoints.clear()
         survivors = [m for m in self.pending if m.survives_rollback]
         self.pending.clear()
-        if survivors:
-            self.publisher.store_and_forward(survivors)
+        return survivors
 
 
 class ConnectionUnitOfWork(UnitOfWork):
@@ -283,8 +288,9 @@ class ConnectionUnitOfWork(UnitOfWork):
 
 class _BlockUnitOfWork(ConnectionUnitOfWork):
     """The unit of work of a ``begin()`` block: its COMMIT goes with the durable messages' INSERT,
-    and it publishes once ``close`` gave its connection back to the pool (publishing takes one:
-    blocks committing at once would otherwise wait on the pool for each other)."""
+    and it publishes, or after a rollback stores and sends the retry that survives it, once
+    ``close`` gave its connection back to the pool (both take one: blocks ending at once would
+    otherwise wait on the pool for each other, and a pool of one would never hand it out)."""
 
     commits_with_insert = True
     ended_inside = ("the unit of work's transaction was ended inside its block (commit() or rollback() on its "
@@ -300,17 +306,28 @@ class _BlockUnitOfWork(ConnectionUnitOfWork):
         except StoreUnavailable as exc:
             raise as_driver_error(exc) from exc.__cause__
 
+    def __init__(self, publisher: "Publisher"):
+        super().__init__(publisher)
+        self._survivors: list[OutgoingMessage] = []
+
     def _publish_committed(self) -> None:
         self._committed = True
 
+    def _rolled_back(self) -> None:
+        self._survivors = self._drop_captured()
+
     def close(self) -> None:
-        """Give the connection back to the pool, then publish what a commit left to publish."""
+        """Give the connection back to the pool, then publish what a commit left to publish, or
+        store and send what survived a rollback."""
         try:
             super().close()
         finally:
+            survivors, self._survivors = self._survivors, []
             if self._committed:
                 self._committed = False
                 UnitOfWork._publish_committed(self)
+            elif survivors:
+                self.publisher.store_and_forward(survivors)
 
 
 @contextmanager

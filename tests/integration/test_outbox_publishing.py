@@ -387,3 +387,39 @@ def test_a_connection_lost_before_the_commit_raises_what_engine_begin_raises(sho
     with unit_of_work(shop):
         durable = shop.durable.delay(3)
     assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [durable.id]
+
+
+def test_a_retry_surviving_a_rolled_back_block_is_stored_once_the_block_gave_its_connection_back(
+        broker_url, database_url, table_prefix, unit_of_work):
+    """A plain task on a durable queue raises ``self.retry()`` inside a unit of work: the block
+    rolls back, and the retry (Celery decided on it) is stored and sent after the block's connection
+    is back in the pool: a pool of three is enough (the worker's liveness lock and the attempt's
+    claim hold the others; storing the retry while the block held its connection waited for a
+    fourth until the pool timed out, and the retry was lost)."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: the drill counts a PostgreSQL store's pooled connections")
+    import uuid
+
+    from celery.contrib.testing.worker import start_worker
+
+    with own_shop(broker_url, database_url, table_prefix,
+                  outbox_engine_options={"pool_size": 3, "max_overflow": 0, "pool_timeout": 3}) as shop:
+        app = shop.app
+        attempts = []
+
+        @app.task(name=f"shop.flaky_{uuid.uuid4().hex[:8]}", bind=True, shared=False, max_retries=3,
+                  queue=shop.durable_queue)
+        def flaky(self):
+            attempts.append(self.request.retries)
+            with unit_of_work(shop):
+                if self.request.retries == 0:
+                    raise self.retry(countdown=0)
+            return "done"
+
+        app.conf.result_backend = "cache+memory://"
+        with start_worker(app, pool="solo", queues=[shop.durable_queue], perform_ping_check=False,
+                          shutdown_timeout=10):
+            result = flaky.delay()
+            assert result.get(timeout=20) == "done"
+        assert attempts == [0, 1]
+        assert unsent_rows(shop.outbox.store) == 0
