@@ -60,6 +60,7 @@ class OutgoingMessage:
     durable: bool = False
     survives_rollback: bool = False  # a retry/replace of the running task: Celery already decided it
     row_id: int | None = None
+    marked_sent: bool = False  # its row was stored marked sent, for the commit-time publisher to publish
     expires_at: datetime | None = None
     deliver_at: datetime | None = None  # durable scheduling: its eta, held in the store until released
     sent_event: SentEvent | None = None  # the task-sent event of this send, published after it (never stored)

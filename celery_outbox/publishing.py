@@ -1,18 +1,20 @@
-"""The publisher: publishes what a unit of work committed, and stores and forwards a durable
-message sent outside one.
+"""The publisher: stores durable messages in a unit of work's transaction, publishes what it
+committed, and stores and forwards a durable message sent outside one.
 
-Transaction boundary: after the commit, the durable rows are taken (locked and marked sent)
-with one UPDATE that opens a transaction of its own (in one round trip on PostgreSQL), every
-captured message is published in call order with one producer (``broker.Outlet``), and the
-marks commit (the consuming inbox deletes the rows when it has the message; redelivery
-publishes them again if it never does); with delivery tracking off, one DELETE takes them
-instead. Outside a unit of work, a durable message is stored in a
-transaction of its own (on PostgreSQL its BEGIN, INSERT and COMMIT in one round trip), then
-published.
+Transaction boundary: a durable message the commit publishes at once is stored marked sent, in
+the unit of work's transaction; after the commit, every captured message is published in call
+order with one producer (``broker.Outlet``), with no round trip to the store unless a publish
+failed (its row is then unmarked, for the relay). The consuming inbox deletes a sent row when it
+has the message; redelivery publishes it again if it never does, which also covers a process
+that died between the commit and the publish. With an archive, the rows are instead taken
+(locked and marked sent) after the commit by one UPDATE that opens a transaction of its own, and
+the marks commit with the records of the sends; with delivery tracking off, one DELETE takes
+them. Outside a unit of work, a durable message is stored in a transaction of its own (on
+PostgreSQL its BEGIN, INSERT and COMMIT in one round trip), then published.
 
 Guarantee: never raises for a broker error once the commit happened; a durable message whose
-publish fails stays in the outgoing table for the relay, so it is delayed, never lost.
-"""
+publish fails stays in the outgoing table for the relay, and one whose publish never happened
+for redelivery, so it is delayed, never lost."""
 
 from __future__ import annotations
 
@@ -32,18 +34,9 @@ from .runtime import Runtime
 from .signals import message_published, messages_stored, publish_failed
 from .store import utcnow
 
-__all__ = ["Publisher", "store_durable"]
+__all__ = ["Publisher"]
 
 logger = logging.getLogger("celery_outbox.publishing")
-
-
-def store_durable(store: Any, conn: Any, messages: list[OutgoingMessage], commit: bool = False) -> None:
-    """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids;
-    with ``commit``, the transaction's last statement, which the COMMIT may go with."""
-    with tracing.messages_span(tracing.STORE, messages):
-        ids = store.insert_outgoing(conn, [m.to_row(utcnow()) for m in messages], commit=commit)
-    for message, row_id in zip(messages, ids, strict=True):
-        message.row_id = row_id
 
 
 class Publisher:
@@ -51,6 +44,36 @@ class Publisher:
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
+
+    def store_durable(self, conn: Any, messages: list[OutgoingMessage], commit: bool = False,
+                      mark_sent: bool = True) -> None:
+        """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids;
+        with ``commit``, the transaction's last statement, which the COMMIT may go with.
+
+        With ``mark_sent``, delivery tracking on and no archive, a message ``publish_committed``
+        publishes at once (no eta, or one already released) is stored marked sent, its
+        redelivery due as if it had just been published: after the commit the publisher only
+        publishes, with no round trip to the store, and gives a row whose publish failed back to
+        the relay. A commit whose publish never happens (the process died in between) is what a
+        broker that lost the message is to delivery tracking: redelivery sends it once due
+        (``outbox_redeliver_after``), and the relay never sends it meanwhile, so nothing publishes
+        it twice."""
+        settings = self.runtime.settings
+        now = utcnow()
+        release_before = settings.release_before(now)
+        marking = mark_sent and self.runtime.archiver is None and settings.redeliver_after is not None
+        rows = []
+        for message in messages:
+            row = message.to_row(now)
+            message.marked_sent = marking and message.is_due(release_before)
+            row["sent_at"] = now if message.marked_sent else None
+            row["redeliver_at"] = settings.first_redelivery(now, message.deliver_at) if message.marked_sent else None
+            rows.append(row)
+        store = self.runtime.store
+        with tracing.messages_span(tracing.STORE, messages):
+            ids = store.insert_outgoing(conn, rows, commit=commit)
+        for message, row_id in zip(messages, ids, strict=True):
+            message.row_id = row_id
 
     def store_and_forward(self, messages: list[OutgoingMessage], producer: Any = None) -> None:
         """Outside a unit of work (or for what survives its rollback): store durable messages in their
@@ -61,21 +84,23 @@ class Publisher:
         if durable:
             store = self.runtime.ready().store
             with store.begin() as conn:  # on PostgreSQL, BEGIN, the INSERT and the COMMIT in one round trip
-                store_durable(store, conn, durable, commit=True)
+                self.store_durable(conn, durable, commit=True)
             crashpoint("after_commit")
         self.publish_committed(messages, producer)
 
     def publish_committed(self, messages: list[OutgoingMessage], producer: Any = None) -> None:
-        """Publish in call order with one producer (``producer``, or one from the app's pool);
-        durable rows are taken in one statement.
+        """Publish in call order with one producer (``producer``, or one from the app's pool).
 
-        In one transaction: the durable rows are locked (``SKIP LOCKED``: a relay running
-        at the same moment never sends them too) and marked sent; then published; a row
-        whose publish failed is unmarked, for the relay. With delivery tracking off they
-        are deleted instead (see ``_publish_deleting``). With an archive, each send is
-        recorded in the same transaction. A crash before the commit rolls the marks back:
-        the relay sends those rows. Never raises for a broker error: the commit already
-        happened.
+        Durable rows stored marked sent (``store_durable``) are only published: no round trip
+        to the store; a row whose publish failed is unmarked afterwards, in a transaction of its
+        own, for the relay (should that fail too, its redelivery sends it). Other durable rows
+        (with an archive, or stored by a caller that did not mark them) are taken in one
+        transaction: locked (``SKIP LOCKED``: a relay running at the same moment never sends them
+        too) and marked sent; then published; a row whose publish failed is unmarked, for the
+        relay; with an archive, each send is recorded in the same transaction. A crash before its
+        commit rolls the marks back: the relay sends those rows. With delivery tracking off the
+        rows are deleted instead (see ``_publish_deleting``). Never raises for a broker error:
+        the commit already happened.
 
         A durable message with an eta goes out now, eta kept, when ``release_before`` (the
         relay's rule too) releases it, and its redelivery counts from its eta; a later one waits
@@ -91,27 +116,32 @@ class Publisher:
                 messages_stored.send(sender=self.runtime.owner, messages=stored)
         settings = self.runtime.settings
         release_before = settings.release_before(now)
-        held = [m for m in messages if m.durable and not m.is_due(release_before)]  # wait in the store
+        # wait in the store (one stored marked sent was due when it was stored)
+        held = [m for m in messages if m.durable and not m.marked_sent and not m.is_due(release_before)]
         if any(m.sent_event is not None for m in held):
             with self.runtime.app.producer_or_acquire(producer) as event_producer:
                 for message in held:
                     self._send_event(message, event_producer, broker_down=False)
-        messages = [m for m in messages if not m.durable or m.is_due(release_before)]
-        durable_ids = [m.row_id for m in messages if m.durable and m.row_id is not None]
-        if not durable_ids:
-            self._publish_all(messages, set(), producer)
+        messages = [m for m in messages if not m.durable or m.marked_sent or m.is_due(release_before)]
+        marked = {m.row_id for m in messages if m.durable and m.marked_sent and m.row_id is not None}
+        to_take = [m.row_id for m in messages if m.durable and not m.marked_sent and m.row_id is not None]
+        if not to_take:
+            sent = self._publish_all(messages, marked, producer)
+            crashpoint("after_publish")
+            self._give_back(sorted(marked.difference(sent)))
             return
         store = self.runtime.store
         redeliver_at = settings.first_redelivery(now)
         try:
             if redeliver_at is None:
-                self._publish_deleting(messages, durable_ids, now, producer)
+                self._publish_deleting(messages, to_take, now, producer)
                 return
-            with store.taking_outgoing(durable_ids, now, redeliver_at) as (conn, taken):
+            with store.taking_outgoing(to_take, now, redeliver_at) as (conn, taken):
                 owned = set(taken)
                 store.postpone_redelivery(conn, [
                     {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
                     for m in messages if m.row_id in owned and m.deliver_at is not None and m.deliver_at > now])
+                owned |= marked
                 sent = self._publish_all(messages, owned, producer)
                 crashpoint("after_publish")
                 if sent and self.runtime.archiver is not None:
@@ -119,6 +149,20 @@ class Publisher:
                 store.unmark_sent(conn, sorted(owned.difference(sent)))
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
+
+    def _give_back(self, ids: list[int]) -> None:
+        """Rows stored marked sent whose publish failed: unsent again, in a transaction of their
+        own, so the relay sends them at its next pass. If the store is down too, they stay
+        marked and their redelivery sends them."""
+        if not ids:
+            return
+        store = self.runtime.store
+        try:
+            with store.begin(durable=False) as conn:  # lost in a crash, the rows wait for their redelivery
+                store.unmark_sent(conn, ids)
+        except Exception as exc:  # noqa: BLE001 - the rows stay marked; the caller's commit stands
+            logger.error("celery-outbox: could not give %d unpublished messages back to the relay "
+                         "(their redelivery sends them): %s", len(ids), exc)
 
     def _publish_deleting(self, messages: list[OutgoingMessage], durable_ids: list[int], now: datetime,
                           producer: Any) -> None:

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
 from .errors import OutboxError, StoreUnavailable
-from .publishing import Publisher, store_durable
+from .publishing import Publisher
 from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions
 from .store.outage import as_driver_error
 
@@ -146,7 +146,7 @@ class UnitOfWork:
         crashpoint("before_commit")
         durable = [m for m in self.pending if m.durable and m.row_id is None]
         if durable:
-            store_durable(self.publisher.runtime.store, connection, durable, commit)
+            self.publisher.store_durable(connection, durable, commit)
         self._committing = True
 
     def _publish_committed(self) -> None:

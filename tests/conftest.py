@@ -85,11 +85,17 @@ def store(database_url, table_prefix):
 def unsent_rows(store: Store) -> int:
     """Count outgoing rows still to be published (not yet sent), from a connection outside any
     transaction of the store (no lock taken)."""
+    return outgoing_rows(store)[1]
+
+
+def outgoing_rows(store: Store) -> tuple[int, int]:
+    """Count the outgoing rows, and those still to be published (not yet sent), from a connection
+    outside any transaction of the store (no lock taken)."""
     connection = store.engine.raw_connection()
     try:
         cursor = connection.cursor()
-        cursor.execute(f"SELECT count(*) FROM {store.tables.outgoing.name} WHERE sent_at IS NULL")
-        return cursor.fetchone()[0]
+        cursor.execute(f"SELECT count(*), count(*) - count(sent_at) FROM {store.tables.outgoing.name}")
+        return tuple(cursor.fetchone())
     finally:
         connection.rollback()
         connection.close()

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from ..envelope import OutgoingMessage
-from ..publishing import Publisher, store_durable
+from ..publishing import Publisher
 from ..store import Store
 from .engine import django_engine
 
@@ -54,7 +54,7 @@ class DjangoTransaction:
         durable = [m for m in joined if m.durable]
         if durable:
             with self.store.engine.connect() as conn:  # Django's connection, in its open transaction
-                store_durable(self.store, conn, durable)
+                self.publisher.store_durable(conn, durable)
         if not joined:
             return
         connection = connections[self.using]

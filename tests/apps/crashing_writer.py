@@ -13,7 +13,8 @@ from celery_outbox import Outbox
 
 def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: str, tracking: str = "on",
          unit: str = "session") -> None:
-    """``tracking`` "off": delivery tracking off (``outbox_redeliver_after = None``); ``unit``
+    """``tracking`` "off": delivery tracking off (``outbox_redeliver_after = None``), else on,
+    redelivery after one second; ``unit``
     "connection": the unit of work is ``outbox.begin()``, else ``outbox.transaction()``."""
     app = Celery("crashing_writer", broker=broker_url, set_as_current=False)
     app.conf.update(
@@ -22,8 +23,7 @@ def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: s
         outbox_durable_queues=[durable_queue],
         task_routes={"shop.durable": {"queue": durable_queue}},
     )
-    if tracking == "off":
-        app.conf.outbox_redeliver_after = None
+    app.conf.outbox_redeliver_after = None if tracking == "off" else 1.0
     outbox = Outbox(app)
     outbox.ready()
     task_id = "crash-" + __import__("uuid").uuid4().hex

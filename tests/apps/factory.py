@@ -48,17 +48,22 @@ def make_shop(broker_url: str, database_url: str, table_prefix: str, **conf: Any
 
 
 def strand(shop: Shop, *args: Any, **options: Any) -> list[Any]:
-    """Send durable messages as if the process died right after the commit: the rows stay in the
-    outgoing table and nothing is published."""
+    """Send durable messages as if their publish after the commit had failed: the rows wait,
+    unsent, in the outgoing table for the relay, and nothing is published."""
     return stranded(shop, lambda: [shop.durable.apply_async((arg,), **options) for arg in args])
 
 
 def stranded(shop: Shop, send: Callable[[], Any]) -> Any:
-    """What ``send()`` sends in a unit of work, stored as if the process died right after the
-    commit (``strand``: nothing is published); what ``send`` returned."""
+    """What ``send()`` sends in a unit of work, stored unsent and left for the relay, as a publish
+    that failed after the commit leaves it (``strand``: nothing is published); what ``send``
+    returned."""
     import pytest
 
+    publisher = shop.outbox.publisher
+    store_durable = publisher.store_durable
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(shop.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
+        patch.setattr(publisher, "store_durable", lambda conn, messages, commit=False, mark_sent=True:
+                      store_durable(conn, messages, commit, mark_sent=False))
+        patch.setattr(publisher, "publish_committed", lambda messages, producer=None: None)
         with shop.outbox.transaction():
             return send()

@@ -17,8 +17,8 @@ from celery_outbox.signals import message_published
 
 from ..apps.factory import make_shop
 from ..brokers import nothing_more, purge, receive, receive_until_marker
-from ..conftest import drop_store, unsent_rows
-from ..services import require
+from ..conftest import drop_store, outgoing_rows, unsent_rows
+from ..services import require, wait_until
 from ..throwaway import ThrowawayRedis
 
 ROOT = Path(__file__).parents[2]
@@ -89,20 +89,20 @@ def test_order_is_kept(shop, unit_of_work):
     assert [m.id for m in receive(shop.app, shop.durable_queue, 30)] == durable_ids
 
 
-def test_durable_row_exists_until_the_publish_and_is_gone_after(shop, unit_of_work):
+def test_durable_row_is_stored_marked_sent_and_published_after_the_commit(shop, unit_of_work):
     rows_when_published = []
 
     def on_published(sender, message, relayed, **_):
-        rows_when_published.append(unsent_rows(shop.outbox.store))
+        rows_when_published.append(outgoing_rows(shop.outbox.store))
 
     message_published.connect(on_published)
     try:
         with unit_of_work(shop):
             shop.durable.delay(1)
-            assert unsent_rows(shop.outbox.store) == 0, "uncommitted rows are invisible to others"
+            assert outgoing_rows(shop.outbox.store) == (0, 0), "uncommitted rows are invisible to others"
     finally:
         message_published.disconnect(on_published)
-    assert rows_when_published == [1]
+    assert rows_when_published == [(1, 0)], "committed, marked sent: the relay leaves it to the publisher"
     assert unsent_rows(shop.outbox.store) == 0
     assert len(receive(shop.app, shop.durable_queue, 1)) == 1
 
@@ -215,27 +215,36 @@ def run_writer(broker_url, database_url, table_prefix, crashpoint, durable_queue
 
 @pytest.mark.parametrize(("crashpoint", "tracking", "unit"), [
     ("after_commit", "on", "session"), ("after_publish", "on", "session"), ("after_publish", "off", "session"),
-    ("after_commit", "on", "connection"), ("after_publish", "on", "connection"),
-], ids=["after_commit", "after_publish", "after_publish-tracking-off", "after_commit-begin", "after_publish-begin"])
+    ("after_commit", "on", "connection"), ("after_publish", "on", "connection"), ("after_commit", "off", "session"),
+], ids=["after_commit", "after_publish", "after_publish-tracking-off", "after_commit-begin", "after_publish-begin",
+        "after_commit-tracking-off"])
 def test_process_dying_after_commit_loses_nothing(shop, crashpoint, tracking, unit):
     """The writer (its unit of work ``outbox.transaction()``, or ``outbox.begin()``) exits with
-    os._exit right after the commit (nothing published) or right after the publish (the marks,
-    or with delivery tracking off the DELETE, not committed): the relay delivers what is
-    missing; nothing is lost."""
+    os._exit right after the commit (nothing published) or right after the publish (with delivery
+    tracking off, the DELETE not committed). With delivery tracking the row was stored marked
+    sent: the relay leaves it, and redelivery publishes it once due (the writer's
+    ``outbox_redeliver_after`` is one second), as for a message the broker lost; without
+    tracking the relay delivers it. Nothing is lost."""
     done = run_writer(shop.app.conf.broker_url, shop.outbox.store.engine.url.render_as_string(False),
                       shop.outbox.settings.table_prefix, crashpoint, shop.durable_queue, tracking, unit)
     assert done.returncode == EXIT_CODE, done.stderr
     message_id = done.stdout.strip().splitlines()[-1]
-    assert unsent_rows(shop.outbox.store) == 1, "the committed row survived the crash"
-    relayed = shop.outbox.relay()
-    assert relayed.published == 1
+    store = shop.outbox.store
+    if tracking == "on":
+        assert (store.count_outgoing(), unsent_rows(store)) == (1, 0), "the committed row survived, marked sent"
+        assert shop.outbox.relay().published == 0, "the relay leaves a row marked sent"
+        wait_until(lambda: shop.outbox.recover().redelivered == 1, timeout=30,
+                   message="redelivery to publish the row once due")
+    else:
+        assert unsent_rows(store) == 1, "the committed row survived the crash"
+        assert shop.outbox.relay().published == 1
     received = receive(shop.app, shop.durable_queue, 1)
     received += receive_until_marker(shop.app, shop.durable_queue, f"marker-{message_id}")
     # after_publish: the writer's own publish arrives too, unless the broker dropped it with the
     # connection the dying process reset (RabbitMQ without publisher confirms may)
     assert 1 <= len(received) <= (1 if crashpoint == "after_commit" else 2), received
     assert {m.id for m in received} == {message_id}, "delivered; after_publish may deliver a copy"
-    assert unsent_rows(shop.outbox.store) == 0
+    assert unsent_rows(store) == 0
 
 
 @pytest.mark.parametrize("redeliver_after", [600.0, None], ids=["tracked", "tracking-off"])
@@ -308,8 +317,8 @@ def test_with_delivery_tracking_off_a_failed_publish_keeps_only_its_row(broker_u
 
 def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_url, table_prefix):
     """On PostgreSQL ``outbox.begin()`` sends the durable messages' INSERT and the COMMIT in one
-    round trip, then gives its connection back: the publisher takes the rows on that same
-    connection (a pool of one is enough), in the next round trip."""
+    round trip, the rows stored marked sent: after it, the publisher only publishes, with no
+    round trip to the store (a pool of one is enough)."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no round trips")
     from sqlalchemy import text
@@ -329,10 +338,9 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
             trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()[warm:]]
         finally:
             trace.close()
-        begin, select_one, insert, take, commit = trips
-        assert (begin, select_one, commit) == (['"BEGIN"'], ['"SELECT 1"'], ['"COMMIT"']), trips
+        begin, select_one, insert = trips
+        assert (begin, select_one) == (['"BEGIN"'], ['"SELECT 1"']), trips
         assert insert[0].startswith("EXECUTE celery_outbox_insert_outgoing_") and insert[1:] == ["COMMIT"], trips
-        assert take[-1].startswith("EXECUTE celery_outbox_take_outgoing_"), trips
         assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 1]
         assert unsent_rows(shop.outbox.store) == 0
 

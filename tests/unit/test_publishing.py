@@ -17,7 +17,7 @@ from celery_outbox.signals import message_published, publish_failed
 
 from ..apps.factory import make_shop
 from ..brokers import nothing_more, receive, receive_until_marker
-from ..conftest import unsent_rows
+from ..conftest import outgoing_rows, unsent_rows
 
 
 @pytest.fixture
@@ -58,11 +58,11 @@ def test_messages_are_published_in_call_order(shop):
     assert [m.id for m in receive(shop.app, shop.plain_queue, 20)] == ids
 
 
-def test_durable_row_is_stored_in_the_transaction_and_marked_sent_after_the_publish(shop):
+def test_durable_row_is_stored_marked_sent_in_the_transaction_and_published_after_it(shop):
     rows_at_publish = []
 
     def on_published(sender, message, relayed, **_):
-        rows_at_publish.append(unsent_rows(shop.outbox.store))
+        rows_at_publish.append(outgoing_rows(shop.outbox.store))
 
     message_published.connect(on_published)
     try:
@@ -72,12 +72,12 @@ def test_durable_row_is_stored_in_the_transaction_and_marked_sent_after_the_publ
         assert unsent_rows(shop.outbox.store) == 0
     finally:
         message_published.disconnect(on_published)
-    assert rows_at_publish == [1], "the row exists while the message is published"
+    assert rows_at_publish == [(1, 0)], "the row exists, marked sent, while the message is published"
     (message,) = receive(shop.app, shop.durable_queue, 1)
     assert (message.id, message.args, message.task) == (result.id, [5], "shop.durable")
 
 
-def test_durable_rows_are_inserted_with_one_statement_per_flush(shop):
+def test_durable_rows_are_inserted_marked_sent_with_one_statement_and_none_after_the_commit(shop):
     from ..integration.test_store_contract import StatementLog
 
     log = StatementLog(shop.outbox.engine)
@@ -88,7 +88,7 @@ def test_durable_rows_are_inserted_with_one_statement_per_flush(shop):
     finally:
         log.close()
     assert len([s for s in log.of("INSERT") if "outgoing" in s]) == 1
-    assert len([s for s in log.of("UPDATE") if "outgoing" in s]) == 1, "all 25 marked sent in one statement"
+    assert [s for s in log.of("UPDATE") if "outgoing" in s] == [], "stored marked sent: no statement after the commit"
     assert [m.args for m in receive(shop.app, shop.durable_queue, 25)] == [[n] for n in range(25)]
 
 

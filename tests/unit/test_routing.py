@@ -154,7 +154,7 @@ def test_a_message_routed_to_a_durable_queue_is_stored_outside_a_unit_of_work(sq
     routes = make_routes(sqlite_url, table_prefix)
     monkeypatch.setattr(routes.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
     _send(routes, way)
-    assert unsent_rows(routes.outbox.store) == 1
+    assert routes.outbox.store.count_outgoing() == 1
     assert _destinations(routes) == [routes.names[WAYS[way]]]
 
 
