@@ -5,15 +5,15 @@ Three ways to send the same N task messages, in one process, on the same broker:
 * plain Celery: N ``apply_async`` calls, no unit of work;
 * in-memory unit of work: ``with outbox.transaction():`` around the N calls, to a plain
   queue: captured, then published after the commit with one producer;
-* durable: the same to a durable queue: one INSERT of the N rows in the transaction,
-  then one UPDATE taking them (locked, marked sent) and the publish.
+* durable: the same to a durable queue: one INSERT of the N rows, marked sent, in the
+  transaction, then the publish.
 
 Messages per second for N = 1, 10 and 100, on Redis and RabbitMQ; nobody consumes
 (the queues are deleted afterwards).
 
 For N = 100 one more row measures the durable unit's floor: the in-memory unit of work, each
-time followed by the durable path's database statements (the INSERT of the N rows and its
-commit, then the statement taking them for the publish and its commit) on rows built once, in
+time followed by the durable path's database statements (the INSERT of the N rows, marked sent,
+and its commit) on rows built once, in
 the same loop (the statements' time alone is in its note). Where each publish goes out at once
 (RabbitMQ), no implementation that stores the messages in the unit's transaction is faster than
 that: it pays the in-memory unit's publishes and the statements, and right after the publishes
@@ -22,8 +22,8 @@ publishes are pipelined (Redis), the durable path's batch publish beats the in-m
 one-by-one publishes, and so that row: there it is no floor, and the durable row does not carry it.
 
 For N = 100, the durable unit and its floor again with delivery tracking off
-(``outbox_redeliver_after = None``): one DELETE takes the rows before the publish instead of the
-UPDATE marking them sent: one INSERT, one DELETE.
+(``outbox_redeliver_after = None``): the rows are inserted unsent and one DELETE takes them
+before the publish: one INSERT, one DELETE.
 
 Then the realistic rows (``producer_row``): a unit of work that also writes one row of the
 user's data, N = 1 and 10, against plain Celery writing it on its own engine, committing, then
@@ -41,7 +41,6 @@ from typing import Any, Callable
 from celery import Celery
 
 from celery_outbox import Outbox
-from celery_outbox.store import utcnow
 
 from . import producer_row
 from .common import (
@@ -98,23 +97,19 @@ def send(task: Any, units: int, n: int, outbox: Outbox | None) -> None:
 
 
 def durable_statements(outbox: Outbox, durable: Any, n: int) -> Callable[[], None]:
-    """One unit of work's durable statements on N rows built once: the INSERT and its commit, then
-    what the publisher runs around the publish and its commit (the UPDATE taking the rows, in the
-    message that opens its transaction; without delivery tracking, the DELETE taking them)."""
-    store, settings = outbox.store, outbox.settings
-    insert, given = producer_row.captured_rows(outbox, durable, n)
+    """One unit of work's durable statements on N rows built once: the INSERT (of rows marked sent,
+    with delivery tracking) and its commit; without delivery tracking, then the DELETE taking them
+    for the publish, and its commit."""
+    store = outbox.store
+    tracking = outbox.settings.redeliver_after is not None
+    insert, given = producer_row.captured_rows(outbox, durable, n, marked_sent=tracking)
 
     def run() -> None:
         with store.begin() as conn:
             ids = list(conn.execute(insert, given).scalars())
-        now = utcnow()
-        redeliver_at = settings.first_redelivery(now)
-        if redeliver_at is None:
+        if not tracking:
             with store.begin(durable=False) as conn:
                 store.take_outgoing_to_delete(conn, ids)
-        else:
-            with store.taking_outgoing(ids, now, redeliver_at):
-                pass
 
     return run
 

@@ -1,38 +1,26 @@
 """Producer, the realistic row: one unit of work writes one row of the user's data and sends N
 messages (N = 1 and 10), vs plain Celery doing the same write, committing, then ``apply_async``.
 
-Six ways, on the same broker and the same PostgreSQL, taking turns in rounds (``in_rounds``):
+Five ways, on the same broker and the same PostgreSQL, taking turns in rounds (``in_rounds``):
 
 * plain Celery: the row written on a plain SQLAlchemy engine (``with engine.begin() as conn:``),
   committed, then N ``apply_async``;
 * in-memory: ``with outbox.begin() as conn:`` (the same Core connection API) the row written
   through ``conn`` and N ``apply_async`` to a plain queue, published after the commit;
-* durable: the same to a durable queue: the messages' rows are inserted in the transaction, by
-  its last statement, which goes with the COMMIT in one round trip; after the commit one UPDATE
-  takes them (locked, marked sent), they are published, and that transaction commits (not
-  waiting for the WAL flush);
+* durable: the same to a durable queue: the messages' rows are inserted marked sent in the
+  transaction, by its last statement, which goes with the COMMIT in one round trip; after the
+  commit they are published, with no round trip to the store;
 * durable through a Session: the same in ``with outbox.transaction() as session:``, the row
   written through ``session`` (the ORM Session's own cost, and the INSERT and the COMMIT in
   round trips of their own);
 * the durable unit's floor, by hand, with no library code: plain Celery's unit with the messages'
-  rows (built once) inserted in its transaction by one more statement, sent with the COMMIT in
-  one network message (psycopg's pipeline mode), then, after the ``apply_async`` calls, one
-  UPDATE marking them sent on a connection of its own in autocommit mode that does not wait for
-  the WAL flush. No implementation that stores the messages in the
-  user's transaction and keeps the library's guarantee for a crash between the commit and the
-  publish (the rows go out at the relay's next pass) does less: one more statement in the
-  transaction (the library's INSERT of rows as one JSON text, made once here), one after the
-  publish, which tells the relay the rows are sent. (It takes no
-  lock before the publish, as the library does: a relay running at that moment may publish a row
-  too, and the consumer's inbox discards the copy.) Where publishes are pipelined (Redis) and
-  N > 1, the durable path sends its publishes in one pipeline where the floor's ``apply_async``
-  calls go one by one: there the floor is not the least, and the durable row does not carry it;
-* the least a design that gives up that guarantee can do (``PreMarkedFloor``), by hand: the rows
-  are inserted already marked sent, their redelivery due after ``outbox_redeliver_after``, and the
-  INSERT goes to the server in one network message with the COMMIT; nothing follows the publish.
-  A crash between the commit and the publish then delays the messages until their redelivery
-  (ten minutes by default) instead of the relay's next pass. No target: it shows what trading
-  that guarantee would buy.
+  rows (built once, marked sent) inserted in its transaction by one more statement, sent with
+  the COMMIT in one network message (psycopg's pipeline mode), then the ``apply_async`` calls.
+  No implementation that stores the messages in the user's transaction does less: one more
+  statement in the transaction (the library's INSERT of rows as one JSON text, made once here).
+  Where publishes are pipelined (Redis) and N > 1, the durable path sends its publishes in one
+  pipeline where the floor's ``apply_async`` calls go one by one: there the floor is not the
+  least, and the durable row does not carry it.
 
 The user's table (``<prefix>orders``) is the benchmark's own, on the outboxes' PostgreSQL. The
 target, at N = 1: 0.9 of plain Celery. After the rounds, the durable row's note says what its
@@ -59,14 +47,10 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
-    any_,
-    bindparam,
     create_engine,
     event,
     insert,
-    update,
 )
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Engine
 
 from celery_outbox import Outbox
@@ -87,7 +71,7 @@ UNITS = {1: 600, 10: 200}
 # Units of work of the pass that counts and times what one of them spends (N = 1)
 SPENT_UNITS = 300
 TARGET = 0.9
-WAYS = ("plain", "in-memory", "durable", "durable, Session", "floor", "pre-marked floor")
+WAYS = ("plain", "in-memory", "durable", "durable, Session", "floor")
 
 
 def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = False) -> tuple[Any, dict[str, str]]:
@@ -153,50 +137,7 @@ class Orders:
 
 class Floor:
     """The durable unit of work by hand: plain Celery's unit, with the N messages' rows (built
-    once) inserted in its transaction, that INSERT and the COMMIT sent in one network message
-    (psycopg's pipeline mode), then one UPDATE marking them sent after the publishes, in
-    autocommit mode, not waiting for the WAL flush (on an engine of its own: the setting stays
-    with its connection)."""
-
-    def __init__(self, orders: Orders, durable: Any, n: int):
-        outbox = orders.outbox
-        outgoing = outbox.store.tables.outgoing
-        self.orders, self.settings = orders, outbox.settings
-        # the statement the library inserts with, on a JSON text of the rows made once
-        insert, given = captured_rows(outbox, durable, n)
-        compiled = insert.compile(dialect=orders.engine.dialect)
-        self.statement, self.values = compiled.string, {**compiled.params, **given}
-        self.mark = update(outgoing).where(outgoing.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))) \
-            .values(sent_at=bindparam("now"), redeliver_at=bindparam("redeliver_at"))
-        self.engine = create_engine(POSTGRES_URL, pool_size=1, isolation_level="AUTOCOMMIT")
-        self.marker = self.engine.connect()
-        self.marker.exec_driver_sql("SET synchronous_commit TO OFF")
-
-    def send(self, task: Any, units: int, n: int) -> None:
-        orders = self.orders
-        for _ in range(units):
-            with orders.engine.begin() as conn:
-                conn.execute(orders.write)
-                driver = conn.connection.driver_connection
-                with driver.pipeline():  # the INSERT and the COMMIT in one network message
-                    inserted = driver.execute(self.statement, self.values)
-                    driver.commit()  # SQLAlchemy's COMMIT that follows finds no transaction: psycopg sends none
-                ids = [row[0] for row in inserted.fetchall()]
-            for i in range(n):
-                task.apply_async((i,))
-            now = utcnow()
-            redeliver_at = self.settings.first_redelivery(now)
-            self.marker.execute(self.mark, {"ids": ids, "now": now, "redeliver_at": redeliver_at})
-
-    def close(self) -> None:
-        self.marker.close()
-        self.engine.dispose()
-
-
-class PreMarkedFloor:
-    """The least a design that gives up the prompt relay of a crash between the commit and the
-    publish can do, by hand: plain Celery's unit, with the N messages' rows (built once) inserted
-    already marked sent, that INSERT and the COMMIT sent in one network message (psycopg's
+    once) inserted marked sent, that INSERT and the COMMIT sent in one network message (psycopg's
     pipeline mode), then the ``apply_async`` calls; nothing after them."""
 
     def __init__(self, orders: Orders, durable: Any, n: int):
@@ -226,17 +167,13 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
     results = []
     try:
         for n in BATCHES:
-            floor, pre_marked = Floor(orders, durable, n), PreMarkedFloor(orders, durable, n)
-            try:
-                units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS, 1)
-                ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
-                        partial(orders.ours, durable, in_a_session=True), partial(floor.send, plain),
-                        partial(pre_marked.send, plain)]
-                for way in ways:  # warm: statements compiled, connections made
-                    way(1, n)
-                rounds = in_rounds(repeats, *(partial(rate, units * n, partial(way, units, n)) for way in ways))
-            finally:
-                floor.close()
+            floor = Floor(orders, durable, n)
+            units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS, 1)
+            ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
+                    partial(orders.ours, durable, in_a_session=True), partial(floor.send, plain)]
+            for way in ways:  # warm: statements compiled, connections made
+                way(1, n)
+            rounds = in_rounds(repeats, *(partial(rate, units * n, partial(way, units, n)) for way in ways))
             for each in rounds:
                 print(f"  producer {broker} N={n} writing one row: " + ", ".join(
                     f"{way} {value:.0f}/s" for way, value in zip(WAYS, each, strict=True)), file=sys.stderr)
@@ -252,12 +189,8 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
                 Result.of_rounds("producer", f"{case}, durable, through a Session (outbox.transaction())", "msg/s",
                                  [(r[3], r[0], r[4] if floored else None) for r in rounds]),
                 Result.of_rounds("producer", f"{broker}, N={n} writing one row, floor: its transaction inserting the "
-                                 "messages' rows by hand, one UPDATE after the publish", "msg/s",
+                                 "messages' rows by hand, marked sent, with the COMMIT in one message", "msg/s",
                                  [(r[4], r[0], None) for r in rounds]),
-                Result.of_rounds("producer", f"{broker}, N={n} writing one row, floor of a design giving up the prompt "
-                                 "relay after a crash between commit and publish: the rows inserted marked sent, with "
-                                 "the COMMIT in one message, nothing after the publish", "msg/s",
-                                 [(r[5], r[0], None) for r in rounds]),
             ]
     finally:
         orders.close()
@@ -401,9 +334,9 @@ def what_it_spends(orders: Orders, plain: Any, durable: Any, units: int) -> str:
     ms = {key: value / units * 1e3 for key, value in spent.items()}
     plain_ms = {key: value / units * 1e3 for key, value in plain_spent.items()}
     return (f"round trips to PostgreSQL per unit of work: {', '.join(ours_before)}, then after the commit "
-            f"{', '.join(ours_after)} (plain Celery's: {', '.join(plain_trips)}); ms per unit of work: ours "
+            f"{', '.join(ours_after) or 'none'} (plain Celery's: {', '.join(plain_trips)}); ms per unit of work: ours "
             f"{ms['unit']:.2f}, plain Celery's {plain_ms['unit']:.2f} (its transaction {plain_ms['transaction']:.2f}, "
             f"apply_async {plain_ms['unit'] - plain_ms['transaction']:.2f}); of ours, after the commit "
-            f"{ms['after the commit']:.2f} (the UPDATE taking the row {ms['message UPDATE']:.2f}, the publish "
-            f"{ms['publish']:.2f}), the message row's INSERT sent with the COMMIT {ms['INSERT']:.2f}; the unit of "
+            f"{ms['after the commit']:.2f} (the publish {ms['publish']:.2f}), the message row's INSERT sent with "
+            f"the COMMIT {ms['INSERT']:.2f}; the unit of "
             f"work writing its row and sending nothing {plain_ms['no message']:.2f}")

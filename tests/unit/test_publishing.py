@@ -7,13 +7,16 @@ tests/integration/test_outbox_publishing.py.
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 
 import pytest
 from celery import chain, chord, group
 from kombu.messaging import Producer
-from sqlalchemy import text
+from sqlalchemy import text, update
 
+from celery_outbox.errors import StoreUnavailable
 from celery_outbox.signals import message_published, publish_failed
+from celery_outbox.store import utcnow
 
 from ..apps.factory import make_shop
 from ..brokers import nothing_more, receive, receive_until_marker
@@ -268,6 +271,32 @@ def test_failed_publish_after_commit_keeps_the_row_and_the_relay_sends_it(shop, 
         publish_failed.disconnect(on_failed)
     assert relayed.published == 1 and relayed.broker_error is None
     assert unsent_rows(shop.outbox.store) == 0
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args) == (result.id, [9])
+
+
+def test_a_failed_publish_whose_row_cannot_be_given_back_waits_for_its_redelivery(shop, monkeypatch, caplog):
+    """The broker refuses the publish after the commit, and the store refuses to unmark the row:
+    the commit stands, the row stays marked sent (the relay leaves it), and redelivery publishes
+    it once due."""
+    store = shop.outbox.store
+
+    def store_down(*args, **kwargs):
+        raise StoreUnavailable("cannot use the message store: the test took it down")
+
+    with monkeypatch.context() as patch:
+        _failing_publish(patch)
+        patch.setattr(type(store), "unmark_sent", store_down)
+        with shop.outbox.transaction():
+            result = shop.durable.delay(9)
+    assert "could not give 1 unpublished messages back to the relay" in caplog.text
+    assert outgoing_rows(store) == (1, 0), "stored marked sent, and still so"
+    assert shop.outbox.relay().published == 0, "the relay leaves a row marked sent"
+    assert shop.outbox.recover().redelivered == 0, "not due yet"
+    table = store.tables.outgoing
+    with store.begin() as conn:  # its redelivery falls due
+        conn.execute(update(table).values(redeliver_at=utcnow() - timedelta(seconds=1)))
+    assert shop.outbox.recover().redelivered == 1
     (message,) = receive(shop.app, shop.durable_queue, 1)
     assert (message.id, message.args) == (result.id, [9])
 
