@@ -45,12 +45,11 @@ class Publisher:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
 
-    def store_durable(self, conn: Any, messages: list[OutgoingMessage], commit: bool = False,
-                      mark_sent: bool = True) -> None:
+    def store_durable(self, conn: Any, messages: list[OutgoingMessage], commit: bool = False) -> None:
         """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids;
         with ``commit``, the transaction's last statement, which the COMMIT may go with.
 
-        With ``mark_sent``, delivery tracking on and no archive, a message ``publish_committed``
+        With delivery tracking on and no archive, a message ``publish_committed``
         publishes at once (no eta, or one already released) is stored marked sent, its
         redelivery due as if it had just been published: after the commit the publisher only
         publishes, with no round trip to the store, and gives a row whose publish failed back to
@@ -61,7 +60,7 @@ class Publisher:
         settings = self.runtime.settings
         now = utcnow()
         release_before = settings.release_before(now)
-        marking = mark_sent and self.runtime.archiver is None and settings.redeliver_after is not None
+        marking = self.runtime.archiver is None and settings.redeliver_after is not None
         rows = []
         for message in messages:
             row = message.to_row(now)
@@ -94,7 +93,7 @@ class Publisher:
         Durable rows stored marked sent (``store_durable``) are only published: no round trip
         to the store; a row whose publish failed is unmarked afterwards, in a transaction of its
         own, for the relay (should that fail too, its redelivery sends it). Other durable rows
-        (with an archive, or stored by a caller that did not mark them) are taken in one
+        (with an archive) are taken in one
         transaction: locked (``SKIP LOCKED``: a relay running at the same moment never sends them
         too) and marked sent; then published; a row whose publish failed is unmarked, for the
         relay; with an archive, each send is recorded in the same transaction. A crash before its
@@ -127,8 +126,9 @@ class Publisher:
         to_take = [m.row_id for m in messages if m.durable and not m.marked_sent and m.row_id is not None]
         if not to_take:
             sent = self._publish_all(messages, marked, producer)
-            crashpoint("after_publish")
-            self._give_back(sorted(marked.difference(sent)))
+            if marked:
+                crashpoint("after_publish")
+                self._give_back(sorted(marked.difference(sent)))
             return
         store = self.runtime.store
         redeliver_at = settings.first_redelivery(now)

@@ -60,10 +60,8 @@ def stranded(shop: Shop, send: Callable[[], Any]) -> Any:
     import pytest
 
     publisher = shop.outbox.publisher
-    store_durable = publisher.store_durable
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(publisher, "store_durable", lambda conn, messages, commit=False, mark_sent=True:
-                      store_durable(conn, messages, commit, mark_sent=False))
-        patch.setattr(publisher, "publish_committed", lambda messages, producer=None: None)
+    with pytest.MonkeyPatch.context() as patch:  # what a publish that failed does to its rows
+        patch.setattr(publisher, "publish_committed", lambda messages, producer=None: publisher._give_back(
+            sorted(m.row_id for m in messages if m.marked_sent)))
         with shop.outbox.transaction():
             return send()
