@@ -53,15 +53,22 @@ def strand(shop: Shop, *args: Any, **options: Any) -> list[Any]:
     return stranded(shop, lambda: [shop.durable.apply_async((arg,), **options) for arg in args])
 
 
+def publish_failing(shop: Shop, patch: Any) -> None:
+    """Make the commit-time publisher of ``shop`` (through the monkeypatch ``patch``) do what a
+    publish that failed does: nothing is published, and the rows stored marked sent go back to
+    the relay, unsent."""
+    publisher = shop.outbox.publisher
+    patch.setattr(publisher, "publish_committed", lambda messages, producer=None: publisher._give_back(
+        sorted(m.row_id for m in messages if m.marked_sent)))
+
+
 def stranded(shop: Shop, send: Callable[[], Any]) -> Any:
     """What ``send()`` sends in a unit of work, stored unsent and left for the relay, as a publish
     that failed after the commit leaves it (``strand``: nothing is published); what ``send``
     returned."""
     import pytest
 
-    publisher = shop.outbox.publisher
-    with pytest.MonkeyPatch.context() as patch:  # what a publish that failed does to its rows
-        patch.setattr(publisher, "publish_committed", lambda messages, producer=None: publisher._give_back(
-            sorted(m.row_id for m in messages if m.marked_sent)))
+    with pytest.MonkeyPatch.context() as patch:
+        publish_failing(shop, patch)
         with shop.outbox.transaction():
             return send()

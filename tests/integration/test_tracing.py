@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 from celery_outbox import IdempotentTask, tracing
 
 from .. import traces
-from ..apps.factory import make_shop
+from ..apps.factory import make_shop, publish_failing
 from ..brokers import copy_options, purge, receive
 from ..conftest import drop_store
 from ..services import wait_until
@@ -88,7 +88,7 @@ def test_a_message_published_at_commit_continues_the_callers_trace_to_the_claim_
 
 
 def test_a_message_the_relay_publishes_later_continues_the_callers_trace(shop, spans, monkeypatch):
-    monkeypatch.setattr(shop.outbox.publisher, "publish_committed", lambda messages, producer=None: None)
+    publish_failing(shop, monkeypatch)
     request = send_in_request(shop, spans, "later")
     monkeypatch.undo()
     assert spans.named(tracing.PUBLISH) == [], "held back: nothing published at the commit"
