@@ -92,14 +92,13 @@ class Publisher:
 
         Durable rows stored marked sent (``store_durable``) are only published: no round trip
         to the store; a row whose publish failed is unmarked afterwards, in a transaction of its
-        own, for the relay (should that fail too, its redelivery sends it). Other durable rows
-        (with an archive) are taken in one
-        transaction: locked (``SKIP LOCKED``: a relay running at the same moment never sends them
-        too) and marked sent; then published; a row whose publish failed is unmarked, for the
-        relay; with an archive, each send is recorded in the same transaction. A crash before its
-        commit rolls the marks back: the relay sends those rows. With delivery tracking off the
-        rows are deleted instead (see ``_publish_deleting``). Never raises for a broker error:
-        the commit already happened.
+        own, for the relay (should that fail too, its redelivery sends it). With an archive the
+        durable rows are stored unmarked and taken here, in one transaction: locked (``SKIP
+        LOCKED``: a relay running at the same moment never sends them too) and marked sent; then
+        published; a row whose publish failed is unmarked, for the relay; each send is recorded
+        in the same transaction. A crash before its commit rolls the marks back: the relay sends
+        those rows. With delivery tracking off the rows are deleted instead (see
+        ``_publish_deleting``). Never raises for a broker error: the commit already happened.
 
         A durable message with an eta goes out now, eta kept, when ``release_before`` (the
         relay's rule too) releases it, and its redelivery counts from its eta; a later one waits
