@@ -99,7 +99,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Delivery tracking of durable queues: a sent message stays in the outgoing table until the "
             "consuming inbox has it, and is published again when that has not happened after this many "
             "seconds (doubling each time, up to an hour): a broker that loses a message (a Redis restart, "
-            "a killed worker's prefetched messages) delays it, never loses it. Consumers of durable "
+            "a killed worker's prefetched messages), or a sender that dies between its commit and its "
+            "publish (the rows are stored marked sent, so the commit needs no round trip after it), "
+            "delays it, never loses it. Consumers of durable "
             "queues must share the store. `None` deletes sent rows at once (no tracking)."),
     Setting("relay_batch_size", 500, parse.positive_int,
             "Outgoing rows one relay (or redelivery) batch locks, publishes and marks sent."),
