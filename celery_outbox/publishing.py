@@ -140,6 +140,8 @@ class Publisher:
                 store.postpone_redelivery(conn, [
                     {"id": m.row_id, "redeliver_at": settings.first_redelivery(now, m.deliver_at)}
                     for m in messages if m.row_id in owned and m.deliver_at is not None and m.deliver_at > now])
+                # a message stored not yet due that came due since (its eta passed the release
+                # line meanwhile) is taken here, beside ones stored marked sent in the same unit
                 owned |= marked
                 sent = self._publish_all(messages, owned, producer)
                 crashpoint("after_publish")

@@ -301,6 +301,25 @@ def test_a_failed_publish_whose_row_cannot_be_given_back_waits_for_its_redeliver
     assert (message.id, message.args) == (result.id, [9])
 
 
+def test_a_scheduled_message_come_due_since_its_store_goes_out_with_one_stored_marked_sent(shop, monkeypatch):
+    """One unit of work sends a message with no eta (stored marked sent) and one whose eta was
+    beyond the release line when it was stored (stored unsent, to wait) but is before it by the
+    time of the publish: the publisher takes the second and publishes both, at once, in call
+    order; neither is left to the relay or to redelivery."""
+    from celery_outbox import publishing
+
+    ahead = timedelta(seconds=shop.outbox.settings.release_ahead_seconds)
+    stored_at = utcnow()
+    clock = iter([stored_at, stored_at + 2 * ahead + timedelta(minutes=2)])
+    monkeypatch.setattr(publishing, "utcnow", lambda: next(clock))
+    with shop.outbox.transaction():
+        now = shop.durable.delay(1)
+        later = shop.durable.apply_async((2,), eta=stored_at + ahead + timedelta(minutes=1))
+    assert next(clock, None) is None, "the store and the publish each read the clock once"
+    assert outgoing_rows(shop.outbox.store) == (2, 0), "both published, both awaiting their inbox"
+    assert [(m.id, m.args) for m in receive(shop.app, shop.durable_queue, 2)] == [(now.id, [1]), (later.id, [2])]
+
+
 def test_a_poison_row_goes_to_dead_letters_and_does_not_block_the_others(sqlite_url, table_prefix, monkeypatch):
     shop = make_shop("memory://", sqlite_url, table_prefix, outbox_relay_max_attempts=2)
     real_publish = Producer.publish
