@@ -6,7 +6,8 @@ libpq's pipeline mode and sends them with one Sync in one network write
 (``OneMessage._send_one_message``); the statement goes prepared, once per connection, where that
 is safe. The transaction boundary is the caller's: the message runs on the caller's connection
 and opens, continues or ends its transaction with the statements the caller puts before and
-after it; ``_prepare_ahead`` prepares statements only between transactions. The connection's
+after it; statements are prepared only between transactions (``_prepare_ahead`` before a message
+that opens one, ``_prepare_on_checkout`` when the pool hands the connection out). The connection's
 prepared statements are followed alongside psycopg's own (``_prepared_statements``). SQLite, and
 PostgreSQL through another driver or a libpq without pipeline mode, never get here
 (``OneMessage._opening`` says None).
@@ -23,8 +24,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy import Connection, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 
 from .base import StoreBase
 
@@ -44,7 +46,7 @@ _PG_PREPARED_EXISTS = "42P05"
 # Seconds a claim interrupted by a signal waits for its cancelled query to end
 CANCEL_WAIT = 5.0
 # Per pooled connection: the names of the statements prepared on it by ``_send_one_message``, and
-# the statements to prepare before its next message that opens a transaction (None: not followed)
+# the statements to prepare between its transactions (None: not followed)
 _PREPARED = "celery_outbox_prepared"
 _TO_PREPARE = "celery_outbox_to_prepare"
 # The start of a message that opens a transaction committing without waiting for the WAL flush,
@@ -194,8 +196,66 @@ def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | 
             last = result
 
 
+def _prepare(driver: Any, prepared: set[str], to_prepare: dict[str, str],
+             exchange: Callable[[Callable[[Any], None]], list[Any]]) -> None:
+    """In one round trip (``exchange``) on psycopg connection ``driver``, between transactions:
+    prepare the statements ``to_prepare`` names (those a message inside a transaction sent
+    unnamed) and add those prepared to ``prepared``. One that exists already counts as
+    prepared; one that failed otherwise is left to go unnamed. Nothing runs in a transaction,
+    so a failed Parse costs nothing else."""
+    wanted = list(to_prepare.items())
+    to_prepare.clear()
+    if driver.prepare_threshold is None:
+        return
+    encoding = driver.info.encoding
+
+    def send(pgconn: Any) -> None:
+        for name, statement in wanted:
+            pgconn.send_prepare(name.encode(), statement.encode(encoding))
+
+    results = exchange(send)
+    for (name, _), result in zip(wanted, results, strict=True):
+        if result.status == _COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
+            prepared.add(name)
+
+
+def _prepare_on_checkout(engine: Engine) -> None:
+    """PostgreSQL with psycopg: when the pool of ``engine`` hands out a connection between
+    transactions, prepare the statements a message inside a transaction sent unnamed on it (see
+    ``_send_one_message``), in one round trip, once per connection and statement. A unit of work
+    whose own statements open the transaction never sends a message that opens one, the other
+    moment a statement is prepared; so its messages go prepared from its connection's second
+    unit of work on, with no round trip of their own. A connection found lost on the way is
+    replaced by the pool (``DisconnectionError``); any other failure ends the checkout and the
+    pool drops the connection."""
+    if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg" \
+            and not event.contains(engine, "checkout", _prepare_pending):
+        event.listen(engine, "checkout", _prepare_pending, insert=True)  # its round trip is a ping too
+
+
+def _prepare_pending(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+    to_prepare = record.info.get(_TO_PREPARE)
+    if not to_prepare:
+        return
+    import psycopg
+
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    if driver.pgconn.transaction_status != _PSYCOPG_IDLE:  # a connection handed over mid-transaction
+        return
+    try:
+        _prepare(driver, record.info[_PREPARED], to_prepare, functools.partial(_exchange, driver))
+    except psycopg.Error as exc:
+        if driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
+            raise DisconnectionError(str(exc)) from exc  # the pool connects afresh
+        raise
+
+
 class OneMessage(StoreBase):
     """Statements sent in one network message on PostgreSQL with psycopg."""
+
+    def __init__(self, engine: Engine, *args: Any, **kwargs: Any):
+        super().__init__(engine, *args, **kwargs)
+        _prepare_on_checkout(engine)
 
     def _in_one_message_alone(self, send: Callable[[Connection], _T], conn: Connection | None = None) -> _T | None:
         """PostgreSQL: ``send(conn)``, statements sent in one message that open their own
@@ -248,8 +308,9 @@ class OneMessage(StoreBase):
         not be sent again: there ``query`` goes prepared only when it is known to be (the
         connection's set of prepared names follows psycopg's deallocations:
         ``_prepared_statements``); otherwise it goes as an unnamed statement, parsed, and is
-        prepared before the connection's next message that opens a transaction, where a
-        Parse that fails harms nothing. With psycopg's prepared statements off
+        prepared between the connection's transactions (when the pool next hands it out, or
+        before its next message that opens a transaction), where a Parse that fails harms
+        nothing. With psycopg's prepared statements off
         (``prepare_threshold = None``, as behind a transaction-pooling PgBouncer) every
         statement goes unnamed."""
         import psycopg
@@ -285,25 +346,9 @@ class OneMessage(StoreBase):
         return result, None
 
     def _prepare_ahead(self, conn: Connection, prepared: set[str], to_prepare: dict[str, str]) -> None:
-        """Between transactions, in one round trip: prepare the statements a message inside a
-        transaction sent unnamed (``_send_one_message``). One that exists already counts as
-        prepared; one that failed otherwise is left to go unnamed. Nothing runs in a
-        transaction, so a failed Parse costs nothing else."""
-        driver = conn.connection.driver_connection
-        wanted = list(to_prepare.items())
-        to_prepare.clear()
-        if driver.prepare_threshold is None:
-            return
-        encoding = driver.info.encoding
-
-        def send(pgconn: Any) -> None:
-            for name, statement in wanted:
-                pgconn.send_prepare(name.encode(), statement.encode(encoding))
-
-        results = _exchange_on(conn, send)
-        for (name, _), result in zip(wanted, results, strict=True):
-            if result.status == _COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
-                prepared.add(name)
+        """Before a message that opens a transaction on ``conn``, in one round trip: prepare the
+        statements a message inside a transaction sent unnamed (``_prepare``)."""
+        _prepare(conn.connection.driver_connection, prepared, to_prepare, functools.partial(_exchange_on, conn))
 
     def _run_one_message(self, conn: Connection, query: _PipelinedQuery, prepared: set[str],
                          before: tuple[bytes, ...], after: tuple[bytes, ...], values: dict[str, Any],

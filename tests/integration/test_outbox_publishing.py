@@ -345,6 +345,80 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
         assert unsent_rows(shop.outbox.store) == 0
 
 
+def test_a_message_after_the_users_statements_goes_prepared_from_the_connections_next_unit(
+        broker_url, database_url, table_prefix):
+    """On PostgreSQL a unit of work whose own statement opens the transaction sends its messages'
+    INSERT unnamed (parsed) on a connection that has not prepared it: a Parse that failed there
+    would end the user's transaction. The pool prepares it when it next hands the connection
+    out, between transactions, in one round trip of its own; from then on every unit of work
+    on that connection sends it prepared, with no round trip more than plain Celery's (a pool
+    of one: every unit has the same connection)."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no prepared statements")
+    from sqlalchemy import text
+
+    from .test_store_contract import ProtocolTrace, _statements
+
+    with own_shop(broker_url, database_url, table_prefix,
+                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
+        trace = ProtocolTrace(shop.outbox.store)
+        units = []
+        try:
+            for n in range(3):
+                before = len(trace.round_trips())
+                with shop.outbox.begin() as conn:
+                    conn.execute(text("SELECT 1"))
+                    shop.durable.delay(n)
+                units.append([_statements(trip) or [text for _, text in trip]
+                              for trip in trace.round_trips()[before:]])
+        finally:
+            trace.close()
+        first, second, third = units
+        assert first[:2] == [['"BEGIN"'], ['"SELECT 1"']] and len(first) == 3, first
+        insert = first[2]
+        assert insert[0].startswith("INSERT INTO") and insert[1:] == ["COMMIT"], "sent unnamed, parsed"
+        (prepare,), *rest = second
+        name = prepare.split(":")[0].removeprefix("PREPARE ")
+        assert name.startswith("celery_outbox_insert_outgoing_"), prepare
+        assert rest == third == [['"BEGIN"'], ['"SELECT 1"'], [f"EXECUTE {name}", "COMMIT"]], (second, third)
+        assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 3)) == [0, 1, 2]
+        assert outgoing_rows(shop.outbox.store) == (3, 0)
+
+
+def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url, database_url, table_prefix):
+    """The pool hands out a connection whose messages' INSERT is to be prepared, and finds it
+    lost (its server process ended between two units of work): it connects afresh, and the unit
+    of work runs on the new connection as if nothing happened; nothing is lost."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no prepared statements")
+    from sqlalchemy import text
+
+    from celery_outbox.store import build_engine
+
+    from .test_engine_and_commits import count_pings
+
+    with own_shop(broker_url, database_url, table_prefix,
+                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
+        with shop.outbox.begin() as conn:
+            conn.execute(text("SELECT 1"))
+            shop.durable.delay(0)
+            lost = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        admin = build_engine(database_url)
+        try:
+            with admin.connect() as conn:  # waits until the server process has ended
+                assert conn.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": lost}).scalar_one()
+        finally:
+            admin.dispose()
+        pings = count_pings(shop.outbox.engine)
+        with shop.outbox.begin() as conn:
+            conn.execute(text("SELECT 1"))
+            shop.durable.delay(1)
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != lost
+        assert pings == [], "the preparing checkout found the connection lost, not the idle ping"
+        assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 1]
+        assert outgoing_rows(shop.outbox.store) == (2, 0)
+
+
 def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(broker_url, database_url,
                                                                              table_prefix):
     """On PostgreSQL a durable ``delay()`` outside a unit of work stores its row in one round trip
