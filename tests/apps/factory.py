@@ -57,9 +57,15 @@ def publish_failing(shop: Shop, patch: Any) -> None:
     """Make the commit-time publisher of ``shop`` (through the monkeypatch ``patch``) do what a
     publish that failed does: nothing is published, and the rows stored marked sent go back to
     the relay, unsent."""
-    publisher = shop.outbox.publisher
-    patch.setattr(publisher, "publish_committed", lambda messages, producer=None: publisher._give_back(
-        sorted(m.row_id for m in messages if m.marked_sent)))
+    store = shop.outbox.store
+
+    def give_back(messages: list[Any], producer: Any = None) -> None:
+        ids = sorted(m.row_id for m in messages if m.marked_sent)
+        if ids:
+            with store.begin() as conn:
+                store.unmark_sent(conn, ids)
+
+    patch.setattr(shop.outbox.publisher, "publish_committed", give_back)
 
 
 def stranded(shop: Shop, send: Callable[[], Any]) -> Any:
