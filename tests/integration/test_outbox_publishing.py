@@ -419,6 +419,42 @@ def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url
         assert outgoing_rows(shop.outbox.store) == (2, 0)
 
 
+def test_a_checkout_interrupted_while_it_prepares_drops_the_connection(broker_url, database_url, table_prefix,
+                                                                     monkeypatch):
+    """A signal (a soft time limit) interrupts the pool's prepare on the connection it hands out:
+    the checkout fails with that error, the pool drops the connection (its protocol state is
+    unknown), and the next unit of work runs on a new one; nothing is lost."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no prepared statements")
+    from sqlalchemy import text
+
+    from celery_outbox.store import pipeline
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupted(driver, send):
+        raise Interrupted("a soft time limit")
+
+    with own_shop(broker_url, database_url, table_prefix,
+                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
+        with shop.outbox.begin() as conn:
+            conn.execute(text("SELECT 1"))
+            shop.durable.delay(0)
+            first = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with monkeypatch.context() as patch:
+            patch.setattr(pipeline, "_exchange", interrupted)
+            with pytest.raises(Interrupted):
+                with shop.outbox.begin() as conn:
+                    shop.durable.delay(1)
+        with shop.outbox.begin() as conn:
+            conn.execute(text("SELECT 1"))
+            shop.durable.delay(2)
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != first
+        assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 2]
+        assert outgoing_rows(shop.outbox.store) == (2, 0), "the interrupted unit stored nothing"
+
+
 def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(broker_url, database_url,
                                                                              table_prefix):
     """On PostgreSQL a durable ``delay()`` outside a unit of work stores its row in one round trip
