@@ -78,7 +78,7 @@ PAYMENT_TASKS = ("fault.pay", "fault.pay_eager")
 KNOWN_CRASHES = (
     "Unrecoverable error: AttributeError(\"'NoneType' object has no attribute 'hostname'\")",
 )
-# A copy is sent only of a payment handled this recently: well inside any dedupe window.
+# While the producer runs, a copy is sent only of a payment handled this recently (days inside the dedupe window).
 COPY_FRESHNESS = timedelta(seconds=2)
 
 
@@ -370,17 +370,21 @@ class FaultRun:
 
     def _send_copies(self) -> None:
         """Publish again the stored envelope of a few payments handled in the last seconds, as a broker
-        redelivering them would, and remember how many discards each row must count afterwards."""
+        redelivering them would, and remember how many discards each row must count afterwards.
+
+        Once the producer is done, the latest payments handled are copied whatever their age (still
+        well inside the dedupe window): a fault that held the run up until the last payments were
+        handled would otherwise leave nothing fresh to copy, and the run would prove nothing."""
         if len(self._copied) >= self.copies:
             return
         incoming = self.shop.outbox.store.tables.incoming
+        copyable = [incoming.c.status == "handled", incoming.c.task_name.in_(PAYMENT_TASKS),
+                    incoming.c.body.is_not(None), incoming.c.message_id.not_in(list(self._copied) or [""])]
+        if not self.processes["producer"].finished:
+            copyable.append(incoming.c.handled_at > utcnow() - COPY_FRESHNESS)
         with self.shop.outbox.engine.begin() as conn:
-            rows = conn.execute(
-                select(incoming).where(incoming.c.status == "handled", incoming.c.task_name.in_(PAYMENT_TASKS),
-                                       incoming.c.body.is_not(None),
-                                       incoming.c.handled_at > utcnow() - COPY_FRESHNESS,
-                                       incoming.c.message_id.not_in(list(self._copied) or [""]))
-                .limit(3)).all()
+            rows = conn.execute(select(incoming).where(*copyable).order_by(incoming.c.handled_at.desc())
+                                .limit(3)).all()
         if not rows:
             return
         with self.shop.app.producer_or_acquire() as producer:
@@ -415,6 +419,8 @@ class FaultRun:
         reasons += [f"not yet: {what}" for what, condition in self._conditions if not self._safely(condition, False)]
         if outcome.lost:
             reasons.append(f"{outcome.lost} committed sends not handled")
+        if outcome.copies_sent < self.copies:
+            reasons.append(f"only {outcome.copies_sent} of {self.copies} redelivered copies sent")
         if outcome.copies_uncounted:
             reasons.append(f"{outcome.copies_uncounted} redelivered copies not counted as discarded")
         return ", ".join(reasons)
