@@ -49,6 +49,23 @@ def own_shop(broker_url, database_url, table_prefix, **conf):
         shop.outbox.engine.dispose()
 
 
+def pool_of_one_shop(broker_url, database_url, table_prefix):
+    """``own_shop`` whose store pool holds one connection: every unit of work runs on the same one."""
+    return own_shop(broker_url, database_url, table_prefix,
+                    outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5})
+
+
+def unit_opened_by_a_statement(shop, n: int) -> int:
+    """A unit of work whose own statement opens the transaction (as a web request's row does), then
+    sends ``durable.delay(n)``; the server process id of the connection it ran on."""
+    from sqlalchemy import text
+
+    with shop.outbox.begin() as conn:
+        conn.execute(text("SELECT 1"))
+        shop.durable.delay(n)
+        return conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+
 @pytest.fixture
 def shop(broker_url, database_url, table_prefix):
     with own_shop(broker_url, database_url, table_prefix) as shop:
@@ -325,8 +342,7 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
 
     from .test_store_contract import ProtocolTrace, _statements
 
-    with own_shop(broker_url, database_url, table_prefix,
-                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         trace = ProtocolTrace(shop.outbox.store)
         try:
             with shop.outbox.begin() as conn:  # prepares the statements on the new connection
@@ -355,32 +371,29 @@ def test_a_message_after_the_users_statements_goes_prepared_from_the_connections
     of one: every unit has the same connection)."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no prepared statements")
-    from sqlalchemy import text
 
     from .test_store_contract import ProtocolTrace, _statements
 
-    with own_shop(broker_url, database_url, table_prefix,
-                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         trace = ProtocolTrace(shop.outbox.store)
         units = []
         try:
             for n in range(3):
                 before = len(trace.round_trips())
-                with shop.outbox.begin() as conn:
-                    conn.execute(text("SELECT 1"))
-                    shop.durable.delay(n)
+                unit_opened_by_a_statement(shop, n)
                 units.append([_statements(trip) or [text for _, text in trip]
                               for trip in trace.round_trips()[before:]])
         finally:
             trace.close()
         first, second, third = units
-        assert first[:2] == [['"BEGIN"'], ['"SELECT 1"']] and len(first) == 3, first
-        insert = first[2]
+        users = [['"BEGIN"'], ['"SELECT 1"'], ['"SELECT pg_backend_pid()"']]
+        assert first[:3] == users and len(first) == 4, first
+        insert = first[3]
         assert insert[0].startswith("INSERT INTO") and insert[1:] == ["COMMIT"], "sent unnamed, parsed"
         (prepare,), *rest = second
         name = prepare.split(":")[0].removeprefix("PREPARE ")
         assert name.startswith("celery_outbox_insert_outgoing_"), prepare
-        assert rest == third == [['"BEGIN"'], ['"SELECT 1"'], [f"EXECUTE {name}", "COMMIT"]], (second, third)
+        assert rest == third == [*users, [f"EXECUTE {name}", "COMMIT"]], (second, third)
         assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 3)) == [0, 1, 2]
         assert outgoing_rows(shop.outbox.store) == (3, 0)
 
@@ -397,12 +410,8 @@ def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url
 
     from .test_engine_and_commits import count_pings
 
-    with own_shop(broker_url, database_url, table_prefix,
-                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
-        with shop.outbox.begin() as conn:
-            conn.execute(text("SELECT 1"))
-            shop.durable.delay(0)
-            lost = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
+        lost = unit_opened_by_a_statement(shop, 0)
         admin = build_engine(database_url)
         try:
             with admin.connect() as conn:  # waits until the server process has ended
@@ -410,10 +419,7 @@ def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url
         finally:
             admin.dispose()
         pings = count_pings(shop.outbox.engine)
-        with shop.outbox.begin() as conn:
-            conn.execute(text("SELECT 1"))
-            shop.durable.delay(1)
-            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != lost
+        assert unit_opened_by_a_statement(shop, 1) != lost
         assert pings == [], "the preparing checkout found the connection lost, not the idle ping"
         assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 1]
         assert outgoing_rows(shop.outbox.store) == (2, 0)
@@ -426,7 +432,6 @@ def test_a_checkout_interrupted_while_it_prepares_drops_the_connection(broker_ur
     unknown), and the next unit of work runs on a new one; nothing is lost."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no prepared statements")
-    from sqlalchemy import text
 
     from celery_outbox.store import pipeline
 
@@ -436,21 +441,14 @@ def test_a_checkout_interrupted_while_it_prepares_drops_the_connection(broker_ur
     def interrupted(driver, send):
         raise Interrupted("a soft time limit")
 
-    with own_shop(broker_url, database_url, table_prefix,
-                  outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5}) as shop:
-        with shop.outbox.begin() as conn:
-            conn.execute(text("SELECT 1"))
-            shop.durable.delay(0)
-            first = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
+        first = unit_opened_by_a_statement(shop, 0)
         with monkeypatch.context() as patch:
             patch.setattr(pipeline, "_exchange", interrupted)
             with pytest.raises(Interrupted):
-                with shop.outbox.begin() as conn:
+                with shop.outbox.begin():
                     shop.durable.delay(1)
-        with shop.outbox.begin() as conn:
-            conn.execute(text("SELECT 1"))
-            shop.durable.delay(2)
-            assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != first
+        assert unit_opened_by_a_statement(shop, 2) != first
         assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 2]
         assert outgoing_rows(shop.outbox.store) == (2, 0), "the interrupted unit stored nothing"
 
