@@ -112,8 +112,10 @@ def run(options: Options) -> list[Result]:
             memory = spark.sparkContext.getConf().get("spark.driver.memory")
             if memory != DRIVER_MEMORY:
                 raise RuntimeError(f"audit benchmark: a Spark session existed already (driver memory {memory})")
-            _progress(f"spark session in {time.perf_counter() - began:.1f}s; warming up")
-            measure(spark, root, 20_000, watch)  # JIT, codegen, class loading: not part of any run measured
+            _progress(f"spark session in {time.perf_counter() - began:.1f}s")
+            if not options.quick:  # --quick checks the answers only: its times need no warm JVM
+                _progress("warming up")
+                measure(spark, root, 20_000, watch)  # JIT, codegen, class loading: not part of any run measured
             results += measure_incremental(spark, root, options.size(10_000_000, 100_000),
                                            options.size(1_000_000, 10_000), watch)
         finally:
