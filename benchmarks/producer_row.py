@@ -11,8 +11,8 @@ Five ways, on the same broker and the same PostgreSQL, taking turns in rounds (`
   transaction, by its last statement, which goes with the COMMIT in one round trip; after the
   commit they are published, with no round trip to the store;
 * durable through a Session: the same in ``with outbox.transaction() as session:``, the row
-  written through ``session`` (the ORM Session's own cost, and the INSERT and the COMMIT in
-  round trips of their own);
+  written through ``session`` (the ORM Session's own cost; the messages' INSERT goes with the
+  COMMIT, sent from the connection's ``commit`` event);
 * the durable unit's floor, by hand, with no library code: plain Celery's unit with the messages'
   rows (built once, marked sent) inserted in its transaction by one more statement, sent with
   the COMMIT in one network message (psycopg's pipeline mode), then the ``apply_async`` calls.

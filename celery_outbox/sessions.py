@@ -8,15 +8,22 @@ first joins it. The handler names are the unit of work's methods (``unit_of_work
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-__all__ = ["LISTENED_KEY", "UNIT_OF_WORK_KEY", "listen_to_sessions", "session_info"]
+__all__ = ["LISTENED_KEY", "UNIT_OF_WORK_KEY", "listen_to_commits", "listen_to_sessions", "session_info",
+           "wait_for_commit"]
 
 UNIT_OF_WORK_KEY = "celery_outbox.unit_of_work"
 LISTENED_KEY = "celery_outbox.listened"  # the session's events already reach its unit of work
+
+# connection (a checkout's own object, never reused) -> the unit of work that waits for its commit;
+# not the connection's ``info``, which outlives the checkout and cannot be read once it is invalidated
+_waiting_for_commit: weakref.WeakKeyDictionary[Connection, Any] = weakref.WeakKeyDictionary()
 
 _EVENT_HANDLERS = {
     "after_transaction_create": "_on_transaction_create",
@@ -32,6 +39,31 @@ def listen_to_sessions(target: Any) -> None:
     registered once instead of per Session) to the unit of work in each Session's ``info``."""
     for name, handler in _EVENT_HANDLERS.items():
         event.listen(target, name, _dispatcher(handler))
+
+
+def listen_to_commits(engine: Engine) -> None:
+    """Deliver the commit of ``engine``'s connections to the unit of work waiting for it
+    (``wait_for_commit``), once per engine. The ``commit`` event comes after the Session's last
+    flush, just before the COMMIT is sent; a rollback ends the wait."""
+    if not event.contains(engine, "commit", _at_commit):
+        event.listen(engine, "commit", _at_commit)
+        event.listen(engine, "rollback", _at_rollback)
+
+
+def wait_for_commit(connection: Connection, uow: Any) -> None:
+    """Call ``uow._at_connection_commit(connection)`` when ``connection`` (of an engine
+    ``listen_to_commits`` covers) commits, unless it rolls back first."""
+    _waiting_for_commit[connection] = uow
+
+
+def _at_commit(connection: Connection) -> None:
+    uow = _waiting_for_commit.pop(connection, None)
+    if uow is not None:
+        uow._at_connection_commit(connection)
+
+
+def _at_rollback(connection: Connection) -> None:
+    _waiting_for_commit.pop(connection, None)
 
 
 def session_info() -> dict[str, Any]:

@@ -398,6 +398,88 @@ def test_a_message_after_the_users_statements_goes_prepared_from_the_connections
         assert outgoing_rows(shop.outbox.store) == (3, 0)
 
 
+@contextmanager
+def notes_of(shop):
+    """An ORM class ``Note`` (a user's data: ``id``, ``text``) mapped to a table of its own in the
+    shop's store, dropped after the block."""
+    from sqlalchemy import Column, MetaData, String, Table
+    from sqlalchemy.orm import registry
+
+    class Note:
+        def __init__(self, id: str, text: str = ""):
+            self.id, self.text = id, text
+
+    metadata = MetaData()
+    table = Table(f"{shop.outbox.store.tables.outgoing.name}_notes", metadata,
+                  Column("id", String(32), primary_key=True), Column("text", String(200)))
+    mapper = registry(metadata=metadata)
+    mapper.map_imperatively(Note, table)
+    metadata.create_all(shop.outbox.engine)
+    try:
+        yield Note
+    finally:
+        metadata.drop_all(shop.outbox.engine)
+        mapper.dispose()
+
+
+def test_a_sessions_messages_go_with_its_commit_after_its_flush(broker_url, database_url, table_prefix):
+    """On PostgreSQL ``outbox.transaction()`` flushes the user's rows first, then sends the durable
+    messages' INSERT with the COMMIT in one round trip (the connection's ``commit`` event): as many
+    round trips as the user's own unit of work. The rows are the Session's data and the messages,
+    committed together."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no round trips")
+    from .test_store_contract import ProtocolTrace, _statements
+
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop, notes_of(shop) as Note:
+        trace = ProtocolTrace(shop.outbox.store)
+        units = []
+        try:
+            for n in range(3):
+                before = len(trace.round_trips())
+                with shop.outbox.transaction() as session:
+                    session.add(Note(f"note-{n}"))
+                    shop.durable.delay(n)
+                units.append([_statements(trip) or [text for _, text in trip]
+                              for trip in trace.round_trips()[before:]])
+        finally:
+            trace.close()
+        third = units[2]
+        assert len(third) == 3 and third[0] == ['"BEGIN"'], units
+        assert len(third[1]) == 1 and third[1][0].startswith("INSERT INTO") and "_notes" in third[1][0], third
+        assert third[2][0].startswith("EXECUTE celery_outbox_insert_outgoing_") and third[2][1:] == ["COMMIT"], third
+        with shop.outbox.transaction() as session:
+            assert sorted(note.id for note in session.query(Note)) == ["note-0", "note-1", "note-2"]
+        assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 3)) == [0, 1, 2]
+        assert outgoing_rows(shop.outbox.store) == (3, 0)
+
+
+def test_a_session_whose_flush_fails_at_its_commit_stores_and_sends_nothing(broker_url, database_url,
+                                                                           table_prefix):
+    """The Session's flush fails at the commit (a duplicate key), after the unit of work chose to
+    store its messages with the COMMIT: the commit raises the flush's error, nothing is stored or
+    published, and the next unit of work on the same connection (a pool of one) stores and sends
+    only its own message."""
+    from sqlalchemy.exc import IntegrityError
+
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop, notes_of(shop) as Note:
+        with shop.outbox.transaction() as session:
+            session.add(Note("taken"))
+        with pytest.raises(IntegrityError):
+            with shop.outbox.transaction() as session:
+                session.add(Note("taken"))
+                shop.durable.delay(1)
+                shop.plain.delay(1)
+        assert nothing_more(shop.app, shop.durable_queue) and nothing_more(shop.app, shop.plain_queue)
+        assert outgoing_rows(shop.outbox.store) == (0, 0)
+        with shop.outbox.transaction() as session:
+            session.add(Note("free"))
+            shop.durable.delay(2)
+        assert [m.args[0] for m in receive(shop.app, shop.durable_queue, 1)] == [2]
+        assert nothing_more(shop.app, shop.durable_queue)
+        assert outgoing_rows(shop.outbox.store) == (1, 0)
+
+
 def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url, database_url, table_prefix):
     """The pool hands out a connection whose messages' INSERT is to be prepared, and finds it
     lost (its server process ended between two units of work): it connects afresh, and the unit
