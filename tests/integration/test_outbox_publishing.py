@@ -480,6 +480,47 @@ def test_a_session_whose_flush_fails_at_its_commit_stores_and_sends_nothing(brok
         assert outgoing_rows(shop.outbox.store) == (1, 0)
 
 
+def test_a_session_commit_interrupted_under_its_insert_drops_the_unit_and_its_connection(
+        broker_url, database_url, table_prefix, monkeypatch):
+    """A signal (a soft time limit) interrupts the Session's commit while the messages' INSERT and
+    the COMMIT are on the wire: the block raises it, the connection is dropped (its protocol
+    state is unknown), the user's row and the messages are neither committed nor published, and
+    the next unit of work runs on a new connection (a pool of one)."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: the INSERT goes with the COMMIT there")
+    from sqlalchemy import text
+
+    from celery_outbox.store import pipeline
+
+    class Interrupted(BaseException):
+        pass
+
+    def interrupted(driver, send):
+        raise Interrupted("a soft time limit")
+
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop, notes_of(shop) as Note:
+        with shop.outbox.transaction() as session:
+            session.add(Note("first"))
+            shop.durable.delay(0)
+            first = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with monkeypatch.context() as patch:
+            patch.setattr(pipeline, "_exchange", interrupted)
+            with pytest.raises(Interrupted):
+                with shop.outbox.transaction() as session:
+                    session.add(Note("interrupted"))
+                    shop.durable.delay(1)
+                    shop.plain.delay(1)
+        with shop.outbox.transaction() as session:
+            session.add(Note("after"))
+            shop.durable.delay(2)
+            assert session.execute(text("SELECT pg_backend_pid()")).scalar_one() != first
+        with shop.outbox.transaction() as session:
+            assert sorted(note.id for note in session.query(Note)) == ["after", "first"]
+        assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 2]
+        assert nothing_more(shop.app, shop.plain_queue)
+        assert outgoing_rows(shop.outbox.store) == (2, 0), "the interrupted unit stored nothing"
+
+
 def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url, database_url, table_prefix):
     """The pool hands out a connection whose messages' INSERT is to be prepared, and finds it
     lost (its server process ended between two units of work): it connects afresh, and the unit
