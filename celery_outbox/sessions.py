@@ -4,6 +4,9 @@ kept in its ``info``.
 A sessionmaker listened to once (``listen_to_sessions(maker)``, with ``info=session_info()``)
 covers all its Sessions; a Session of the caller's own is listened to when a unit of work
 first joins it. The handler names are the unit of work's methods (``unit_of_work.UnitOfWork``).
+A unit of work that stores its durable messages with the COMMIT waits for its connection's
+``commit`` event (``wait_for_commit``), which the store's engine delivers
+(``listen_to_commits``).
 """
 
 from __future__ import annotations

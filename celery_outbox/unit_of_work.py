@@ -132,12 +132,12 @@ class UnitOfWork:
         if session.in_nested_transaction():
             return
         connection = session.connection()
-        if self._stores_at_commit(session, connection):
+        if self._stores_at_commit(session):
             wait_for_commit(connection, self)  # _at_connection_commit, unless the connection rolls back first
         else:
             self._store_durable(connection)
 
-    def _stores_at_commit(self, session: Session, connection: Connection) -> bool:
+    def _stores_at_commit(self, session: Session) -> bool:
         """Whether the durable messages go with the COMMIT of the Session's connection, after its
         last flush, instead of before that flush: one round trip fewer on PostgreSQL (the INSERT
         and the COMMIT in one message). Only on a Session of the store's engine that commits its
