@@ -49,6 +49,16 @@ def own_shop(broker_url, database_url, table_prefix, **conf):
         shop.outbox.engine.dispose()
 
 
+class Interrupted(BaseException):
+    """What a signal handler raises mid-exchange, as Celery's soft time limit does."""
+
+
+def interrupted_exchange(driver, send):
+    """A stand-in for the store's exchange with PostgreSQL (``pipeline._exchange``) that a signal
+    interrupts before any answer comes."""
+    raise Interrupted("a soft time limit")
+
+
 def pool_of_one_shop(broker_url, database_url, table_prefix):
     """``own_shop`` whose store pool holds one connection: every unit of work runs on the same one."""
     return own_shop(broker_url, database_url, table_prefix,
@@ -492,19 +502,13 @@ def test_a_session_commit_interrupted_under_its_insert_drops_the_unit_and_its_co
 
     from celery_outbox.store import pipeline
 
-    class Interrupted(BaseException):
-        pass
-
-    def interrupted(driver, send):
-        raise Interrupted("a soft time limit")
-
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop, notes_of(shop) as Note:
         with shop.outbox.transaction() as session:
             session.add(Note("first"))
             shop.durable.delay(0)
             first = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
         with monkeypatch.context() as patch:
-            patch.setattr(pipeline, "_exchange", interrupted)
+            patch.setattr(pipeline, "_exchange", interrupted_exchange)
             with pytest.raises(Interrupted):
                 with shop.outbox.transaction() as session:
                     session.add(Note("interrupted"))
@@ -558,16 +562,10 @@ def test_a_checkout_interrupted_while_it_prepares_drops_the_connection(broker_ur
 
     from celery_outbox.store import pipeline
 
-    class Interrupted(BaseException):
-        pass
-
-    def interrupted(driver, send):
-        raise Interrupted("a soft time limit")
-
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         first = unit_opened_by_a_statement(shop, 0)
         with monkeypatch.context() as patch:
-            patch.setattr(pipeline, "_exchange", interrupted)
+            patch.setattr(pipeline, "_exchange", interrupted_exchange)
             with pytest.raises(Interrupted):
                 with shop.outbox.begin():
                     shop.durable.delay(1)
