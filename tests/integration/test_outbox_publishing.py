@@ -350,7 +350,7 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
         pytest.skip("PostgreSQL only: SQLite has no round trips")
     from sqlalchemy import text
 
-    from .test_store_contract import ProtocolTrace, _statements
+    from .test_store_contract import ProtocolTrace
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         trace = ProtocolTrace(shop.outbox.store)
@@ -361,7 +361,7 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
             with shop.outbox.begin() as conn:
                 conn.execute(text("SELECT 1"))
                 shop.durable.delay(1)
-            trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()[warm:]]
+            trips = trace.statement_trips(warm)
         finally:
             trace.close()
         begin, select_one, insert = trips
@@ -382,7 +382,7 @@ def test_a_message_after_the_users_statements_goes_prepared_from_the_connections
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no prepared statements")
 
-    from .test_store_contract import ProtocolTrace, _statements
+    from .test_store_contract import ProtocolTrace
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         trace = ProtocolTrace(shop.outbox.store)
@@ -391,8 +391,7 @@ def test_a_message_after_the_users_statements_goes_prepared_from_the_connections
             for n in range(3):
                 before = len(trace.round_trips())
                 unit_opened_by_a_statement(shop, n)
-                units.append([_statements(trip) or [text for _, text in trip]
-                              for trip in trace.round_trips()[before:]])
+                units.append(trace.statement_trips(before))
         finally:
             trace.close()
         first, second, third = units
@@ -439,7 +438,7 @@ def test_a_sessions_messages_go_with_its_commit_after_its_flush(broker_url, data
     committed together."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no round trips")
-    from .test_store_contract import ProtocolTrace, _statements
+    from .test_store_contract import ProtocolTrace
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop, notes_of(shop) as Note:
         trace = ProtocolTrace(shop.outbox.store)
@@ -450,8 +449,7 @@ def test_a_sessions_messages_go_with_its_commit_after_its_flush(broker_url, data
                 with shop.outbox.transaction() as session:
                     session.add(Note(f"note-{n}"))
                     shop.durable.delay(n)
-                units.append([_statements(trip) or [text for _, text in trip]
-                              for trip in trace.round_trips()[before:]])
+                units.append(trace.statement_trips(before))
         finally:
             trace.close()
         third = units[2]
@@ -580,13 +578,13 @@ def test_a_durable_message_outside_a_unit_of_work_is_stored_in_one_round_trip(br
     (BEGIN, the INSERT, COMMIT), then the publisher takes it after the publish."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no round trips")
-    from .test_store_contract import ProtocolTrace, _statements
+    from .test_store_contract import ProtocolTrace
 
     with own_shop(broker_url, database_url, table_prefix) as shop:
         trace = ProtocolTrace(shop.outbox.store)
         try:
             sent = [shop.durable.delay(n).id for n in range(2)]
-            trips = [_statements(trip) or [text for _, text in trip] for trip in trace.round_trips()]
+            trips = trace.statement_trips()
         finally:
             trace.close()
         stores = [trip for trip in trips if any("insert_outgoing" in s for s in trip)]

@@ -447,6 +447,11 @@ class ProtocolTrace:
                 trips.append([])
         return [trip for trip in trips if trip]
 
+    def statement_trips(self, since: int = 0) -> list[list[str]]:
+        """The round trips from the ``since``-th on, each as what it runs (``_statements``) or, for
+        a round trip of simple queries, their texts."""
+        return [_statements(trip) or [text for _, text in trip] for trip in self.round_trips()[since:]]
+
     def close(self) -> None:
         event.remove(self.engine, "connect", self._trace)
         for connection in self.connections:
@@ -509,7 +514,7 @@ def test_an_insert_opening_its_transaction_carries_the_begin(store: Store, proto
     with pytest.raises(RuntimeError), store.begin() as conn:
         assert store.insert_incoming(conn, incoming_row("undone")) is True
         raise RuntimeError("the body failed")
-    trips = [_statements(trip) or [text for _, text in trip] for trip in protocol.round_trips()]
+    trips = protocol.statement_trips()
     prepare = trips[0][0]
     claim = "EXECUTE " + prepare.split(":")[0].removeprefix("PREPARE ")
     assert prepare.startswith("PREPARE celery_outbox_claim_") and trips[0][1:] == ["BEGIN", claim], trips
@@ -726,7 +731,7 @@ def test_a_claim_alone_can_open_the_bodys_transaction_in_its_round_trip(store: S
         assert store.insert_incoming(conn, incoming_row("effect", status="handled")) is True
         assert store.finish_incoming(conn, "opened", "", 7, (0, 0, 0), now, now + timedelta(1), commit=True)
         conn.commit()
-    body, finish = [_statements(trip) or [text for _, text in trip] for trip in protocol.round_trips()[seen:]]
+    body, finish = protocol.statement_trips(seen)
     assert claim[1:] == ["BEGIN", "SET LOCAL synchronous_commit TO OFF", claim[0].split(":")[0].replace(
         "PREPARE", "EXECUTE"), "COMMIT", "BEGIN"], claim
     assert "BEGIN" not in body and "INSERT INTO" in body[-1], body
