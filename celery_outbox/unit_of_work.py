@@ -149,12 +149,8 @@ class UnitOfWork:
 
     def _at_connection_commit(self, connection: Connection) -> None:
         """The Session's connection is about to send its COMMIT, every flush done: the durable
-        messages' INSERT goes with it, in its transaction. A connection lost under them raises
-        as a lost COMMIT raises (SQLAlchemy's ``OperationalError``), for the caller's retry."""
-        try:
-            self._store_durable(connection, commit=True)
-        except StoreUnavailable as exc:
-            raise as_driver_error(exc) from exc.__cause__
+        messages' INSERT goes with it, in its transaction (``_store_durable``)."""
+        self._store_durable(connection, commit=True)
 
     def _after_commit(self, session: Session) -> None:
         # Not published here: the Session still holds its connection until the transaction ends, and
@@ -166,11 +162,19 @@ class UnitOfWork:
 
     def _store_durable(self, connection: Connection, commit: bool = False) -> None:
         """Just before the outermost commit: insert the durable messages, in its transaction;
-        with ``commit``, as its last statement, which the COMMIT may go with."""
+        with ``commit``, as its last statement, which the COMMIT may go with. Only a user's unit
+        of work passes ``commit``: a connection lost under the INSERT and COMMIT is then raised
+        as ``engine.begin()`` raises a lost COMMIT (SQLAlchemy's ``OperationalError``), so the
+        caller's retry of its database work catches it."""
         crashpoint("before_commit")
         durable = [m for m in self.pending if m.durable and m.row_id is None]
         if durable:
-            self.publisher.store_durable(connection, durable, commit)
+            try:
+                self.publisher.store_durable(connection, durable, commit)
+            except StoreUnavailable as exc:
+                if not commit:
+                    raise
+                raise as_driver_error(exc) from exc.__cause__
         self._committing = True
 
     def _publish_committed(self) -> None:
@@ -320,15 +324,6 @@ class _BlockUnitOfWork(ConnectionUnitOfWork):
     ended_inside = ("the unit of work's transaction was ended inside its block (commit() or rollback() on its "
                     "connection or Session): let the block end it, committing, or raise an exception to roll it "
                     "back; its messages are dropped")
-
-    def commit(self, last: Callable[[Connection, bool], bool] | None = None) -> bool:
-        """As ``ConnectionUnitOfWork.commit``; a connection lost under the INSERT and COMMIT is
-        raised as ``engine.begin()`` raises a lost COMMIT (SQLAlchemy's ``OperationalError``), so
-        the caller's retry of its database work catches it."""
-        try:
-            return super().commit(last)
-        except StoreUnavailable as exc:
-            raise as_driver_error(exc) from exc.__cause__
 
     def __init__(self, publisher: "Publisher"):
         super().__init__(publisher)
