@@ -1,6 +1,6 @@
 """The delivery audit on a real Spark standalone cluster (``spark_cluster``): submitted by the
-command and by spark-submit, its code shipped to the executors as a zip, its summary the same as
-local mode's on the same archive."""
+command and by spark-submit (which gives the master: none is hard-coded), its code shipped to the
+executors as a zip, its summary the same as local mode's on the same archive."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from celery_outbox.audit.shipping import ZIP_NAME, is_local, package_zip
 
-from .conftest import require_spark, write_known_archive
+from .conftest import write_known_archive
 
 ROOT = Path(__file__).parents[2]
 EXIT_LOST = 1  # the known archive, weeks after its sends, has m8 and m9 lost
@@ -54,11 +54,12 @@ def archive(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def local_summary(archive, tmp_path_factory) -> dict:
-    """The command's summary of ``archive`` in local mode: what the cluster's must equal."""
-    require_spark()
-    tmp_path = tmp_path_factory.mktemp("local")
-    summary = audit_command(tmp_path, archive, tmp_path / "out", "local[1]")
+def local_summary(spark, archive, tmp_path_factory) -> dict:
+    """The summary of ``archive`` in local mode (the tests' shared session), with the command's
+    defaults: what the cluster's must equal."""
+    from celery_outbox.audit.job import AuditOptions, run_audit
+
+    summary = run_audit(AuditOptions(out=str(tmp_path_factory.mktemp("local") / "out"), archive=archive), spark)
     assert summary["lost"] == 2 and summary["handled"] == 7, summary
     return summary
 
@@ -83,6 +84,7 @@ def test_spark_submit_audits_on_a_cluster_with_the_zip_as_py_files(spark_cluster
          "--archive", archive, "--out", str(out)],
         env=driver_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert process.returncode == EXIT_LOST, process.stderr[-3000:]
+    assert "2 lost" in process.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["spark"]["master"] == spark_cluster.url
     assert without_run(summary) == without_run(local_summary)

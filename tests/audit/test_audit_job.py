@@ -36,8 +36,8 @@ def audit_command(tmp_path: Path, known_archive: str, out: str, *extra: str) -> 
         env=env, cwd=root, capture_output=True, text=True, timeout=300)
 
 
-def test_a_known_archive_gives_exactly_the_expected_numbers(spark, known_archive, tmp_path):
-    summary = run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark)
+def test_a_known_archive_gives_exactly_the_expected_numbers(known_audit):
+    summary = known_audit.summary
     assert {key: summary[key] for key in ("sent", "handled", "lost", "dead_lettered", "duplicates_discarded",
                                           "late", "stuck")} == {
         "sent": 10, "handled": 7, "lost": 1, "dead_lettered": 2, "duplicates_discarded": 5, "late": 1, "stuck": None}
@@ -45,7 +45,7 @@ def test_a_known_archive_gives_exactly_the_expected_numbers(spark, known_archive
     latency = summary["latency_seconds"]
     assert latency["p50"] == pytest.approx(0.4, abs=0.01)
     assert latency["max"] == pytest.approx(120.0, abs=0.01)
-    out = tmp_path / "out"
+    out = known_audit.out
     assert json.loads((out / "summary.json").read_text())["lost"] == 1
     by_task = {row["task_name"]: row for row in pq.read_table(out / "aggregates" / "latency_by_task").to_pylist()}
     assert by_task["shop.pay"]["count"] == 4 and by_task["shop.ship"]["count"] == 3
@@ -59,9 +59,8 @@ def test_a_known_archive_gives_exactly_the_expected_numbers(spark, known_archive
     assert sum(row["sent"] for row in throughput) == 10 and sum(row["handled"] for row in throughput) == 7
 
 
-def test_the_report_contains_its_plots(spark, known_archive, tmp_path):
-    run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark)
-    html = (tmp_path / "out" / "report.html").read_text()
+def test_the_report_contains_its_plots(known_audit):
+    html = (known_audit.out / "report.html").read_text()
     for figure in ("latency-plot", "throughput-plot", "dead-letters-plot"):
         start = html.index(f'id="{figure}"')
         assert "<svg" in html[start:html.index("</figure>", start)], f"{figure} has no drawing"
@@ -93,22 +92,6 @@ def test_an_unreachable_jdbc_url_is_a_clear_error(spark, known_archive, tmp_path
     assert "Traceback" not in err
 
 
-def test_the_job_runs_under_spark_submit(known_archive, tmp_path):
-    """No local settings are hard-coded: spark-submit gives the master."""
-    import pyspark
-
-    import celery_outbox.audit.job as job
-
-    spark_submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
-    process = subprocess.run([str(spark_submit), "--master", "local[1]", job.__file__, "--archive", known_archive,
-                              "--out", str(tmp_path / "out"), "--now", NOW.isoformat()],
-                             env=env, capture_output=True, text=True, timeout=300)
-    assert process.returncode == EXIT_LOST, process.stderr[-3000:]
-    assert "1 lost" in process.stdout
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["lost"] == 1
-
-
 def test_spark_settings_are_reported_and_a_given_session_gets_its_partitions_back(spark, known_archive, tmp_path):
     """The summary says where the audit ran; the job's shuffle partitions do not leak into the
     caller's session."""
@@ -122,7 +105,7 @@ def test_spark_settings_are_reported_and_a_given_session_gets_its_partitions_bac
     assert summary["lost"] == 1, "the numbers do not depend on the partitions"
 
 
-def test_sparks_default_of_200_partitions_becomes_four_per_core(spark, known_archive, tmp_path):
+def test_sparks_default_of_200_partitions_becomes_four_per_core(spark, known_archive, known_audit, tmp_path):
     before = spark.conf.get("spark.sql.shuffle.partitions")
     spark.conf.set("spark.sql.shuffle.partitions", "200")
     try:
@@ -130,8 +113,7 @@ def test_sparks_default_of_200_partitions_becomes_four_per_core(spark, known_arc
     finally:
         spark.conf.set("spark.sql.shuffle.partitions", before)
     assert summary["spark"]["shuffle_partitions"] == 4 * spark.sparkContext.defaultParallelism
-    summary = run_audit(AuditOptions(out=str(tmp_path / "b"), archive=known_archive, now=NOW), spark)
-    assert summary["spark"]["shuffle_partitions"] == int(before), "a setting of the session's own is kept"
+    assert known_audit.summary["spark"]["shuffle_partitions"] == int(before), "a setting of the session's own is kept"
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -186,31 +168,35 @@ def test_file_uris_with_spaces_are_read_and_written_where_they_name(spark, known
     assert not (tmp_path / "file:").exists()
 
 
-def test_each_stage_is_announced_as_it_begins(spark, known_archive, tmp_path):
+def test_each_stage_is_announced_as_it_begins(known_audit):
     from celery_outbox.audit.job import Stage
 
-    told: list[tuple[Stage, str]] = []
-    run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark,
-              lambda stage, detail: told.append((stage, detail)))
-    assert told == [(Stage.READING, "(all of them: no ledger yet)"), (Stage.AGGREGATING, ""), (Stage.SETTLING, ""),
-                    (Stage.WRITING, f"to {tmp_path / 'out'}")]
+    assert known_audit.told == [(Stage.READING, "(all of them: no ledger yet)"), (Stage.AGGREGATING, ""),
+                                (Stage.SETTLING, ""), (Stage.WRITING, f"to {known_audit.out}")]
 
 
-def test_the_command_starts_spark_as_told_puts_its_output_in_a_log_file_and_tells_its_stages(known_archive,
-                                                                                              tmp_path):
+def test_the_command_starts_spark_as_told_logs_to_a_file_and_reads_what_the_ledger_has_not_covered(
+        spark, known_archive, tmp_path, capsys):
     """``celery outbox audit --driver-memory --shuffle-partitions`` sizes the JVM it starts (Spark's
-    default heap would be 1g) and its shuffles; the JVM prints into spark.log in --out."""
+    default heap would be 1g) and its shuffles; the JVM prints into spark.log in --out. Into the
+    --out of an earlier run it reads only the files that run's ledger has not covered, and with
+    --full all of them. One command process: each starts a JVM, the dearest step of a test."""
     out = tmp_path / "audit out"
+    files = len(list(Path(known_archive).rglob("*.parquet")))
+    # the first run, in this process on the shared Spark session: its ledger is the command's to read
+    assert main(["--archive", known_archive, "--out", f"file://{out}", "--now", NOW.isoformat(), "--grace", "3600"],
+                spark=spark) == EXIT_LOST
     process = audit_command(tmp_path, known_archive, f"file://{out}", "--driver-memory", "640m",
-                            "--shuffle-partitions", "3")
-    assert process.returncode == EXIT_CLEAN, process.stderr[-3000:]
+                            "--shuffle-partitions", "3", "--now", NOW.isoformat(), "--grace", "1h")
+    assert process.returncode == EXIT_LOST, process.stderr[-3000:]
+    assert "1 lost" in process.stdout, "m8, as of --now (m9 is within the grace period then)"
     facts = json.loads((out / "summary.json").read_text())["spark"]
     assert facts["master"] == "local[1]" and facts["shuffle_partitions"] == 3
     assert 400 < facts["driver_max_heap_mib"] <= 640, facts
     log = out / "spark.log"
     assert process.stderr.splitlines() == [
         f"celery-outbox audit: starting Spark (local[1]); its log: {log}",
-        "celery-outbox audit: reading the inputs (all of them: no ledger yet)",
+        f"celery-outbox audit: reading the inputs (the files the ledger has not covered, of {files} covered)",
         "celery-outbox audit: aggregating",
         "celery-outbox audit: settling the ledger",
         f"celery-outbox audit: writing the outputs to {out}",
@@ -218,20 +204,7 @@ def test_the_command_starts_spark_as_told_puts_its_output_in_a_log_file_and_tell
     assert log.stat().st_size > 0, "what the JVM printed is in the file"
     assert "[Stage " not in log.read_text(), "but not Spark's progress bars"
     assert process.stdout.splitlines()[-1] == f"report: {out / 'report.html'}"
-
-
-def test_the_command_runs_incrementally_into_the_same_out_unless_told_full(spark, known_archive, tmp_path, capsys):
-    out = tmp_path / "daily"
-    as_of = ("--now", NOW.isoformat(), "--grace", "1h")
-    # the first run, in this process on the shared Spark session: its ledger is the command's to read
-    assert main(["--archive", known_archive, "--out", str(out), "--now", NOW.isoformat(), "--grace", "3600"],
-                spark=spark) == EXIT_LOST
-    files = len(list(Path(known_archive).rglob("*.parquet")))
-    again = audit_command(tmp_path, known_archive, str(out), *as_of)
-    assert again.returncode == EXIT_LOST, again.stderr[-3000:]
-    assert f"celery-outbox audit: reading the inputs (the files the ledger has not covered, of {files} covered)" \
-        in again.stderr.splitlines()
-    assert "1 lost" in again.stdout, "m8, as of --now (m9 is within the grace period then)"
+    capsys.readouterr()
     # --full, in this process on the shared Spark session: a second JVM would only repeat the start-up
     assert main(["--archive", known_archive, "--out", str(out), "--now", NOW.isoformat(), "--grace", "3600",
                  "--full"], spark=spark) == EXIT_LOST

@@ -110,12 +110,12 @@ def test_live_dead_letters_and_pending_rows_count_as_archived_ones(spark, known_
     assert "still holding 1 unsent, 1 sent and unacknowledged, 1 running" in report
 
 
-def test_without_the_live_tables_the_summary_says_so(spark, known_archive, tmp_path):
-    summary = run_audit(AuditOptions(out=str(tmp_path / "out"), archive=known_archive, now=NOW), spark)
+def test_without_the_live_tables_the_summary_says_so(known_audit):
+    summary = known_audit.summary
     assert summary["inputs"]["live"] is None
     assert summary["inputs"]["archive"]["rows"] == {"incoming": 16, "dead_letters": 4, "sent": 20}
     assert summary["inputs"]["coverage"]["plain_queues"]["messages"] == 0, "every inbox row of it has a send"
-    assert "live tables not read" in (tmp_path / "out" / "report.html").read_text()
+    assert "live tables not read" in (known_audit.out / "report.html").read_text()
 
 
 def test_a_message_the_live_tables_still_hold_is_carried_by_the_ledger_not_settled(
