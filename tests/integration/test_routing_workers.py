@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from celery_outbox.signals import message_published
 
@@ -43,10 +43,11 @@ def shop(request, postgres_url, table_prefix, tmp_path):
 
 def test_messages_routed_every_way_to_a_durable_queue_are_stored_and_kept_in_the_inbox(shop):
     n, app = shop.names, shop.app
-    stored_at_publish: dict[str, str | None] = {}
+    committed: dict[str, str | None] = {}
+    published: dict[str, bool] = {}
 
     def on_published(sender, message, relayed, **_):
-        stored_at_publish[message.message_id] = _outgoing_destination(shop, message.message_id)
+        published[message.message_id] = relayed
 
     sends = {
         "exchange and routing key": (lambda: shop.record.apply_async(("a",), exchange=n["payex"],
@@ -58,11 +59,16 @@ def test_messages_routed_every_way_to_a_durable_queue_are_stored_and_kept_in_the
     }
     message_published.connect(on_published)
     try:
-        with shop.outbox.transaction():
+        with shop.outbox.transaction() as session:
             expected = {send().id: queue for send, queue in sends.values()}
+
+            @event.listens_for(session, "after_commit")
+            def read_the_rows(_session):  # committed, not yet published: no consumer can have taken a row
+                committed.update({task_id: _outgoing_destination(shop, task_id) for task_id in expected})
     finally:
         message_published.disconnect(on_published)
-    assert stored_at_publish == expected, "each row was committed by the sender's commit, for its durable queue"
+    assert committed == expected, "each row was committed by the sender's commit, for its durable queue"
+    assert published == dict.fromkeys(expected, False), "then the sender published each, not the relay"
     for task_id, queue in expected.items():
         row = wait_until(lambda task_id=task_id, queue=queue: _handled(shop, task_id, queue), timeout=60,
                          message=f"{task_id} to be handled from {queue}")
