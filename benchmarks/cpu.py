@@ -10,13 +10,14 @@ CPU_PARTS = ("worker", "pool", "PostgreSQL", "broker")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(worker_session: int) -> dict[str, float]:
-    """CPU time (user + system) spent so far by the worker's main process (the leader of session
-    ``worker_session``: it receives and acknowledges the messages), by its pool (the session's
-    other processes: they run the tasks), by PostgreSQL (all its processes) and by the broker
+def cpu_by_process(worker_session: int) -> dict[str, dict[str, float]]:
+    """CPU time (user + system) spent so far, by part, for each process, keyed by its pid and its
+    start time (a reused pid is another process): the worker's main process (the leader of
+    session ``worker_session``: it receives and acknowledges the messages), its pool (the
+    session's other processes: they run the tasks), PostgreSQL (all its processes) and the broker
     (Redis and RabbitMQ).
     One pass over ``/proc``: about a millisecond with a hundred processes."""
-    spent = dict.fromkeys(CPU_PARTS, 0.0)
+    spent: dict[str, dict[str, float]] = {part: {} for part in CPU_PARTS}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -34,8 +35,22 @@ def cpu_seconds(worker_session: int) -> dict[str, float]:
             part = ("PostgreSQL" if name in ("postgres", "postmaster")
                     else "broker" if name in ("redis-server", "beam.smp") else None)
         if part is not None:
-            spent[part] += ticks / CLOCK_TICKS
+            spent[part][f"{entry.name}:{fields[19]}"] = ticks / CLOCK_TICKS
     return spent
+
+
+def cpu_seconds(worker_session: int) -> dict[str, float]:
+    """CPU time spent so far by the processes of each part that run now (``cpu_by_process``)."""
+    return {part: sum(each.values()) for part, each in cpu_by_process(worker_session).items()}
+
+
+def spent_between(start: dict[str, dict[str, float]], end: dict[str, dict[str, float]]) -> dict[str, float]:
+    """CPU time spent by each part between two readings of ``cpu_by_process``: by every process
+    that runs at ``end``, since ``start`` or since it started. A process that ended in between is
+    not counted (another client's PostgreSQL backend, a server another program stopped), so that a
+    part never spends less than nothing when processes end."""
+    return {part: sum(seconds - start[part].get(process, 0.0) for process, seconds in end[part].items())
+            for part in CPU_PARTS}
 
 
 def mark_reading(key: str) -> str:
@@ -43,9 +58,9 @@ def mark_reading(key: str) -> str:
     session (a worker and its pool) has spent so far, read before the time at a start
     (``...:start``) and after it at an end, so that the reading falls outside the block."""
     if key.endswith(":start"):
-        cpu = cpu_seconds(os.getsid(0))
+        cpu = cpu_by_process(os.getsid(0))
         now = time.time()
     else:
         now = time.time()
-        cpu = cpu_seconds(os.getsid(0))
+        cpu = cpu_by_process(os.getsid(0))
     return json.dumps({"time": now, "cpu": cpu})

@@ -60,6 +60,7 @@ from functools import partial
 from typing import Any, Callable
 
 import psycopg
+import redis
 from celery import Celery
 
 from . import django as django_benchmark
@@ -181,7 +182,7 @@ class Procrastinate:
             written = conn.execute(f'SELECT count(*) FROM "{self.effects}"').fetchone()[0]
         if written != jobs + warm_up:
             raise RuntimeError(f"procrastinate's worker wrote {written} rows for {jobs + warm_up} jobs")
-        return _marked(key, jobs)
+        return worker.marked_block(redis.Redis.from_url(REDIS_URL), key, jobs)
 
     def close(self) -> None:
         self.connection.close()
@@ -191,19 +192,6 @@ class Procrastinate:
         self.app.close()
         with psycopg.connect(libpq_dsn(), autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA {self.schema} CASCADE")
-
-
-def _marked(key: str, messages: int) -> worker.Block:
-    """A block's throughput and CPU per task from its marks, as ``worker.Run`` reads them."""
-    import json
-
-    import redis
-
-    marks = redis.Redis.from_url(REDIS_URL)
-    start, end = (json.loads(marks.get(f"{key}:{which}")) for which in ("start", "end"))
-    marks.delete(f"{key}:start", f"{key}:end")
-    return {"rate": messages / (end["time"] - start["time"]),
-            "cpu": {part: (end["cpu"][part] - start["cpu"][part]) / messages for part in worker.CPU_PARTS}}
 
 
 def procrastinate_defer(options: Options) -> list[Result]:

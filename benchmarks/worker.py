@@ -44,7 +44,7 @@ import redis
 
 from . import worker_app
 from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store, in_turn
-from .cpu import CPU_PARTS
+from .cpu import CPU_PARTS, spent_between
 
 ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
@@ -83,6 +83,16 @@ DURABLE_VS_OPTIMISTIC = 0.95
 Block = dict[str, float | dict[str, float]]  # a block's throughput ("rate") and CPU seconds per task ("cpu")
 
 
+def marked_block(marks: redis.Redis, key: str, messages: int) -> Block:
+    """A block's throughput and CPU per task from its marks ``key:start`` and ``key:end`` (each a
+    ``cpu.mark_reading``), which are then deleted."""
+    start, end = (json.loads(marks.get(f"{key}:{which}")) for which in ("start", "end"))
+    marks.delete(f"{key}:start", f"{key}:end")
+    spent = spent_between(start["cpu"], end["cpu"])
+    return {"rate": messages / (end["time"] - start["time"]),
+            "cpu": {part: seconds / messages for part, seconds in spent.items()}}
+
+
 class Run:
     """One worker's queues, tables and marks, for one broker and one body."""
 
@@ -97,6 +107,7 @@ class Run:
         self.outbox.ready()
         self.metadata.create_all(self.outbox.engine)
         self.marks = redis.Redis.from_url(REDIS_URL)
+        self.marks_key = f"bench:{suffix}"  # the run's marks are under it: bench:<suffix>:<block>:start
 
     def empty_tables(self) -> None:
         """Start from empty tables: the rows an earlier run left would slow this one's inserts (a
@@ -114,7 +125,7 @@ class Run:
         for task in tasks:
             for n in range(warm_up):
                 send(task, (n,), queue=queue)
-        key = f"bench:{uuid.uuid4().hex}"
+        key = f"{self.marks_key}:{uuid.uuid4().hex}"
         for number in range(rounds):
             for task in in_turn(tasks, number):
                 self._fill(queue, f"{key}:{number}:{task}", task, block)
@@ -132,7 +143,7 @@ class Run:
                                     (OPTIMISTIC, "bench.optimistic", False),
                                     (DURABLE_FLOOR, "bench.floor_durable", False)):
             queue = self.env["BENCH_DURABLE_QUEUE" if durable else "BENCH_QUEUE"]
-            key = f"bench:{uuid.uuid4().hex}"
+            key = f"{self.marks_key}:{uuid.uuid4().hex}"
             with self.outbox.transaction() if durable else nullcontext():  # one INSERT, then published in order
                 self._fill(queue, key, task, messages)
             self._drain(queue, f"{key}:end", messages)
@@ -149,10 +160,7 @@ class Run:
 
     def _block(self, key: str, messages: int) -> Block:
         """A block's throughput and CPU per task, from its marks (which are then deleted)."""
-        start, end = (json.loads(self.marks.get(f"{key}:{which}")) for which in ("start", "end"))
-        self.marks.delete(f"{key}:start", f"{key}:end")
-        return {"rate": messages / (end["time"] - start["time"]),
-                "cpu": {part: (end["cpu"][part] - start["cpu"][part]) / messages for part in CPU_PARTS}}
+        return marked_block(self.marks, key, messages)
 
     def _drain(self, queue: str, last_mark: str, messages: int) -> None:
         """Start a worker on ``queue`` and stop it once it has recorded ``last_mark``."""
