@@ -295,7 +295,7 @@ def test_worker_benchmark_drains_blocks_of_each_variant_through_one_real_worker(
                                         .group_by(inbox.c.task_name)).all())
             others = conn.execute(select(func.count()).select_from(inbox).where(inbox.c.status != "handled")
                                   ).scalar_one()
-        leftover = list(run.marks.scan_iter("bench:*"))
+        leftover = list(run.marks.scan_iter(f"{run.marks_key}:*"))
     finally:
         run.close()
     assert written == len(tasks) * (3 + 2 * 10), "each body's one write, once"
@@ -395,19 +395,58 @@ def test_worker_benchmark_counts_cpu_of_the_worker_its_pool_postgres_and_the_bro
     assert ended["worker"] == ended["pool"] == 0, "an ended session spends nothing"
 
 
-def test_attempt_cost_runs_each_variant_through_celerys_tracer_and_leaves_no_tables():
+def test_worker_benchmark_cpu_of_a_block_never_goes_below_zero_when_a_process_ends():
+    """A process that ends between a block's two readings is not counted (its CPU would otherwise
+    leave the part's sum: a pool process, another client's PostgreSQL backend); the processes
+    that run at the end count from the start."""
+    from benchmarks.cpu import cpu_by_process, spent_between
+
+    burn = "import sys, time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\n"
+    child = burn.format(0.4) + "print('burnt', flush=True)\nsys.stdin.readline()"
+    leader = subprocess.Popen(  # starts a child that burns 0.4 s and waits; ends it; burns 0.3 s itself
+        [sys.executable, "-c", "import subprocess, sys\n"
+         f"child = subprocess.Popen([sys.executable, '-c', {child!r}], stdin=subprocess.PIPE, "
+         "stdout=subprocess.PIPE, text=True)\nchild.stdout.readline()\nprint('child burnt', flush=True)\n"
+         "sys.stdin.readline()\nchild.stdin.close()\nchild.wait()\n" + burn.format(0.3)
+         + "print('burnt', flush=True)\nsys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert leader.stdout.readline().strip() == "child burnt"
+        start = cpu_by_process(leader.pid)
+        assert sum(start["pool"].values()) >= 0.35, start
+        leader.stdin.write("\n")
+        leader.stdin.flush()
+        assert leader.stdout.readline().strip() == "burnt"
+        spent = spent_between(start, cpu_by_process(leader.pid))
+    finally:
+        leader.stdin.close()
+        leader.wait(timeout=30)
+    assert spent["pool"] == 0, "the ended child is not counted, and takes nothing away"
+    assert 0.25 <= spent["worker"] < 0.55, spent
+    assert all(seconds >= 0 for seconds in spent.values()), spent
+
+
+def test_attempt_cost_runs_each_variant_through_celerys_tracer_and_leaves_no_tables(monkeypatch):
     """``python -m benchmarks.attempt`` runs the worker benchmark's tasks in one process, each
     with its real database work, and drops the tables it made."""
     require("postgres")
     from benchmarks import attempt
-    from benchmarks.common import POSTGRES_URL
+    from benchmarks.common import POSTGRES_URL, unique_prefix
 
+    prefixes = []
+
+    def recorded_prefix() -> str:  # the tables' prefix of each run: other tests make tables meanwhile
+        prefixes.append(unique_prefix())
+        return prefixes[-1]
+
+    monkeypatch.setattr(attempt, "unique_prefix", recorded_prefix)
     engine = create_engine(POSTGRES_URL)
     try:
-        before = set(inspect(engine).get_table_names())
         for _, task_name in attempt.VARIANTS:
             assert attempt.run_tasks(task_name, 3, "write") > 0, task_name
-        assert set(inspect(engine).get_table_names()) == before
+        assert len(prefixes) == len(attempt.VARIANTS), "each variant on tables of its own"
+        left = [name for name in inspect(engine).get_table_names() if name.startswith(tuple(prefixes))]
+        assert left == [], "the tables each variant made are dropped"
     finally:
         engine.dispose()
 
