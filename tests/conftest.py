@@ -24,6 +24,24 @@ def pytest_configure(config) -> None:
         settings.configure(**{name: getattr(project, name) for name in dir(project) if name.isupper()})
 
 
+# The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, tox.ini): each test has
+# tables, queues and services of its own, except in these layers, whose tests run one after another
+# on one xdist worker:
+ONE_WORKER_LAYERS = {
+    "audit": "its tests share one Spark session and one audit of the known archive (session fixtures)",
+    "compat": "its tests share the compatibility harness's workers (a session fixture)",
+    "demo": "the demos use the example shop's own table and queue names, as a user runs them",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Keep each layer of ``ONE_WORKER_LAYERS`` on one xdist worker (a no-op without pytest-xdist)."""
+    for item in items:
+        layer = item.path.parent.name
+        if layer in ONE_WORKER_LAYERS:
+            item.add_marker(pytest.mark.xdist_group(layer))
+
+
 def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}_"
 
