@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence, TypeVar
 T = TypeVar("T")
 
 POSTGRES_URL = os.environ.get("CELERY_OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/14")
+REDIS_URL = os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")  # the tests take 15 and 14
 RABBITMQ_URL = os.environ.get("CELERY_OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 _OPERATORS: dict[str, Callable[[float, float], bool]] = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}

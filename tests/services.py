@@ -14,8 +14,23 @@ from urllib.parse import urlsplit
 
 import pytest
 
+
+def redis_database_of_this_worker(url: str) -> str:
+    """``url`` with the Redis database of this pytest-xdist worker: the given one on the first
+    (``gw0``) and on a run without xdist, the one below it on the second (``gw1``), and so on.
+    kombu keeps the unacknowledged messages of a whole Redis database in one index, and any client
+    gives back every message in it older than its own visibility timeout (the drills' apps set
+    3 s): a test beside a drill on one database would get its held messages delivered again."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    parts = urlsplit(url)
+    database = int(parts.path.strip("/") or 0) - int(worker.removeprefix("gw"))
+    if database < 0:
+        raise RuntimeError(f"{url}: no Redis database left for pytest-xdist worker {worker} (take a higher one)")
+    return parts._replace(path=f"/{database}").geturl()
+
+
 POSTGRES_URL = os.environ.get("CELERY_OUTBOX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_URL = redis_database_of_this_worker(os.environ.get("CELERY_OUTBOX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15"))
 RABBITMQ_URL = os.environ.get("CELERY_OUTBOX_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 URLS = {"postgres": POSTGRES_URL, "redis": REDIS_URL, "rabbitmq": RABBITMQ_URL}

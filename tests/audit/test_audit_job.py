@@ -206,7 +206,7 @@ def test_the_command_starts_spark_as_told_logs_to_a_file_and_reads_what_the_ledg
     assert process.stdout.splitlines()[-1] == f"report: {out / 'report.html'}"
     capsys.readouterr()
     # --full, in this process on the shared Spark session: a second JVM would only repeat the start-up
-    assert main(["--archive", known_archive, "--out", str(out), "--now", NOW.isoformat(), "--grace", "3600",
+    assert main(["--archive", known_archive, "--out", f"file://{out}", "--now", NOW.isoformat(), "--grace", "3600",
                  "--full"], spark=spark) == EXIT_LOST
     assert "celery-outbox audit: reading the inputs (all of them: --full)" in capsys.readouterr().err.splitlines()
 
