@@ -40,13 +40,25 @@ def assert_settled_exactly_once(summary: dict) -> None:
     assert summary["rows_pending"] == 0 and summary["dead_letters"] == 0
 
 
+PAYMENT_WORKER_CONCURRENCY = 2  # the demos' payments worker (example_project/demo.py), SIGKILLed halfway
+
+
+def assert_every_receipt_sent_but_the_killed_workers(summary: dict) -> None:
+    """A receipt goes to a plain queue: published after its payment's commit, not stored. A
+    payment that committed in the instant before the SIGKILL loses its receipt with the worker
+    (its redelivered copy is discarded: the payment is done), as with ``delay_on_commit``. Only
+    the payments running at the kill can; every other payment has its receipt."""
+    lost = summary["payments_made"] - summary["receipts_sent"]
+    assert 0 <= lost <= PAYMENT_WORKER_CONCURRENCY, json.dumps(summary)
+
+
 def test_the_demo_on_embedded_defaults_ends_with_a_clean_audit(tmp_path):
     """SQLite and a filesystem broker, which cannot give back a killed worker's messages:
     delivery tracking and recovery bring them back. With Java and PySpark the demo ends with the
     delivery audit of its own traffic."""
     summary = run_demo(tmp_path)
     assert_settled_exactly_once(summary)
-    assert summary["receipts_sent"] == summary["payments_made"]
+    assert_every_receipt_sent_but_the_killed_workers(summary)
     audit = summary.get("audit")
     if audit is None:
         from ..services import services_required
