@@ -42,6 +42,22 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group(layer))
 
 
+# A test's line for the run's summary, recorded with ``record_property(SUMMARY_LINE, line)``: each
+# fault drill's outcome. pytest-xdist passes a report's properties to the controlling process, not
+# what a test prints.
+SUMMARY_LINE = "summary line"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the summary lines the tests recorded, in the order they ended."""
+    lines = [value for report in terminalreporter.getreports("passed") + terminalreporter.getreports("failed")
+             if report.when == "call" for name, value in report.user_properties if name == SUMMARY_LINE]
+    if lines:
+        terminalreporter.write_sep("=", "fault drills")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}_"
 

@@ -53,7 +53,7 @@ from celery_outbox.store import utcnow
 
 from ..apps import fault_app
 from ..brokers import purge
-from ..conftest import drop_store
+from ..conftest import SUMMARY_LINE, drop_store
 from ..services import wait_until
 from ..workers import ROOT, BeatProcess, WorkerProcess
 
@@ -491,17 +491,17 @@ class FaultRun:
             self.shop.outbox.engine.dispose()
 
 
-def play(run: FaultRun, capsys, more_faults: Callable[[], int] | None = None) -> Outcome:
-    """Run a scenario, drop its tables, and print its line (past pytest's capture); ``more_faults``
-    counts faults the run could not see (a server's own doing, read from its log)."""
+def play(run: FaultRun, record_property, more_faults: Callable[[], int] | None = None) -> Outcome:
+    """Run a scenario, drop its tables, and leave its line for the run's summary (``record_property``,
+    ``tests/conftest.py``); ``more_faults`` counts faults the run could not see (a server's own
+    doing, read from its log)."""
     try:
         outcome = run.run()
     finally:
         run.close()
     if more_faults is not None:
         outcome.kills += more_faults()
-    with capsys.disabled():
-        print(f"\n{outcome.line()}")
+    record_property(SUMMARY_LINE, outcome.line())
     return outcome
 
 

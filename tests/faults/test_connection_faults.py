@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from ..conftest import SUMMARY_LINE
 from ..services import TcpProxy, require
 from ..throwaway import ThrowawayPostgres
 from .chaos import KINDS, ConnectionKiller
@@ -42,7 +43,7 @@ def redis_url():
 @pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("gevent", False),
                                                    ("solo", False), ("prefork", True)],
                          ids=["prefork", "threads", "gevent", "solo", "plain receipts"])
-def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool, plain_receipts):
+def test_connections_terminated_at_random(redis_url, tmp_path, record_property, pool, plain_receipts):
     """From a tenth of the orders paid to nine tenths (about 6 s), one session of the next kind in
     turn is terminated every 0.05 to 0.25 s. Every kind is hit; claims, bodies, finishes, releases and
     heartbeats that lose their connection send the message back or try again, never ack it away.
@@ -60,18 +61,17 @@ def test_connections_terminated_at_random(redis_url, tmp_path, capsys, pool, pla
                               interval=(0.05, 0.25))
     run.at_progress(0.1, killer.start).at_progress(0.9, killer.stop)
     try:
-        outcome = play(run, capsys)
+        outcome = play(run, record_property)
     finally:
         killer.stop()
-    with capsys.disabled():
-        print(f"  terminated by kind: {dict(killer.killed)}")
+    record_property(SUMMARY_LINE, f"  terminated by kind: {dict(killer.killed)}")
     assert set(killer.killed) >= {"task", "liveness", "producer"}, f"kinds never hit: {killer.killed}"
     assert outcome.kills >= 20, outcome.line()
     assert_invariants(outcome)
     assert set(KINDS) >= set(killer.killed)
 
 
-def test_database_refusing_connections_for_ten_seconds(redis_url, tmp_path, capsys):
+def test_database_refusing_connections_for_ten_seconds(redis_url, tmp_path, record_property):
     """Every process reaches PostgreSQL through a proxy that, at 40% of the orders paid, cuts every
     connection and refuses new ones for 10 s. Claims go back to the broker, the producer tries its
     order again, the nodes keep their claims (their heartbeats resume) or lose them to recovery,
@@ -92,21 +92,21 @@ def test_database_refusing_connections_for_ten_seconds(redis_url, tmp_path, caps
     run.at_progress(0.4, outage)
     run.settles_when("the database answering again", outage_over.is_set)
     try:
-        outcome = play(run, capsys)
+        outcome = play(run, record_property)
     finally:
         proxy.stop()
     assert outage_over.is_set()
     assert_invariants(outcome)
 
 
-def test_server_ending_idle_sessions(redis_url, tmp_path, capsys):
+def test_server_ending_idle_sessions(redis_url, tmp_path, record_property):
     """``idle_session_timeout = 300ms``: every connection idle for longer is ended by the server,
     the liveness connections between two heartbeats among them. Pooled connections are pinged
     and replaced, liveness connections taken again; no node is declared dead for it."""
     with ThrowawayPostgres(idle_session_timeout="300ms") as postgres:
         run = FaultRun("idle_session_timeout 300ms", tmp_path, redis_url, postgres.url, orders=120)
         ended = "terminating connection due to idle-session timeout"
-        outcome = play(run, capsys, more_faults=lambda: postgres.count_log(ended))
+        outcome = play(run, record_property, more_faults=lambda: postgres.count_log(ended))
         assert postgres.count_log(ended) > 0, f"{outcome.line()}: the server ended no idle session"
         assert_invariants(outcome)
 
@@ -114,7 +114,7 @@ def test_server_ending_idle_sessions(redis_url, tmp_path, capsys):
 @pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("gevent", False),
                                                    ("prefork", True)],
                          ids=["prefork", "threads", "gevent", "plain receipts"])
-def test_reject_requeue_and_lost_pool_processes(redis_url, tmp_path, capsys, pool, plain_receipts):
+def test_reject_requeue_and_lost_pool_processes(redis_url, tmp_path, record_property, pool, plain_receipts):
     """The first delivery of every 7th payment raises ``Reject(requeue=True)`` and of another 7th
     kills its own pool process (threads and gevent, whose tasks share the worker's process: only
     the rejects), in both styles: each comes back and commits once. With plain receipts, their
@@ -126,7 +126,7 @@ def test_reject_requeue_and_lost_pool_processes(redis_url, tmp_path, capsys, poo
     kind = f"{pool}, plain receipts" if plain_receipts else pool
     run = FaultRun(f"Reject(requeue=True) and lost pool processes ({kind})", tmp_path, redis_url, database_url,
                    orders=105, pool=pool, tricks=tricks, plain_receipts=plain_receipts, **prefetch)
-    outcome = play(run, capsys)
+    outcome = play(run, record_property)
     played = run.played
     least = (15 if pool == "prefork" else 10) * (2 if plain_receipts else 1)
     assert played >= least, f"{outcome.line()}: {played} tricks played"

@@ -34,23 +34,23 @@ CRASHPOINTS = {
 
 
 @pytest.mark.parametrize("crashpoint", list(CRASHPOINTS))
-def test_crash_point_in_the_flow(services, tmp_path, capsys, crashpoint):
-    outcome = play(FaultRun(crashpoint, tmp_path, *services, crashpoint=crashpoint), capsys)
+def test_crash_point_in_the_flow(services, tmp_path, record_property, crashpoint):
+    outcome = play(FaultRun(crashpoint, tmp_path, *services, crashpoint=crashpoint), record_property)
     assert outcome.kills > 0, f"{outcome.line()}: the crash point never fired"
     assert_invariants(outcome)
 
 
-def test_crash_during_relay(services, tmp_path, capsys):
+def test_crash_during_relay(services, tmp_path, record_property):
     """The producer cannot reach the broker: every payment waits in the outgoing table for the relay
     in beat's recover task, whose process dies in the middle of a batch every 25 publishes."""
     run = FaultRun("during_relay:25", tmp_path, *services, crashpoint="during_relay:25",
                    producer_broker_url=f"redis://127.0.0.1:{free_port()}/0", outbox_relay_batch_size=10)
-    outcome = play(run, capsys)
+    outcome = play(run, record_property)
     assert outcome.kills > 0, f"{outcome.line()}: the crash point never fired"
     assert_invariants(outcome)
 
 
-def test_crash_during_recover(services, tmp_path, capsys):
+def test_crash_during_recover(services, tmp_path, record_property):
     """The consuming worker is SIGKILLed three times while two bodies run in it, and Redis would give
     its unacked messages back only after an hour: recovery re-publishes the stranded envelopes, and
     dies at every second one it publishes."""
@@ -58,14 +58,14 @@ def test_crash_during_recover(services, tmp_path, capsys):
                    body_seconds=0.05)
     for share in (0.2, 0.45, 0.7):
         run.at_progress(share, run.kill_consumer_in_flight)
-    outcome = play(run, capsys)
+    outcome = play(run, record_property)
     # the point fires only after a re-publish: recovery found the stranded envelopes (its marks die
     # with it, so ``recovered`` may well stay 0)
     assert outcome.kills > 3, f"{outcome.line()}: the crash point never fired"
     assert_invariants(outcome)
 
 
-def test_crash_during_cleanup(services, tmp_path, capsys):
+def test_crash_during_cleanup(services, tmp_path, record_property):
     """Cleanup deletes 3000 expired inbox rows in batches of 100 and dies after every fourth batch,
     before its commit, while orders flow: every expired row goes, no live row does."""
     run = FaultRun("during_cleanup:4", tmp_path, *services, crashpoint="during_cleanup:4",
@@ -79,19 +79,19 @@ def test_crash_during_cleanup(services, tmp_path, capsys):
     # an inbox row per message (a payment and a receipt per order), none of the expired ones
     run.settles_when("every expired inbox row deleted and every live one kept",
                      lambda: store.count_incoming() == 2 * run.orders)
-    outcome = play(run, capsys)
+    outcome = play(run, record_property)
     assert outcome.kills > 0, f"{outcome.line()}: the crash point never fired"
     assert_invariants(outcome)
 
 
-def test_worker_sigkilled_repeatedly(services, tmp_path, capsys):
+def test_worker_sigkilled_repeatedly(services, tmp_path, record_property):
     """SIGKILL the consuming worker four times while orders flow, each time while two bodies run in
     it; Redis gives nothing back for an hour, so recovery and delivery tracking bring every message
     back."""
     run = FaultRun("worker SIGKILLed x4", tmp_path, *services, visibility_timeout=3600, body_seconds=0.05)
     for share in (0.15, 0.35, 0.55, 0.75):
         run.at_progress(share, run.kill_consumer_in_flight)
-    outcome = play(run, capsys)
+    outcome = play(run, record_property)
     assert outcome.kills == 4
     assert outcome.recovered > 0, f"{outcome.line()}: the kills stranded nothing"
     assert_invariants(outcome)
