@@ -131,7 +131,8 @@ class Run:
                 self._fill(queue, f"{key}:{number}:{task}", task, block)
         last = in_turn(tasks, rounds - 1)[-1]
         self._drain(queue, f"{key}:{rounds - 1}:{last}:end", rounds * len(tasks) * block)
-        return [{task: self._block(f"{key}:{number}:{task}", block) for task in tasks} for number in range(rounds)]
+        return [{task: marked_block(self.marks, f"{key}:{number}:{task}", block) for task in tasks}
+                for number in range(rounds)]
 
     def durable_round(self, messages: int) -> dict[str, Block]:
         """The plain task drained from the durable queue (stored and relayed by the outbox), then
@@ -147,7 +148,7 @@ class Run:
             with self.outbox.transaction() if durable else nullcontext():  # one INSERT, then published in order
                 self._fill(queue, key, task, messages)
             self._drain(queue, f"{key}:end", messages)
-            measured[name] = self._block(key, messages)
+            measured[name] = marked_block(self.marks, key, messages)
         return measured
 
     def _fill(self, queue: str, key: str, task: str, messages: int) -> None:
@@ -157,10 +158,6 @@ class Run:
         for n in range(messages):
             send(task, (n,), queue=queue)
         send("bench.mark", (f"{key}:end",), queue=queue)
-
-    def _block(self, key: str, messages: int) -> Block:
-        """A block's throughput and CPU per task, from its marks (which are then deleted)."""
-        return marked_block(self.marks, key, messages)
 
     def _drain(self, queue: str, last_mark: str, messages: int) -> None:
         """Start a worker on ``queue`` and stop it once it has recorded ``last_mark``."""

@@ -364,6 +364,10 @@ def test_worker_benchmark_floor_runs_a_redelivered_message_no_second_time(style)
     assert statuses == {"message-1": "handled", "message-2": "handled"}
 
 
+# a Python program that burns the given CPU seconds
+BURN = "import sys, time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\n"
+
+
 def test_worker_benchmark_counts_cpu_of_the_worker_its_pool_postgres_and_the_broker():
     """``cpu_seconds`` gives the CPU of the session's leader (the worker's main process) to
     "worker", that of the session's other processes (its pool) to "pool", and finds PostgreSQL's
@@ -372,10 +376,9 @@ def test_worker_benchmark_counts_cpu_of_the_worker_its_pool_postgres_and_the_bro
     require("redis")
     from benchmarks.cpu import CPU_PARTS, cpu_seconds
 
-    burn = "import sys, time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\n"
-    child = burn.format(0.6) + "print('burnt', flush=True)\nsys.stdin.readline()"
+    child = BURN.format(0.6) + "print('burnt', flush=True)\nsys.stdin.readline()"
     leader = subprocess.Popen(  # burns 0.3 s itself, then starts a child that burns 0.6 s and waits
-        [sys.executable, "-c", burn.format(0.3) + "import subprocess\n"
+        [sys.executable, "-c", BURN.format(0.3) + "import subprocess\n"
          f"child = subprocess.Popen([sys.executable, '-c', {child!r}], stdin=subprocess.PIPE, "
          "stdout=subprocess.PIPE, text=True)\nchild.stdout.readline()\nprint('burnt', flush=True)\n"
          "sys.stdin.readline()\nchild.stdin.close()\nchild.wait()"],
@@ -401,13 +404,12 @@ def test_worker_benchmark_cpu_of_a_block_never_goes_below_zero_when_a_process_en
     that run at the end count from the start."""
     from benchmarks.cpu import cpu_by_process, spent_between
 
-    burn = "import sys, time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\n"
-    child = burn.format(0.4) + "print('burnt', flush=True)\nsys.stdin.readline()"
+    child = BURN.format(0.4) + "print('burnt', flush=True)\nsys.stdin.readline()"
     leader = subprocess.Popen(  # starts a child that burns 0.4 s and waits; ends it; burns 0.3 s itself
         [sys.executable, "-c", "import subprocess, sys\n"
          f"child = subprocess.Popen([sys.executable, '-c', {child!r}], stdin=subprocess.PIPE, "
          "stdout=subprocess.PIPE, text=True)\nchild.stdout.readline()\nprint('child burnt', flush=True)\n"
-         "sys.stdin.readline()\nchild.stdin.close()\nchild.wait()\n" + burn.format(0.3)
+         "sys.stdin.readline()\nchild.stdin.close()\nchild.wait()\n" + BURN.format(0.3)
          + "print('burnt', flush=True)\nsys.stdin.readline()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
