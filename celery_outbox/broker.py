@@ -2,7 +2,7 @@
 the one publish loop (``Outlet.publish_each``) that every path publishing stored messages goes
 through: the commit-time publisher (its durable messages), the relay, redelivery and the
 re-publish of stranded envelopes. A message with no row (not durable) goes alone with Celery's
-retry policy (``Outlet.publish_one``)."""
+retry policy (``Publisher._publish_plain``)."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ class Outlet:
         self.producer = producer
         self.broker_errors = connection_errors(producer.connection)
         self.queues = app.amqp.queues
-        self._bound = BoundQueues(app.amqp.queues, producer)
+        self.bound = BoundQueues(app.amqp.queues, producer)
 
     def unreachable(self) -> str | None:
         """Why the broker does not answer (one quick attempt), or None when it does."""
@@ -162,7 +162,7 @@ class Outlet:
             for index, (item, message) in enumerate(pairs):
                 spans.start(message)
                 try:
-                    message.publish(self.producer, retry=False, entities=self._bound)
+                    message.publish(self.producer, retry=False, entities=self.bound)
                 except self.broker_errors as exc:
                     result.broker_error = exc
                     result.not_sent = list(pairs[index:])
@@ -181,11 +181,6 @@ class Outlet:
             for _ in result.published:
                 crashpoint(crash_point)
         return result
-
-    def publish_one(self, message: OutgoingMessage) -> None:
-        """Publish ``message`` with Celery's retry policy (a message with no row to wait in)."""
-        with tracing.publish_span(tracing.PUBLISH, message):
-            message.publish(self.producer, entities=self._bound)
 
 
 @contextmanager

@@ -22,12 +22,12 @@ import logging
 from datetime import datetime
 from itertools import groupby
 from operator import attrgetter
-from typing import Any
+from typing import Any, Iterable
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import log_fields, tracing
-from .broker import Outlet, outlet
+from .broker import BoundQueues, Outlet, connection_errors, outlet
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
 from .runtime import Runtime
@@ -108,6 +108,10 @@ class Publisher:
         now = utcnow()
         for message in messages:
             message.committed_at = message.committed_at or now
+        if not any(message.durable for message in messages):  # nothing stored: only published
+            with self.runtime.app.producer_or_acquire(producer) as acquired:
+                self._publish_plain(messages, acquired, BoundQueues(self.runtime.app.amqp.queues, acquired), False)
+            return
         if messages_stored.receivers:
             stored = [m for m in messages if m.durable]
             if stored:
@@ -197,15 +201,7 @@ class Publisher:
             broker_down = bool(owned) and out.unreachable() is not None
             for durable, run in groupby(messages, key=attrgetter("durable")):
                 if not durable:
-                    for message in run:
-                        try:
-                            out.publish_one(message)
-                        except Exception as exc:  # noqa: BLE001 - reported: a plain message is lost
-                            broker_down = broker_down or isinstance(exc, out.broker_errors)
-                            self._failed(message, exc)
-                        else:
-                            message_published.send(sender=self.runtime.owner, message=message, relayed=False)
-                            self._send_event(message, out.producer, broker_down)
+                    broker_down = self._publish_plain(run, out.producer, out.bound, broker_down)
                     continue
                 run = list(run)
                 published, broker_down = self._publish_durable(out, run, owned, broker_down)
@@ -213,6 +209,23 @@ class Publisher:
                 for message in run:  # stored: sent, whether the broker has it now or the relay sends it
                     self._send_event(message, out.producer, broker_down)
         return sent
+
+    def _publish_plain(self, messages: Iterable[OutgoingMessage], producer: Any, entities: BoundQueues,
+                       broker_down: bool) -> bool:
+        """Publish messages that have no row with ``producer``, one by one with Celery's retry
+        policy, each followed by its ``task-sent`` event; a failed one is reported and lost
+        (nothing stored it). Returns whether the broker is known to be down."""
+        for message in messages:
+            try:
+                with tracing.publish_span(tracing.PUBLISH, message):
+                    message.publish(producer, entities=entities)
+            except Exception as exc:  # noqa: BLE001 - reported: a plain message is lost
+                broker_down = broker_down or isinstance(exc, connection_errors(producer.connection))
+                self._failed(message, exc)
+            else:
+                message_published.send(sender=self.runtime.owner, message=message, relayed=False)
+                self._send_event(message, producer, broker_down)
+        return broker_down
 
     @staticmethod
     def _send_event(message: OutgoingMessage, producer: Any, broker_down: bool) -> None:

@@ -166,7 +166,8 @@ class PublishSpans:
 
 
 def publish_span(step: str, message: Any) -> ContextManager[None]:
-    """The span of one message published alone (``Outlet.publish_one``), ended with its outcome."""
+    """The span of one message published alone (one with no row: ``Publisher._publish_plain``),
+    ended with its outcome."""
     return nullcontext() if _active_tracer() is None else _publish_span(step, message)
 
 

@@ -252,6 +252,44 @@ def _failing_publish(monkeypatch):
     monkeypatch.setattr(Producer, "publish", publish)
 
 
+def test_a_plain_publish_that_fails_after_the_commit_is_reported_and_the_next_goes_out(shop, monkeypatch, caplog):
+    """A unit of work with plain messages only (nothing stored): the broker refuses the first
+    message's publish; it is reported lost, by the log and ``publish_failed``, and the second
+    one is still published, with its ``message_published``."""
+    failed, published = [], []
+
+    def on_failed(sender, message, exception, **_):
+        failed.append((message.message_id, type(exception)))
+
+    def on_published(sender, message, relayed, **_):
+        published.append((message.message_id, relayed))
+
+    real_publish = Producer.publish
+
+    def publish(self, body, *args, **kwargs):
+        if kwargs["headers"]["argsrepr"] == "(1,)":
+            raise ConnectionRefusedError("broker is down")
+        return real_publish(self, body, *args, **kwargs)
+
+    publish_failed.connect(on_failed)
+    message_published.connect(on_published)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(Producer, "publish", publish)
+            with shop.outbox.transaction():
+                lost = shop.plain.apply_async((1,), retry=False)
+                sent = shop.plain.apply_async((2,), retry=False)
+    finally:
+        publish_failed.disconnect(on_failed)
+        message_published.disconnect(on_published)
+    assert failed == [(lost.id, ConnectionRefusedError)]
+    assert published == [(sent.id, False)]
+    assert f"publish of {shop.plain.name}[{lost.id}]" in caplog.text and "the message is lost" in caplog.text
+    (message,) = receive(shop.app, shop.plain_queue, 1)
+    assert (message.id, message.args) == (sent.id, [2])
+    assert nothing_more(shop.app, shop.plain_queue)
+
+
 def test_failed_publish_after_commit_keeps_the_row_and_the_relay_sends_it(shop, monkeypatch):
     failures = []
 
