@@ -9,8 +9,9 @@ Celery or kombu upgrade that changes one of them fails there first, by name, ins
 deep in an integration test. The rest of the package uses only what this module exports and
 Celery's and kombu's public API.
 
-Where each is used: ``without_callback_publish_retry`` (envelope), ``install_task_sender`` and
-``default_event_dispatcher`` (publishing), ``app_task_base_used``, ``set_app_task_base``,
+Where each is used: ``without_callback_publish_retry`` (envelope), ``install_task_sender``,
+``default_event_dispatcher``, ``install_send_task_producer`` and ``backend_ignores_producer``
+(publish_hook), ``app_task_base_used``, ``set_app_task_base``,
 ``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``request_context``,
 ``unwrap_exception``, ``tracer_pushed_request`` and ``swap_task_class`` (tasks),
 ``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
@@ -28,6 +29,7 @@ call (``envelope._RecordingProducer`` records it), and sends ``task-sent`` with
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Iterator
@@ -40,12 +42,14 @@ __all__ = [
     "TASKS_STEP",
     "HookedRequest",
     "app_task_base_used",
+    "backend_ignores_producer",
     "build_channel_messages_with",
     "cache_exchange_bindings",
     "call_later",
     "can_batch_publish",
     "consumer_event_dispatcher",
     "default_event_dispatcher",
+    "install_send_task_producer",
     "install_task_sender",
     "pool_module",
     "request_context",
@@ -112,6 +116,53 @@ def install_task_sender(app: Any, owner: Any, wrap: Callable[[Any, Callable[...,
 
     app.amqp_cls = OutboxAMQP
     app.__dict__.pop("amqp", None)
+
+
+def install_send_task_producer(app: Any, owner: Any, producer_for_send: Callable[[], Any]) -> None:
+    """Make ``app.send_task`` (which ``Task.apply_async`` calls) use ``producer_for_send()`` when
+    the caller gives no producer, instead of acquiring one from the app's pool for the call;
+    ``producer_for_send`` returns None to leave Celery's acquire as it is.
+
+    Touches the call shape of ``Celery.send_task`` (Celery 5): after ``name`` come ``args``,
+    ``kwargs``, ``countdown``, ``eta``, ``task_id``, ``producer``, ``connection``, and
+    ``publisher`` is an alias of ``producer``; given a producer it acquires none, and uses it only
+    as ``P.connection._reraise_as_library_errors()``, ``backend.on_task_call(P, task_id)`` and
+    ``amqp.send_task_message(P, ...)``. The wrapper is an attribute of the app instance. Calling
+    it again with the same ``owner`` changes nothing."""
+    celery_send_task = app.send_task
+    if getattr(celery_send_task, "_celery_outbox", None) is owner:
+        return
+
+    @functools.wraps(celery_send_task)
+    def send_task(name: str, *args: Any, **kwargs: Any) -> Any:
+        if len(args) < 6 and kwargs.get("producer") is None and kwargs.get("connection") is None \
+                and kwargs.get("publisher") is None:
+            producer = producer_for_send()
+            if producer is not None:
+                kwargs["producer"] = producer
+        return celery_send_task(name, *args, **kwargs)
+
+    send_task._celery_outbox = owner  # type: ignore[attr-defined]
+    app.send_task = send_task
+
+
+def backend_ignores_producer(backend: Any) -> bool:
+    """Whether ``backend.on_task_call(producer, task_id)``, which ``Celery.send_task`` calls before
+    it sends, leaves the producer alone. Touches ``on_task_call`` of Celery 5's backends: the base
+    one does nothing and the Redis one subscribes to the result's channel on its own connection;
+    the rpc one declares its reply queue on the producer's channel, as may a backend of the
+    user's own."""
+    call = getattr(type(backend), "on_task_call", None)
+    known = _PRODUCERLESS_TASK_CALLS.get(call)
+    if known is None:
+        from celery.backends.base import BaseBackend
+        from celery.backends.redis import RedisBackend
+
+        known = _PRODUCERLESS_TASK_CALLS[call] = call in (BaseBackend.on_task_call, RedisBackend.on_task_call)
+    return known
+
+
+_PRODUCERLESS_TASK_CALLS: dict[Any, bool] = {}
 
 
 def default_event_dispatcher(amqp: Any) -> Any:

@@ -30,8 +30,8 @@ from .sent_events import RecordingDispatcher, SentEvent
 from .store import SEND_ID_SIZE, as_utc, text_problem
 from .vocabulary import REPLAY_HEADER, SEND_HEADER, Attempt
 
-__all__ = ["SEND_HEADER", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text", "new_send_id",
-           "send_id_of"]
+__all__ = ["SEND_HEADER", "CapturingProducer", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text",
+           "new_send_id", "send_id_of"]
 
 
 #: ``kombu.utils.json.dumps`` (the same text: datetimes, UUIDs and decimals kept) with one encoder
@@ -185,6 +185,23 @@ def _timestamp(value: Any) -> datetime | None:
     if value.tzinfo is None:  # Celery writes naive times in UTC when enable_utc is on (its default)
         value = value.replace(tzinfo=timezone.utc)
     return value.astimezone(timezone.utc)
+
+
+class CapturingProducer:
+    """Given to Celery's ``send_task`` for a send a unit of work captures, in place of a producer
+    from the app's pool: Celery hands it to the sender, which ``capture`` runs against a
+    ``_RecordingProducer``, so nothing is published through it and no pooled producer is taken
+    and given back for the capture (the publish after the commit takes the one it uses).
+    ``connection`` is a connection of the app's broker that never connects: Celery's
+    ``send_task`` only enters its ``_reraise_as_library_errors()``. Anything else Celery asks of
+    it raises, naming what was asked."""
+
+    def __init__(self, connection: Any):
+        self.connection = connection
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"celery-outbox: a send captured by a unit of work asked its stand-in producer for "
+                             f"{name!r}, which only a pooled producer has")
 
 
 class _RecordingProducer:

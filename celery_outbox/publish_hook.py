@@ -15,9 +15,14 @@ from typing import Any, Callable, Iterator
 from celery.app.amqp import AMQP
 
 from . import tracing
-from .celery_hooks import default_event_dispatcher, install_task_sender
+from .celery_hooks import (
+    backend_ignores_producer,
+    default_event_dispatcher,
+    install_send_task_producer,
+    install_task_sender,
+)
 from .django.transactions import joined_transaction
-from .envelope import OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
+from .envelope import CapturingProducer, OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
 from .publishing import Publisher
 from .routing import durable_destination, published_route
 from .unit_of_work import current_unit_of_work
@@ -125,6 +130,27 @@ def _continues(request: Any, headers: dict[str, Any]) -> bool:
 
 
 def install_publish_hook(publisher: Publisher) -> None:
-    """Make the app's AMQP an ``OutboxAMQP``: every publish passes through ``send_task_message``."""
-    install_task_sender(publisher.runtime.app, publisher,
-                        lambda amqp, celery_sender: _make_sender(publisher, amqp, celery_sender))
+    """Make the app's AMQP an ``OutboxAMQP``: every publish passes through ``send_task_message``;
+    and let a send that a unit of work captures skip the app's producer pool."""
+    app = publisher.runtime.app
+    install_task_sender(app, publisher, lambda amqp, celery_sender: _make_sender(publisher, amqp, celery_sender))
+    install_send_task_producer(app, publisher, _producer_for_captured_sends(app))
+
+
+def _producer_for_captured_sends(app: Any) -> Callable[[], CapturingProducer | None]:
+    """For ``Celery.send_task`` with no producer given: while a unit of work is open, the send is
+    captured, not published, so it gets a ``CapturingProducer`` instead of a pooled producer
+    (taking and giving one back costs about as much CPU as a tenth of the send); unless the result
+    backend uses the producer when a task is sent (the rpc backend declares its reply queue on
+    its channel). Outside a unit of work, Celery acquires one as usual."""
+    stand_in: CapturingProducer | None = None
+
+    def producer_for_send() -> CapturingProducer | None:
+        nonlocal stand_in
+        if current_unit_of_work() is None or not backend_ignores_producer(app.backend):
+            return None
+        if stand_in is None:
+            stand_in = CapturingProducer(app.connection_for_write())
+        return stand_in
+
+    return producer_for_send

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import select
@@ -84,6 +85,58 @@ def shop(broker_url, database_url, table_prefix):
 
 
 
+
+
+def counted_acquires(app, monkeypatch) -> list[int]:
+    """Counts the producers ``app`` takes from its pool: one entry per acquire."""
+    acquired: list[int] = []
+    real_acquire = app.producer_pool.acquire
+
+    def acquire(*args, **kwargs):
+        acquired.append(1)
+        return real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(app.producer_pool, "acquire", acquire)
+    return acquired
+
+
+def test_captured_sends_take_no_producer_and_the_publish_takes_one(shop, unit_of_work, monkeypatch):
+    """Inside a unit of work a send is captured, not published: it takes no producer from the
+    app's pool (Celery's ``send_task`` is given a stand-in); the publish after the commit takes
+    one for all the unit's messages, which arrive. Outside one, a send takes one, as in Celery."""
+    acquired = counted_acquires(shop.app, monkeypatch)
+    with unit_of_work(shop):
+        first, stored, last = shop.plain.delay(1), shop.durable.delay(2), shop.plain.delay(3)
+        assert acquired == [], "the captures took no producer from the pool"
+    assert acquired == [1], "one producer published the unit's three messages"
+    assert [m.id for m in receive(shop.app, shop.plain_queue, 2)] == [first.id, last.id]
+    assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [stored.id]
+    outside = shop.plain.delay(4)
+    assert acquired == [1, 1]
+    assert [m.id for m in receive(shop.app, shop.plain_queue, 1)] == [outside.id]
+
+
+def test_with_the_rpc_backend_a_captured_send_takes_a_pooled_producer(broker_url, database_url, table_prefix,
+                                                                      monkeypatch):
+    """The rpc result backend declares its reply queue on the producer of each send, so there a
+    captured send takes a pooled producer, as in Celery; the message is published after the
+    commit and its result comes back to the caller through the reply queue."""
+    if not broker_url.startswith("amqp"):
+        pytest.skip("the rpc backend replies through AMQP queues")
+    with own_shop(broker_url, database_url, table_prefix, result_backend="rpc://") as shop:
+        acquired = counted_acquires(shop.app, monkeypatch)
+        with shop.outbox.transaction():
+            result = shop.plain.delay(5)
+            assert acquired == [1], "the capture took a pooled producer for the backend"
+        assert acquired == [1, 1]
+        (message,) = receive(shop.app, shop.plain_queue, 1)
+        assert message.id == result.id
+        # the worker's reply, to the queue the capture declared (Celery's rpc replies go to the
+        # sending thread's queue, with the task id as the correlation id)
+        replying = SimpleNamespace(reply_to=shop.app.thread_oid, correlation_id=message.id, chord=None,
+                                   ignore_result=False, group=None, parent_id=None, delivery_info={})
+        shop.app.backend.mark_as_done(message.id, 10, request=replying)
+        assert result.get(timeout=10) == 10
 
 
 def test_rollback_publishes_nothing(shop, unit_of_work):

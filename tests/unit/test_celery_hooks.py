@@ -117,6 +117,81 @@ def test_send_task_message_publishes_once_with_the_keywords_the_capture_reads(ap
     assert kwargs["headers"]["task"] == "t.add"
 
 
+def counted_acquires(app: Celery, monkeypatch) -> list[int]:
+    """Counts the producers ``app`` takes from its pool: one entry per acquire."""
+    acquired: list[int] = []
+    real_acquire = app.producer_pool.acquire
+
+    def acquire(*args: Any, **kwargs: Any) -> Any:
+        acquired.append(1)
+        return real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(app.producer_pool, "acquire", acquire)
+    return acquired
+
+
+def test_send_task_uses_a_given_producer_as_is_and_acquires_none(app, monkeypatch):
+    """``install_send_task_producer`` relies on ``Celery.send_task``'s parameters (``producer`` after
+    ``task_id``, then ``connection``; ``publisher`` its alias) and on a given producer being
+    used as is: Celery enters its ``connection._reraise_as_library_errors()`` and hands it to
+    the sender, and takes none from the pool."""
+    names = list(inspect.signature(Celery.send_task).parameters)
+    assert names[:9] == ["self", "name", "args", "kwargs", "countdown", "eta", "task_id", "producer", "connection"]
+    assert "publisher" in names
+    acquired = counted_acquires(app, monkeypatch)
+    given = RecordingProducer(Connection("memory://"))
+    app.send_task("t.add", (1, 2), producer=given)
+    assert acquired == [] and len(given.calls) == 1
+    app.send_task("t.add", (1, 2))
+    assert acquired == [1], "with no producer given, Celery takes one from the pool"
+
+
+def test_an_installed_send_task_takes_the_producer_offered_unless_the_caller_gave_one(app, monkeypatch):
+    """The wrapper gives ``send_task`` the producer ``producer_for_send`` offers when the caller
+    gave none (by keyword or position, nor a connection or publisher), and leaves the call as it
+    is when it offers None; installing it twice with one owner wraps once."""
+    acquired = counted_acquires(app, monkeypatch)
+    offered = RecordingProducer(Connection("memory://"))
+    offers: list[Any] = [offered]
+    owner = object()
+    hooks.install_send_task_producer(app, owner, lambda: offers[0])
+    hooks.install_send_task_producer(app, owner, lambda: offers[0])
+    app.send_task("t.add", (1, 2))
+    assert len(offered.calls) == 1 and acquired == []
+    given = RecordingProducer(Connection("memory://"))
+    app.send_task("t.add", (1, 2), {}, None, None, None, given)
+    app.send_task("t.add", (1, 2), publisher=given)
+    assert len(given.calls) == 2 and len(offered.calls) == 1, "a producer the caller gave is used"
+    with Connection("memory://") as connection:
+        app.send_task("t.add", (1, 2), connection=connection)
+    assert len(offered.calls) == 1, "a connection the caller gave makes its own producer"
+    offers[0] = None
+    app.send_task("t.add", (1, 2))
+    assert len(offered.calls) == 1 and acquired == [1], "nothing offered: Celery acquires as usual"
+
+
+def test_only_a_backend_that_declares_on_send_uses_the_producer(app):
+    """``backend_ignores_producer``: the base backend's ``on_task_call`` does nothing and the Redis
+    one subscribes on its own connection, so neither reads the producer (a producer with no
+    attributes passes); the rpc backend declares its reply queue on the producer's channel."""
+    task_id = str(uuid.uuid4())
+    assert hooks.backend_ignores_producer(app.backend)
+    app.backend.on_task_call(object(), task_id)
+    redis_app = Celery("hooks-redis", broker="memory://", backend=require("redis"), set_as_current=False)
+    try:
+        assert hooks.backend_ignores_producer(redis_app.backend)
+        redis_app.backend.on_task_call(object(), task_id)
+    finally:
+        redis_app.close()
+    rpc_app = Celery("hooks-rpc", broker="memory://", backend="rpc://", set_as_current=False)
+    try:
+        assert not hooks.backend_ignores_producer(rpc_app.backend)
+        with pytest.raises(AttributeError, match="channel"):
+            rpc_app.backend.on_task_call(object(), task_id)
+    finally:
+        rpc_app.close()
+
+
 def test_create_task_sender_builds_the_sender_every_publish_goes_through(app):
     """``install_task_sender`` swaps ``app.amqp_cls`` for a subclass overriding
     ``AMQP._create_task_sender()``; ``app.amqp`` (a cached property) is rebuilt from it, and
