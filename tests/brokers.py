@@ -1,4 +1,5 @@
-"""Reading what reached a broker, for assertions: kombu consumers, no workers, no sleeps."""
+"""Reading what reached a broker, and through which producers, for assertions: kombu consumers,
+no workers, no sleeps."""
 
 from __future__ import annotations
 
@@ -80,3 +81,16 @@ def copy_options(task_id: str) -> dict[str, Any]:
     from celery_outbox.vocabulary import SEND_HEADER
 
     return {"task_id": task_id, "headers": {SEND_HEADER: f"send-of-{task_id}"}}
+
+
+def counted_acquires(app: Celery, monkeypatch: Any) -> list[int]:
+    """Counts the producers ``app`` takes from its pool: one entry per acquire."""
+    acquired: list[int] = []
+    real_acquire = app.producer_pool.acquire
+
+    def acquire(*args: Any, **kwargs: Any) -> Any:
+        acquired.append(1)
+        return real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(app.producer_pool, "acquire", acquire)
+    return acquired

@@ -17,7 +17,7 @@ from celery_outbox.crashpoints import EXIT_CODE
 from celery_outbox.signals import message_published
 
 from ..apps.factory import make_shop
-from ..brokers import nothing_more, purge, receive, receive_until_marker
+from ..brokers import counted_acquires, nothing_more, purge, receive, receive_until_marker
 from ..conftest import drop_store, outgoing_rows, unsent_rows
 from ..services import require, wait_until
 from ..throwaway import ThrowawayRedis
@@ -81,23 +81,6 @@ def unit_opened_by_a_statement(shop, n: int) -> int:
 def shop(broker_url, database_url, table_prefix):
     with own_shop(broker_url, database_url, table_prefix) as shop:
         yield shop
-
-
-
-
-
-
-def counted_acquires(app, monkeypatch) -> list[int]:
-    """Counts the producers ``app`` takes from its pool: one entry per acquire."""
-    acquired: list[int] = []
-    real_acquire = app.producer_pool.acquire
-
-    def acquire(*args, **kwargs):
-        acquired.append(1)
-        return real_acquire(*args, **kwargs)
-
-    monkeypatch.setattr(app.producer_pool, "acquire", acquire)
-    return acquired
 
 
 def test_captured_sends_take_no_producer_and_the_publish_takes_one(shop, unit_of_work, monkeypatch):

@@ -30,6 +30,7 @@ from kombu.transport import virtual
 
 from celery_outbox import celery_hooks as hooks
 from celery_outbox.outbox import THREADED_POOL_MODULES
+from tests.brokers import counted_acquires
 from tests.services import require
 
 
@@ -115,19 +116,6 @@ def test_send_task_message_publishes_once_with_the_keywords_the_capture_reads(ap
     assert {"exchange", "routing_key", "serializer", "compression", "retry", "retry_policy", "delivery_mode",
             "declare", "headers", "timeout", "confirm_timeout"} <= set(kwargs)
     assert kwargs["headers"]["task"] == "t.add"
-
-
-def counted_acquires(app: Celery, monkeypatch) -> list[int]:
-    """Counts the producers ``app`` takes from its pool: one entry per acquire."""
-    acquired: list[int] = []
-    real_acquire = app.producer_pool.acquire
-
-    def acquire(*args: Any, **kwargs: Any) -> Any:
-        acquired.append(1)
-        return real_acquire(*args, **kwargs)
-
-    monkeypatch.setattr(app.producer_pool, "acquire", acquire)
-    return acquired
 
 
 def test_send_task_uses_a_given_producer_as_is_and_acquires_none(app, monkeypatch):
