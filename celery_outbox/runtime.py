@@ -28,7 +28,7 @@ from .django.settings import database_url as django_database_url
 from .django.settings import installed as django_installed
 from .django.settings import same_database
 from .errors import ConfigurationError
-from .sessions import listen_to_commits, listen_to_sessions, session_info
+from .sessions import listen_to_sessions, session_info
 from .store import Store, build_engine
 
 __all__ = ["Archiver", "Runtime", "installed_runtimes", "runtime_of"]
@@ -97,7 +97,6 @@ class Runtime:
                 settings = self._with_django_database(settings)
             engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
             self._store = Store(engine, settings.table_prefix)
-            listen_to_commits(engine)
             self._sessions = sessionmaker(engine, expire_on_commit=False, info=session_info())
             listen_to_sessions(self._sessions)
             if settings.archive_path and self.archiver is None:
@@ -204,7 +203,6 @@ class Runtime:
             old = self.store.engine
             engine = build_engine(settings.database_url, {**settings.engine_options, **engine_options})
             self._store = Store(engine, settings.table_prefix)
-            listen_to_commits(engine)
             assert self._sessions is not None
             self._sessions.configure(bind=engine)
             self._ready = False

@@ -5,8 +5,8 @@ A sessionmaker listened to once (``listen_to_sessions(maker)``, with ``info=sess
 covers all its Sessions; a Session of the caller's own is listened to when a unit of work
 first joins it. The handler names are the unit of work's methods (``unit_of_work.UnitOfWork``).
 A unit of work that stores its durable messages with the COMMIT waits for its connection's
-``commit`` event (``wait_for_commit``), which the store's engine delivers
-(``listen_to_commits``).
+``commit`` event (``wait_for_commit``), listened to on that connection alone: a listener on the
+engine would make SQLAlchemy dispatch every event of every connection of the store.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ import weakref
 from typing import Any, Callable
 
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-__all__ = ["LISTENED_KEY", "UNIT_OF_WORK_KEY", "listen_to_commits", "listen_to_sessions", "session_info",
-           "wait_for_commit"]
+__all__ = ["LISTENED_KEY", "UNIT_OF_WORK_KEY", "listen_to_sessions", "session_info", "wait_for_commit"]
 
 UNIT_OF_WORK_KEY = "celery_outbox.unit_of_work"
 LISTENED_KEY = "celery_outbox.listened"  # the session's events already reach its unit of work
 
-# connection (a checkout's own object, never reused) -> the unit of work that waits for its commit;
-# not the connection's ``info``, which outlives the checkout and cannot be read once it is invalidated
+# connection (a checkout's own object, never reused) -> the unit of work that waits for its commit,
+# None once it committed or rolled back (a key: the connection is listened to); not the connection's
+# ``info``, which outlives the checkout and cannot be read once it is invalidated
 _waiting_for_commit: weakref.WeakKeyDictionary[Connection, Any] = weakref.WeakKeyDictionary()
 
 _EVENT_HANDLERS = {
@@ -44,29 +44,26 @@ def listen_to_sessions(target: Any) -> None:
         event.listen(target, name, _dispatcher(handler))
 
 
-def listen_to_commits(engine: Engine) -> None:
-    """Deliver the commit of ``engine``'s connections to the unit of work waiting for it
-    (``wait_for_commit``), once per engine. The ``commit`` event comes after the Session's last
-    flush, just before the COMMIT is sent; a rollback ends the wait."""
-    if not event.contains(engine, "commit", _at_commit):
-        event.listen(engine, "commit", _at_commit)
-        event.listen(engine, "rollback", _at_rollback)
-
-
 def wait_for_commit(connection: Connection, uow: Any) -> None:
-    """Call ``uow._at_connection_commit(connection)`` when ``connection`` (of an engine
-    ``listen_to_commits`` covers) commits, unless it rolls back first."""
+    """Call ``uow._at_connection_commit(connection)`` once, when ``connection`` commits, unless it
+    rolls back first. The ``commit`` event comes after the Session's last flush, just before the
+    COMMIT is sent. The listeners are the connection's own (a checkout's object, never reused), so
+    no other connection of the engine dispatches events for them."""
+    if connection not in _waiting_for_commit:  # not listened to yet
+        event.listen(connection, "commit", _at_commit)
+        event.listen(connection, "rollback", _at_rollback)
     _waiting_for_commit[connection] = uow
 
 
 def _at_commit(connection: Connection) -> None:
-    uow = _waiting_for_commit.pop(connection, None)
+    uow = _waiting_for_commit.get(connection)
     if uow is not None:
+        _waiting_for_commit[connection] = None  # once
         uow._at_connection_commit(connection)
 
 
 def _at_rollback(connection: Connection) -> None:
-    _waiting_for_commit.pop(connection, None)
+    _waiting_for_commit[connection] = None
 
 
 def session_info() -> dict[str, Any]:

@@ -471,7 +471,8 @@ def test_a_sessions_messages_go_with_its_commit_after_its_flush(broker_url, data
     """On PostgreSQL ``outbox.transaction()`` flushes the user's rows first, then sends the durable
     messages' INSERT with the COMMIT in one round trip (the connection's ``commit`` event): as many
     round trips as the user's own unit of work. The rows are the Session's data and the messages,
-    committed together."""
+    committed together. The event is listened to on that connection alone: the engine carries no
+    connection listener, so its other connections dispatch no events."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no round trips")
     from .test_store_contract import ProtocolTrace
@@ -496,6 +497,8 @@ def test_a_sessions_messages_go_with_its_commit_after_its_flush(broker_url, data
             assert sorted(note.id for note in session.query(Note)) == ["note-0", "note-1", "note-2"]
         assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 3)) == [0, 1, 2]
         assert outgoing_rows(shop.outbox.store) == (3, 0)
+        engine = shop.outbox.engine
+        assert not engine.dispatch.commit and not engine.dispatch.rollback, "no listener on the engine"
 
 
 def test_a_session_whose_flush_fails_at_its_commit_stores_and_sends_nothing(broker_url, database_url,
