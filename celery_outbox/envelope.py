@@ -12,6 +12,7 @@ datetimes, UUIDs and decimals); nothing is pickled into a table.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -21,7 +22,7 @@ from kombu import Queue
 from kombu.compression import compress
 from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
-from sqlalchemy import Table
+from sqlalchemy import Column, Table
 
 from .celery_hooks import without_callback_publish_retry
 from .errors import UnstorableMessage
@@ -128,14 +129,21 @@ _CALLER_FIELDS = {"message_id": "task id", "task_name": "task name", "destinatio
 def check_storable(message: OutgoingMessage, outgoing: Table) -> None:
     """Raise ``UnstorableMessage`` when a text field of ``message`` does not fit its column of the
     ``outgoing`` table, naming the field, the value and the limit."""
-    for field_name, caller_name in _CALLER_FIELDS.items():
+    for field_name, caller_name, column in _caller_columns(outgoing):
         value = getattr(message, field_name)
-        problem = text_problem(outgoing.c[field_name], value)
+        problem = text_problem(column, value)
         if problem is not None:
             shown = value if len(value) <= 80 else f"{value[:80]}..."
             raise UnstorableMessage(
                 f"celery-outbox: cannot store the message {message.task_name[:80]!r} for durable queue "
                 f"{message.destination[:80]!r}: its {caller_name} {shown!r} cannot be stored: {problem}")
+
+
+@functools.lru_cache(maxsize=16)
+def _caller_columns(outgoing: Table) -> tuple[tuple[str, str, Column], ...]:
+    """The fields ``check_storable`` checks, each with its caller's name for it and its column of
+    ``outgoing``: looked up once per table, not per message."""
+    return tuple((name, caller_name, outgoing.c[name]) for name, caller_name in _CALLER_FIELDS.items())
 
 
 def new_send_id() -> str:
