@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -391,13 +392,15 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         trace = ProtocolTrace(shop.outbox.store)
         try:
-            with shop.outbox.begin() as conn:  # prepares the statements on the new connection
+            with shop.outbox.begin():  # prepares the statements on the new connection
                 shop.durable.delay(0)
-            warm = len(trace.round_trips())
-            with shop.outbox.begin() as conn:
-                conn.execute(text("SELECT 1"))
-                shop.durable.delay(1)
-            trips = trace.statement_trips(warm)
+
+            def unit() -> None:
+                with shop.outbox.begin() as conn:
+                    conn.execute(text("SELECT 1"))
+                    shop.durable.delay(1)
+
+            trips = trace.trips_of(unit)
         finally:
             trace.close()
         begin, select_one, insert = trips
@@ -422,12 +425,8 @@ def test_a_message_after_the_users_statements_goes_prepared_from_the_connections
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         trace = ProtocolTrace(shop.outbox.store)
-        units = []
         try:
-            for n in range(3):
-                before = len(trace.round_trips())
-                unit_opened_by_a_statement(shop, n)
-                units.append(trace.statement_trips(before))
+            units = [trace.trips_of(partial(unit_opened_by_a_statement, shop, n)) for n in range(3)]
         finally:
             trace.close()
         first, second, third = units
@@ -479,14 +478,14 @@ def test_a_sessions_messages_go_with_its_commit_after_its_flush(broker_url, data
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop, notes_of(shop) as Note:
         trace = ProtocolTrace(shop.outbox.store)
-        units = []
+
+        def unit(n: int) -> None:
+            with shop.outbox.transaction() as session:
+                session.add(Note(f"note-{n}"))
+                shop.durable.delay(n)
+
         try:
-            for n in range(3):
-                before = len(trace.round_trips())
-                with shop.outbox.transaction() as session:
-                    session.add(Note(f"note-{n}"))
-                    shop.durable.delay(n)
-                units.append(trace.statement_trips(before))
+            units = [trace.trips_of(partial(unit, n)) for n in range(3)]
         finally:
             trace.close()
         third = units[2]

@@ -13,6 +13,7 @@ import tempfile
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 from celery import Celery
@@ -451,6 +452,12 @@ class ProtocolTrace:
         """The round trips from the ``since``-th on, each as what it runs (``_statements``) or, for
         a round trip of simple queries, their texts."""
         return [_statements(trip) or [text for _, text in trip] for trip in self.round_trips()[since:]]
+
+    def trips_of(self, run: Callable[[], Any]) -> list[list[str]]:
+        """The round trips ``run()`` sends, as ``statement_trips`` gives them."""
+        since = len(self.round_trips())
+        run()
+        return self.statement_trips(since)
 
     def close(self) -> None:
         event.remove(self.engine, "connect", self._trace)
