@@ -139,6 +139,7 @@ class Procrastinate:
             self._drop()
             raise
         self.write, self.mark = (self.app.tasks[name] for name in ("bench.peer_write", "bench.peer_mark"))
+        self.marks = redis.Redis.from_url(REDIS_URL)  # the worker's marks, read after each block
 
     def defer(self, units: int, n: int) -> None:
         """``units`` transactions of N ``defer`` each, on the caller's connection."""
@@ -182,9 +183,10 @@ class Procrastinate:
             written = conn.execute(f'SELECT count(*) FROM "{self.effects}"').fetchone()[0]
         if written != jobs + warm_up:
             raise RuntimeError(f"procrastinate's worker wrote {written} rows for {jobs + warm_up} jobs")
-        return worker.marked_block(redis.Redis.from_url(REDIS_URL), key, jobs)
+        return worker.marked_block(self.marks, key, jobs)
 
     def close(self) -> None:
+        self.marks.close()
         self.connection.close()
         self._drop()
 
