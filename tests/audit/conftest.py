@@ -17,6 +17,19 @@ from celery_outbox.audit.archive import ParquetArchiver
 from ..services import services_required
 
 JDBC_JAR = "/usr/share/java/postgresql.jar"
+# Seconds an audit test may take: Spark's jobs on a shared two-core host, beside the other
+# worker's tests, can take several times the suite's 300. A test stopped by pytest-timeout in
+# the middle of a py4j call also leaves the worker's shared Spark session unusable (py4j
+# reads the interrupted call's answer as the next one's), which fails every audit test after it.
+AUDIT_TIMEOUT = 900
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Give the audit tests ``AUDIT_TIMEOUT`` instead of the suite's default."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.parent == here and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(AUDIT_TIMEOUT))
 
 
 def require_spark() -> None:

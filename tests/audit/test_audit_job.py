@@ -33,7 +33,7 @@ def audit_command(tmp_path: Path, known_archive: str, out: str, *extra: str) -> 
     return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "audit", "--archive", known_archive,
          "--out", out, "--master", "local[1]", "--grace", "520w", *extra],
-        env=env, cwd=root, capture_output=True, text=True, timeout=300)
+        env=env, cwd=root, capture_output=True, text=True, timeout=800)
 
 
 def test_a_known_archive_gives_exactly_the_expected_numbers(known_audit):
