@@ -22,6 +22,9 @@ JDBC_JAR = "/usr/share/java/postgresql.jar"
 # the middle of a py4j call also leaves the worker's shared Spark session unusable (py4j
 # reads the interrupted call's answer as the next one's), which fails every audit test after it.
 AUDIT_TIMEOUT = 900
+# Seconds a command an audit test runs (the job, spark-submit) may take: below the test's own
+# limit, so that a slow command fails with its output rather than stopping the test mid-call.
+COMMAND_TIMEOUT = AUDIT_TIMEOUT - 100
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from celery_outbox.audit.shipping import ZIP_NAME, is_local, package_zip
 
-from .conftest import write_known_archive
+from .conftest import COMMAND_TIMEOUT, write_known_archive
 
 ROOT = Path(__file__).parents[2]
 EXIT_LOST = 1  # the known archive, weeks after its sends, has m8 and m9 lost
@@ -35,7 +35,7 @@ def audit_command(tmp_path: Path, archive: str, out: Path, master: str) -> dict:
     process = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "audit", "--archive", archive,
          "--out", str(out), "--master", master],
-        env=driver_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=800)
+        env=driver_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     assert process.returncode == EXIT_LOST, process.stderr[-3000:] + _tail(out / "spark.log")
     return json.loads((out / "summary.json").read_text())
 
@@ -82,7 +82,7 @@ def test_spark_submit_audits_on_a_cluster_with_the_zip_as_py_files(spark_cluster
     process = subprocess.run(
         [str(spark_submit), "--master", spark_cluster.url, "--py-files", package_zip(str(tmp_path)), job.__file__,
          "--archive", archive, "--out", str(out)],
-        env=driver_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=800)
+        env=driver_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     assert process.returncode == EXIT_LOST, process.stderr[-3000:]
     assert "2 lost" in process.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -103,7 +103,7 @@ def test_executors_import_the_package_from_the_shipped_zip(spark_cluster, tmp_pa
              "print('executor:', where)\n"
              "spark.stop()\n")
     process = subprocess.run([sys.executable, "-c", probe, spark_cluster.url], env=driver_env(tmp_path),
-                             cwd=tmp_path, capture_output=True, text=True, timeout=800)
+                             cwd=tmp_path, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     assert process.returncode == 0, process.stderr[-3000:]
     where = process.stdout.splitlines()[-1].removeprefix("executor: ")
     assert f"{ZIP_NAME}/celery_outbox/__init__.py" in where, where

@@ -22,7 +22,7 @@ from celery_outbox.audit.job import (
     run_audit,
 )
 
-from .conftest import JDBC_JAR, NOW
+from .conftest import COMMAND_TIMEOUT, JDBC_JAR, NOW
 
 
 def audit_command(tmp_path: Path, known_archive: str, out: str, *extra: str) -> subprocess.CompletedProcess:
@@ -33,7 +33,7 @@ def audit_command(tmp_path: Path, known_archive: str, out: str, *extra: str) -> 
     return subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "audit", "--archive", known_archive,
          "--out", out, "--master", "local[1]", "--grace", "520w", *extra],
-        env=env, cwd=root, capture_output=True, text=True, timeout=800)
+        env=env, cwd=root, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
 
 
 def test_a_known_archive_gives_exactly_the_expected_numbers(known_audit):
