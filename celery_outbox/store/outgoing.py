@@ -66,6 +66,15 @@ def _insert_from_json(table: Any, names: tuple[str, ...]) -> Any:
     return table.insert().from_select(list(names), rows).returning(table.c.id)
 
 
+@functools.lru_cache(maxsize=64)
+def _insert_one(table: Any, names: tuple[str, ...]) -> Any:
+    """``INSERT INTO table (names) VALUES (:name, ...) RETURNING id``: one row, each value a
+    parameter of its own. For a single row PostgreSQL takes it for less than the JSON text of
+    ``_insert_from_json`` (nothing to encode, parse, decode or cast), and so does the client."""
+    return table.insert().values({name: bindparam(name, type_=table.c[name].type) for name in names}) \
+        .returning(table.c.id)
+
+
 def _json_rows(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> str:
     """The rows as one JSON array of arrays for ``_insert_from_json``: each row's values in the
     order of ``names``, a column a row lacks as null; bytes in base64, datetimes in ISO 8601 (the
@@ -87,8 +96,8 @@ class OutgoingStatements(OneMessage):
 
     def insert_outgoing(self, conn: Connection, rows: Sequence[dict[str, Any]], commit: bool = False) -> list[int]:
         """Insert fully built messages. Returns their ids in the rows' order. PostgreSQL: one
-        INSERT from one JSON array of the rows, whatever their count; SQLite: one multi-row
-        INSERT per 1000 rows.
+        INSERT, of one row's values or of one JSON array of the rows, whatever their count;
+        SQLite: one multi-row INSERT per 1000 rows.
 
         With ``commit``, the last statement of the caller's transaction, on PostgreSQL the
         transaction's COMMIT goes with it in one round trip (and its BEGIN too when nothing ran
@@ -103,10 +112,14 @@ class OutgoingStatements(OneMessage):
             # the rows as one JSON parameter: the same short statement at any row count, so psycopg
             # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
             names = tuple(sorted(columns))
-            statement, values = _insert_from_json(table, names), {"rows": _json_rows(rows, names)}
+            if len(rows) == 1:  # the most common unit of work's: no JSON to build or parse
+                statement, values, kind = _insert_one(table, names), rows[0], "insert_outgoing_row"
+            else:
+                statement, values, kind = _insert_from_json(table, names), {"rows": _json_rows(rows, names)}, \
+                    "insert_outgoing"
             opening = self._opening(conn) if commit else None
             if opening is not None:
-                query = _pipelined_query(statement, conn.dialect, tuple(values), "insert_outgoing")
+                query = _pipelined_query(statement, conn.dialect, tuple(sorted(values)), kind)
                 result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",))
                 return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
             return sorted(conn.execute(statement, values).scalars())

@@ -237,18 +237,39 @@ def test_inserted_ids_follow_the_rows_order(store: Store):
     assert [r.message_id for r in rows] == [f"m{n}" for n in range(10)]
 
 
-def test_inserted_rows_keep_every_value(store: Store):
+def rows_of_every_kind() -> list[dict]:
     """Bytes with NUL, text beyond ASCII, NULLs in a column next to values."""
     soon = utcnow() + timedelta(minutes=5)
-    given = [
+    return [
         outgoing_row(0, body=b"\x00\xff binary", headers='{"h": "\u00e9\u20ac"}', expires_at=soon, deliver_at=None,
                      retries=0, nesting=0, replays=0),
         outgoing_row(1, body=None, content_type=None, content_encoding=None, properties=None, expires_at=None,
                      deliver_at=None, retries=1, nesting=0, replays=0),
         outgoing_row(2, deliver_at=soon, expires_at=None, retries=3, nesting=1, replays=2),
     ]
+
+
+def test_inserted_rows_keep_every_value(store: Store):
+    given = rows_of_every_kind()
     with store.begin() as conn:
         ids = store.insert_outgoing(conn, given)
+    assert_stored(store, ids, given)
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["in-the-transaction", "with-the-commit"])
+def test_a_row_inserted_alone_keeps_every_value(store: Store, commit: bool):
+    """One row goes as a statement of its own values (PostgreSQL), not as a JSON text: every kind
+    of value still comes back as given, whether the INSERT runs in the transaction or goes with
+    its COMMIT."""
+    given = rows_of_every_kind()
+    ids = []
+    for row in given:
+        with store.begin() as conn:
+            ids += store.insert_outgoing(conn, [row], commit=commit)
+    assert_stored(store, ids, given)
+
+
+def assert_stored(store: Store, ids: list[int], given: list[dict]) -> None:
     table = store.tables.outgoing
     with store.begin() as conn:
         rows = {row.id: row for row in conn.execute(select(table).where(table.c.id.in_(ids)))}
