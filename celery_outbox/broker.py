@@ -39,7 +39,8 @@ def connect_quickly(connection: Any) -> str | None:
 class PublishBatch:
     """``with PublishBatch(producer, n) as batch:`` publishes made inside go out together where
     kombu and the transport can batch them (kombu 5.7+ on Redis: one pipeline, one round
-    trip, and each exchange's bindings looked up once per batch), each at once elsewhere.
+    trip, and each exchange's bindings looked up once per batch), each at once elsewhere,
+    and for a single message (``n`` of 1), which a pipeline of its own only costs CPU.
     A batch that could not be sent does not raise: ``error`` says why, and whether its
     messages arrived is unknown, so callers treat them as not sent (durable rows stay for
     the relay; a copy that did arrive is discarded by the inbox).
@@ -53,7 +54,7 @@ class PublishBatch:
         self.error: BaseException | None = None
 
     def __enter__(self) -> "PublishBatch":
-        if not can_batch_publish(self._producer):
+        if self._messages < 2 or not can_batch_publish(self._producer):
             return self
         try:
             channel = self._producer.channel  # connects: a broker that is down leaves the publishes unbatched

@@ -2,7 +2,7 @@
 
 On Redis a batch goes out as one pipeline, in call order, with each exchange's bindings
 looked up once; a batch that cannot be flushed reports its error instead of raising. On
-RabbitMQ (no batching in kombu) every publish goes out at once. ``BoundQueues`` binds the
+RabbitMQ (no batching in kombu), and for a batch of one message, every publish goes out at once. ``BoundQueues`` binds the
 entities a loop of publishes declares once, and they are still declared.
 """
 
@@ -86,6 +86,18 @@ def test_a_redis_batch_that_cannot_be_sent_reports_its_error(redis_url, queue):
         proxy.stop()
     with Connection(redis_url) as connection:
         assert drain(connection, queue) == [-1], "none of the failed batch arrived"
+        queue.bind(connection.default_channel).delete()
+
+
+def test_a_redis_batch_of_one_message_goes_at_once(redis_url, queue):
+    """One message needs no pipeline: it is published at once, as without a batch."""
+    with Connection(redis_url) as connection:
+        producer = connection.Producer()
+        publish(producer, queue, -1)
+        with PublishBatch(producer, 1) as batch:
+            publish(producer, queue, 0)
+            assert drain(connection, queue) == [-1, 0], "no batching: already sent"
+        assert batch.error is None
         queue.bind(connection.default_channel).delete()
 
 
