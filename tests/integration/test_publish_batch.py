@@ -2,8 +2,9 @@
 
 On Redis a batch goes out as one pipeline, in call order, with each exchange's bindings
 looked up once; a batch that cannot be flushed reports its error instead of raising. On
-RabbitMQ (no batching in kombu), and for a batch of one message, every publish goes out at once. ``BoundQueues`` binds the
-entities a loop of publishes declares once, and they are still declared.
+RabbitMQ (no batching in kombu), and for a batch of one message, every publish goes out at
+once. ``BoundQueues`` binds the entities a loop of publishes declares once, and they are still
+declared.
 """
 
 from __future__ import annotations
