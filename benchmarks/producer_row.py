@@ -18,7 +18,7 @@ Five ways, on the same broker and the same PostgreSQL, taking turns in rounds (`
   per connection and sent with the COMMIT in one network message (libpq's pipeline mode, driven
   directly as the store drives it), then the ``apply_async`` calls.
   No implementation that stores the messages in the user's transaction does less: one more
-  statement in the transaction (the library's INSERT of rows as one JSON text, made once here).
+  statement in the transaction (the library's INSERT, its parameters made once here).
   Where publishes are pipelined (Redis) and N > 1, the durable path sends its publishes in one
   pipeline where the floor's ``apply_async`` calls go one by one: there the floor is not the
   least, and the durable row does not carry it.
@@ -157,7 +157,7 @@ class Floor:
         self.orders = orders
         insert, given = captured_rows(orders.outbox, durable, n, marked_sent=True)
         query = _pipelined_query(insert, orders.engine.dialect, tuple(sorted(given)), "floor")
-        self.name, self.statement = query.name, query.statement.encode()
+        self.name, self.encoded_name, self.statement = query.name, query.name.encode(), query.statement.encode()
         self.params = Transformer().dump_sequence([given[key] for key in query.keys], [PyFormat.TEXT] * len(query.keys))
 
     def send(self, task: Any, units: int, n: int) -> None:
@@ -178,10 +178,9 @@ class Floor:
                 task.apply_async((i,))
 
     def _insert_and_commit(self, prepare: bool, pgconn: Any) -> None:
-        name = self.name.encode()
         if prepare:
-            pgconn.send_prepare(name, self.statement)
-        pgconn.send_query_prepared(name, self.params)
+            pgconn.send_prepare(self.encoded_name, self.statement)
+        pgconn.send_query_prepared(self.encoded_name, self.params)
         pgconn.send_query_params(b"COMMIT", None)
 
 

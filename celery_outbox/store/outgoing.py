@@ -109,12 +109,12 @@ class OutgoingStatements(OneMessage):
         table = self.tables.outgoing
         columns = {key for row in rows for key in row}
         if self.is_postgres:
-            # the rows as one JSON parameter: the same short statement at any row count, so psycopg
-            # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
             names = tuple(sorted(columns))
             if len(rows) == 1:  # the most common unit of work's: no JSON to build or parse
                 statement, values, kind = _insert_one(table, names), rows[0], "insert_outgoing_row"
             else:
+                # the rows as one JSON parameter: the same short statement at any row count, so psycopg
+                # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
                 statement, values, kind = _insert_from_json(table, names), {"rows": _json_rows(rows, names)}, \
                     "insert_outgoing"
             opening = self._opening(conn) if commit else None
