@@ -59,7 +59,7 @@ from celery_outbox import Outbox
 from celery_outbox.broker import Outlet
 from celery_outbox.publishing import Publisher
 from celery_outbox.store import utcnow
-from celery_outbox.store.outgoing import _insert_from_json, _insert_one, _json_rows
+from celery_outbox.store.outgoing import _postgres_insert
 from celery_outbox.store.pipeline import (
     _COMMAND_OK,
     _TUPLES_OK,
@@ -97,10 +97,8 @@ def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = Fals
     rows = [message.to_row(now) for message in messages]
     if marked_sent:
         rows = [dict(row, sent_at=now, redeliver_at=outbox.settings.first_redelivery(now)) for row in rows]
-    names = tuple(sorted(rows[0]))
-    if n == 1:
-        return _insert_one(outbox.store.tables.outgoing, names), rows[0]
-    return _insert_from_json(outbox.store.tables.outgoing, names), {"rows": _json_rows(rows, names)}
+    statement, values, _, _ = _postgres_insert(outbox.store.tables.outgoing, rows)
+    return statement, values
 
 
 class Orders:

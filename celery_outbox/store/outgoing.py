@@ -75,6 +75,19 @@ def _insert_one(table: Any, names: tuple[str, ...]) -> Any:
         .returning(table.c.id)
 
 
+def _postgres_insert(table: Any, rows: Sequence[dict[str, Any]],
+                     ) -> tuple[Any, dict[str, Any], tuple[str, ...], str]:
+    """PostgreSQL: the INSERT of ``rows`` into ``table``, its parameters, their names, and the kind
+    of statement it is prepared as. A single row (the most common unit of work's) goes as its own
+    values (``_insert_one``: no JSON to build or parse); more go as one JSON parameter
+    (``_insert_from_json``: the same short statement at any row count, so psycopg and PostgreSQL
+    parse and plan it once, and one string to send, not a value per cell)."""
+    names = tuple(sorted({key for row in rows for key in row}))
+    if len(rows) == 1:
+        return _insert_one(table, names), rows[0], names, "insert_outgoing_row"
+    return _insert_from_json(table, names), {"rows": _json_rows(rows, names)}, ("rows",), "insert_outgoing"
+
+
 def _json_rows(rows: Sequence[dict[str, Any]], names: tuple[str, ...]) -> str:
     """The rows as one JSON array of arrays for ``_insert_from_json``: each row's values in the
     order of ``names``, a column a row lacks as null; bytes in base64, datetimes in ISO 8601 (the
@@ -107,22 +120,15 @@ class OutgoingStatements(OneMessage):
         if not rows:
             return []
         table = self.tables.outgoing
-        columns = {key for row in rows for key in row}
         if self.is_postgres:
-            names = tuple(sorted(columns))
-            if len(rows) == 1:  # the most common unit of work's: no JSON to build or parse
-                statement, values, kind = _insert_one(table, names), rows[0], "insert_outgoing_row"
-            else:
-                # the rows as one JSON parameter: the same short statement at any row count, so psycopg
-                # and PostgreSQL parse and plan it once, and one string to send, not a value per cell
-                statement, values, kind = _insert_from_json(table, names), {"rows": _json_rows(rows, names)}, \
-                    "insert_outgoing"
+            statement, values, keys, kind = _postgres_insert(table, rows)
             opening = self._opening(conn) if commit else None
             if opening is not None:
-                query = _pipelined_query(statement, conn.dialect, tuple(sorted(values)), kind)
+                query = _pipelined_query(statement, conn.dialect, keys, kind)
                 result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",))
                 return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
             return sorted(conn.execute(statement, values).scalars())
+        columns = {key for row in rows for key in row}
         rows = [{key: row.get(key) for key in columns} for row in rows]
         ids: list[int] = []
         for start in range(0, len(rows), INSERT_CHUNK):
