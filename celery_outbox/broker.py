@@ -81,33 +81,63 @@ class PublishBatch:
 
 
 class BoundQueues:
-    """``app.amqp.queues`` with each queue bound to the producer's channel on first use, for a
-    loop that publishes many messages declaring the same few entities. kombu binds (copies) an
-    unbound entity on every publish that declares it; a bound one is only looked up in the
-    connection's cache of declared entities. The channel is taken on first use, so a broker
-    that is down fails the first publish, as it would without this."""
+    """``app.amqp.queues`` with each queue bound to the producer's channel, for publishes that
+    declare the same few entities. kombu binds (copies) an unbound entity on every publish that
+    declares it; a bound one is only looked up in the connection's cache of declared entities.
+    The copies live on the channel (``_BINDINGS``), so an entity is copied once per channel, not
+    once per publish: a channel that is replaced (a reconnection) takes its copies with it. The
+    channel is taken on first use, so a broker that is down fails the first publish, as it would
+    without this."""
 
     def __init__(self, queues: Any, producer: Any):
         self._queues, self._producer = queues, producer
-        self._bound: dict[Any, Any] = {}
+        self._channel: Any = None
+        self._copies: dict[int, tuple[Any, Any]] = {}
 
     def __getitem__(self, name: str) -> Any:
         """The queue called ``name``, bound (``KeyError`` when the app has no such queue)."""
-        queue = self._bound.get(name)
-        if queue is None:
-            queue = self._bound[name] = self._queues[name].bind(self._producer.channel)
-        return queue
+        return self._bound(self._queues[name])
 
     def bind(self, entities: list[Any]) -> list[Any]:
         """``entities`` (a captured message's ``declare``: the app's queues, or the caller's
-        own entities, alive as long as the message) bound, each copied once per loop."""
-        bound = []
-        for entity in entities:
-            copy = self._bound.get(id(entity))
-            if copy is None:
-                copy = self._bound[id(entity)] = entity.bind(self._producer.channel)
-            bound.append(copy)
-        return bound
+        own entities) bound, each copied once per channel."""
+        return [self._bound(entity) for entity in entities]
+
+    def _bound(self, entity: Any) -> Any:
+        """The copy of ``entity`` bound to the producer's channel. The copies are keyed by the
+        entity's ``id()`` and hold the entity, so no other entity can take its id while its copy
+        is kept; at ``MAX_BINDINGS`` copies (a caller making new entities for every call) they
+        start afresh."""
+        channel = self._producer.channel  # a revived producer has a new one
+        if channel is not self._channel:
+            self._channel, self._copies = channel, _bindings_of(channel)
+        kept = self._copies.get(id(entity))
+        if kept is not None and kept[0] is entity:
+            return kept[1]
+        if len(self._copies) >= MAX_BINDINGS:
+            self._copies.clear()
+        copy = entity.bind(channel)
+        self._copies[id(entity)] = (entity, copy)
+        return copy
+
+
+# Bound copies one channel keeps (``BoundQueues``): far more than an app has queues
+MAX_BINDINGS = 256
+# The attribute of a channel that holds its bound copies
+_BINDINGS = "_celery_outbox_bindings"
+
+
+def _bindings_of(channel: Any) -> dict[int, tuple[Any, Any]]:
+    """The bound copies ``channel`` keeps, by the ``id()`` of their entity; a dict of the caller's
+    own when the channel takes no attribute."""
+    copies = getattr(channel, _BINDINGS, None)
+    if copies is None:
+        copies = {}
+        try:
+            setattr(channel, _BINDINGS, copies)
+        except AttributeError:  # a channel class with __slots__: copies last one loop
+            pass
+    return copies
 
 
 @dataclass
@@ -142,7 +172,7 @@ class Outlet:
         self.producer = producer
         self.broker_errors = connection_errors(producer.connection)
         self.queues = app.amqp.queues
-        self.bound = BoundQueues(app.amqp.queues, producer)
+        self.bound = BoundQueues(self.queues, producer)
 
     def unreachable(self) -> str | None:
         """Why the broker does not answer (one quick attempt), or None when it does."""

@@ -3,8 +3,8 @@
 On Redis a batch goes out as one pipeline, in call order, with each exchange's bindings
 looked up once; a batch that cannot be flushed reports its error instead of raising. On
 RabbitMQ (no batching in kombu), and for a batch of one message, every publish goes out at
-once. ``BoundQueues`` binds the entities a loop of publishes declares once, and they are still
-declared.
+once. ``BoundQueues`` binds each entity publishes declare once per channel, across loops, and
+they are still declared; a producer whose channel was replaced binds afresh.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 from kombu import Connection, Exchange, Queue
 
-from celery_outbox.broker import BoundQueues, PublishBatch
+from celery_outbox.broker import MAX_BINDINGS, BoundQueues, PublishBatch
 
 from ..services import TcpProxy
 
@@ -116,18 +116,51 @@ def test_rabbitmq_publishes_each_message_at_once(rabbitmq_url, queue):
 
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
-def test_entities_bound_once_per_loop_are_declared_and_receive(broker, redis_url, rabbitmq_url, queue):
+def test_entities_bound_once_per_channel_are_declared_and_receive(broker, redis_url, rabbitmq_url, queue):
     url = redis_url if broker == "redis" else rabbitmq_url
     with Connection(url) as connection:
         producer = connection.Producer()
         entities = BoundQueues({queue.name: queue}, producer)
         (bound,) = entities.bind([queue])
         assert bound is not queue and bound.channel is producer.channel
-        assert entities.bind([queue]) == [bound] and entities.bind([queue])[0] is bound, "bound once"
-        assert entities[queue.name] is not queue and entities[queue.name].channel is producer.channel
+        assert entities.bind([queue])[0] is bound, "bound once"
+        assert entities[queue.name] is bound, "by name, the same copy"
+        assert BoundQueues({queue.name: queue}, producer).bind([queue])[0] is bound, "kept by the channel"
         for n in range(3):  # the queue does not exist yet: the first publish declares it
             producer.publish({"n": n}, exchange=queue.exchange, routing_key=queue.routing_key,
                              declare=entities.bind([queue]), serializer="json", retry=False)
         with Connection(url) as other:
             assert drain(other, queue) == [0, 1, 2]
         queue.bind(connection.default_channel).delete()
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_producer_with_a_new_channel_binds_afresh_and_its_messages_arrive(broker, redis_url, rabbitmq_url,
+                                                                             queue):
+    url = redis_url if broker == "redis" else rabbitmq_url
+    with Connection(url) as connection:
+        producer = connection.Producer(connection.channel())
+        entities = BoundQueues({queue.name: queue}, producer)
+        old = entities.bind([queue])[0]
+        old_channel = producer.channel
+        producer.revive(connection.channel())  # what kombu does after a reconnection
+        (bound,) = entities.bind([queue])
+        assert bound is not old and bound.channel is producer.channel and producer.channel is not old_channel
+        old_channel.close()
+        producer.publish({"n": 7}, exchange=queue.exchange, routing_key=queue.routing_key, declare=[bound],
+                         serializer="json", retry=False)
+        with Connection(url) as other:
+            assert drain(other, queue) == [7]
+        queue.bind(connection.default_channel).delete()
+
+
+def test_a_channel_keeps_a_bounded_number_of_copies(redis_url):
+    with Connection(redis_url) as connection:
+        producer = connection.Producer()
+        entities = BoundQueues({}, producer)
+        made = [queue_named(f"bounded_{n}") for n in range(MAX_BINDINGS + 1)]
+        copies = [entities.bind([queue])[0] for queue in made]
+        assert all(copy.name == queue.name and copy.channel is producer.channel
+                   for copy, queue in zip(copies, made, strict=True))
+        assert entities.bind([made[-1]])[0] is copies[-1], "kept after starting afresh"
+        assert entities.bind([made[0]])[0] is not copies[0], "dropped when the copies started afresh"
