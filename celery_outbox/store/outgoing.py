@@ -81,10 +81,12 @@ def _postgres_insert(table: Any, rows: Sequence[dict[str, Any]],
     of statement it is prepared as. A single row (the most common unit of work's) goes as its own
     values (``_insert_one``: no JSON to build or parse); more go as one JSON parameter
     (``_insert_from_json``: the same short statement at any row count, so psycopg and PostgreSQL
-    parse and plan it once, and one string to send, not a value per cell)."""
-    names = tuple(sorted({key for row in rows for key in row}))
+    parse and plan it once, and one string to send, not a value per cell). A single row's
+    columns keep its order (the publisher builds every row alike); the JSON's are sorted."""
     if len(rows) == 1:
+        names = tuple(rows[0])
         return _insert_one(table, names), rows[0], names, "insert_outgoing_row"
+    names = tuple(sorted({key for row in rows for key in row}))
     return _insert_from_json(table, names), {"rows": _json_rows(rows, names)}, ("rows",), "insert_outgoing"
 
 
@@ -126,6 +128,8 @@ class OutgoingStatements(OneMessage):
             if opening is not None:
                 query = _pipelined_query(statement, conn.dialect, keys, kind)
                 result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",))
+                if result.ntuples == 1:
+                    return [int(result.get_value(0, 0))]
                 return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
             return sorted(conn.execute(statement, values).scalars())
         columns = {key for row in rows for key in row}

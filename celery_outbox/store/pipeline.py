@@ -21,7 +21,7 @@ import select as io_select
 import time
 import zlib
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from sqlalchemy import Connection, event
@@ -58,11 +58,24 @@ OPEN_NOT_WAITING_FOR_FLUSH = (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF")
 class _PipelinedQuery:
     """A statement with positional parameters (``$1``, ...) for libpq's pipeline mode:
     ``statement`` takes the values of ``keys`` in that order; ``name`` is the name it is
-    prepared under on a connection."""
+    prepared under on a connection. The bytes libpq takes are made once: the name, and the
+    statement when it is ASCII (the same bytes in every client encoding PostgreSQL has)."""
 
     name: str
     statement: str
     keys: tuple[str, ...]
+    encoded_name: bytes = field(init=False, repr=False, compare=False)
+    ascii_statement: bytes | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "encoded_name", self.name.encode())
+        object.__setattr__(self, "ascii_statement", self.statement.encode() if self.statement.isascii() else None)
+
+    def encoded(self, driver: Any) -> bytes:
+        """The statement in the client encoding of psycopg connection ``driver``."""
+        if self.ascii_statement is not None:
+            return self.ascii_statement
+        return self.statement.encode(driver.info.encoding)
 
 
 @functools.lru_cache(maxsize=16)
@@ -82,6 +95,14 @@ def _pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind:
     positional = re.sub(r"%\((\w+)\)s", number, compiled.string).replace("%%", "%")
     return _PipelinedQuery(f"celery_outbox_{kind}_{zlib.crc32(positional.encode()):08x}", positional,
                            tuple(order))
+
+
+@functools.cache
+def _adaptation() -> tuple[Any, Any]:
+    """psycopg's ``Transformer`` and its text format, imported on first use (never for SQLite)."""
+    from psycopg.adapt import PyFormat, Transformer
+
+    return Transformer, PyFormat.TEXT
 
 
 @functools.cache
@@ -120,11 +141,12 @@ def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
     return results
 
 
-def _exchange_on(conn: Connection, send: Callable[[Any], None]) -> list[Any]:
-    """``_exchange`` on ``conn``'s psycopg connection; a connection it was interrupted on (a
-    signal such as a soft time limit, or a lost connection) is not reused."""
+def _exchange_on(conn: Connection, send: Callable[[Any], None], driver: Any = None) -> list[Any]:
+    """``_exchange`` on ``conn``'s psycopg connection (``driver``, when the caller has it); a
+    connection it was interrupted on (a signal such as a soft time limit, or a lost connection)
+    is not reused."""
     try:
-        return _exchange(conn.connection.driver_connection, send)
+        return _exchange(driver if driver is not None else conn.connection.driver_connection, send)
     except BaseException:
         conn.invalidate()
         raise
@@ -313,8 +335,6 @@ class OneMessage(StoreBase):
         nothing. With psycopg's prepared statements off
         (``prepare_threshold = None``, as behind a transaction-pooling PgBouncer) every
         statement goes unnamed."""
-        import psycopg
-
         driver = conn.connection.driver_connection
         prepared, to_prepare = _prepared_statements(conn)
         in_step = (_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS)
@@ -325,19 +345,23 @@ class OneMessage(StoreBase):
             named = opens or (to_prepare is not None and query.name in prepared)
             if not named and to_prepare is not None and driver.prepare_threshold is not None:
                 to_prepare[query.name] = query.statement
-            result, failed = self._run_one_message(conn, query, prepared, before, after, values, named=named)
+            result, failed = self._run_one_message(conn, driver, query, prepared, before, after, values, named=named)
             if failed is not None and opens:
                 sqlstate = self._error_of(conn, failed, expected=(*in_step, *tolerate))
                 if sqlstate in in_step:
                     driver.rollback()
                     (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(query.name)
-                    result, failed = self._run_one_message(conn, query, prepared, before, after, values,
+                    result, failed = self._run_one_message(conn, driver, query, prepared, before, after, values,
                                                            named=True)
             if failed is not None:
                 if _sqlstate(failed) == _PG_NO_SUCH_PREPARED:  # gone behind psycopg's back: prepare it anew
                     prepared.discard(query.name)
                 return None, self._error_of(conn, failed, expected=tolerate)
-        except psycopg.Error as exc:  # from libpq or psycopg's adaptation of the values
+        except Exception as exc:
+            import psycopg
+
+            if not isinstance(exc, psycopg.Error):  # psycopg's come from libpq or the adaptation of the values
+                raise
             if conn.invalidated or driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
                 if not conn.invalidated:
                     conn.invalidate()
@@ -350,19 +374,16 @@ class OneMessage(StoreBase):
         statements a message inside a transaction sent unnamed (``_prepare``)."""
         _prepare(conn.connection.driver_connection, prepared, to_prepare, functools.partial(_exchange_on, conn))
 
-    def _run_one_message(self, conn: Connection, query: _PipelinedQuery, prepared: set[str],
+    def _run_one_message(self, conn: Connection, driver: Any, query: _PipelinedQuery, prepared: set[str],
                          before: tuple[bytes, ...], after: tuple[bytes, ...], values: dict[str, Any],
                          named: bool) -> tuple[Any, Any]:
-        """Send the pipeline; (``query``'s result, the first result that is an error or None).
-        ``query`` goes as a prepared statement when ``named`` and psycopg's prepared statements
-        are on; it counts as prepared on the connection once its Parse succeeded, whatever came
-        after."""
-        from psycopg.adapt import PyFormat, Transformer
-
-        driver = conn.connection.driver_connection
-        params = Transformer(driver).dump_sequence([values[key] for key in query.keys],
-                                                   [PyFormat.TEXT] * len(query.keys))
-        statement, name = query.statement.encode(driver.info.encoding), query.name.encode()
+        """Send the pipeline on ``conn`` (its psycopg connection ``driver``); (``query``'s result,
+        the first result that is an error or None). ``query`` goes as a prepared statement when
+        ``named`` and psycopg's prepared statements are on; it counts as prepared on the
+        connection once its Parse succeeded, whatever came after."""
+        transformer, text = _adaptation()
+        params = transformer(driver).dump_sequence([values[key] for key in query.keys], [text] * len(query.keys))
+        statement, name = query.encoded(driver), query.encoded_name
         unnamed = not named or driver.prepare_threshold is None
         prepare = not unnamed and query.name not in prepared
 
@@ -378,10 +399,14 @@ class OneMessage(StoreBase):
             for each in after:
                 pgconn.send_query_params(each, None)
 
-        results = _exchange_on(conn, send)
+        results = _exchange_on(conn, send, driver)
         if prepare and results[0].status == _COMMAND_OK:
             prepared.add(query.name)
-        failed = next((result for result in results if result.status not in (_COMMAND_OK, _TUPLES_OK)), None)
+        failed = None
+        for result in results:
+            if result.status != _COMMAND_OK and result.status != _TUPLES_OK:
+                failed = result
+                break
         return results[len(before) + prepare], failed
 
     def _error_of(self, conn: Connection, result: Any, expected: tuple[str, ...]) -> str:
