@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Mapping
@@ -200,11 +201,15 @@ class OutboxSettings:
         by default three recover intervals: a recover pass always falls inside the window)."""
         return 3 * self.recover_interval if self.release_ahead is None else self.release_ahead
 
+    @functools.cached_property
+    def _release_ahead(self) -> timedelta:
+        return timedelta(seconds=self.release_ahead_seconds)
+
     def release_before(self, now: datetime) -> datetime:
         """The one release rule of durable scheduled messages, for the commit-time publisher and the
         relay alike: a message whose eta (``deliver_at``) is before this instant is published now,
         with its eta (the worker holds it until then); a later one waits in the outgoing table."""
-        return now + timedelta(seconds=self.release_ahead_seconds)
+        return now + self._release_ahead
 
     def first_redelivery(self, now: datetime, eta: datetime | None = None) -> datetime | None:
         """When a message sent ``now`` is published again if no inbox has acknowledged it; None

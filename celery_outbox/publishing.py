@@ -118,15 +118,22 @@ class Publisher:
                 messages_stored.send(sender=self.runtime.owner, messages=stored)
         settings = self.runtime.settings
         release_before = settings.release_before(now)
-        # wait in the store (one stored marked sent was due when it was stored)
-        held = [m for m in messages if m.durable and not m.marked_sent and not m.is_due(release_before)]
+        held: list[OutgoingMessage] = []  # wait in the store (one stored marked sent was due when it was stored)
+        due: list[OutgoingMessage] = []
+        marked: set[int] = set()  # rows stored marked sent: only published
+        to_take: list[int] = []  # rows stored unmarked: taken for the publish
+        for message in messages:
+            if message.durable and not message.marked_sent and not message.is_due(release_before):
+                held.append(message)
+                continue
+            due.append(message)
+            if message.durable and message.row_id is not None:
+                (marked.add if message.marked_sent else to_take.append)(message.row_id)
         if any(m.sent_event is not None for m in held):
             with self.runtime.app.producer_or_acquire(producer) as event_producer:
                 for message in held:
                     self._send_event(message, event_producer, broker_down=False)
-        messages = [m for m in messages if not m.durable or m.marked_sent or m.is_due(release_before)]
-        marked = {m.row_id for m in messages if m.durable and m.marked_sent and m.row_id is not None}
-        to_take = [m.row_id for m in messages if m.durable and not m.marked_sent and m.row_id is not None]
+        messages = due
         if not to_take:
             sent = self._publish_all(messages, marked, producer)
             if marked:
@@ -250,8 +257,9 @@ class Publisher:
         for message, _ in done.not_sent:
             self._failed(message, done.broker_error or KombuOperationalError("the broker did not answer"))
         published = [message for message, _ in done.published]
-        for message in published:
-            message_published.send(sender=self.runtime.owner, message=message, relayed=False)
+        if message_published.receivers:
+            for message in published:
+                message_published.send(sender=self.runtime.owner, message=message, relayed=False)
         return published, done.broker_error is not None
 
     def _failed(self, message: OutgoingMessage, exc: BaseException) -> None:
