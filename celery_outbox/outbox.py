@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 from celery import Celery, signals
 from sqlalchemy.engine import Connection, Engine
@@ -204,8 +203,7 @@ class Outbox:
 
     # -- units of work ---------------------------------------------------------------------------
 
-    @contextmanager
-    def transaction(self, session: Session | None = None) -> Iterator[Session]:
+    def transaction(self, session: Session | None = None) -> ContextManager[Session]:
         """Open a unit of work: messages sent inside are published only after the commit.
 
         ``with outbox.transaction() as session:`` opens a Session on the outbox's
@@ -215,11 +213,9 @@ class Outbox:
         inside an open one joins it. Messages for durable queues are stored in the
         outgoing table inside the same database transaction.
         """
-        with transaction(self.publisher, session) as joined:
-            yield joined
+        return transaction(self.publisher, session)
 
-    @contextmanager
-    def begin(self) -> Iterator[Connection]:
+    def begin(self) -> ContextManager[Connection]:
         """Open a unit of work on a Core connection, as ``engine.begin()`` does.
 
         ``with outbox.begin() as conn:`` begins a transaction on a connection of the outbox's
@@ -230,8 +226,7 @@ class Outbox:
         block inside an open unit of work joins it. Do not commit or roll back ``conn``
         yourself: the block ends the transaction.
         """
-        with begin(self.publisher) as conn:
-            yield conn
+        return begin(self.publisher)
 
     def new_session(self, bind: Connection | None = None) -> Session:
         """A new Session on the outbox's engine (the caller closes it). With ``bind``, a Session

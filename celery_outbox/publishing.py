@@ -59,14 +59,16 @@ class Publisher:
         it twice."""
         settings = self.runtime.settings
         now = utcnow()
-        release_before = settings.release_before(now)
         marking = self.runtime.archiver is None and settings.redeliver_after is not None
+        release_before = settings.release_before(now) if marking else now
         rows = []
         for message in messages:
             row = message.to_row(now)
             message.marked_sent = marking and message.is_due(release_before)
-            row["sent_at"] = now if message.marked_sent else None
-            row["redeliver_at"] = settings.first_redelivery(now, message.deliver_at) if message.marked_sent else None
+            if message.marked_sent:  # every row's columns in the same order: one prepared INSERT
+                row["sent_at"], row["redeliver_at"] = now, settings.first_redelivery(now, message.deliver_at)
+            else:
+                row["sent_at"] = row["redeliver_at"] = None
             rows.append(row)
         store = self.runtime.store
         with tracing.messages_span(tracing.STORE, messages):

@@ -362,13 +362,15 @@ def begin(publisher: Publisher) -> Iterator[Connection]:
         return
     uow = _BlockUnitOfWork(publisher)
     try:
-        with uow.opened():
-            try:
-                yield uow.connection
-                uow.commit()
-            except BaseException:
-                uow.rollback()
-                raise
+        token = _current.set(uow)  # as uow.opened(), without a context manager of its own
+        try:
+            yield uow.connection
+            uow.commit()
+        except BaseException:
+            uow.rollback()
+            raise
+        finally:
+            _current.reset(token)
     finally:
         uow.close()
 
