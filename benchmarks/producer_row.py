@@ -156,7 +156,7 @@ class Floor:
         insert, given = captured_rows(orders.outbox, durable, n, marked_sent=True)
         query = _pipelined_query(insert, orders.engine.dialect, tuple(sorted(given)), "floor")
         self.name, self.encoded_name, self.statement = query.name, query.name.encode(), query.statement.encode()
-        self.params = Transformer().dump_sequence([given[key] for key in query.keys], [PyFormat.TEXT] * len(query.keys))
+        self.params = Transformer().dump_sequence(query.values(given), [PyFormat.TEXT] * len(query.keys))
 
     def send(self, task: Any, units: int, n: int) -> None:
         orders = self.orders

@@ -22,6 +22,7 @@ import time
 import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Callable, TypeVar
 
 from sqlalchemy import Connection, event
@@ -66,16 +67,32 @@ class _PipelinedQuery:
     keys: tuple[str, ...]
     encoded_name: bytes = field(init=False, repr=False, compare=False)
     ascii_statement: bytes | None = field(init=False, repr=False, compare=False)
+    _values: Callable[[dict[str, Any]], tuple[Any, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoded_name", self.name.encode())
         object.__setattr__(self, "ascii_statement", self.statement.encode() if self.statement.isascii() else None)
+        object.__setattr__(self, "_values", _taking(self.keys))
+
+    def values(self, given: dict[str, Any]) -> tuple[Any, ...]:
+        """The values of ``keys`` in ``given``, in the statement's order."""
+        return self._values(given)
 
     def encoded(self, driver: Any) -> bytes:
         """The statement in the client encoding of psycopg connection ``driver``."""
         if self.ascii_statement is not None:
             return self.ascii_statement
         return self.statement.encode(driver.info.encoding)
+
+
+def _taking(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A function of a dict that returns the values of ``keys`` as a tuple, in that order."""
+    if len(keys) > 1:
+        return itemgetter(*keys)  # type: ignore[return-value]
+    if keys:
+        one = itemgetter(keys[0])
+        return lambda given: (one(given),)
+    return lambda given: ()
 
 
 @functools.lru_cache(maxsize=16)
@@ -382,7 +399,7 @@ class OneMessage(StoreBase):
         ``named`` and psycopg's prepared statements are on; it counts as prepared on the
         connection once its Parse succeeded, whatever came after."""
         transformer, text = _adaptation()
-        params = transformer(driver).dump_sequence([values[key] for key in query.keys], [text] * len(query.keys))
+        params = transformer(driver).dump_sequence(query.values(values), [text] * len(query.keys))
         statement, name = query.encoded(driver), query.encoded_name
         unnamed = not named or driver.prepare_threshold is None
         prepare = not unnamed and query.name not in prepared
