@@ -13,7 +13,6 @@ datetimes, UUIDs and decimals); nothing is pickled into a table.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -130,10 +129,8 @@ _CALLER_FIELDS = {"message_id": "task id", "task_name": "task name", "destinatio
 def check_storable(message: OutgoingMessage, outgoing: Table) -> None:
     """Raise ``UnstorableMessage`` when a text field of ``message`` does not fit its column of the
     ``outgoing`` table, naming the field, the value and the limit."""
-    for field_name, caller_name, column, length in _caller_columns(outgoing):
+    for field_name, caller_name, column in _caller_columns(outgoing):
         value = getattr(message, field_name)
-        if value.__class__ is str and value.isascii() and len(value) <= length and "\x00" not in value:
-            continue  # what nearly every field is: short ASCII text, which text_problem passes
         problem = text_problem(column, value)
         if problem is not None:
             shown = value if len(value) <= 80 else f"{value[:80]}..."
@@ -143,12 +140,10 @@ def check_storable(message: OutgoingMessage, outgoing: Table) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _caller_columns(outgoing: Table) -> tuple[tuple[str, str, Column, float], ...]:
-    """The fields ``check_storable`` checks, each with its caller's name for it, its column of
-    ``outgoing`` and the column's length (infinite when it has none): looked up once per table,
-    not per message."""
-    return tuple((name, caller_name, outgoing.c[name], getattr(outgoing.c[name].type, "length", None) or math.inf)
-                 for name, caller_name in _CALLER_FIELDS.items())
+def _caller_columns(outgoing: Table) -> tuple[tuple[str, str, Column], ...]:
+    """The fields ``check_storable`` checks, each with its caller's name for it and its column of
+    ``outgoing``: looked up once per table, not per message."""
+    return tuple((name, caller_name, outgoing.c[name]) for name, caller_name in _CALLER_FIELDS.items())
 
 
 def new_send_id() -> str:

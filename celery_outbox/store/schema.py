@@ -136,6 +136,8 @@ def text_problem(column: Column, value: Any) -> str | None:
         return f"it is {len(value)} characters long and the column holds at most {length}"
     if "\x00" in value:
         return "it holds a NUL character, which PostgreSQL cannot store in text"
+    if value.isascii():  # nearly every value: UTF-8 encodes it, no need to try
+        return None
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
