@@ -155,7 +155,7 @@ class Floor:
         self.orders = orders
         insert, given = captured_rows(orders.outbox, durable, n, marked_sent=True)
         query = _pipelined_query(insert, orders.engine.dialect, tuple(sorted(given)), "floor")
-        self.name, self.encoded_name, self.statement = query.name, query.name.encode(), query.statement.encode()
+        self.name, self.encoded_name, self.statement = query.name, query.encoded_name, query.ascii_statement
         self.params = Transformer().dump_sequence(query.values(given), [PyFormat.TEXT] * len(query.keys))
 
     def send(self, task: Any, units: int, n: int) -> None:

@@ -128,8 +128,6 @@ class OutgoingStatements(OneMessage):
             if opening is not None:
                 query = _pipelined_query(statement, conn.dialect, keys, kind)
                 result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",))
-                if result.ntuples == 1:
-                    return [int(result.get_value(0, 0))]
                 return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
             return sorted(conn.execute(statement, values).scalars())
         columns = {key for row in rows for key in row}
