@@ -13,7 +13,14 @@ from typing import Any, Generic, Iterator, Sequence, TypeVar
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from . import tracing
-from .celery_hooks import cache_exchange_bindings, can_batch_publish, start_publish_batch, uncache_exchange_bindings
+from .celery_hooks import (
+    cache_exchange_bindings,
+    can_batch_publish,
+    keep_redis_client,
+    start_publish_batch,
+    uncache_exchange_bindings,
+    unkeep_redis_client,
+)
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
 
@@ -216,6 +223,12 @@ class Outlet:
 
 @contextmanager
 def outlet(app: Any, producer: Any = None) -> Iterator[Outlet]:
-    """An ``Outlet`` on ``producer``, or on one from the app's pool for the block."""
+    """An ``Outlet`` on ``producer``, or on one from the app's pool for the block. On Redis, the
+    block's commands share one client of the channel's pool (``keep_redis_client``)."""
     with app.producer_or_acquire(producer) as acquired:
-        yield Outlet(app, acquired)
+        channel = keep_redis_client(acquired)
+        try:
+            yield Outlet(app, acquired)
+        finally:
+            if channel is not None:
+                unkeep_redis_client(channel)

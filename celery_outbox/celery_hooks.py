@@ -16,8 +16,8 @@ Where each is used: ``without_callback_publish_retry`` (envelope), ``install_tas
 ``unwrap_exception``, ``tracer_pushed_request`` and ``swap_task_class`` (tasks),
 ``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
 ``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
-``can_batch_publish``, ``start_publish_batch``, ``cache_exchange_bindings`` and
-``uncache_exchange_bindings`` (broker).
+``can_batch_publish``, ``start_publish_batch``, ``cache_exchange_bindings``,
+``uncache_exchange_bindings``, ``keep_redis_client`` and ``unkeep_redis_client`` (broker).
 
 Two undocumented call shapes are relied on without touching a private name, and are pinned by
 the same tests: ``send_task_message`` publishes with one ``producer.publish(body, **kwargs)``
@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
-from contextlib import contextmanager
+import sys
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Iterator
 
 from billiard.einfo import ExceptionWithTraceback
@@ -394,3 +395,50 @@ def cache_exchange_bindings(channel: Any) -> None:
 def uncache_exchange_bindings(channel: Any) -> None:
     """Undo ``cache_exchange_bindings``: the channel's own ``get_table`` answers again."""
     channel.__dict__.pop("get_table", None)
+
+
+# The attribute of a Redis channel that holds its kept client: (its connection pool, the
+# client, the ``conn_or_acquire`` that hands it out)
+_KEPT_CLIENT = "_celery_outbox_client"
+
+
+def keep_redis_client(producer: Any) -> Any:
+    """Until ``unkeep_redis_client(channel)``: ``producer``'s Redis channel gives each command the
+    same client of its connection pool, made once per channel and pool, instead of a new one per
+    command. Returns the channel so changed, or None (another transport, or a connection not
+    connected yet: then nothing changes, and nothing connects here; the publish connects under
+    its own retry policy).
+
+    Touches the Redis transport's ``Channel.conn_or_acquire(client=None)``,
+    ``Channel._create_client()`` and ``Channel.pool`` (kombu 5.3 to 5.7): ``conn_or_acquire``
+    builds a ``redis.Redis`` for every command, two per publish (the exchange's bindings, then
+    the LPUSH), and a client is costly to build (its response callbacks are copied into a
+    case-insensitive dict). A client holds no connection of its own: every command borrows one
+    from the pool, so one client serves every command as a new one would, and a reconnection
+    (a new channel, or a new pool) gets a client of its own."""
+    redis_transport = sys.modules.get("kombu.transport.redis")  # not imported: no channel of it exists
+    connection = producer.connection
+    if redis_transport is None or not isinstance(connection.transport, redis_transport.Transport) \
+            or not connection.connected:
+        return None
+    channel = producer.channel  # connected: taken without a round trip (a pooled producer's comes as a promise)
+    if not isinstance(channel, redis_transport.Channel):
+        return None
+    pool = channel.pool
+    kept = getattr(channel, _KEPT_CLIENT, None)
+    if kept is None or kept[0] is not pool:
+        client = channel._create_client()
+
+        def conn_or_acquire(client_given: Any = None) -> ContextManager[Any]:
+            return nullcontext(client_given or client)
+
+        kept = (pool, client, conn_or_acquire)
+        setattr(channel, _KEPT_CLIENT, kept)
+    channel.conn_or_acquire = kept[2]
+    return channel
+
+
+def unkeep_redis_client(channel: Any) -> None:
+    """Undo ``keep_redis_client``: kombu's own ``conn_or_acquire`` answers again (the kept client
+    stays on the channel for the next ``keep_redis_client``)."""
+    channel.__dict__.pop("conn_or_acquire", None)

@@ -111,8 +111,8 @@ class Publisher:
         for message in messages:
             message.committed_at = message.committed_at or now
         if not any(message.durable for message in messages):  # nothing stored: only published
-            with self.runtime.app.producer_or_acquire(producer) as acquired:
-                self._publish_plain(messages, acquired, BoundQueues(self.runtime.app.amqp.queues, acquired), False)
+            with outlet(self.runtime.app, producer) as out:
+                self._publish_plain(messages, out.producer, out.bound, False)
             return
         if messages_stored.receivers:
             stored = [m for m in messages if m.durable]

@@ -4,7 +4,9 @@ On Redis a batch goes out as one pipeline, in call order, with each exchange's b
 looked up once; a batch that cannot be flushed reports its error instead of raising. On
 RabbitMQ (no batching in kombu), and for a batch of one message, every publish goes out at
 once. ``BoundQueues`` binds each entity publishes declare once per channel, across loops, and
-they are still declared; a producer whose channel was replaced binds afresh.
+they are still declared; a producer whose channel was replaced binds afresh. On Redis the
+commands of an ``outlet`` block share one client of the channel's pool, which outlives the broker
+dropping its connections.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import uuid
 from urllib.parse import urlsplit
 
 import pytest
+from celery import Celery
 from kombu import Connection, Exchange, Queue
 
-from celery_outbox.broker import MAX_BINDINGS, BoundQueues, PublishBatch
+from celery_outbox.broker import MAX_BINDINGS, BoundQueues, PublishBatch, outlet
 
 from ..services import TcpProxy
 
@@ -164,3 +167,60 @@ def test_a_channel_keeps_a_bounded_number_of_copies(redis_url):
                    for copy, queue in zip(copies, made, strict=True))
         assert entities.bind([made[-1]])[0] is copies[-1], "kept after starting afresh"
         assert entities.bind([made[0]])[0] is not copies[0], "dropped when the copies started afresh"
+
+
+def counting_clients(monkeypatch, channel_class: type) -> list:
+    """The Redis channels each client is made for, as they are made."""
+    made: list = []
+    real = channel_class._create_client
+    monkeypatch.setattr(channel_class, "_create_client",
+                        lambda self, *args, **kwargs: made.append(self) or real(self, *args, **kwargs))
+    return made
+
+
+def test_an_outlet_on_redis_sends_every_command_through_one_kept_client(redis_url, queue, monkeypatch):
+    app = Celery("kept_client", broker=redis_url, set_as_current=False)
+    try:
+        with outlet(app) as out:  # a new producer: not connected before its first publish, nothing kept
+            publish(out.producer, queue, -1)
+            made_clients = counting_clients(monkeypatch, type(out.producer.channel))
+        before = len(made_clients)
+        channels = set()
+        for n in range(3):
+            with outlet(app) as out:
+                channel = out.producer.channel
+                assert "conn_or_acquire" in channel.__dict__, "kept for the block"
+                publish(out.producer, queue, n)
+            assert "conn_or_acquire" not in channel.__dict__, "kombu's own after the block"
+            channels.add(channel)
+        assert len(made_clients) - before == len(channels), "one client per channel, not one per command"
+        with Connection(redis_url) as connection:
+            assert drain(connection, queue) == [-1, 0, 1, 2]
+            queue.bind(connection.default_channel).delete()
+    finally:
+        app.close()
+
+
+def test_a_kept_redis_client_reconnects_after_the_broker_dropped_its_connections(redis_url, queue):
+    real = urlsplit(redis_url)
+    proxy = TcpProxy(real.hostname or "127.0.0.1", real.port or 6379).start()
+    app = Celery("kept_client_dropped", broker=f"redis://127.0.0.1:{proxy.port}{real.path}", set_as_current=False)
+    try:
+        for n in range(2):  # the second block keeps a client
+            with outlet(app) as out:
+                publish(out.producer, queue, n)
+        proxy.stop()  # every connection cut, new ones refused
+        with outlet(app) as out:
+            assert "conn_or_acquire" in out.producer.channel.__dict__
+            with pytest.raises(out.broker_errors):
+                publish(out.producer, queue, 2)
+        proxy.start()
+        with outlet(app) as out:  # the kept client's pool connects afresh
+            assert "conn_or_acquire" in out.producer.channel.__dict__
+            publish(out.producer, queue, 3)
+    finally:
+        proxy.stop()
+        app.close()
+    with Connection(redis_url) as connection:
+        assert drain(connection, queue) == [0, 1, 3], "the publish that failed is reported, the next one arrives"
+        queue.bind(connection.default_channel).delete()

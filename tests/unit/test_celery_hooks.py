@@ -593,3 +593,42 @@ def test_producer_batch_defers_publishes_until_it_exits():
             assert bound.get() is None, "discarded"
         finally:
             bound.delete()
+
+
+def test_redis_commands_make_a_client_each_and_a_kept_one_serves_them_all(monkeypatch):
+    """kombu 5: the Redis channel's ``conn_or_acquire()`` makes a client through ``_create_client()``
+    for every command (a publish makes at least one). ``keep_redis_client`` on a connected producer
+    gives every command of its channel one client, made once per channel; ``unkeep_redis_client``
+    brings kombu's own back. A producer not connected yet is left alone, and nothing connects."""
+    url = require("redis")
+    name = f"hooks-{uuid.uuid4().hex[:8]}"
+    queue = Queue(name, Exchange(name), routing_key=name)
+    made: list[Any] = []
+    with Connection(url) as conn:
+        producer = conn.Producer()
+        assert hooks.keep_redis_client(producer) is None and not conn.connected, "nothing connects"
+        channel = producer.channel
+        real = type(channel)._create_client  # the class of the module loaded now (a test may reload kombu's)
+        monkeypatch.setattr(type(channel), "_create_client",
+                            lambda self, *args, **kwargs: made.append(self) or real(self, *args, **kwargs))
+        queue.bind(channel).declare()
+        before = len(made)
+        producer.publish({"n": 0}, exchange=queue.exchange, routing_key=name)
+        assert len(made) > before, "kombu makes a client per command"
+        assert hooks.keep_redis_client(producer) is channel
+        kept = len(made)
+        for n in range(1, 4):
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key=name)
+        with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
+            assert first is second
+        assert len(made) == kept, "no client made while one is kept"
+        hooks.unkeep_redis_client(channel)
+        assert "conn_or_acquire" not in channel.__dict__
+        assert hooks.keep_redis_client(producer) is channel and len(made) == kept, "made once per channel"
+        hooks.unkeep_redis_client(channel)
+        assert channel._size(name) == 4
+        queue.bind(channel).delete()
+    with Connection("memory://") as conn:
+        producer = conn.Producer()
+        assert producer.channel is not None
+        assert hooks.keep_redis_client(producer) is None, "another transport: nothing changes"
