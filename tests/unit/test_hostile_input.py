@@ -14,6 +14,8 @@ from kombu import Connection
 
 from celery_outbox import guard
 from celery_outbox.dead_letter_rows import dead_letter_row, stored_text
+from celery_outbox.envelope import OutgoingMessage, check_storable
+from celery_outbox.errors import UnstorableMessage
 from celery_outbox.guard import (
     body_reason,
     dead_letter_row_of,
@@ -21,7 +23,7 @@ from celery_outbox.guard import (
     store_limits_reason,
     tolerate_any_envelope,
 )
-from celery_outbox.store import utcnow
+from celery_outbox.store import build_tables, text_problem, utcnow
 from celery_outbox.vocabulary import REQUEUE_BACKOFF, DeadLetterReason
 
 KNOWN = {"t.add"}
@@ -112,6 +114,35 @@ def test_dead_letter_rows_of_any_values_are_accepted_by_a_real_insert(store, mes
         destination=queue, routing_key=queue, exchange=queue, error=error, description=description,
         retries=counts[0], nesting=counts[1], replays=counts[2], body=body, content_type=content_type,
         content_encoding=content_type, headers=headers, properties=properties))
+
+
+OUTGOING = build_tables("hostile_").outgoing
+fields = st.one_of(st.none(), st.just("t.add"), st.text(max_size=8), texts)
+
+
+@given(message_id=fields, task_name=fields, destination=fields, exchange=fields, routing_key=fields,
+       content_type=fields, content_encoding=fields)
+@hostile
+def test_a_message_is_refused_exactly_when_a_field_of_it_cannot_be_stored(message_id, task_name, destination,
+                                                                          exchange, routing_key, content_type,
+                                                                          content_encoding):
+    """``check_storable`` checks every field at once first (ASCII text within its column's
+    length, no NUL): whatever the values, it refuses a message exactly when ``text_problem``
+    names a field of it, and its error names the first such field's problem."""
+    given_fields = {"message_id": message_id, "task_name": task_name, "destination": destination,
+                    "exchange": exchange, "routing_key": routing_key, "content_type": content_type,
+                    "content_encoding": content_encoding}
+    message = OutgoingMessage(**{name: value or "" if name in ("task_name", "destination") else value
+                                 for name, value in given_fields.items()},
+                              body=b"", headers={}, properties={})
+    problems = [problem for name in given_fields
+                if (problem := text_problem(OUTGOING.c[name], getattr(message, name))) is not None]
+    if not problems:
+        check_storable(message, OUTGOING)
+        return
+    with pytest.raises(UnstorableMessage) as refused:
+        check_storable(message, OUTGOING)
+    assert problems[0] in str(refused.value)
 
 
 def test_stored_text_escapes_what_a_database_rejects_and_cuts_to_the_size():
