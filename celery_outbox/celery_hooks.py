@@ -405,36 +405,40 @@ _KEPT_CLIENT = "_celery_outbox_client"
 def keep_redis_client(producer: Any) -> Any:
     """Until ``unkeep_redis_client(channel)``: ``producer``'s Redis channel gives each command the
     same client of its connection pool, made once per channel and pool, instead of a new one per
-    command. Returns the channel so changed, or None (another transport, or a connection not
-    connected yet: then nothing changes, and nothing connects here; the publish connects under
-    its own retry policy).
+    command. Returns the channel so changed, or None: another transport, a connection not
+    connected yet (nothing connects here; the publish connects under its own retry policy), or
+    anything unexpected on the way (then kombu's own way stands, so this never fails a publish).
 
     Touches the Redis transport's ``Channel.conn_or_acquire(client=None)``,
     ``Channel._create_client()`` and ``Channel.pool`` (kombu 5.3 to 5.7): ``conn_or_acquire``
-    builds a ``redis.Redis`` for every command, two per publish (the exchange's bindings, then
-    the LPUSH), and a client is costly to build (its response callbacks are copied into a
-    case-insensitive dict). A client holds no connection of its own: every command borrows one
-    from the pool, so one client serves every command as a new one would, and a reconnection
-    (a new channel, or a new pool) gets a client of its own."""
+    builds a ``redis.Redis`` for every command (a publish to Celery's default exchange makes one,
+    to a named exchange two: its bindings, then the LPUSH), and a client is costly to build (its
+    response callbacks are copied into a case-insensitive dict). A client holds no connection of
+    its own: every command borrows one from the pool, so one client serves every command as a
+    new one would, and a reconnection (a new channel, or a new pool) gets a client of its own."""
     redis_transport = sys.modules.get("kombu.transport.redis")  # not imported: no channel of it exists
-    connection = producer.connection
-    if redis_transport is None or not isinstance(connection.transport, redis_transport.Transport) \
-            or not connection.connected:
+    if redis_transport is None:
         return None
-    channel = producer.channel  # connected: taken without a round trip (a pooled producer's comes as a promise)
-    if not isinstance(channel, redis_transport.Channel):
+    try:
+        connection = producer.connection
+        if not isinstance(connection.transport, redis_transport.Transport) or not connection.connected:
+            return None
+        channel = producer.channel  # connected: no round trip (a pooled producer's comes as a promise)
+        if not isinstance(channel, redis_transport.Channel):
+            return None
+        pool = channel.pool
+        kept = getattr(channel, _KEPT_CLIENT, None)
+        if kept is None or kept[0] is not pool:
+            client = channel._create_client()
+
+            def conn_or_acquire(client_given: Any = None) -> ContextManager[Any]:
+                return nullcontext(client_given or client)
+
+            kept = (pool, client, conn_or_acquire)
+            setattr(channel, _KEPT_CLIENT, kept)
+        channel.conn_or_acquire = kept[2]
+    except Exception:  # noqa: BLE001 - an optimisation only: kombu's own client per command stands
         return None
-    pool = channel.pool
-    kept = getattr(channel, _KEPT_CLIENT, None)
-    if kept is None or kept[0] is not pool:
-        client = channel._create_client()
-
-        def conn_or_acquire(client_given: Any = None) -> ContextManager[Any]:
-            return nullcontext(client_given or client)
-
-        kept = (pool, client, conn_or_acquire)
-        setattr(channel, _KEPT_CLIENT, kept)
-    channel.conn_or_acquire = kept[2]
     return channel
 
 

@@ -628,6 +628,13 @@ def test_redis_commands_make_a_client_each_and_a_kept_one_serves_them_all(monkey
         hooks.unkeep_redis_client(channel)
         assert channel._size(name) == 4
         queue.bind(channel).delete()
+        other = conn.channel()
+        producer.revive(other)
+        monkeypatch.setattr(type(other), "_create_client", lambda self, *args, **kwargs: 1 / 0)
+        assert hooks.keep_redis_client(producer) is None, "a failure on the way leaves kombu's own"
+        assert "conn_or_acquire" not in other.__dict__
+        other.close()
+    assert hooks.keep_redis_client(SimpleNamespace()) is None, "not a kombu producer: nothing changes"
     with Connection("memory://") as conn:
         producer = conn.Producer()
         assert producer.channel is not None
