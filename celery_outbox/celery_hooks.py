@@ -429,12 +429,12 @@ def keep_redis_client(producer: Any) -> Any:
         pool = channel.pool
         kept = getattr(channel, _KEPT_CLIENT, None)
         if kept is None or kept[0] is not pool:
-            client = channel._create_client()
+            kept_client = channel._create_client()
 
-            def conn_or_acquire(client_given: Any = None) -> ContextManager[Any]:
-                return nullcontext(client_given or client)
+            def conn_or_acquire(client: Any = None) -> ContextManager[Any]:  # kombu's signature
+                return nullcontext(client or kept_client)
 
-            kept = (pool, client, conn_or_acquire)
+            kept = (pool, kept_client, conn_or_acquire)
             setattr(channel, _KEPT_CLIENT, kept)
         channel.conn_or_acquire = kept[2]
     except Exception:  # noqa: BLE001 - an optimisation only: kombu's own client per command stands

@@ -619,8 +619,10 @@ def test_redis_commands_make_a_client_each_and_a_kept_one_serves_them_all(monkey
         kept = len(made)
         for n in range(1, 4):
             producer.publish({"n": n}, exchange=queue.exchange, routing_key=name)
-        with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
-            assert first is second
+        with channel.conn_or_acquire() as first, channel.conn_or_acquire(client=None) as second:
+            assert first is second, "kombu calls it with and without its keyword"
+        with channel.conn_or_acquire(client=conn) as given:
+            assert given is conn, "a client given is used"
         assert len(made) == kept, "no client made while one is kept"
         hooks.unkeep_redis_client(channel)
         assert "conn_or_acquire" not in channel.__dict__

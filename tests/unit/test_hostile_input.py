@@ -132,7 +132,7 @@ def test_a_message_is_refused_exactly_when_a_field_of_it_cannot_be_stored(messag
     given_fields = {"message_id": message_id, "task_name": task_name, "destination": destination,
                     "exchange": exchange, "routing_key": routing_key, "content_type": content_type,
                     "content_encoding": content_encoding}
-    message = OutgoingMessage(**{name: value or "" if name in ("task_name", "destination") else value
+    message = OutgoingMessage(**{name: (value or "") if name in ("task_name", "destination") else value
                                  for name, value in given_fields.items()},
                               body=b"", headers={}, properties={})
     problems = [problem for name in given_fields
