@@ -6,9 +6,9 @@ retry policy (``Publisher._publish_plain``)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterator, Sequence, TypeVar
+from typing import Any, ContextManager, Generic, Iterator, Sequence, TypeVar
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
@@ -17,6 +17,7 @@ from .celery_hooks import (
     cache_exchange_bindings,
     can_batch_publish,
     keep_redis_client,
+    kept_pooled_producer,
     start_publish_batch,
     uncache_exchange_bindings,
     unkeep_redis_client,
@@ -223,12 +224,22 @@ class Outlet:
 
 @contextmanager
 def outlet(app: Any, producer: Any = None) -> Iterator[Outlet]:
-    """An ``Outlet`` on ``producer``, or on one from the app's pool for the block. On Redis, the
-    block's commands share one client of the channel's pool (``keep_redis_client``)."""
-    with app.producer_or_acquire(producer) as acquired:
+    """An ``Outlet`` on ``producer``, or on a producer kept on one of the app's pooled broker
+    connections for the block (``kept_pooled_producer``: waiting ``broker_pool_acquire_timeout``
+    for one, as Celery's own publishes do). On Redis, the block's commands share one client of
+    the channel's pool (``keep_redis_client``)."""
+    with _producer_for(app, producer) as acquired:
         channel = keep_redis_client(acquired)
         try:
             yield Outlet(app, acquired)
         finally:
             if channel is not None:
                 unkeep_redis_client(channel)
+
+
+
+def _producer_for(app: Any, producer: Any) -> ContextManager[Any]:
+    """``producer``, or one kept on a pooled connection of the app for the block."""
+    if producer is not None:
+        return nullcontext(producer)
+    return kept_pooled_producer(app, app.conf.broker_pool_acquire_timeout)

@@ -37,7 +37,10 @@ from typing import Any, Callable, ContextManager, Iterator
 
 from billiard.einfo import ExceptionWithTraceback
 from celery.worker.request import Request
+from kombu.exceptions import LimitExceeded
+from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.transport import virtual
+from kombu.utils.functional import ChannelPromise
 
 __all__ = [
     "TASKS_STEP",
@@ -446,3 +449,50 @@ def unkeep_redis_client(channel: Any) -> None:
     """Undo ``keep_redis_client``: kombu's own ``conn_or_acquire`` answers again (the kept client
     stays on the channel for the next ``keep_redis_client``)."""
     channel.__dict__.pop("conn_or_acquire", None)
+
+
+# The attribute of a pooled broker connection that holds the producer kept on it
+_KEPT_PRODUCER = "_celery_outbox_producer"
+
+
+@contextmanager
+def kept_pooled_producer(app: Any, timeout: float | None) -> Iterator[Any]:
+    """For the block: a producer on a connection of the app's producer pool, kept on that pooled
+    connection from one block to the next instead of revived for every block. The block holds the
+    connection as a producer of the pool would: one of the pool's connections, ``timeout`` to wait
+    for one, then kombu's ``OperationalError`` (as Celery's own publishes raise); a block that
+    raises hands it back to be replaced, as a pooled producer's does. Nothing connects here: a
+    producer made or revived now takes its channel on its first publish, under that publish's
+    own retry policy.
+
+    Touches ``ProducerPool.connections`` and ``ProducerPool.Producer`` (kombu 5: the pool's
+    connection pool, and the class it makes producers of), ``Producer._channel`` (the channel,
+    or a promise of the connection's default channel not taken yet) and
+    ``Connection._default_channel`` (kombu 5: the channel ``default_channel`` gave; a connection
+    connecting afresh drops it).
+    kombu's pool revives a producer on every acquire (a new copy of its exchange, its channel
+    through a promise); a kept producer is revived only when its channel is no longer its
+    connection's default channel (a reconnection, a channel closed) or the connection is down, so
+    it never publishes on a channel its connection gave up, and a lost connection is connected
+    afresh by the next publish, as a revived producer's is."""
+    pool = app.amqp.producer_pool
+    try:
+        connection = pool.connections.acquire(block=True, timeout=timeout)
+    except LimitExceeded as exc:  # Celery's own publishes raise this too, in its words
+        raise KombuOperationalError(
+            f"celery-outbox: timed out waiting for a broker connection after {timeout}s: all "
+            f"{pool.connections.limit} of the pool are in use (broker_pool_limit, broker_pool_acquire_timeout)",
+        ) from exc
+    try:
+        producer = connection.__dict__.get(_KEPT_PRODUCER)
+        if producer is None:
+            producer = connection.__dict__[_KEPT_PRODUCER] = pool.Producer(connection)
+        elif not isinstance(producer._channel, ChannelPromise) and (
+                producer._channel is not connection._default_channel or not connection.connected):
+            producer.revive(connection)
+        yield producer
+    except BaseException:
+        pool.connections.replace(connection)  # closed: it connects afresh when next used
+        raise
+    finally:
+        connection.release()

@@ -84,13 +84,23 @@ def copy_options(task_id: str) -> dict[str, Any]:
 
 
 def counted_acquires(app: Celery, monkeypatch: Any) -> list[int]:
-    """Counts the producers ``app`` takes from its pool: one entry per acquire."""
+    """Counts the producers ``app``'s sends and publishes take from its pool, one entry per
+    acquire: Celery's, from the producer pool, and the publish loop's, a producer kept on one of
+    the pool's connections (``kept_pooled_producer``)."""
+    from celery_outbox import broker
+
     acquired: list[int] = []
     real_acquire = app.producer_pool.acquire
+    real_kept = broker.kept_pooled_producer
 
     def acquire(*args: Any, **kwargs: Any) -> Any:
         acquired.append(1)
         return real_acquire(*args, **kwargs)
 
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        acquired.append(1)
+        return real_kept(*args, **kwargs)
+
     monkeypatch.setattr(app.producer_pool, "acquire", acquire)
+    monkeypatch.setattr(broker, "kept_pooled_producer", kept)
     return acquired

@@ -6,7 +6,9 @@ RabbitMQ (no batching in kombu), and for a batch of one message, every publish g
 once. ``BoundQueues`` binds each entity publishes declare once per channel, across loops, and
 they are still declared; a producer whose channel was replaced binds afresh. On Redis the
 commands of an ``outlet`` block share one client of the channel's pool, which outlives the broker
-dropping its connections.
+dropping its connections. An ``outlet`` block's producer is kept on its pooled connection from
+one block to the next, revived only when its connection's channel changed or went down, within
+the pool's limit, and connects nothing before its first publish.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from urllib.parse import urlsplit
 import pytest
 from celery import Celery
 from kombu import Connection, Exchange, Queue
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 from celery_outbox.broker import MAX_BINDINGS, BoundQueues, PublishBatch, outlet
+from celery_outbox.celery_hooks import kept_pooled_producer
 
-from ..services import TcpProxy
+from ..services import TcpProxy, free_port
 
 
 def queue_named(name: str) -> Queue:
@@ -226,3 +230,93 @@ def test_a_kept_redis_client_reconnects_after_the_broker_dropped_its_connections
     with Connection(redis_url) as connection:
         assert drain(connection, queue) == [0, 1, 3], "the publish that failed is reported, the next one arrives"
         queue.bind(connection.default_channel).delete()
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_an_outlet_keeps_its_producer_on_the_pooled_connection_across_blocks(broker, redis_url, rabbitmq_url,
+                                                                               queue):
+    url = redis_url if broker == "redis" else rabbitmq_url
+    app = Celery("kept_producer", broker=url, set_as_current=False)
+    app.conf.broker_pool_limit = 1  # one pooled connection: every block gets the same one
+    try:
+        producers, exchanges = [], []
+        for n in range(3):
+            with outlet(app) as out:
+                publish(out.producer, queue, n)
+                producers.append(out.producer)
+                exchanges.append(out.producer.exchange)
+        assert producers[0] is producers[1] is producers[2], "kept on the pooled connection"
+        assert exchanges[0] is exchanges[1] is exchanges[2], "not revived between blocks"
+        with Connection(url) as connection:
+            assert drain(connection, queue) == [0, 1, 2]
+            queue.bind(connection.default_channel).delete()
+    finally:
+        app.close()
+
+
+def test_a_kept_producer_is_revived_once_its_connection_was_lost(rabbitmq_url, queue):
+    real = urlsplit(rabbitmq_url)
+    proxy = TcpProxy(real.hostname or "127.0.0.1", real.port or 5672).start()
+    app = Celery("kept_producer_lost", broker=real._replace(netloc=f"{real.netloc.rsplit('@', 1)[0]}@127.0.0.1:"
+                                                                   f"{proxy.port}").geturl(), set_as_current=False)
+    app.conf.broker_pool_limit = 1
+    try:
+        with Connection(rabbitmq_url) as direct:
+            with outlet(app) as out:
+                publish(out.producer, queue, 0)
+                kept, first_channel = out.producer, out.producer.channel
+            assert drain(direct, queue) == [0], "arrived before the cut (a publish is not confirmed)"
+            proxy.stop()  # every connection cut, new ones refused
+            with outlet(app) as out:
+                with pytest.raises(out.broker_errors):
+                    publish(out.producer, queue, 1)
+            proxy.start()
+            with outlet(app) as out:
+                publish(out.producer, queue, 2)
+                assert out.producer is kept and out.producer.channel is not first_channel, "revived, on a new channel"
+            assert drain(direct, queue) == [2], "the publish that failed is reported, the next one arrives"
+            queue.bind(direct.default_channel).delete()
+    finally:
+        proxy.stop()
+        app.close()
+
+
+def test_a_block_connects_nothing_before_its_first_publish():
+    app = Celery("kept_producer_down", broker=f"amqp://guest:guest@127.0.0.1:{free_port()}//",
+                 set_as_current=False)
+    try:
+        with kept_pooled_producer(app, None) as producer:  # nothing listens there: no wait, no error
+            assert not producer.connection.connected
+    finally:
+        app.close()
+
+
+def test_an_exhausted_pool_is_a_broker_error_naming_its_limit(redis_url):
+    app = Celery("kept_producer_limit", broker=redis_url, set_as_current=False)
+    app.conf.update(broker_pool_limit=1, broker_pool_acquire_timeout=0.2)
+    try:
+        with outlet(app):
+            with pytest.raises(KombuOperationalError, match="broker_pool_limit"):
+                with outlet(app):
+                    pass
+        with outlet(app) as out:  # handed back: the pool has its connection again
+            assert out.producer is not None
+    finally:
+        app.close()
+
+
+def test_a_block_that_raises_hands_its_connection_back_to_be_replaced(redis_url, queue):
+    app = Celery("kept_producer_raising", broker=redis_url, set_as_current=False)
+    app.conf.update(broker_pool_limit=1, broker_pool_acquire_timeout=1)
+    try:
+        with pytest.raises(RuntimeError):
+            with outlet(app) as out:
+                publish(out.producer, queue, 0)
+                raise RuntimeError("the block failed")
+        with outlet(app) as out:  # the connection came back to the pool, closed, and connects afresh
+            publish(out.producer, queue, 1)
+        with Connection(redis_url) as connection:
+            assert drain(connection, queue) == [0, 1]
+            queue.bind(connection.default_channel).delete()
+    finally:
+        app.close()

@@ -641,3 +641,31 @@ def test_redis_commands_make_a_client_each_and_a_kept_one_serves_them_all(monkey
         producer = conn.Producer()
         assert producer.channel is not None
         assert hooks.keep_redis_client(producer) is None, "another transport: nothing changes"
+
+
+def test_a_pooled_producer_is_revived_on_every_acquire_and_a_kept_one_is_not(app):
+    """kombu 5: a producer of the pool (``ProducerPool.connections``, its connection pool, and
+    ``ProducerPool.Producer``) is revived on every acquire: its ``_channel`` a ``ChannelPromise``,
+    its exchange a new copy. A connection's ``_default_channel`` is the channel ``default_channel``
+    gave; connecting afresh makes a new one. ``kept_pooled_producer`` keeps its producer
+    on the pooled connection: the same producer, exchange and channel from block to block,
+    revived once its connection was lost."""
+    from kombu.utils.functional import ChannelPromise
+
+    pool = app.amqp.producer_pool
+    assert pool.connections is not None and pool.Producer is not None
+    with app.producer_or_acquire() as pooled:
+        assert isinstance(pooled._channel, ChannelPromise)
+        first_exchange = pooled.exchange
+    with app.producer_or_acquire() as pooled:
+        assert pooled.exchange is not first_exchange, "revived: a new copy of its exchange"
+    with hooks.kept_pooled_producer(app, None) as kept:
+        channel, exchange = kept.channel, kept.exchange
+        assert kept.connection._default_channel is channel
+    with hooks.kept_pooled_producer(app, None) as again:
+        assert again is kept and again.exchange is exchange and again.channel is channel, "kept as it was"
+        again.connection.collect()  # the connection lost, as after a broker failure
+        assert not again.connection.connected
+    with hooks.kept_pooled_producer(app, None) as revived:
+        assert revived is kept and isinstance(revived._channel, ChannelPromise), "revived, to connect afresh"
+        assert revived.channel is not channel
