@@ -51,6 +51,14 @@ def drain(connection, queue: Queue) -> list[int]:
         simple.close()
 
 
+def drained_and_deleted(url: str, queue: Queue) -> list[int]:
+    """What ``queue`` holds, read on a connection of its own; the queue is deleted after."""
+    with Connection(url) as connection:
+        got = drain(connection, queue)
+        queue.bind(connection.default_channel).delete()
+    return got
+
+
 @pytest.fixture
 def queue():
     return queue_named(f"batch_{uuid.uuid4().hex[:8]}")
@@ -200,9 +208,7 @@ def test_an_outlet_on_redis_sends_every_command_through_one_kept_client(redis_ur
             assert "conn_or_acquire" not in channel.__dict__, "kombu's own after the block"
         assert all(len(kept) == 1 for kept in clients.values()), "one client per channel, across blocks"
         assert len(made_clients) - before <= len(clients) < 3, "at most one made per channel, not one per command"
-        with Connection(redis_url) as connection:
-            assert drain(connection, queue) == [-1, 0, 1, 2]
-            queue.bind(connection.default_channel).delete()
+        assert drained_and_deleted(redis_url, queue) == [-1, 0, 1, 2]
     finally:
         app.close()
 
@@ -247,9 +253,7 @@ def test_an_outlet_keeps_its_producer_on_the_pooled_connection_across_blocks(bro
                 exchanges.append(out.producer.exchange)
         assert producers[0] is producers[1] is producers[2], "kept on the pooled connection"
         assert exchanges[0] is exchanges[1] is exchanges[2], "not revived between blocks"
-        with Connection(url) as connection:
-            assert drain(connection, queue) == [0, 1, 2]
-            queue.bind(connection.default_channel).delete()
+        assert drained_and_deleted(url, queue) == [0, 1, 2]
     finally:
         app.close()
 
@@ -315,8 +319,6 @@ def test_a_block_that_raises_hands_its_connection_back_to_be_replaced(redis_url,
                 raise RuntimeError("the block failed")
         with outlet(app) as out:  # the connection came back to the pool, closed, and connects afresh
             publish(out.producer, queue, 1)
-        with Connection(redis_url) as connection:
-            assert drain(connection, queue) == [0, 1]
-            queue.bind(connection.default_channel).delete()
+        assert drained_and_deleted(redis_url, queue) == [0, 1]
     finally:
         app.close()
