@@ -237,7 +237,6 @@ def outlet(app: Any, producer: Any = None) -> Iterator[Outlet]:
                 unkeep_redis_client(channel)
 
 
-
 def _producer_for(app: Any, producer: Any) -> ContextManager[Any]:
     """``producer``, or one kept on a pooled connection of the app for the block."""
     if producer is not None:

@@ -17,7 +17,8 @@ Where each is used: ``without_callback_publish_retry`` (envelope), ``install_tas
 ``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
 ``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
 ``can_batch_publish``, ``start_publish_batch``, ``cache_exchange_bindings``,
-``uncache_exchange_bindings``, ``keep_redis_client`` and ``unkeep_redis_client`` (broker).
+``uncache_exchange_bindings``, ``keep_redis_client``, ``unkeep_redis_client`` and
+``kept_pooled_producer`` (broker).
 
 Two undocumented call shapes are relied on without touching a private name, and are pinned by
 the same tests: ``send_task_message`` publishes with one ``producer.publish(body, **kwargs)``
