@@ -132,9 +132,9 @@ class Publisher:
             if message.durable and message.row_id is not None:
                 (marked.add if message.marked_sent else to_take.append)(message.row_id)
         if any(m.sent_event is not None for m in held):
-            with self.runtime.app.producer_or_acquire(producer) as event_producer:
+            with outlet(self.runtime.app, producer) as out:
                 for message in held:
-                    self._send_event(message, event_producer, broker_down=False)
+                    self._send_event(message, out.producer, broker_down=False)
         messages = due
         if not to_take:
             sent = self._publish_all(messages, marked, producer)
