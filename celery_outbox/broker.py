@@ -241,4 +241,4 @@ def _producer_for(app: Any, producer: Any) -> ContextManager[Any]:
     """``producer``, or one kept on a pooled connection of the app for the block."""
     if producer is not None:
         return nullcontext(producer)
-    return kept_pooled_producer(app, app.conf.broker_pool_acquire_timeout)
+    return kept_pooled_producer(app)

@@ -457,12 +457,13 @@ _KEPT_PRODUCER = "_celery_outbox_producer"
 
 
 @contextmanager
-def kept_pooled_producer(app: Any, timeout: float | None) -> Iterator[Any]:
+def kept_pooled_producer(app: Any) -> Iterator[Any]:
     """For the block: a producer on a connection of the app's producer pool, kept on that pooled
     connection from one block to the next instead of revived for every block. The block holds the
-    connection as a producer of the pool would: one of the pool's connections, ``timeout`` to wait
-    for one, then kombu's ``OperationalError`` (as Celery's own publishes raise); a block that
-    raises hands it back to be replaced, as a pooled producer's does. Nothing connects here: a
+    connection as a producer of the pool would: one of the pool's connections, waiting
+    ``broker_pool_acquire_timeout`` for one when all are in use (the setting is read only then),
+    then kombu's ``OperationalError`` (as Celery's own publishes raise); a block that raises
+    hands it back to be replaced, as a pooled producer's does. Nothing connects here: a
     producer made or revived now takes its channel on its first publish, under that publish's
     own retry policy.
 
@@ -478,12 +479,9 @@ def kept_pooled_producer(app: Any, timeout: float | None) -> Iterator[Any]:
     afresh by the next publish, as a revived producer's is."""
     pool = app.amqp.producer_pool
     try:
-        connection = pool.connections.acquire(block=True, timeout=timeout)
-    except LimitExceeded as exc:  # Celery's own publishes raise this too, in its words
-        raise KombuOperationalError(
-            f"celery-outbox: timed out waiting for a broker connection after {timeout}s: all "
-            f"{pool.connections.limit} of the pool are in use (broker_pool_limit, broker_pool_acquire_timeout)",
-        ) from exc
+        connection = pool.connections.acquire(block=False)  # a free one, or a new one within the limit
+    except LimitExceeded:
+        connection = _wait_for_pooled_connection(pool.connections, app.conf.broker_pool_acquire_timeout)
     try:
         producer = connection.__dict__.get(_KEPT_PRODUCER)
         if producer is None:
@@ -497,3 +495,15 @@ def kept_pooled_producer(app: Any, timeout: float | None) -> Iterator[Any]:
         raise
     finally:
         connection.release()
+
+
+def _wait_for_pooled_connection(connections: Any, timeout: float | None) -> Any:
+    """One of the pool ``connections`` once one is handed back, waiting up to ``timeout`` seconds
+    (None: for ever); then kombu's ``OperationalError`` naming the limit."""
+    try:
+        return connections.acquire(block=True, timeout=timeout)
+    except LimitExceeded as exc:  # Celery's own publishes raise this too, in its words
+        raise KombuOperationalError(
+            f"celery-outbox: timed out waiting for a broker connection after {timeout}s: all "
+            f"{connections.limit} of the pool are in use (broker_pool_limit, broker_pool_acquire_timeout)",
+        ) from exc

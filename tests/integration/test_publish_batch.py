@@ -13,6 +13,7 @@ the pool's limit, and connects nothing before its first publish.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from urllib.parse import urlsplit
 
@@ -289,7 +290,7 @@ def test_a_block_connects_nothing_before_its_first_publish():
     app = Celery("kept_producer_down", broker=f"amqp://guest:guest@127.0.0.1:{free_port()}//",
                  set_as_current=False)
     try:
-        with kept_pooled_producer(app, None) as producer:  # nothing listens there: no wait, no error
+        with kept_pooled_producer(app) as producer:  # nothing listens there: no wait, no error
             assert not producer.connection.connected
     finally:
         app.close()
@@ -306,6 +307,43 @@ def test_an_exhausted_pool_is_a_broker_error_naming_its_limit(redis_url):
         with outlet(app) as out:  # handed back: the pool has its connection again
             assert out.producer is not None
     finally:
+        app.close()
+
+
+def test_a_block_finding_the_pool_in_use_waits_for_a_connection_handed_back(redis_url, queue, monkeypatch):
+    """With every pooled connection in use, a block waits (``broker_pool_acquire_timeout``) and
+    takes the connection the holder hands back, as Celery's pooled producers do."""
+    app = Celery("kept_producer_waiting", broker=redis_url, set_as_current=False)
+    app.conf.update(broker_pool_limit=1, broker_pool_acquire_timeout=30)
+    connections = app.amqp.producer_pool.connections
+    holding, waiting = threading.Event(), threading.Event()
+    held: list = []
+    real_acquire = connections.acquire
+
+    def acquire(*args, **kwargs):
+        if kwargs.get("block"):
+            waiting.set()  # the holder hands its connection back now
+        return real_acquire(*args, **kwargs)
+
+    monkeypatch.setattr(connections, "acquire", acquire)
+
+    def hold() -> None:
+        with outlet(app) as out:
+            held.append(out.producer.connection)
+            holding.set()
+            waiting.wait(30)
+
+    holder = threading.Thread(target=hold)
+    try:
+        holder.start()
+        assert holding.wait(30), "the holder took the pool's one connection"
+        with outlet(app) as out:
+            assert waiting.is_set() and out.producer.connection is held[0], "waited for the holder's connection"
+            publish(out.producer, queue, 0)
+        assert drained_and_deleted(redis_url, queue) == [0]
+    finally:
+        waiting.set()
+        holder.join(30)
         app.close()
 
 

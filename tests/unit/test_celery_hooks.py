@@ -659,13 +659,13 @@ def test_a_pooled_producer_is_revived_on_every_acquire_and_a_kept_one_is_not(app
         first_exchange = pooled.exchange
     with app.producer_or_acquire() as pooled:
         assert pooled.exchange is not first_exchange, "revived: a new copy of its exchange"
-    with hooks.kept_pooled_producer(app, None) as kept:
+    with hooks.kept_pooled_producer(app) as kept:
         channel, exchange = kept.channel, kept.exchange
         assert kept.connection._default_channel is channel
-    with hooks.kept_pooled_producer(app, None) as again:
+    with hooks.kept_pooled_producer(app) as again:
         assert again is kept and again.exchange is exchange and again.channel is channel, "kept as it was"
         again.connection.collect()  # the connection lost, as after a broker failure
         assert not again.connection.connected
-    with hooks.kept_pooled_producer(app, None) as revived:
+    with hooks.kept_pooled_producer(app) as revived:
         assert revived is kept and isinstance(revived._channel, ChannelPromise), "revived, to connect afresh"
         assert revived.channel is not channel
