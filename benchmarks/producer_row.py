@@ -73,9 +73,11 @@ from celery_outbox.unit_of_work import UnitOfWork, current_unit_of_work
 from .common import POSTGRES_URL, Options, Result, in_rounds, rate
 
 BATCHES = (1, 10)
-# Eight rounds: the interval of a row's ratio is the 2nd to the 7th round's (93%); five would give
-# the lowest to the highest. A unit of work at N = 1 takes 2 to 8 ms on a shared two-core host.
-ROUNDS = 8
+# Rounds per N. At N = 1, the target's, sixteen: the interval of a row's ratio is the 5th to the
+# 12th round's (92%), where eight give the 2nd to the 7th (93%), as wide as the host's noise
+# (RabbitMQ's rounds move by ±0.05 here). At N = 10, eight; five would give the lowest to the
+# highest. A unit of work at N = 1 takes 1 to 8 ms on a shared two-core host.
+ROUNDS = {1: 16, 10: 8}
 UNITS = {1: 600, 10: 200}
 # Units of work of the pass that counts and times what one of them spends (N = 1)
 SPENT_UNITS = 300
@@ -191,7 +193,7 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
     try:
         for n in BATCHES:
             floor = Floor(orders, durable, n)
-            units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS, 1)
+            units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS[n], 1)
             ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
                     partial(orders.ours, durable, in_a_session=True), partial(floor.send, plain)]
             for way in ways:  # warm: statements compiled, connections made
