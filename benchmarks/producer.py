@@ -102,7 +102,7 @@ def durable_statements(outbox: Outbox, durable: Any, n: int) -> Callable[[], Non
     for the publish, and its commit."""
     store = outbox.store
     tracking = outbox.settings.redeliver_after is not None
-    insert, given = producer_row.captured_rows(outbox, durable, n, marked_sent=tracking)
+    insert, given, _ = producer_row.captured_rows(outbox, durable, n, marked_sent=tracking)
 
     def run() -> None:
         with store.begin() as conn:

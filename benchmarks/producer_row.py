@@ -34,6 +34,7 @@ count as one), those after the commit, and the mean time of the parts
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections import defaultdict
@@ -41,6 +42,7 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any, Callable, Iterator
 
+from celery.utils import uuid
 from psycopg.adapt import PyFormat, Transformer
 from sqlalchemy import (
     BigInteger,
@@ -85,11 +87,13 @@ TARGET = 0.9
 WAYS = ("plain", "in-memory", "durable", "durable, Session", "floor")
 
 
-def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = False) -> tuple[Any, dict[str, Any]]:
+def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = False,
+                  ) -> tuple[Any, dict[str, Any], list[str]]:
     """N messages of ``durable`` captured in a unit of work (neither stored nor published), as the
-    library's INSERT of outgoing rows takes them on PostgreSQL: its statement and its parameters
-    (one row's values, or the rows as one JSON text), made once; with ``marked_sent``, the rows
-    marked sent as the publisher marks them (``sent_at``, ``redeliver_at``)."""
+    library's INSERT of outgoing rows takes them on PostgreSQL: its statement, its parameters
+    (one row's values, or the rows as one JSON text), made once, and the messages' ids; with
+    ``marked_sent``, the rows marked sent as the publisher marks them (``sent_at``,
+    ``redeliver_at``)."""
     with outbox.transaction():
         for i in range(n):
             durable.apply_async((i,))
@@ -100,7 +104,7 @@ def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = Fals
     if marked_sent:
         rows = [dict(row, sent_at=now, redeliver_at=outbox.settings.first_redelivery(now)) for row in rows]
     statement, values, _, _ = _postgres_insert(outbox.store.tables.outgoing, rows)
-    return statement, values
+    return statement, values, [message.message_id for message in messages]
 
 
 class Orders:
@@ -148,21 +152,30 @@ class Orders:
 
 class Floor:
     """The durable unit of work by hand: plain Celery's unit, with the N messages' rows (built
-    once) inserted marked sent, that INSERT (prepared once per connection) and the COMMIT queued in
-    libpq's pipeline mode and sent in one network message, then the ``apply_async`` calls; nothing
-    after them. It drives libpq itself, as the store does: psycopg's ``pipeline()`` block costs
-    more CPU than the round trip it saves on a local server."""
+    once, but for their message ids) inserted marked sent, that INSERT (prepared once per
+    connection) and the COMMIT queued in libpq's pipeline mode and sent in one network message,
+    then the ``apply_async`` calls; nothing after them. It drives libpq itself, as the store does:
+    psycopg's ``pipeline()`` block costs more CPU than the round trip it saves on a local server.
+
+    Each unit's rows carry the ids of the tasks it sends, new ones, as every implementation's do:
+    rows inserted again and again with one id would add to one leaf of the message-id index, a
+    page always in memory, where new ids land on pages all over it. The new ids take the places
+    of the captured ones in the parameters made once (the row's id, and the headers and
+    properties that name it) by plain byte substitution (``_with_ids``): no library code runs."""
 
     def __init__(self, orders: Orders, durable: Any, n: int):
         self.orders = orders
-        insert, given = captured_rows(orders.outbox, durable, n, marked_sent=True)
+        insert, given, ids = captured_rows(orders.outbox, durable, n, marked_sent=True)
         query = _pipelined_query(insert, orders.engine.dialect, tuple(sorted(given)), "floor")
         self.name, self.encoded_name, self.statement = query.name, query.encoded_name, query.ascii_statement
         self.params = Transformer().dump_sequence(query.values(given), [PyFormat.TEXT] * len(query.keys))
+        self._pieces = _split_at_ids(self.params, [message_id.encode() for message_id in ids])
 
     def send(self, task: Any, units: int, n: int) -> None:
         orders = self.orders
         for _ in range(units):
+            task_ids = [uuid() for _ in range(n)]
+            self.params = _with_ids(self._pieces, [task_id.encode() for task_id in task_ids])
             with orders.engine.begin() as conn:
                 conn.execute(orders.write)
                 prepared, _ = _prepared_statements(conn)  # follows psycopg's DEALLOCATE ALL
@@ -175,13 +188,45 @@ class Floor:
                     prepared.add(self.name)
                 # SQLAlchemy's COMMIT that follows finds no transaction: psycopg sends none
             for i in range(n):
-                task.apply_async((i,))
+                task.apply_async((i,), task_id=task_ids[i])
 
     def _insert_and_commit(self, prepare: bool, pgconn: Any) -> None:
         if prepare:
             pgconn.send_prepare(self.encoded_name, self.statement)
         pgconn.send_query_prepared(self.encoded_name, self.params)
         pgconn.send_query_params(b"COMMIT", None)
+
+
+def _split_at_ids(params: list[bytes | None], ids: list[bytes]) -> list[tuple[list[Any], list[int]]]:
+    """Each parameter as its text around every occurrence of the message ids ``ids`` (a row's id,
+    and the headers and properties that name it), with the index in ``ids`` of each id it held;
+    a NULL (None) as it is."""
+    pattern = re.compile(b"|".join(re.escape(each) for each in ids))
+    position = {each: index for index, each in enumerate(ids)}
+    pieces: list[tuple[list[Any], list[int]]] = []
+    for param in params:
+        if param is None:
+            pieces.append(([param], []))
+            continue
+        parts, held, start = [], [], 0
+        for found in pattern.finditer(param):
+            parts.append(param[start:found.start()])
+            held.append(position[found.group()])
+            start = found.end()
+        parts.append(param[start:])
+        pieces.append((parts, held))
+    return pieces
+
+
+def _with_ids(pieces: list[tuple[list[Any], list[int]]], ids: list[bytes]) -> list[bytes | None]:
+    """The parameters of ``_split_at_ids`` with ``ids`` in the places of the ids they held."""
+    params = []
+    for parts, held in pieces:
+        chunks = [parts[0]]
+        for index, part in zip(held, parts[1:], strict=True):
+            chunks += (ids[index], part)
+        params.append(b"".join(chunks) if held else parts[0])
+    return params
 
 
 def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publishes: bool,

@@ -273,6 +273,46 @@ def test_cleanup_floor_deletes_every_expired_row_and_nothing_else():
         drop_store(outbox)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_producer_rows_floor_inserts_the_ids_of_the_tasks_each_unit_sends(n):
+    """The realistic producer row's floor, by hand, inserts each unit's rows with new message ids,
+    those of the tasks it sends (in the row, its headers and its properties), as the library
+    stores them, not one set of rows again and again."""
+    for service in ("postgres", "redis"):
+        require(service)
+    from benchmarks.common import REDIS_URL, delete_queues, drop_store
+    from benchmarks.producer import build
+    from benchmarks.producer_row import Floor, Orders
+
+    app, outbox, plain, durable = build(REDIS_URL)
+    orders = Orders(outbox)
+    sent: list[str] = []
+    try:
+        floor = Floor(orders, durable, n)
+        real_apply_async = plain.apply_async
+
+        def apply_async(*args, **kwargs):
+            sent.append(kwargs["task_id"])
+            return real_apply_async(*args, **kwargs)
+
+        plain.apply_async = apply_async
+        floor.send(plain, 2, n)
+        outgoing = outbox.store.tables.outgoing
+        with outbox.store.engine.connect() as conn:
+            rows = conn.execute(select(outgoing.c.message_id, outgoing.c.headers, outgoing.c.properties)
+                                .order_by(outgoing.c.id)).all()
+        assert len(sent) == len(set(sent)) == 2 * n, "new task ids for every message"
+        assert [row.message_id for row in rows] == sent, "each row carries the id of the task sent after it"
+        for row in rows:
+            headers, properties = json.loads(row.headers), json.loads(row.properties)
+            assert headers["id"] == row.message_id and properties["correlation_id"] == row.message_id
+    finally:
+        orders.close()
+        delete_queues(app, [f"{outbox.settings.table_prefix}plain", f"{outbox.settings.table_prefix}durable"])
+        drop_store(outbox)
+        app.close()
+
+
 def test_worker_benchmark_drains_blocks_of_each_variant_through_one_real_worker():
     """One worker drains the blocks of every variant in turn: each message runs its body once, the
     inbox rows of ours and of the floors written by hand end handled, and each block has its
