@@ -34,12 +34,29 @@ ONE_WORKER_LAYERS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Keep each layer of ``ONE_WORKER_LAYERS`` on one xdist worker (a no-op without pytest-xdist)."""
+    """Keep each layer of ``ONE_WORKER_LAYERS`` on one xdist worker (a no-op without pytest-xdist).
+    It runs before xdist's own hook, which reads the ``xdist_group`` marks to group the tests."""
     for item in items:
         layer = item.path.parent.name
         if layer in ONE_WORKER_LAYERS:
             item.add_marker(pytest.mark.xdist_group(layer))
+
+
+def pytest_runtest_setup(item) -> None:
+    """Under ``--dist loadgroup`` (on an xdist worker), fail a test of ``ONE_WORKER_LAYERS`` that
+    xdist did not group, naming why: its layer's tests would run at once on two workers and
+    share what they cannot share. pytest 9.2 keeps its node ids where pytest-xdist 3.8 writes the
+    group (``item._nodeid``), so there xdist groups nothing."""
+    layer = item.path.parent.name
+    if layer in ONE_WORKER_LAYERS and getattr(item.config.option, "loadgroup", False) \
+            and not item.nodeid.endswith(f"@{layer}"):
+        import xdist
+
+        pytest.fail(f"pytest-xdist did not keep the {layer!r} layer's tests on one worker: pytest "
+                    f"{pytest.__version__} with pytest-xdist {xdist.__version__} ignores their xdist_group mark; "
+                    "install the versions the test extra of setup.cfg allows", pytrace=False)
 
 
 # A test's line for the run's summary, recorded with ``record_property(SUMMARY_LINE, line)``: each
