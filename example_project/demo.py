@@ -112,10 +112,21 @@ class Process:
 
 
 def worker(name: str, app: str, queues: str, concurrency: int, env: dict[str, str], log_dir: Path) -> Process:
+    """A worker process, once it is ready; one that does not get ready is killed before the demo
+    stops (its exclusive queues would bar the next run's worker of the same name)."""
     process = Process(name, app, ["worker", "-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
                              "--without-heartbeat", "--without-gossip", "--without-mingle"], env, log_dir)
-    process.wait_for(" ready.")
+    started(process, " ready.")
     return process
+
+
+def started(process: Process, text: str) -> None:
+    """Wait for ``text`` in ``process``'s log; kill the process when it never comes."""
+    try:
+        process.wait_for(text)
+    except BaseException:
+        process.kill()
+        raise
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -231,9 +242,10 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
     processes: list[Process] = []
     try:
         victim = worker("payments-a", shop.celery_app, "payments,cancellations,celery", 2, env, data_dir)
-        processes += [victim, worker("receipts", shop.celery_app, "receipts", 1, env, data_dir)]
+        processes.append(victim)  # stopped at the end even when a later process fails to start
+        processes.append(worker("receipts", shop.celery_app, "receipts", 1, env, data_dir))
         beat = Process("beat", shop.celery_app, ["beat", "-l", "INFO"], env, data_dir)
-        beat.wait_for("beat: Starting...")
+        started(beat, "beat: Starting...")
         processes.append(beat)
 
         rng = random.Random(7)
