@@ -82,13 +82,20 @@ class Process:
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_for(self, text: str, timeout: float = 60) -> None:
+        """Wait for ``text`` in the process's log. A process that never writes it is killed before
+        the error leaves: a worker's exclusive queues would bar the next run's worker of that name."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if text in self.log_path.read_text(errors="replace"):
-                return
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.1)
+        try:
+            while time.monotonic() < deadline:
+                if text in self.log_path.read_text(errors="replace"):
+                    return
+                if self.process.poll() is not None:
+                    break
+                time.sleep(0.1)
+        except BaseException:
+            self.kill()
+            raise
+        self.kill()
         raise SystemExit(f"demo: {self.name} did not start; see {self.log_path}")
 
     def kill(self) -> None:
@@ -112,21 +119,11 @@ class Process:
 
 
 def worker(name: str, app: str, queues: str, concurrency: int, env: dict[str, str], log_dir: Path) -> Process:
-    """A worker process, once it is ready; one that does not get ready is killed before the demo
-    stops (its exclusive queues would bar the next run's worker of the same name)."""
+    """A worker process, once it is ready (one that never gets ready is killed)."""
     process = Process(name, app, ["worker", "-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
                              "--without-heartbeat", "--without-gossip", "--without-mingle"], env, log_dir)
-    started(process, " ready.")
+    process.wait_for(" ready.")
     return process
-
-
-def started(process: Process, text: str) -> None:
-    """Wait for ``text`` in ``process``'s log; kill the process when it never comes."""
-    try:
-        process.wait_for(text)
-    except BaseException:
-        process.kill()
-        raise
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -245,7 +242,7 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
         processes.append(victim)  # stopped at the end even when a later process fails to start
         processes.append(worker("receipts", shop.celery_app, "receipts", 1, env, data_dir))
         beat = Process("beat", shop.celery_app, ["beat", "-l", "INFO"], env, data_dir)
-        started(beat, "beat: Starting...")
+        beat.wait_for("beat: Starting...")
         processes.append(beat)
 
         rng = random.Random(7)
