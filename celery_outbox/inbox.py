@@ -31,7 +31,8 @@ The claim rule: a claim never outlives the attempt that holds the message.
 * An attempt whose claim was taken from it (its node was declared dead) rolls
   back and sends its message back to the broker; it never acks it as a duplicate.
 * Every store outage (see ``store.outage``), in the claim, the body's own
-  statements, the finish or the record of the outcome, sends the message back to
+  statements, the finish, the record of the outcome or the count of a discarded
+  duplicate, sends the message back to
   the broker: nothing is acked, nothing is recorded as a failure. An eager claim
   that committed is released first; when the database cannot be reached for that
   either, the node's heartbeat thread releases it once it can.
@@ -46,7 +47,7 @@ import logging
 import time
 from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy.engine import Connection
@@ -133,7 +134,10 @@ class Inbox:
                                      seconds=time.monotonic() - claimed)
             return result
         except Duplicate:
-            self._discard(delivery)
+            try:
+                self._discard(delivery)
+            except _StoreDown as down:
+                self._send_back(delivery, "record a duplicate of", down)
             raise Ignore() from None
         except InFlight:
             logger.info("celery-outbox: %s[%s] from %r is claimed by an attempt still running; the copy goes "
@@ -147,13 +151,18 @@ class Inbox:
                            delivery.task_name, delivery.message_id, **log_fields.of_delivery(delivery))
             raise Reject("claim taken over", requeue=True) from None
         except _StoreDown as down:
-            logger.warning(
-                "celery-outbox: cannot claim %s[%s] from %r, the message store is unavailable; "
-                "the message goes back to the broker: %s", delivery.task_name, delivery.message_id,
-                delivery.queue, down.reason, **log_fields.of_delivery(delivery),
-            )
-            time.sleep(REQUEUE_BACKOFF)
-            raise Reject(str(down.reason), requeue=True) from None
+            self._send_back(delivery, "claim", down)
+
+    def _send_back(self, delivery: Delivery, doing: str, down: _StoreDown) -> NoReturn:
+        """The store cannot be reached: the message goes back to the broker, to be claimed (or
+        discarded and counted) when it comes again."""
+        logger.warning(
+            "celery-outbox: cannot %s %s[%s] from %r, the message store is unavailable; "
+            "the message goes back to the broker: %s", doing, delivery.task_name, delivery.message_id,
+            delivery.queue, down.reason, **log_fields.of_delivery(delivery),
+        )
+        time.sleep(REQUEUE_BACKOFF)
+        raise Reject(str(down.reason), requeue=True) from None
 
     # -- the two styles ------------------------------------------------------------------------
 
@@ -433,12 +442,20 @@ class Inbox:
         return delivery.destination if self.runtime.settings.message_identity == "id_and_destination" else None
 
     def _discard(self, delivery: Delivery) -> None:
+        """Count the duplicate on its inbox row and, for a durable queue, acknowledge the sender's
+        outgoing rows of its attempt, in one transaction. Raises ``_StoreDown`` when the store
+        cannot be reached (the copy goes back to the broker, to be counted when it comes again);
+        on any other store error the discard stands uncounted (a copy whose row cannot be
+        counted must not circle for ever)."""
         try:
-            with tracing.delivery_span(tracing.DISCARD, delivery), self.runtime.store.begin(durable=False) as conn:
+            with _store_errors(), tracing.delivery_span(tracing.DISCARD, delivery), \
+                    self.runtime.store.begin(durable=False) as conn:
                 self.runtime.store.count_duplicate(conn, delivery.message_id, delivery.destination, delivery.send_id)
                 if self.runtime.settings.is_durable(delivery.queue):
                     self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it
-        except Exception as error:  # noqa: BLE001 - best effort: the discard stands, a redelivery comes again
+        except _StoreDown:
+            raise
+        except Exception as error:  # noqa: BLE001 - not an outage: the discard stands, uncounted
             logger.warning("celery-outbox: could not record a duplicate of %s: %s", delivery.message_id, error,
                            **log_fields.of_delivery(delivery))
         logger.info("celery-outbox: discarded duplicate %s[%s] from queue %r (attempt %s)",

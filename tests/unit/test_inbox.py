@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 from celery import Celery, Task, signals
@@ -66,6 +68,11 @@ class Harness:
             assert self.done.wait_for(lambda: len(self.states.get(task_id, [])) >= count, timeout), self.states
             return list(self.states[task_id])
 
+    def wait_for_state(self, task_id: str, state: str, timeout: float = 15.0) -> list[str]:
+        with self.done:
+            assert self.done.wait_for(lambda: state in self.states.get(task_id, []), timeout), self.states
+            return list(self.states[task_id])
+
     def effect_count(self) -> int:
         with self.outbox.engine.begin() as conn:
             return conn.execute(select(func.count()).select_from(self.effects)).scalar_one()
@@ -101,6 +108,23 @@ def send_pay_and_its_copy(harness, pay) -> None:
         assert harness.wait_for_states("pay-1", 2) == ["SUCCESS", "IGNORED"]
 
 
+@contextmanager
+def inbox_log() -> Iterator[list[logging.LogRecord]]:
+    """The inbox's records at INFO and above while the block runs (the in-process worker sets the
+    root logger to ERROR, so pytest's ``caplog`` does not see them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("celery_outbox.inbox")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+
+
 def test_same_id_delivered_twice_runs_once(harness):
     pay = define_pay(harness)
     discarded = []
@@ -125,17 +149,8 @@ def test_same_id_delivered_twice_runs_once(harness):
 def test_the_discarded_duplicate_is_logged_with_its_fields(harness):
     """A real duplicate, discarded by an in-process worker: its INFO line has the fields."""
     pay = define_pay(harness)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("celery_outbox.inbox")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)  # the in-process worker sets the root logger to ERROR
-    try:
+    with inbox_log() as records:
         send_pay_and_its_copy(harness, pay)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
     (record,) = [r for r in records if "discarded duplicate" in r.getMessage()]
     assert {name: getattr(record, name) for name in ("message_id", "task_name", "queue", "attempt")} == {
         "message_id": "pay-1", "task_name": "shop.pay", "queue": harness.queue, "attempt": "0.0.0"}
@@ -468,7 +483,9 @@ def test_a_store_error_after_an_eager_claim_releases_it_and_the_redelivered_copy
     """The eager finish fails on a store error while the database stays up (a deadlock, seen in a
     crash drill): the attempt rolls back, the message goes back to the broker, and the claim is
     released, so the redelivered copy runs instead of meeting this live node's claim as a
-    duplicate; its effects are written once."""
+    duplicate; its effects are written once. (When the release itself fails, the node's heartbeat
+    releases the claim later and the copy goes back until then: REJECTED more than once, never
+    IGNORED.)"""
     from sqlalchemy.exc import OperationalError
 
     harness = harness_on_each_store
@@ -492,10 +509,75 @@ def test_a_store_error_after_an_eager_claim_releases_it_and_the_redelivered_copy
     eager_once.idempotency = "eager"
     with harness.worker():
         eager_once.apply_async(("paid",), task_id="eager-store-error")
-        states = harness.wait_for_states("eager-store-error", 2, timeout=30)
+        states = harness.wait_for_state("eager-store-error", "SUCCESS", timeout=30)
     assert failures == ["deadlock detected"]
-    assert states[-1] == "SUCCESS" and "IGNORED" not in states, states
+    assert states[-1] == "SUCCESS" and set(states[:-1]) == {"REJECTED"}, states
     assert harness.runs == [("eager-store-error", 0)] * 2, "the body ran again on the redelivered copy"
     assert harness.effect_count() == 1, "the failed attempt's write rolled back"
     row = store.get_incoming("eager-store-error")
     assert (row.status, row.owner, row.duplicates) == ("handled", 0, 0)
+
+
+def test_a_duplicate_the_store_cannot_count_goes_back_and_is_counted_when_it_comes_again(harness_on_each_store,
+                                                                                        monkeypatch):
+    """The connection counting a discarded duplicate is cut (on PostgreSQL by the server,
+    ``pg_terminate_backend``): the copy is not acked uncounted but goes back to the broker, and
+    when it comes again it is discarded and counted once; the body ran once."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    harness = harness_on_each_store
+    store = harness.outbox.store
+    count_duplicate = store.count_duplicate
+    cuts = []
+
+    def count_cut_once(conn, *args, **kwargs):
+        if not cuts:
+            cuts.append("cut")
+            if store.is_postgres:
+                conn.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+            raise OperationalError("UPDATE ...", {}, Exception("database is locked"))
+        return count_duplicate(conn, *args, **kwargs)
+
+    monkeypatch.setattr(store, "count_duplicate", count_cut_once)
+    discarded = []
+
+    def on_discard(sender, message_id, **_):
+        discarded.append(message_id)
+
+    duplicate_discarded.connect(on_discard)
+    pay = define_pay(harness)
+    try:
+        with harness.worker():
+            pay.apply_async(("first",), **copy_options("pay-cut"))
+            assert harness.wait_for_states("pay-cut", 1) == ["SUCCESS"]
+            pay.apply_async(("copy",), **copy_options("pay-cut"))
+            assert harness.wait_for_states("pay-cut", 3, timeout=30) == ["SUCCESS", "REJECTED", "IGNORED"]
+    finally:
+        duplicate_discarded.disconnect(on_discard)
+    assert cuts == ["cut"]
+    assert discarded == ["pay-cut"], "discarded once, when it was counted"
+    assert harness.runs == [("pay-cut", 0)] and harness.effect_count() == 1
+    assert harness.failures == []
+    row = store.get_incoming("pay-cut")
+    assert (row.status, row.duplicates) == ("handled", 1)
+
+
+def test_a_duplicate_whose_count_fails_for_another_reason_is_discarded_uncounted(harness, monkeypatch):
+    """A store error that is no outage (here a programming error) while counting a duplicate: the
+    discard stands (a copy that can never be counted must not circle for ever), the warning
+    names the message, and the row keeps its count."""
+    from sqlalchemy.exc import ProgrammingError
+
+    def count_failing(*args, **kwargs):
+        raise ProgrammingError("UPDATE ...", {}, Exception("no such column: duplicates"))
+
+    monkeypatch.setattr(harness.outbox.store, "count_duplicate", count_failing)
+    pay = define_pay(harness)
+    with inbox_log() as records:
+        send_pay_and_its_copy(harness, pay)
+    assert any(record.levelno == logging.WARNING and "could not record a duplicate of pay-1" in record.getMessage()
+               and "no such column" in record.getMessage() for record in records)
+    assert harness.runs == [("pay-1", 0)] and harness.effect_count() == 1
+    row = harness.outbox.store.get_incoming("pay-1")
+    assert (row.status, row.duplicates) == ("handled", 0)
