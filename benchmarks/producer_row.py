@@ -169,19 +169,20 @@ class Floor:
         insert, given, ids = captured_rows(orders.outbox, durable, n, marked_sent=True)
         query = _pipelined_query(insert, orders.engine.dialect, tuple(sorted(given)), "floor")
         self.name, self.encoded_name, self.statement = query.name, query.encoded_name, query.ascii_statement
-        self.params = Transformer().dump_sequence(query.values(given), [PyFormat.TEXT] * len(query.keys))
-        self._pieces = _split_at_ids(self.params, [message_id.encode() for message_id in ids])
+        params = Transformer().dump_sequence(query.values(given), [PyFormat.TEXT] * len(query.keys))
+        self._pieces = _split_at_ids(params, [message_id.encode() for message_id in ids])
 
     def send(self, task: Any, units: int, n: int) -> None:
         orders = self.orders
         for _ in range(units):
             task_ids = [uuid() for _ in range(n)]
-            self.params = _with_ids(self._pieces, [task_id.encode() for task_id in task_ids])
+            params = _with_ids(self._pieces, [task_id.encode() for task_id in task_ids])
             with orders.engine.begin() as conn:
                 conn.execute(orders.write)
                 prepared, _ = _prepared_statements(conn)  # follows psycopg's DEALLOCATE ALL
                 prepare = self.name not in prepared
-                results = _exchange(conn.connection.driver_connection, partial(self._insert_and_commit, prepare))
+                send = partial(self._insert_and_commit, prepare, params)
+                results = _exchange(conn.connection.driver_connection, send)
                 failed = [result for result in results if result.status not in (_COMMAND_OK, _TUPLES_OK)]
                 if failed:
                     raise RuntimeError(f"the floor's INSERT failed: {failed[0].error_message.decode()}")
@@ -191,10 +192,10 @@ class Floor:
             for i in range(n):
                 task.apply_async((i,), task_id=task_ids[i])
 
-    def _insert_and_commit(self, prepare: bool, pgconn: Any) -> None:
+    def _insert_and_commit(self, prepare: bool, params: list[bytes | None], pgconn: Any) -> None:
         if prepare:
             pgconn.send_prepare(self.encoded_name, self.statement)
-        pgconn.send_query_prepared(self.encoded_name, self.params)
+        pgconn.send_query_prepared(self.encoded_name, params)
         pgconn.send_query_params(b"COMMIT", None)
 
 
