@@ -92,11 +92,10 @@ class Process:
                 if self.process.poll() is not None:
                     break
                 time.sleep(0.1)
+            raise SystemExit(f"demo: {self.name} did not start; see {self.log_path}")
         except BaseException:
             self.kill()
             raise
-        self.kill()
-        raise SystemExit(f"demo: {self.name} did not start; see {self.log_path}")
 
     def kill(self) -> None:
         """SIGKILL the process and its pool children: a crash, no cleanup."""
