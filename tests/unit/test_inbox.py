@@ -9,7 +9,7 @@ import logging
 import threading
 import uuid
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from celery import Celery, Task, signals
@@ -64,13 +64,16 @@ class Harness:
         signals.task_failure.disconnect(self._receivers[1])
 
     def wait_for_states(self, task_id: str, count: int, timeout: float = 15.0) -> list[str]:
-        with self.done:
-            assert self.done.wait_for(lambda: len(self.states.get(task_id, [])) >= count, timeout), self.states
-            return list(self.states[task_id])
+        """The task's states once it has ``count`` of them."""
+        return self._wait(task_id, lambda states: len(states) >= count, timeout)
 
     def wait_for_state(self, task_id: str, state: str, timeout: float = 15.0) -> list[str]:
+        """The task's states once one of them is ``state``."""
+        return self._wait(task_id, lambda states: state in states, timeout)
+
+    def _wait(self, task_id: str, reached: Callable[[list[str]], bool], timeout: float) -> list[str]:
         with self.done:
-            assert self.done.wait_for(lambda: state in self.states.get(task_id, []), timeout), self.states
+            assert self.done.wait_for(lambda: reached(self.states.get(task_id, [])), timeout), self.states
             return list(self.states[task_id])
 
     def effect_count(self) -> int:
@@ -109,6 +112,21 @@ def send_pay_and_its_copy(harness, pay) -> None:
 
 
 @contextmanager
+def discards() -> Iterator[list[tuple[str, str, str]]]:
+    """The (message id, task name, queue) of each ``duplicate_discarded`` signal while the block runs."""
+    discarded: list[tuple[str, str, str]] = []
+
+    def on_discard(sender, message_id, task_name, queue, **_):
+        discarded.append((message_id, task_name, queue))
+
+    duplicate_discarded.connect(on_discard)
+    try:
+        yield discarded
+    finally:
+        duplicate_discarded.disconnect(on_discard)
+
+
+@contextmanager
 def inbox_log() -> Iterator[list[logging.LogRecord]]:
     """The inbox's records at INFO and above while the block runs (the in-process worker sets the
     root logger to ERROR, so pytest's ``caplog`` does not see them)."""
@@ -127,16 +145,8 @@ def inbox_log() -> Iterator[list[logging.LogRecord]]:
 
 def test_same_id_delivered_twice_runs_once(harness):
     pay = define_pay(harness)
-    discarded = []
-
-    def on_discard(sender, message_id, task_name, queue, **_):
-        discarded.append((message_id, task_name, queue))
-
-    duplicate_discarded.connect(on_discard)
-    try:
+    with discards() as discarded:
         send_pay_and_its_copy(harness, pay)
-    finally:
-        duplicate_discarded.disconnect(on_discard)
     assert harness.runs == [("pay-1", 0)]
     assert harness.effect_count() == 1
     assert harness.failures == []
@@ -540,23 +550,14 @@ def test_a_duplicate_the_store_cannot_count_goes_back_and_is_counted_when_it_com
         return count_duplicate(conn, *args, **kwargs)
 
     monkeypatch.setattr(store, "count_duplicate", count_cut_once)
-    discarded = []
-
-    def on_discard(sender, message_id, **_):
-        discarded.append(message_id)
-
-    duplicate_discarded.connect(on_discard)
     pay = define_pay(harness)
-    try:
-        with harness.worker():
-            pay.apply_async(("first",), **copy_options("pay-cut"))
-            assert harness.wait_for_states("pay-cut", 1) == ["SUCCESS"]
-            pay.apply_async(("copy",), **copy_options("pay-cut"))
-            assert harness.wait_for_states("pay-cut", 3, timeout=30) == ["SUCCESS", "REJECTED", "IGNORED"]
-    finally:
-        duplicate_discarded.disconnect(on_discard)
+    with discards() as discarded, harness.worker():
+        pay.apply_async(("first",), **copy_options("pay-cut"))
+        assert harness.wait_for_states("pay-cut", 1) == ["SUCCESS"]
+        pay.apply_async(("copy",), **copy_options("pay-cut"))
+        assert harness.wait_for_states("pay-cut", 3, timeout=30) == ["SUCCESS", "REJECTED", "IGNORED"]
     assert cuts == ["cut"]
-    assert discarded == ["pay-cut"], "discarded once, when it was counted"
+    assert discarded == [("pay-cut", "shop.pay", harness.queue)], "discarded once, when it was counted"
     assert harness.runs == [("pay-cut", 0)] and harness.effect_count() == 1
     assert harness.failures == []
     row = store.get_incoming("pay-cut")
