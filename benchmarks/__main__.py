@@ -1,8 +1,10 @@
-"""``python -m benchmarks [NAME ...] [--quick] [--json PATH]``: run the benchmarks, print the table.
-``python -m benchmarks --report PATH``: print the table of a run from its JSON again.
+"""``python -m benchmarks [NAME ...] [--quick] [--scale S] [--json PATH]``: run the benchmarks,
+print the table. ``python -m benchmarks --report PATH``: print the table of a run from its JSON
+again.
 
 Each benchmark measures celery-outbox and plain Celery in the same run, on the same
-services, and reports throughputs and their ratio; the table says which targets hold.
+services, and reports throughputs and their ratio; the table says which targets hold. A full run
+first measures the host's pace (``pace``), which sets the units of work a round runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
+from . import pace
 from .common import Options, Result, machine, table, verdicts
 
 BENCHMARKS = ("producer", "worker", "relay", "contention", "cleanup", "audit", "django", "peers")
@@ -24,13 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], metavar="NAME",
                         help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that they run, not how fast")
+    parser.add_argument("--scale", type=float, metavar="S",
+                        help="the share of the full units of work a round runs (default: set by the host's pace, "
+                             "measured first; 1 runs the full sizes)")
     parser.add_argument("--json", default="benchmarks/results.json", help="where to write the results")
     parser.add_argument("--report", metavar="PATH", help="run nothing: print the table and summary of the results "
                         "written to PATH by an earlier run")
     args = parser.parse_args(argv)
     if args.report:
         return report(args.report)
-    options = Options(quick=args.quick)
+    if args.scale is not None and not 0 < args.scale <= 1:
+        parser.error(f"--scale must be above 0 and at most 1, not {args.scale}")
+    paced = None if args.quick or args.scale is not None else pace.measure()
+    scale = 1.0 if args.quick else args.scale if args.scale is not None else paced.scale
+    options = Options(quick=args.quick, scale=scale)
     results: list[Result] = []
     minutes: dict[str, float] = {}
     started = datetime.now(timezone.utc)
@@ -42,10 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         minutes[name] = round((time.monotonic() - began) / 60, 1)
         print(f"benchmark {name}: {minutes[name]} min", file=sys.stderr, flush=True)
     written = {"started": started.isoformat(timespec="seconds"), "quick": args.quick, "machine": machine(),
+               "scale": scale, "pace": None if paced is None else paced.as_dict(),
                "minutes": minutes, "results": [result.as_dict() for result in results]}
     with open(args.json, "w") as handle:
         json.dump(written, handle, indent=2)
-    _print(results, written["machine"], minutes)
+    _print(results, written["machine"], minutes, _scaled(written))
     print(f"written to {args.json}")
     return 0
 
@@ -60,14 +71,25 @@ def report(path: str) -> int:
         print(f"python -m benchmarks --report: cannot read the results in {path}: {exc!r}", file=sys.stderr)
         return 2
     print(f"run of {written.get('started', 'an unknown time')}" + (" (--quick)" if written.get("quick") else ""))
-    _print(results, written.get("machine", {}), written.get("minutes", {}))
+    _print(results, written.get("machine", {}), written.get("minutes", {}), _scaled(written))
     return 0
 
 
-def _print(results: list[Result], machine_described: dict, minutes: dict[str, float]) -> None:
+def _scaled(written: dict) -> str:
+    """What share of the full units of work the run's rounds ran, and why."""
+    if written.get("quick"):
+        return "sizes: quick"
+    scale, paced = written.get("scale", 1.0), written.get("pace")
+    why = "given" if paced is None else \
+        f"plain Celery's unit of work writing one row took {paced['calibration_ms_per_unit']:.2f} ms here"
+    return f"sizes: {scale:.2f} of the full units of work a round ({why})"
+
+
+def _print(results: list[Result], machine_described: dict, minutes: dict[str, float], sizes: str) -> None:
     print(table(results))
     print(f"\n{verdicts(results)}")
     print(f"\nmachine: {machine_described}")
+    print(sizes)
     if minutes:
         print(f"minutes: {', '.join(f'{name} {each}' for name, each in minutes.items())}; "
               f"in all {sum(minutes.values()):.0f}")

@@ -56,7 +56,7 @@ FLOOR_BATCH = 500
 
 
 def run(options: Options) -> list[Result]:
-    rows = options.size(1_000_000, 50_000)
+    rows = options.units(1_000_000, 50_000)
     rounds = options.size(5, 1)
     window = options.size(3.0, 0.5)  # seconds of claims without cleanup, right before and right after it
     app = Celery(f"bench-cleanup-{uuid.uuid4().hex[:6]}", broker="memory://")

@@ -383,9 +383,18 @@ def _number(value: float) -> str:
 
 @dataclass(frozen=True)
 class Options:
-    """``quick``: small sizes, to check that a benchmark runs (its numbers mean little)."""
+    """``quick``: small sizes, to check that a benchmark runs (its numbers mean little). ``scale``:
+    the share of its full count of units of work a round runs, set by the host's pace
+    (``pace.measure``) so that a full run takes about as long on a slower host."""
 
     quick: bool = False
+    scale: float = 1.0
 
-    def size(self, full: int, quick: int) -> int:
+    def size(self, full: T, quick: T) -> T:
+        """A size that does not follow the host's pace: rounds, seconds, a size a case names."""
         return quick if self.quick else full
+
+    def units(self, full: int, quick: int) -> int:
+        """A count of units of work (messages, rows, jobs) a round or warm-up runs: ``full`` scaled
+        by ``scale`` (never below ``quick``), or ``quick`` in a quick run."""
+        return quick if self.quick else max(quick, round(full * self.scale))

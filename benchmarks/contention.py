@@ -325,10 +325,10 @@ def broken(checks: dict[str, int], phases: list[dict[str, Any]]) -> list[str]:
 
 
 def measure(broker: str, broker_url: str, options: Options) -> Result:
-    messages, rounds = options.size(MESSAGES, 300), options.size(ROUNDS, 1)
+    messages, rounds = options.units(MESSAGES, 300), options.size(ROUNDS, 1)
     cluster = Cluster(broker_url)
     try:
-        warm = cluster.phase(RELAYS, options.size(WARM_UP, 50))
+        warm = cluster.phase(RELAYS, options.units(WARM_UP, 50))
         phases = [warm]
         measured = []
         for number in range(rounds):

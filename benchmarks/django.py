@@ -81,7 +81,7 @@ def measure(options: Options) -> list[Result]:
         unit_of_work(table, durable.delay, 1, 1)
         results = []
         for n in BATCHES:
-            units = max(10, options.size(MESSAGES[n], 200) // n)
+            units = max(10, options.units(MESSAGES[n], 200) // n)
             rounds = in_rounds(options.size(ROUNDS, 1),
                                partial(rate, units * n, partial(unit_of_work, table, plain.delay_on_commit, units, n)),
                                partial(rate, units * n, partial(unit_of_work, table, durable.delay, units, n)))

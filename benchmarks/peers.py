@@ -210,7 +210,7 @@ def procrastinate_defer(options: Options) -> list[Result]:
         jobs.batch_defer(1, 1)
         results = []
         for n in BATCHES:
-            units = max(10, options.size(DEFER_MESSAGES[n], 200) // n)
+            units = max(10, options.units(DEFER_MESSAGES[n], 200) // n)
             ways = [partial(producer.send, durable, units, n, outbox), partial(producer.send, plain, units, n, None),
                     partial(jobs.defer, units, n)]
             if n > 1:  # one job: batch_defer is defer
@@ -260,7 +260,7 @@ def procrastinate_worker(options: Options) -> list[Result]:
     ours = worker.Run(REDIS_URL, "write")
     effects = f"{ours.env['BENCH_PREFIX']}effects"
     jobs = Procrastinate(effects)
-    block, warm_up = options.size(WORKER_BLOCK, 20), options.size(WORKER_WARM_UP, 10)
+    block, warm_up = options.units(WORKER_BLOCK, 20), options.units(WORKER_WARM_UP, 10)
     try:
         measured: list[dict[str, worker.Block]] = []
         for number in range(options.size(WORKER_ROUNDS, 1)):
@@ -432,7 +432,7 @@ def django_send(options: Options) -> list[Result]:
 
         results = []
         for n in BATCHES:
-            units = max(10, options.size(SEND_MESSAGES[n], 200) // n)
+            units = max(10, options.units(SEND_MESSAGES[n], 200) // n)
             messages = units * n
             rounds, cpu = [], []
             for number in range(options.size(SEND_ROUNDS, 1)):

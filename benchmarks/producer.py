@@ -157,7 +157,7 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
         _warm_up(outbox, plain, durable)
         results = []
         for n in BATCHES:
-            repeats, units = options.size(ROUNDS[n], 1), max(20, options.size(MESSAGES[n], 200) // n)
+            repeats, units = options.size(ROUNDS[n], 1), max(20, options.units(MESSAGES[n], 200) // n)
             rounds = _rates(outbox, plain, durable, units, n, repeats, floor=n == max(BATCHES))
             for each in rounds:
                 print(f"  producer {broker} N={n}: plain {each[0]:.0f}/s, in-memory {each[1]:.0f}/s, "

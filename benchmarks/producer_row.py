@@ -240,7 +240,7 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
     try:
         for n in BATCHES:
             floor = Floor(orders, durable, n)
-            units, repeats = max(5, options.size(UNITS[n], 20)), options.size(ROUNDS[n], 1)
+            units, repeats = max(5, options.units(UNITS[n], 20)), options.size(ROUNDS[n], 1)
             ways = [partial(orders.plain, plain), partial(orders.ours, plain), partial(orders.ours, durable),
                     partial(orders.ours, durable, in_a_session=True), partial(floor.send, plain)]
             for way in ways:  # warm: statements compiled, connections made
@@ -249,7 +249,7 @@ def measure(broker: str, outbox: Outbox, plain: Any, durable: Any, batches_publi
             for each in rounds:
                 print(f"  producer {broker} N={n} writing one row: " + ", ".join(
                     f"{way} {value:.0f}/s" for way, value in zip(WAYS, each, strict=True)), file=sys.stderr)
-            spent = what_it_spends(orders, plain, durable, options.size(SPENT_UNITS, 20)) if n == 1 else ""
+            spent = what_it_spends(orders, plain, durable, options.units(SPENT_UNITS, 20)) if n == 1 else ""
             floored = n == 1 or not batches_publishes
             target = (">=", TARGET) if n == 1 else None
             case = f"{broker}, N={n} in one unit of work writing one row"

@@ -53,7 +53,7 @@ def strand(prefix: str, durable_queue: str, messages: int) -> None:
 
 
 def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
-    messages = options.size(100_000, 5_000)
+    messages = options.units(100_000, 5_000)
     prefix = unique_prefix()
     durable_queue = f"{prefix}durable"
     app, outbox = build(broker_url, prefix, durable_queue)

@@ -198,13 +198,13 @@ def mean_cpu(blocks: list[Block]) -> dict[str, float]:
 
 
 def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
-    rounds, block = options.size(ROUNDS, 2), options.size(BLOCK[broker], 20)
-    durable_rounds, durable_messages = options.size(DURABLE_ROUNDS, 1), options.size(DURABLE_MESSAGES, 100)
+    rounds, block = options.size(ROUNDS, 2), options.units(BLOCK[broker], 20)
+    durable_rounds, durable_messages = options.size(DURABLE_ROUNDS, 1), options.units(DURABLE_MESSAGES, 100)
     results = []
     for body, label in (("noop", "no-op body"), ("write", "one DB write")):
         run = Run(broker_url, body)
         try:
-            measured = run.blocks([task for _, task, _, _ in VARIANTS], rounds, block, options.size(WARM_UP, 10))
+            measured = run.blocks([task for _, task, _, _ in VARIANTS], rounds, block, options.units(WARM_UP, 10))
             durable = [run.durable_round(durable_messages) for _ in range(durable_rounds)]
         finally:
             run.close()

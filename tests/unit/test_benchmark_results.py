@@ -250,3 +250,27 @@ def test_a_row_against_a_peer_prints_in_the_vs_peer_block_naming_the_peer():
     assert json.loads(json.dumps(against_celery.as_dict()))["versus"] is None
     only_peers = table([against_peer])
     assert only_peers.startswith("vs peer:") and "plain Celery |" not in only_peers
+
+
+@pytest.mark.parametrize("full, quick, scale, units", [
+    (450, 20, 1.0, 450), (450, 20, 0.5, 225), (450, 20, 0.01, 20), (1_000_000, 50_000, 0.37, 370_000)])
+def test_a_full_runs_units_of_work_follow_the_hosts_pace_and_never_fall_below_the_quick_size(full, quick, scale,
+                                                                                              units):
+    from benchmarks.common import Options
+
+    options = Options(scale=scale)
+    assert options.units(full, quick) == units
+    assert options.size(16, 1) == 16, "rounds and seconds do not follow the pace"
+    assert Options(quick=True, scale=scale).units(full, quick) == quick
+
+
+def test_the_pace_scales_the_full_sizes_by_the_hosts_time_against_the_reference_and_never_up():
+    """A host as fast as the one the sizes were set on runs the budget's share of them; one twice
+    as slow half as many; a faster one never more than the full sizes."""
+    from benchmarks.pace import BUDGET_MINUTES, REFERENCE_MINUTES, REFERENCE_MS, Pace
+
+    budget = BUDGET_MINUTES / REFERENCE_MINUTES
+    assert Pace.of(REFERENCE_MS).scale == pytest.approx(budget)
+    assert Pace.of(2 * REFERENCE_MS).scale == pytest.approx(budget / 2)
+    assert Pace.of(REFERENCE_MS / 10).scale == 1.0
+    assert Pace.of(2.5).as_dict() == {"calibration_ms_per_unit": 2.5, "scale": round(budget * REFERENCE_MS / 2.5, 3)}
