@@ -131,13 +131,9 @@ class Publisher:
             due.append(message)
             if message.durable and message.row_id is not None:
                 (marked.add if message.marked_sent else to_take.append)(message.row_id)
-        if any(m.sent_event is not None for m in held):
-            with outlet(self.runtime.app, producer) as out:
-                for message in held:
-                    self._send_event(message, out.producer, broker_down=False)
         messages = due
         if not to_take:
-            sent = self._publish_all(messages, marked, producer)
+            sent = self._publish_all(messages, marked, producer, held)
             if marked:
                 crashpoint("after_publish")
                 self._give_back(sorted(marked.difference(sent)))
@@ -146,7 +142,7 @@ class Publisher:
         redeliver_at = settings.first_redelivery(now)
         try:
             if redeliver_at is None:
-                self._publish_deleting(messages, to_take, now, producer)
+                self._publish_deleting(messages, to_take, now, producer, held)
                 return
             with store.taking_outgoing(to_take, now, redeliver_at) as (conn, taken):
                 owned = set(taken)
@@ -156,13 +152,15 @@ class Publisher:
                 # a message stored not yet due that came due since (its eta passed the release
                 # line meanwhile) is taken here, beside ones stored marked sent in the same unit
                 owned |= marked
-                sent = self._publish_all(messages, owned, producer)
+                sent = self._publish_all(messages, owned, producer, held)
                 crashpoint("after_publish")
                 if sent and self.runtime.archiver is not None:
                     store.record_sent(conn, sent, now)
                 store.unmark_sent(conn, sorted(owned.difference(sent)))
         except Exception as exc:  # noqa: BLE001 - the rows stay for the relay; the caller's commit stands
             logger.error("celery-outbox: could not finish publishing committed messages (the relay will): %s", exc)
+            if any(message.sent_event is not None for message in held):  # the store failed before the publish
+                self._publish_all([], set(), producer, held)
 
     def _give_back(self, ids: list[int]) -> None:
         """Rows stored marked sent whose publish failed: unsent again, in a transaction of their
@@ -179,7 +177,7 @@ class Publisher:
                          "(their redelivery sends them): %s", len(ids), exc)
 
     def _publish_deleting(self, messages: list[OutgoingMessage], durable_ids: list[int], now: datetime,
-                          producer: Any) -> None:
+                          producer: Any, held: list[OutgoingMessage]) -> None:
         """Delivery tracking off: one DELETE takes the rows before the publish and commits after
         it (with an archive, together with the records of the sends). If a publish failed, that
         transaction rolls back (every row is back) and a new one deletes, and records, the
@@ -190,7 +188,7 @@ class Publisher:
         try:
             with store.begin(durable=False) as conn:  # lost in a crash, the rows are only sent again
                 taken = store.take_outgoing_to_delete(conn, durable_ids, record)
-                sent = self._publish_all(messages, {row.id for row in taken}, producer)
+                sent = self._publish_all(messages, {row.id for row in taken}, producer, held)
                 crashpoint("after_publish")
                 if len(sent) < len(taken):
                     raise _PartlyPublished(sent)
@@ -201,13 +199,18 @@ class Publisher:
                 with store.begin(durable=False) as conn:
                     store.finish_sent(conn, partly.sent, now, None, record=record)
 
-    def _publish_all(self, messages: list[OutgoingMessage], owned: set[int], producer: Any) -> list[int]:
-        """Publish in call order; durable messages in batches (``Outlet.publish_each``), plain ones
-        one by one with Celery's own retry. Returns the row ids of the durable messages sent."""
+    def _publish_all(self, messages: list[OutgoingMessage], owned: set[int], producer: Any,
+                     held: list[OutgoingMessage]) -> list[int]:
+        """With one producer: the ``task-sent`` events of the ``held`` messages (stored to wait),
+        then the messages in call order; durable messages in batches (``Outlet.publish_each``),
+        plain ones one by one with Celery's own retry. Returns the row ids of the durable messages
+        sent."""
         sent: list[int] = []
         with outlet(self.runtime.app, producer) as out:
             # durable messages fail fast when the broker is down: their rows wait for the relay
             broker_down = bool(owned) and out.unreachable() is not None
+            for message in held:
+                self._send_event(message, out.producer, broker_down)
             for durable, run in groupby(messages, key=attrgetter("durable")):
                 if not durable:
                     broker_down = self._publish_plain(run, out.producer, out.bound, broker_down)

@@ -460,3 +460,71 @@ def test_stored_headers_are_kombu_json_and_come_back_whole():
                "price": Decimal("9.99"), "raw": b"\xff\x00", "text": "caf\u00e9", "none": None, "n": [1, 2.5]}
     assert json_text(headers) == kombu_json.dumps(headers)
     assert kombu_json.loads(json_text(headers)) == headers
+
+
+def _sent_events(monkeypatch) -> list[tuple[str, str, object]]:
+    """Each ``task-sent`` event the publisher sends: (type, task id, the producer it went with)."""
+    from celery_outbox.sent_events import SentEvent
+
+    sent: list[tuple[str, str, object]] = []
+    real_send = SentEvent.send
+
+    def send(self, producer, retry=None):
+        sent.append((self.type, self.fields["uuid"], producer))
+        return real_send(self, producer, retry)
+
+    monkeypatch.setattr(SentEvent, "send", send)
+    return sent
+
+
+def test_a_held_messages_task_sent_event_goes_with_the_producer_of_the_units_publishes(sqlite_url, table_prefix,
+                                                                                       monkeypatch):
+    """A unit of work sends one durable message to wait (its eta far off) and one due now, with
+    ``task_send_sent_event``: both events go out after the commit, the held one's first, with the
+    producer that publishes the due message: one producer for the unit's publishes."""
+    from celery_outbox import broker
+
+    shop = make_shop("memory://", sqlite_url, table_prefix, task_send_sent_event=True)
+    shop.outbox.ready()
+    acquired = []
+    real_kept = broker.kept_pooled_producer
+
+    def kept(app):
+        acquired.append(app)
+        return real_kept(app)
+
+    monkeypatch.setattr(broker, "kept_pooled_producer", kept)
+    sent = _sent_events(monkeypatch)
+    with shop.outbox.transaction():
+        held = shop.durable.apply_async((1,), eta=utcnow() + timedelta(hours=1))
+        due = shop.durable.delay(2)
+    assert [(kind, task_id) for kind, task_id, _ in sent] == [("task-sent", held.id), ("task-sent", due.id)]
+    assert len(acquired) == 1 and sent[0][2] is sent[1][2], "one producer for the events and the publish"
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert message.id == due.id
+    assert outgoing_rows(shop.outbox.store) == (2, 1), "the held message's row waits, unsent"
+
+
+def test_a_held_messages_task_sent_event_goes_out_when_the_store_fails_before_the_publish(sqlite_url, table_prefix,
+                                                                                          monkeypatch, caplog):
+    """Delivery tracking off: the due row is taken for its publish in a transaction after the
+    commit. When that transaction cannot begin (the store went away), the row stays for the relay,
+    as logged, and the held message's ``task-sent`` event still goes out: Celery sent it with the
+    send."""
+    from celery_outbox.store import Store
+
+    shop = make_shop("memory://", sqlite_url, table_prefix, task_send_sent_event=True, outbox_redeliver_after=None)
+    shop.outbox.ready()
+    sent = _sent_events(monkeypatch)
+
+    def store_gone(*args, **kwargs):
+        raise StoreUnavailable("the store went away")
+
+    with shop.outbox.transaction():
+        held = shop.durable.apply_async((1,), eta=utcnow() + timedelta(hours=1))
+        shop.durable.delay(2)
+        monkeypatch.setattr(Store, "take_outgoing_to_delete", store_gone)
+    assert [(kind, task_id) for kind, task_id, _ in sent] == [("task-sent", held.id)]
+    assert "could not finish publishing committed messages (the relay will)" in caplog.text
+    assert nothing_more(shop.app, shop.durable_queue)
+    assert unsent_rows(shop.outbox.store) == 2, "both rows wait for the relay"
