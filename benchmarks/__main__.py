@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that they run, not how fast")
     parser.add_argument("--scale", type=float, metavar="S",
-                        help="the share of the full units of work a round runs (default: set by the host's pace, "
-                             "measured first; 1 runs the full sizes)")
+                        help="the share of the full units of work a round runs (default: set for each benchmark by "
+                             "the host's pace, to keep a full run within its budget; 1 runs the full sizes)")
     parser.add_argument("--json", default="benchmarks/results.json", help="where to write the results")
     parser.add_argument("--report", metavar="PATH", help="run nothing: print the table and summary of the results "
                         "written to PATH by an earlier run")
@@ -38,21 +38,28 @@ def main(argv: list[str] | None = None) -> int:
         return report(args.report)
     if args.scale is not None and not 0 < args.scale <= 1:
         parser.error(f"--scale must be above 0 and at most 1, not {args.scale}")
-    paced = None if args.quick or args.scale is not None else pace.measure()
-    scale = 1.0 if args.quick else args.scale if args.scale is not None else paced.scale
-    options = Options(quick=args.quick, scale=scale)
+    names = args.names or list(BENCHMARKS)
+    started = datetime.now(timezone.utc)
+    calibration = None if args.quick or args.scale is not None else pace.measure()
+    budget = None if calibration is None else pace.Budget(names, calibration.slowdown)
     results: list[Result] = []
     minutes: dict[str, float] = {}
-    started = datetime.now(timezone.utc)
-    for name in args.names or BENCHMARKS:
+    scales: dict[str, float] = {}
+    for name in names:
         began = time.monotonic()
-        print(f"benchmark {name} ...", file=sys.stderr, flush=True)
+        scale = args.scale if args.scale is not None else budget.scale_for(name) if budget else 1.0
+        scales[name] = round(scale, 3)
+        print(f"benchmark {name} ..." + ("" if args.quick else f" ({scale:.2f} of its full sizes)"),
+              file=sys.stderr, flush=True)
         module = importlib.import_module(f"benchmarks.{name}")
-        results.extend(module.run(options))
+        results.extend(module.run(Options(quick=args.quick, scale=scale)))
         minutes[name] = round((time.monotonic() - began) / 60, 1)
+        if budget is not None:
+            budget.ran(name, (time.monotonic() - began) / 60)
         print(f"benchmark {name}: {minutes[name]} min", file=sys.stderr, flush=True)
     written = {"started": started.isoformat(timespec="seconds"), "quick": args.quick, "machine": machine(),
-               "scale": scale, "pace": None if paced is None else paced.as_dict(),
+               "scales": None if args.quick else scales,
+               "calibration_ms": None if calibration is None else round(calibration.ms_per_unit, 3),
                "minutes": minutes, "results": [result.as_dict() for result in results]}
     with open(args.json, "w") as handle:
         json.dump(written, handle, indent=2)
@@ -76,13 +83,16 @@ def report(path: str) -> int:
 
 
 def _scaled(written: dict) -> str:
-    """What share of the full units of work the run's rounds ran, and why."""
+    """What share of its full units of work each benchmark's rounds ran, and what set it."""
     if written.get("quick"):
         return "sizes: quick"
-    scale, paced = written.get("scale", 1.0), written.get("pace")
-    why = "given" if paced is None else \
-        f"plain Celery's unit of work writing one row took {paced['calibration_ms_per_unit']:.2f} ms here"
-    return f"sizes: {scale:.2f} of the full units of work a round ({why})"
+    scales, calibration = written.get("scales"), written.get("calibration_ms")
+    if not scales:
+        return "sizes: full"
+    why = "given (--scale)" if calibration is None else \
+        f"by the host's pace: plain Celery's unit of work writing one row took {calibration:.2f} ms here"
+    return f"sizes, the share of the full units of work a round ran: " \
+           f"{', '.join(f'{name} {scale:.2f}' for name, scale in scales.items())} ({why})"
 
 
 def _print(results: list[Result], machine_described: dict, minutes: dict[str, float], sizes: str) -> None:

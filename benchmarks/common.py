@@ -385,7 +385,7 @@ def _number(value: float) -> str:
 class Options:
     """``quick``: small sizes, to check that a benchmark runs (its numbers mean little). ``scale``:
     the share of its full count of units of work a round runs, set by the host's pace
-    (``pace.measure``) so that a full run takes about as long on a slower host."""
+    (``pace.Budget``) so that a full run takes about as long on a slower host."""
 
     quick: bool = False
     scale: float = 1.0

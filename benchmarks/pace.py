@@ -1,13 +1,19 @@
-"""The host's pace, measured at the start of a full run, sets how many units of work a round runs.
+"""The host's pace sets how many units of work a full run's rounds run, to keep it within budget.
 
 The full sizes (every benchmark's messages, rows and jobs per round) were set on one host, on
-which a full run of every benchmark took ``REFERENCE_MINUTES``. A host whose round trips are
-slower takes longer for the same sizes (a 2-core Intel Xeon about 1.3 times). So a full run
-first times plain Celery's realistic unit of work here (one row written on PostgreSQL and
-committed, then one ``apply_async`` to Redis: the producer benchmark's plain way) against that
-host's time, and scales every count of units of work by the ratio (``Options.units``) to keep
-the run within ``BUDGET_MINUTES``. The number of rounds, which sets each ratio's interval, is
-never scaled; nor are the few sizes a benchmark's case names (the peers' backlog of 100 k).
+which each benchmark took ``REFERENCE_MINUTES``. A host whose round trips are slower takes longer
+for the same sizes (a 2-core Intel Xeon about 1.3 times). So a full run runs a share of them,
+``Options.scale``, set for each benchmark by a ``Budget``:
+
+* before the first, by the calibration (``measure``): plain Celery's realistic unit of work (one
+  row written on PostgreSQL and committed, then one ``apply_async`` to Redis: the producer
+  benchmark's plain way) timed here against the reference host's ``REFERENCE_MS``;
+* before each next one, by the pace the benchmarks run so far have shown: their minutes against
+  the reference's at the scale they ran, which also counts what does not scale (workers and
+  Spark starting, the peers' backlog of 100 k).
+
+The number of rounds, which sets each ratio's interval, is never scaled; nor are the few sizes a
+benchmark's case names.
 """
 
 from __future__ import annotations
@@ -15,42 +21,73 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .common import REDIS_URL, delete_queues, drop_store
 
-#: The host the full sizes were set on: a 2-core AMD EPYC VM (2026-11-26 to 28), on which the full
-#: run took 44 minutes and the calibration's unit of work 1.1 ms (plain Celery's unit writing one
-#: row ran 850 to 1,008 a second in the producer benchmark's rounds)
-REFERENCE_MINUTES = 44.0
+#: Each benchmark's minutes at its full sizes on the host they were set on, a 2-core AMD EPYC VM
+#: (2026-11-26 to 28), on which the calibration's unit of work took 1.1 ms (plain Celery's unit
+#: writing one row ran 850 to 1,008 a second in the producer benchmark's rounds)
+REFERENCE_MINUTES = {"producer": 5.6, "worker": 16.1, "relay": 2.0, "contention": 1.3, "cleanup": 5.7,
+                     "audit": 7.7, "django": 1.1, "peers": 4.0}
 REFERENCE_MS = 1.1
-#: What the scaled parts may take: 45 minutes less a margin for what does not scale (services,
-#: workers and Spark starting, the peers' backlog of 100 k)
-BUDGET_MINUTES = 38.0
+#: The full run's budget: 45 minutes less a margin for the calibration and the host's noise
+BUDGET_MINUTES = 40.0
+#: The least share of the full sizes a round runs, however slow the host
+LEAST_SCALE = 0.2
 #: The calibration: the median of passes of units of work, after a warm-up
 PASSES = 9
 UNITS = 100
 WARM_UP = 100
 
 
+@dataclass
+class Budget:
+    """The share of the full sizes each benchmark of a run runs (``scale_for``), from the host's
+    pace: ``slowdown`` (the host's minutes over the reference's, for the same work) is the
+    calibration's until a benchmark has run (``ran``), then what the benchmarks run have shown.
+    The budget of a run of some benchmarks is their share of ``BUDGET_MINUTES``, so each runs at
+    the scale the full run would give it. At most 1, at least ``LEAST_SCALE``."""
+
+    names: list[str]
+    slowdown: float
+    spent: float = 0.0
+    reference_ran: float = 0.0  # the reference's minutes for what ran, at the scales it ran
+    scales: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.budget = BUDGET_MINUTES * sum(REFERENCE_MINUTES[name] for name in self.names) \
+            / sum(REFERENCE_MINUTES.values())
+
+    def scale_for(self, name: str) -> float:
+        """The share of its full sizes benchmark ``name`` runs: the budget left over the time the
+        benchmarks left would take at full sizes, at the pace seen."""
+        left = self.names[self.names.index(name):]
+        needed = self.slowdown * sum(REFERENCE_MINUTES[each] for each in left)
+        scale = min(1.0, max(LEAST_SCALE, (self.budget - self.spent) / needed))
+        self.scales[name] = scale
+        return scale
+
+    def ran(self, name: str, minutes: float) -> None:
+        """Benchmark ``name`` took ``minutes`` at the scale ``scale_for`` gave it."""
+        self.spent += minutes
+        self.reference_ran += REFERENCE_MINUTES[name] * self.scales[name]
+        self.slowdown = self.spent / self.reference_ran
+
+
 @dataclass(frozen=True)
-class Pace:
-    """What the calibration measured (``ms_per_unit``, the median pass) and the share of the full
-    sizes a round runs on this host (``scale``, at most 1: a faster host runs the full sizes)."""
+class Calibration:
+    """What the calibration measured (``ms_per_unit``, the median pass) and the host's slowdown
+    against the reference host it gives."""
 
     ms_per_unit: float
-    scale: float
 
-    @classmethod
-    def of(cls, ms_per_unit: float) -> "Pace":
-        scale = BUDGET_MINUTES / REFERENCE_MINUTES * REFERENCE_MS / ms_per_unit
-        return cls(ms_per_unit, min(1.0, scale))
-
-    def as_dict(self) -> dict[str, float]:
-        return {"calibration_ms_per_unit": round(self.ms_per_unit, 3), "scale": round(self.scale, 3)}
+    @property
+    def slowdown(self) -> float:
+        return self.ms_per_unit / REFERENCE_MS
 
 
-def measure() -> Pace:
+def measure() -> Calibration:
     """Time the calibration's unit of work on this host (its own tables and queue, dropped after)."""
     from . import producer, producer_row
 
@@ -67,8 +104,7 @@ def measure() -> Pace:
         orders.close()
         delete_queues(app, list(app.amqp.queues))
         drop_store(outbox)
-    pace = Pace.of(statistics.median(passes))
-    print(f"pace: plain Celery's unit of work writing one row took {pace.ms_per_unit:.2f} ms here "
-          f"({REFERENCE_MS} ms on the host the sizes were set on): rounds run {pace.scale:.2f} of their full "
-          f"units of work", file=sys.stderr, flush=True)
-    return pace
+    calibration = Calibration(statistics.median(passes))
+    print(f"pace: plain Celery's unit of work writing one row took {calibration.ms_per_unit:.2f} ms here "
+          f"({REFERENCE_MS} ms on the host the full sizes were set on)", file=sys.stderr, flush=True)
+    return calibration

@@ -505,22 +505,22 @@ def test_attempt_cost_counts_instructions_that_grow_with_the_tasks_run():
     assert more > fewer > 0
 
 
-def test_the_pace_is_measured_on_the_real_services_and_leaves_nothing_behind():
+def test_the_calibration_is_measured_on_the_real_services_and_leaves_nothing_behind():
     """A full run's first step times plain Celery's unit of work writing one row (PostgreSQL, then
-    a publish to Redis) and scales the sizes by it; its tables are dropped after."""
+    a publish to Redis): the host's slowdown against the reference host; its tables are dropped
+    after."""
     for service in ("postgres", "redis"):
         require(service)
     from benchmarks.common import POSTGRES_URL
-    from benchmarks.pace import Pace, measure
+    from benchmarks.pace import REFERENCE_MS, measure
 
     engine = create_engine(POSTGRES_URL)
     try:
         before = set(inspect(engine).get_table_names())
-        pace = measure()
+        calibration = measure()
         after = set(inspect(engine).get_table_names())
     finally:
         engine.dispose()
-    assert pace.ms_per_unit > 0
-    assert pace == Pace.of(pace.ms_per_unit)
-    assert 0 < pace.scale <= 1.0
+    assert calibration.ms_per_unit > 0
+    assert calibration.slowdown == pytest.approx(calibration.ms_per_unit / REFERENCE_MS)
     assert after == before, "the calibration's tables are dropped"

@@ -264,13 +264,45 @@ def test_a_full_runs_units_of_work_follow_the_hosts_pace_and_never_fall_below_th
     assert Options(quick=True, scale=scale).units(full, quick) == quick
 
 
-def test_the_pace_scales_the_full_sizes_by_the_hosts_time_against_the_reference_and_never_up():
-    """A host as fast as the one the sizes were set on runs the budget's share of them; one twice
-    as slow half as many; a faster one never more than the full sizes."""
-    from benchmarks.pace import BUDGET_MINUTES, REFERENCE_MINUTES, REFERENCE_MS, Pace
+def test_a_full_run_on_the_reference_host_runs_the_budgets_share_of_the_full_sizes_and_a_slower_host_less():
+    """Before any benchmark has run, the calibration's slowdown sets the scale: the budget over the
+    reference's minutes on the reference host, half of that on a host twice as slow, never more
+    than the full sizes on a faster one. A run of some benchmarks gets the scale the full run would
+    give them."""
+    from benchmarks.pace import BUDGET_MINUTES, REFERENCE_MINUTES, Budget
 
-    budget = BUDGET_MINUTES / REFERENCE_MINUTES
-    assert Pace.of(REFERENCE_MS).scale == pytest.approx(budget)
-    assert Pace.of(2 * REFERENCE_MS).scale == pytest.approx(budget / 2)
-    assert Pace.of(REFERENCE_MS / 10).scale == 1.0
-    assert Pace.of(2.5).as_dict() == {"calibration_ms_per_unit": 2.5, "scale": round(budget * REFERENCE_MS / 2.5, 3)}
+    share = BUDGET_MINUTES / sum(REFERENCE_MINUTES.values())
+    names = list(REFERENCE_MINUTES)
+    assert Budget(names, 1.0).scale_for("producer") == pytest.approx(share)
+    assert Budget(names, 2.0).scale_for("producer") == pytest.approx(share / 2)
+    assert Budget(names, 0.1).scale_for("producer") == 1.0
+    assert Budget(["worker", "relay"], 2.0).scale_for("worker") == pytest.approx(share / 2)
+
+
+def test_each_next_benchmarks_scale_follows_the_pace_the_run_has_shown_and_keeps_to_the_budget():
+    """A benchmark that took longer than the calibration foretold makes the next ones smaller, so
+    that the run's minutes, at the pace seen, end within the budget; one that went faster makes
+    them larger, at most the full sizes; never below the least scale."""
+    from benchmarks.pace import BUDGET_MINUTES, LEAST_SCALE, REFERENCE_MINUTES, Budget
+
+    names = list(REFERENCE_MINUTES)
+    budget = Budget(names, 1.0)
+    first = budget.scale_for("producer")
+    budget.ran("producer", 2 * REFERENCE_MINUTES["producer"] * first)  # twice as slow as foretold
+    assert budget.slowdown == pytest.approx(2.0)
+    second = budget.scale_for("worker")
+    left = sum(REFERENCE_MINUTES[name] for name in names[1:])
+    assert budget.spent + 2.0 * left * second == pytest.approx(BUDGET_MINUTES), "the rest, at that pace, fits"
+    assert second < first
+
+    fast = Budget(names, 1.0)
+    scale = fast.scale_for("producer")
+    fast.ran("producer", 0.25 * REFERENCE_MINUTES["producer"] * scale)
+    assert fast.scale_for("worker") == 1.0
+
+    late = Budget(names, 1.0)
+    late.scale_for("producer")
+    late.ran("producer", BUDGET_MINUTES)
+    assert late.scale_for("worker") == LEAST_SCALE
+    assert late.scales == {"producer": pytest.approx(BUDGET_MINUTES / sum(REFERENCE_MINUTES.values()), abs=1e-3),
+                           "worker": LEAST_SCALE}
