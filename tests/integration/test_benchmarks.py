@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, insert, inspect, select
+from sqlalchemy import MetaData, create_engine, func, insert, inspect, select
 
 from tests.services import require
 
@@ -505,22 +505,33 @@ def test_attempt_cost_counts_instructions_that_grow_with_the_tasks_run():
     assert more > fewer > 0
 
 
-def test_the_calibration_is_measured_on_the_real_services_and_leaves_nothing_behind():
+def test_the_calibration_is_measured_on_the_real_services_and_leaves_nothing_behind(monkeypatch):
     """A full run's first step times plain Celery's unit of work writing one row (PostgreSQL, then
     a publish to Redis): the host's slowdown against the reference host; its tables are dropped
     after."""
     for service in ("postgres", "redis"):
         require(service)
-    from benchmarks.common import POSTGRES_URL
+    from benchmarks import producer
+    from benchmarks.common import POSTGRES_URL, unique_prefix
     from benchmarks.pace import REFERENCE_MS, measure
 
+    prefix = unique_prefix()
+    monkeypatch.setattr(producer, "unique_prefix", lambda: prefix)
     engine = create_engine(POSTGRES_URL)
+    made: list[str] = []
+    real_create_all = MetaData.create_all
+
+    def create_all(metadata, *args, **kwargs):
+        made.extend(metadata.tables)
+        return real_create_all(metadata, *args, **kwargs)
+
+    monkeypatch.setattr(MetaData, "create_all", create_all)
     try:
-        before = set(inspect(engine).get_table_names())
         calibration = measure()
-        after = set(inspect(engine).get_table_names())
+        left = [name for name in inspect(engine).get_table_names() if name.startswith(prefix)]
     finally:
         engine.dispose()
     assert calibration.ms_per_unit > 0
     assert calibration.slowdown == pytest.approx(calibration.ms_per_unit / REFERENCE_MS)
-    assert after == before, "the calibration's tables are dropped"
+    assert f"{prefix}orders" in made, "the calibration wrote its rows in a table of its own"
+    assert left == [], "the calibration's tables are dropped"
