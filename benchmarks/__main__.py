@@ -53,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         module = importlib.import_module(f"benchmarks.{name}")
         results.extend(module.run(Options(quick=args.quick, scale=scale)))
-        minutes[name] = round((time.monotonic() - began) / 60, 1)
+        took = (time.monotonic() - began) / 60
+        minutes[name] = round(took, 1)
         if budget is not None:
-            budget.ran(name, (time.monotonic() - began) / 60)
+            budget.ran(name, took)
         print(f"benchmark {name}: {minutes[name]} min", file=sys.stderr, flush=True)
     written = {"started": started.isoformat(timespec="seconds"), "quick": args.quick, "machine": machine(),
                "scales": None if args.quick else scales,

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
+from functools import partial
 
-from .common import REDIS_URL, delete_queues, drop_store
+from .common import REDIS_URL, rate
 
 #: Each benchmark's minutes at its full sizes on the host they were set on, a 2-core AMD EPYC VM
 #: (2026-11-26 to 28), on which the calibration's unit of work took 1.1 ms (plain Celery's unit
@@ -95,15 +95,10 @@ def measure() -> Calibration:
     orders = producer_row.Orders(outbox)
     try:
         orders.plain(plain, WARM_UP, 1)
-        passes = []
-        for _ in range(PASSES):
-            started = time.perf_counter()
-            orders.plain(plain, UNITS, 1)
-            passes.append((time.perf_counter() - started) / UNITS * 1e3)
+        passes = [1e3 / rate(UNITS, partial(orders.plain, plain, UNITS, 1)) for _ in range(PASSES)]
     finally:
         orders.close()
-        delete_queues(app, list(app.amqp.queues))
-        drop_store(outbox)
+        producer._tear_down(app, outbox)
     calibration = Calibration(statistics.median(passes))
     print(f"pace: plain Celery's unit of work writing one row took {calibration.ms_per_unit:.2f} ms here "
           f"({REFERENCE_MS} ms on the host the full sizes were set on)", file=sys.stderr, flush=True)
