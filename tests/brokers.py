@@ -74,6 +74,16 @@ def nothing_more(app: Celery, queue: str) -> bool:
     return receive_until_marker(app, queue, f"marker-{uuid.uuid4().hex}") == []
 
 
+def fast_redelivery(visibility_timeout: float) -> dict[str, Any]:
+    """Redis transport options for test workers: the unacked work of a dead worker comes back
+    within seconds, not an hour. Every worker on the database restores it every second under
+    kombu's ``unacked_mutex``, which is held for milliseconds; a worker SIGKILLed in those
+    milliseconds leaves it held until ``unacked_mutex_expire`` (300 s by default), and no
+    worker of any test restores anything until then. Five seconds bounds that wait."""
+    return {"visibility_timeout": visibility_timeout, "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1, "unacked_mutex_expire": 5}
+
+
 def copy_options(task_id: str) -> dict[str, Any]:
     """``apply_async`` options that make every call with them a copy of one send, as a broker
     redelivery is: the same task id and the same publish identity (an explicit header wins over

@@ -42,6 +42,8 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from celery_outbox import IdempotentTask, Outbox
 
+from ..brokers import fast_redelivery
+
 ORDER_ID = "order-{}"
 
 
@@ -59,8 +61,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
         outbox_node_heartbeat_interval=0.5,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": visibility_timeout, "unacked_restore_interval": 1,
-                                  "unacked_restore_throttle": 1},
+        broker_transport_options=fast_redelivery(visibility_timeout),
         **{"worker_prefetch_multiplier": 1, **conf},
     )
     outbox = Outbox(app)

@@ -21,6 +21,8 @@ from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, func,
 
 from celery_outbox import IdempotentTask, Outbox
 
+from ..brokers import fast_redelivery
+
 
 def create(broker_url: str, database_url: str, prefix: str, queue: str, other_queue: str,
            identity: str = "id", visibility_timeout: float = 3, **conf) -> SimpleNamespace:
@@ -34,9 +36,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         outbox_node_heartbeat_interval=0.5,
         worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
-        # Redis: by default redeliver unacked work of a dead worker within seconds, not an hour
-        broker_transport_options={"visibility_timeout": visibility_timeout, "unacked_restore_interval": 1,
-                                  "unacked_restore_throttle": 1},
+        broker_transport_options=fast_redelivery(visibility_timeout),
         **conf,
     )
     outbox = Outbox(app)
