@@ -109,29 +109,25 @@ def test_worker_killed_mid_body_effects_exactly_once(scenario, victim, task):
     assert rows == ["handled"], "the attempt Celery re-sent kept its send's key: no other claim is left running"
 
 
-def test_a_worker_killed_holding_redis_restore_lock_delays_redelivery_briefly(postgres_url, table_prefix,
-                                                                              tmp_path):
+@pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
+def test_a_worker_killed_holding_redis_restore_lock_delays_redelivery_briefly(scenario):
     """Redis: every worker restores a dead worker's unacked messages under kombu's ``unacked_mutex``.
     A worker killed while it holds that lock leaves it held until ``unacked_mutex_expire``; the
     test workers' five seconds (``fast_redelivery``) bound the wait, where kombu's 300 s would
     stop every test's redelivery for five minutes."""
-    scenario = Scenario(require("redis"), postgres_url, table_prefix, tmp_path)
-    try:
-        worker = scenario.worker(pool="prefork", concurrency=1)
-        scenario.shop.pay.apply_async(("order-7", 60.0), task_id="order-7")
-        scenario.wait_events("order-7", "body", 1)
-        with scenario.shop.app.connection_for_write() as connection:
-            channel = connection.default_channel
-            lock = channel.client.lock(channel.unacked_mutex_key, timeout=channel.unacked_mutex_expire)
-            assert lock.acquire(blocking=True, blocking_timeout=10), "the restore lock was taken"
-            # never released: its holder is gone, as a worker SIGKILLed mid-sweep
-        worker.kill()
-        scenario.worker(pool="prefork", concurrency=1)
-        wait_until(lambda: "SUCCESS" in states(scenario.shop.events("order-7")), timeout=60,
-                   message="the message run again once the dead holder's lock expired")
-        assert len(scenario.shop.effects("order-7")) == 1
-    finally:
-        scenario.close()
+    worker = scenario.worker(pool="prefork", concurrency=1)
+    scenario.shop.pay.apply_async(("order-7", 60.0), task_id="order-7")
+    scenario.wait_events("order-7", "body", 1)
+    with scenario.shop.app.connection_for_write() as connection:
+        channel = connection.default_channel
+        lock = channel.client.lock(channel.unacked_mutex_key, timeout=channel.unacked_mutex_expire)
+        assert lock.acquire(blocking=True, blocking_timeout=10), "the restore lock was taken"
+        # never released: its holder is gone, as a worker SIGKILLed mid-sweep
+    worker.kill()
+    scenario.worker(pool="prefork", concurrency=1)
+    wait_until(lambda: "SUCCESS" in states(scenario.shop.events("order-7")), timeout=60,
+               message="the message run again once the dead holder's lock expired")
+    assert len(scenario.shop.effects("order-7")) == 1
 
 
 def test_id_and_destination_runs_one_id_on_two_queues_twice(broker_url, postgres_url, table_prefix, tmp_path):
