@@ -19,6 +19,7 @@ import functools
 import re
 import select as io_select
 import time
+import weakref
 import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -46,10 +47,11 @@ _PG_NO_SUCH_PREPARED = "26000"
 _PG_PREPARED_EXISTS = "42P05"
 # Seconds a claim interrupted by a signal waits for its cancelled query to end
 CANCEL_WAIT = 5.0
-# Per pooled connection: the names of the statements prepared on it by ``_send_one_message``, and
-# the statements to prepare between its transactions (None: not followed)
-_PREPARED = "celery_outbox_prepared"
-_TO_PREPARE = "celery_outbox_to_prepare"
+# Per psycopg connection: the names of the statements prepared on it by ``_send_one_message``, and
+# the statements to prepare between its transactions (None: not followed). Kept with the psycopg
+# connection, not the pool's record of it: an engine over a connection it does not own (Django's)
+# makes a new record each time it hands that connection out.
+_PREPARED_ON: weakref.WeakKeyDictionary[Any, tuple[set[str], dict[str, str] | None]] = weakref.WeakKeyDictionary()
 # The start of a message that opens a transaction committing without waiting for the WAL flush,
 # as ``StoreBase.begin(durable=False)`` opens one
 OPEN_NOT_WAITING_FOR_FLUSH = (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF")
@@ -186,12 +188,12 @@ def _prepared_statements(conn: Connection) -> tuple[set[str], dict[str, str] | N
     statement the set names is then there, unless something else deallocated it (SQL run
     with psycopg holding no prepared statement of its own): inside a transaction that fails
     its message, and the name is dropped."""
-    info = conn.connection.info
-    prepared = info.get(_PREPARED)
-    if prepared is None:
-        prepared = info[_PREPARED] = set()
-        info[_TO_PREPARE] = {} if _forget_when_psycopg_clears(conn.connection.driver_connection, prepared) else None
-    return prepared, info[_TO_PREPARE]
+    driver = conn.connection.driver_connection
+    known = _PREPARED_ON.get(driver)
+    if known is None:
+        prepared: set[str] = set()
+        known = _PREPARED_ON[driver] = (prepared, {} if _forget_when_psycopg_clears(driver, prepared) else None)
+    return known
 
 
 def _forget_when_psycopg_clears(driver: Any, prepared: set[str]) -> bool:
@@ -272,17 +274,17 @@ def _prepare_on_checkout(engine: Engine) -> None:
         event.listen(engine, "checkout", _prepare_pending, insert=True)  # its round trip is a ping too
 
 
-def _prepare_pending(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
-    to_prepare = record.info.get(_TO_PREPARE)
+def _prepare_pending(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    prepared, to_prepare = _PREPARED_ON.get(driver, (set(), None))
     if not to_prepare:
         return
     import psycopg
 
-    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     if driver.pgconn.transaction_status != _PSYCOPG_IDLE:  # a connection handed over mid-transaction
         return
     try:
-        _prepare(driver, record.info[_PREPARED], to_prepare, functools.partial(_exchange, driver))
+        _prepare(driver, prepared, to_prepare, functools.partial(_exchange, driver))
     except psycopg.Error as exc:
         if driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
             raise DisconnectionError(str(exc)) from exc  # the pool connects afresh
