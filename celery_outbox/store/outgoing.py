@@ -34,7 +34,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 
+from ..errors import StoreUnavailable
 from ..vocabulary import Attempt
+from .outage import as_driver_error
 from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, _pipelined_query
 from .schema import acknowledged_sends
 
@@ -114,22 +116,31 @@ class OutgoingStatements(OneMessage):
         INSERT, of one row's values or of one JSON array of the rows, whatever their count;
         SQLite: one multi-row INSERT per 1000 rows.
 
-        With ``commit``, the last statement of the caller's transaction, on PostgreSQL the
-        transaction's COMMIT goes with it in one round trip (and its BEGIN too when nothing ran
-        before it). An INSERT that fails is raised and its transaction is left for the
-        caller to roll back; the caller's own commit then finds the transaction ended (psycopg
-        sends nothing); it still ends SQLAlchemy's."""
+        On PostgreSQL with psycopg the INSERT goes through libpq as one message
+        (``_send_one_message``: its parameters bound by the server, whatever cursors the
+        connection makes, such as Django's, which bind them on the client). With ``commit``,
+        the last statement of the caller's transaction, the transaction's COMMIT goes with it
+        in that message (and its BEGIN too when nothing ran before it). An INSERT that fails is
+        raised and its transaction is left for the caller to roll back; the caller's own commit
+        then finds the transaction ended (psycopg sends nothing); it still ends SQLAlchemy's.
+        Without ``commit``, a lost connection is raised as SQLAlchemy raises it
+        (``OperationalError``, ``connection_invalidated`` set), as ``conn.execute`` would."""
         if not rows:
             return []
         table = self.tables.outgoing
         if self.is_postgres:
             statement, values, keys, kind = _postgres_insert(table, rows)
-            opening = self._opening(conn) if commit else None
-            if opening is not None:
-                query = _pipelined_query(statement, conn.dialect, keys, kind)
-                result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",))
-                return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
-            return sorted(conn.execute(statement, values).scalars())
+            opening = self._opening(conn)
+            if opening is None:
+                return sorted(conn.execute(statement, values).scalars())
+            query = _pipelined_query(statement, conn.dialect, keys, kind)
+            try:
+                result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",) if commit else ())
+            except StoreUnavailable as exc:
+                if commit:
+                    raise
+                raise as_driver_error(exc) from exc.__cause__
+            return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
         columns = {key for row in rows for key in row}
         rows = [{key: row.get(key) for key in columns} for row in rows]
         ids: list[int] = []

@@ -11,6 +11,10 @@ import pytest
 from celery import chain, group
 from django.db import connections, transaction
 from django.test import Client
+from sqlalchemy.exc import OperationalError
+
+from celery_outbox.django.engine import django_engine
+from celery_outbox.store.pipeline import _prepared_statements
 
 from ..brokers import nothing_more, receive
 from ..django_project.shop import views
@@ -121,3 +125,50 @@ def test_a_view_under_atomic_requests_commits_its_order_and_message_together(sho
     assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{placed}"]
     assert nothing_more(shop.app, shop.durable)
     assert list(Order.objects.using(shop.using).values_list("number", flat=True)) == [placed]
+
+
+def test_a_connection_lost_under_the_durable_insert_raises_and_keeps_nothing(shop):
+    """Django's connection killed by the server inside the block: the durable message's INSERT
+    raises SQLAlchemy's ``OperationalError`` (the block then rolls back: no order, no row, nothing
+    published), and the next block, on a new connection, commits and publishes as usual."""
+    if shop.using != "pg":
+        pytest.skip("PostgreSQL only: a SQLite connection cannot be killed from outside")
+    lost, next_one = order_id(), order_id()
+    with pytest.raises(OperationalError) as raised:
+        with transaction.atomic(using=shop.using):
+            Order.objects.using(shop.using).create(number=lost)
+            pid = connections[shop.using].connection.info.backend_pid
+            with shop.outbox.engine.connect() as other:
+                assert other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar_one()
+            shop.pay.apply_async((lost,), task_id=f"pay-{lost}")
+    assert raised.value.connection_invalidated, raised.value
+    assert outgoing_rows(shop) == []
+    assert not Order.objects.using(shop.using).filter(number=lost).exists()
+    assert nothing_more(shop.app, shop.durable)
+    with transaction.atomic(using=shop.using):
+        Order.objects.using(shop.using).create(number=next_one)
+        shop.pay.apply_async((next_one,), task_id=f"pay-{next_one}")
+    assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{next_one}"]
+
+
+def test_the_stores_record_of_prepared_statements_is_one_per_django_connection(shop):
+    """Django's engine hands Django's connection out in a new pool record each time; the store
+    keeps its record of the statements it prepared with the psycopg connection itself, so that
+    it is made, and psycopg's ``clear`` followed, once per connection however many blocks insert
+    through it (each after an ORM write: the INSERT goes inside the open transaction)."""
+    if shop.using != "pg":
+        pytest.skip("PostgreSQL only: SQLite prepares nothing")
+    numbers = [order_id() for _ in range(5)]
+    for number in numbers:
+        with transaction.atomic(using=shop.using):
+            Order.objects.using(shop.using).create(number=number)
+            shop.pay.apply_async((number,), task_id=f"pay-{number}")
+    engine = django_engine(shop.using)
+    with engine.connect() as first, engine.connect() as second:
+        assert first.connection.dbapi_connection is second.connection.dbapi_connection, "Django's one connection"
+        assert _prepared_statements(first)[0] is _prepared_statements(second)[0], "one record, not one a block"
+    prepared = connections[shop.using].connection._prepared  # psycopg's own record
+    (followed,) = [cell.cell_contents for cell in prepared.clear.__closure__ if callable(cell.cell_contents)]
+    assert getattr(followed, "__self__", None) is prepared, "psycopg's clear followed once, not once a block"
+    assert sorted(m.id for m in receive(shop.app, shop.durable, len(numbers))) == sorted(f"pay-{n}" for n in numbers)
+    assert nothing_more(shop.app, shop.durable)

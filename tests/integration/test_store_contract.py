@@ -22,6 +22,7 @@ from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from celery_outbox import IncompatibleSchema, Outbox
 from celery_outbox.store import SCHEMA_VERSION, Store, as_utc, build_engine, is_unique_violation, utcnow
+from celery_outbox.store.pipeline import _prepared_statements
 
 from ..conftest import drop_store
 
@@ -212,16 +213,23 @@ def test_concurrent_migrations_both_succeed(database_url, table_prefix):
 
 
 def test_outgoing_rows_go_in_with_one_insert_and_out_with_one_delete(store: Store):
+    """On PostgreSQL the INSERT goes through libpq, past SQLAlchemy's events: counted from the
+    protocol trace there."""
     log = StatementLog(store.engine)
+    trace = ProtocolTrace(store) if store.is_postgres else None
     try:
         with store.begin() as conn:
             ids = store.insert_outgoing(conn, [outgoing_row(n) for n in range(50)])
         assert len(ids) == 50 and ids == sorted(ids)
         with store.begin() as conn:
             assert store.delete_outgoing(conn, ids[:30]) == 30
+        statements = ([each for trip in trace.statement_trips() for each in trip] if trace is not None
+                      else log.of("INSERT"))
     finally:
         log.close()
-    assert len([s for s in log.of("INSERT") if "outgoing" in s]) == 1
+        if trace is not None:
+            trace.close()
+    assert len([s for s in statements if "INSERT INTO" in s and "outgoing" in s]) == 1
     deletes = [s for s in log.of("DELETE") if "outgoing" in s]
     assert len(deletes) == 1
     if store.is_postgres:
@@ -281,21 +289,30 @@ def assert_stored(store: Store, ids: list[int], given: list[dict]) -> None:
 
 
 def test_one_insert_statement_at_any_row_count(store: Store):
-    """PostgreSQL gets the same statement text for 3 rows and for 2500 (parsed and planned once,
-    and past SQLite's chunk of 1000); SQLite one INSERT per 1000 rows."""
+    """PostgreSQL gets the same statement for 3 rows and for 2500 (parsed and planned once,
+    and past SQLite's chunk of 1000; it goes through libpq, so the protocol trace shows it);
+    SQLite one INSERT per 1000 rows."""
     log = StatementLog(store.engine)
+    trace = ProtocolTrace(store) if store.is_postgres else None
     try:
         with store.begin() as conn:
             few = store.insert_outgoing(conn, [outgoing_row(n) for n in range(3)])
             many = store.insert_outgoing(conn, [outgoing_row(n) for n in range(3, 2503)])
+        statements = [each for trip in trace.statement_trips() for each in trip] if trace is not None else []
     finally:
         log.close()
+        if trace is not None:
+            trace.close()
     assert len(few) == 3 and len(many) == 2500 and few + many == sorted(few + many)
-    inserts = [s for s in log.of("INSERT") if "outgoing" in s]
     if store.is_postgres:
-        assert len(inserts) == 2 and inserts[0] == inserts[1]
-        assert "jsonb_array_elements" in inserts[0]
+        texts = [each for each in statements if "INSERT INTO" in each and "outgoing" in each]
+        assert len(texts) == 1 and "jsonb_array_elements" in texts[0], statements
+        name = texts[0].split(":")[0].removeprefix("PREPARE ")
+        runs = [each for each in statements
+                if each == f"EXECUTE {name}" or (each in texts and not each.startswith("PREPARE "))]
+        assert len(runs) == 2, statements  # prepared once, run twice
     else:
+        inserts = [s for s in log.of("INSERT") if "outgoing" in s]
         assert len(inserts) == 1 + 3
     assert store.count_outgoing() == 2503
 
@@ -565,7 +582,8 @@ def test_a_claim_recovers_when_its_prepared_statement_is_gone_or_already_there(s
         conn.commit()
     assert store.claim_incoming_alone(incoming_row("b", owner=0)) is True
     with store.engine.connect() as conn:
-        conn.connection.info["celery_outbox_prepared"].clear()
+        prepared, _ = _prepared_statements(conn)
+        prepared.clear()
     with store.begin() as conn:
         assert store.insert_incoming(conn, incoming_row("c", owner=0)) is True
         assert store.insert_incoming(conn, incoming_row("c", owner=0)) is False
