@@ -223,8 +223,7 @@ def test_outgoing_rows_go_in_with_one_insert_and_out_with_one_delete(store: Stor
         assert len(ids) == 50 and ids == sorted(ids)
         with store.begin() as conn:
             assert store.delete_outgoing(conn, ids[:30]) == 30
-        statements = ([each for trip in trace.statement_trips() for each in trip] if trace is not None
-                      else log.of("INSERT"))
+        statements = trace.statements() if trace is not None else log.of("INSERT")
     finally:
         log.close()
         if trace is not None:
@@ -298,7 +297,7 @@ def test_one_insert_statement_at_any_row_count(store: Store):
         with store.begin() as conn:
             few = store.insert_outgoing(conn, [outgoing_row(n) for n in range(3)])
             many = store.insert_outgoing(conn, [outgoing_row(n) for n in range(3, 2503)])
-        statements = [each for trip in trace.statement_trips() for each in trip] if trace is not None else []
+        statements = trace.statements() if trace is not None else []
     finally:
         log.close()
         if trace is not None:
@@ -490,6 +489,10 @@ class ProtocolTrace:
         """The round trips from the ``since``-th on, each as what it runs (``_statements``) or, for
         a round trip of simple queries, their texts."""
         return [_statements(trip) or [text for _, text in trip] for trip in self.round_trips()[since:]]
+
+    def statements(self) -> list[str]:
+        """What every round trip so far ran, in order (``statement_trips``, one list)."""
+        return [each for trip in self.statement_trips() for each in trip]
 
     def trips_of(self, run: Callable[[], Any]) -> list[list[str]]:
         """The round trips ``run()`` sends, as ``statement_trips`` gives them."""
