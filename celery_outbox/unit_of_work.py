@@ -162,19 +162,18 @@ class UnitOfWork:
 
     def _store_durable(self, connection: Connection, commit: bool = False) -> None:
         """Just before the outermost commit: insert the durable messages, in its transaction;
-        with ``commit``, as its last statement, which the COMMIT may go with. Only a user's unit
-        of work passes ``commit``: a connection lost under the INSERT and COMMIT is then raised
-        as ``engine.begin()`` raises a lost COMMIT (SQLAlchemy's ``OperationalError``), so the
-        caller's retry of its database work catches it."""
+        with ``commit``, as its last statement, which the COMMIT may go with. A connection lost
+        under them is raised as ``engine.begin()`` raises a lost COMMIT (SQLAlchemy's
+        ``OperationalError``, ``connection_invalidated`` set), so the caller's retry of its
+        database work catches it, and an attempt sees its connection lost."""
         crashpoint("before_commit")
         durable = [m for m in self.pending if m.durable and m.row_id is None]
         if durable:
             try:
                 self.publisher.store_durable(connection, durable, commit)
             except StoreUnavailable as exc:
-                if not commit:
-                    raise
-                raise as_driver_error(exc) from exc.__cause__
+                error = as_driver_error(exc)
+                raise error from error.__cause__
         self._committing = True
 
     def _publish_committed(self) -> None:

@@ -70,9 +70,11 @@ def is_outage(exc: BaseException, *, transient: bool = False) -> bool:
 def as_driver_error(exc: StoreUnavailable) -> BaseException:
     """The error SQLAlchemy raises for the driver's error ``exc`` was made from: a lost connection
     is an ``OperationalError`` with ``connection_invalidated`` set, as ``engine.begin()`` raises
-    it. For a user's own transaction, whose retry catches SQLAlchemy's errors; ``exc`` itself
-    when no driver error caused it."""
+    it, caused by the driver's error (``__cause__``). For a user's own transaction, whose retry
+    catches SQLAlchemy's errors; ``exc`` itself when no driver error caused it."""
     cause = exc.__cause__
     if cause is None or isinstance(cause, DBAPIError):
         return cause or exc
-    return DBAPIError.instance(None, None, cause, Exception, connection_invalidated=True)
+    error = DBAPIError.instance(None, None, cause, Exception, connection_invalidated=True)
+    error.__cause__ = cause
+    return error

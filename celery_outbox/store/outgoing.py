@@ -33,10 +33,9 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import DBAPIError
 
-from ..errors import StoreUnavailable
 from ..vocabulary import Attempt
-from .outage import as_driver_error
 from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, _pipelined_query
 from .schema import acknowledged_sends
 
@@ -123,8 +122,8 @@ class OutgoingStatements(OneMessage):
         in that message (and its BEGIN too when nothing ran before it). An INSERT that fails is
         raised and its transaction is left for the caller to roll back; the caller's own commit
         then finds the transaction ended (psycopg sends nothing); it still ends SQLAlchemy's.
-        Without ``commit``, a lost connection is raised as SQLAlchemy raises it
-        (``OperationalError``, ``connection_invalidated`` set), as ``conn.execute`` would."""
+        A lost connection is ``StoreUnavailable``, whatever path the INSERT took; the owner of
+        the transaction raises it as its caller expects (``as_driver_error``)."""
         if not rows:
             return []
         table = self.tables.outgoing
@@ -132,14 +131,14 @@ class OutgoingStatements(OneMessage):
             statement, values, keys, kind = _postgres_insert(table, rows)
             opening = self._opening(conn)
             if opening is None:
-                return sorted(conn.execute(statement, values).scalars())
-            query = _pipelined_query(statement, conn.dialect, keys, kind)
-            try:
-                result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",) if commit else ())
-            except StoreUnavailable as exc:
-                if commit:
+                try:
+                    return sorted(conn.execute(statement, values).scalars())
+                except DBAPIError as exc:
+                    if exc.connection_invalidated:
+                        raise self.unavailable(exc) from exc
                     raise
-                raise as_driver_error(exc) from exc.__cause__
+            query = _pipelined_query(statement, conn.dialect, keys, kind)
+            result, _ = self._send_one_message(conn, query, values, opening, (b"COMMIT",) if commit else ())
             return sorted(int(result.get_value(row, 0)) for row in range(result.ntuples))
         columns = {key for row in rows for key in row}
         rows = [{key: row.get(key) for key in columns} for row in rows]

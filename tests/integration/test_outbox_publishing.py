@@ -55,6 +55,20 @@ class Interrupted(BaseException):
     """What a signal handler raises mid-exchange, as Celery's soft time limit does."""
 
 
+def terminate_and_wait(database_url: str, pid: int) -> None:
+    """End server process ``pid`` and wait until it has ended (``pg_terminate_backend``'s timeout)."""
+    from sqlalchemy import text
+
+    from celery_outbox.store import build_engine
+
+    admin = build_engine(database_url)
+    try:
+        with admin.connect() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}).scalar_one()
+    finally:
+        admin.dispose()
+
+
 def interrupted_exchange(driver, send):
     """A stand-in for the store's exchange with PostgreSQL (``pipeline._exchange``) that a signal
     interrupts before any answer comes."""
@@ -567,20 +581,11 @@ def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url
     of work runs on the new connection as if nothing happened; nothing is lost."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no prepared statements")
-    from sqlalchemy import text
-
-    from celery_outbox.store import build_engine
-
     from .test_engine_and_commits import count_pings
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         lost = unit_opened_by_a_statement(shop, 0)
-        admin = build_engine(database_url)
-        try:
-            with admin.connect() as conn:  # waits until the server process has ended
-                assert conn.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": lost}).scalar_one()
-        finally:
-            admin.dispose()
+        terminate_and_wait(database_url, lost)
         pings = count_pings(shop.outbox.engine)
         assert unit_opened_by_a_statement(shop, 1) != lost
         assert pings == [], "the preparing checkout found the connection lost, not the idle ping"
@@ -660,6 +665,38 @@ def test_a_connection_lost_before_the_commit_raises_what_engine_begin_raises(sho
     with unit_of_work(shop):
         durable = shop.durable.delay(3)
     assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [durable.id]
+
+
+def test_a_connection_lost_under_a_durable_message_stored_alone_raises_store_unavailable(
+        broker_url, database_url, table_prefix, monkeypatch):
+    """Outside a unit of work, the server ends the session just as a durable ``delay()`` sends its
+    row's BEGIN, INSERT and COMMIT: ``delay()`` raises ``StoreUnavailable`` naming the store, as it
+    does with the database down; nothing is stored or published, and the next ``delay()`` runs on
+    a new connection (a pool of one)."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only: SQLite has no server to end a session")
+    from celery_outbox import StoreUnavailable
+    from celery_outbox.store import pipeline
+
+    real_exchange = pipeline._exchange
+    ended: list[int] = []
+
+    def exchange_on_an_ended_session(driver, send):
+        if not ended:
+            ended.append(driver.info.backend_pid)
+            terminate_and_wait(database_url, ended[0])
+        return real_exchange(driver, send)
+
+    with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
+        with monkeypatch.context() as patch:
+            patch.setattr(pipeline, "_exchange", exchange_on_an_ended_session)
+            with pytest.raises(StoreUnavailable, match="cannot use the message store") as raised:
+                shop.durable.delay(1)
+        assert ended and raised.value.__cause__ is not None, "the session ended under the exchange"
+        assert nothing_more(shop.app, shop.durable_queue)
+        assert outgoing_rows(shop.outbox.store) == (0, 0)
+        sent = shop.durable.delay(2).id
+        assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [sent]
 
 
 def test_a_retry_surviving_a_rolled_back_block_is_stored_once_the_block_gave_its_connection_back(
