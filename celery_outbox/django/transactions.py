@@ -20,7 +20,10 @@ import weakref
 from functools import partial
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+
 from ..envelope import OutgoingMessage
+from ..errors import StoreUnavailable
 from ..publishing import Publisher
 from ..store import Store
 from .engine import django_engine
@@ -52,12 +55,15 @@ class DjangoTransaction:
             self.publisher.store_and_forward(decided)
         joined = [m for m in messages if not m.survives_rollback]
         durable = [m for m in joined if m.durable]
+        connection = connections[self.using]
         if durable:
-            with self.store.engine.connect() as conn:  # Django's connection, in its open transaction
-                self.publisher.store_durable(conn, durable)
+            try:
+                with self.store.engine.connect() as conn:  # Django's connection, in its open transaction
+                    self.publisher.store_durable(conn, durable)
+            except (StoreUnavailable, DBAPIError) as exc:
+                _raise_as_django_error(exc, connection)
         if not joined:
             return
-        connection = connections[self.using]
         if self._hooks is not connection.run_on_commit:  # a new transaction, or a savepoint rolled back
             self._hooks, self._batches = connection.run_on_commit, {}
         level = tuple(connection.savepoint_ids)
@@ -66,6 +72,20 @@ class DjangoTransaction:
             batch = self._batches[level] = []
             transaction.on_commit(partial(self.publisher.publish_committed, batch), using=self.using, robust=True)
         batch.extend(joined)
+
+
+def _raise_as_django_error(exc: StoreUnavailable | DBAPIError, connection: Any) -> None:
+    """Raise ``exc``, an error of a statement sent on Django's ``connection``, as the ORM raises
+    the driver's error behind it: Django's own class (``django.db.OperationalError`` for a lost
+    connection), caused by the driver's error, with the connection's ``errors_occurred`` set, so
+    a caller's ``except django.db.Error`` catches it and Django checks the connection before
+    reusing it. ``exc`` itself when no driver error caused it."""
+    cause = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc
+    driver_error = getattr(cause, "orig", cause)
+    if not isinstance(driver_error, connection.Database.Error):
+        raise exc
+    with connection.wrap_database_errors:  # Django's mapping of the driver's classes onto its own
+        raise driver_error
 
 
 # per Django connection (one per thread or greenlet): its joined transaction, per outbox

@@ -6,12 +6,13 @@ outside an atomic block, behaviour is that of the SQLAlchemy side."""
 from __future__ import annotations
 
 import uuid
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import pytest
 from celery import chain, group
-from django.db import connections, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, connections, transaction
 from django.test import Client
-from sqlalchemy.exc import OperationalError
 
 from celery_outbox.django.engine import django_engine
 from celery_outbox.store.pipeline import _prepared_statements
@@ -127,28 +128,141 @@ def test_a_view_under_atomic_requests_commits_its_order_and_message_together(sho
     assert list(Order.objects.using(shop.using).values_list("number", flat=True)) == [placed]
 
 
-def test_a_connection_lost_under_the_durable_insert_raises_and_keeps_nothing(shop):
+@contextmanager
+def django_options(using: str, **options: Any) -> Iterator[None]:
+    """Django's connection ``using`` opened afresh with ``options`` added to its ``OPTIONS``
+    (psycopg's prepared statements, the isolation level), and afresh without them afterwards."""
+    connection = connections[using]
+    saved = dict(connection.settings_dict["OPTIONS"])
+    connection.close()
+    connection.settings_dict["OPTIONS"].update(options)
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict["OPTIONS"] = saved
+
+
+# Django's connection as users configure it: its defaults (the INSERT sent in one libpq
+# message, unnamed), psycopg's prepared statements on (prepared between transactions), and an
+# isolation level of its own (an INSERT that opens the transaction then goes through
+# SQLAlchemy's ``execute``, which sends psycopg's BEGIN with the level)
+CONNECTION_OPTIONS = {
+    "defaults": {},
+    "prepared statements on": {"prepare_threshold": 0},
+    "repeatable read": {"isolation_level": 3},  # psycopg.IsolationLevel.REPEATABLE_READ
+}
+
+
+def terminate_djangos_connection(shop) -> None:
+    """The server ends Django's connection's session (``pg_terminate_backend``)."""
+    connection = connections[shop.using]
+    connection.ensure_connection()
+    pid = connection.connection.info.backend_pid
+    with shop.outbox.engine.connect() as other:
+        assert other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar_one()
+
+
+@pytest.mark.parametrize("insert_first", [False, True], ids=["after the ORM's write", "first in the block"])
+@pytest.mark.parametrize("options", list(CONNECTION_OPTIONS.values()), ids=list(CONNECTION_OPTIONS))
+def test_a_connection_lost_under_the_durable_insert_raises_djangos_error_and_keeps_nothing(shop, options,
+                                                                                         insert_first):
     """Django's connection killed by the server inside the block: the durable message's INSERT
-    raises SQLAlchemy's ``OperationalError`` (the block then rolls back: no order, no row, nothing
-    published), and the next block, on a new connection, commits and publishes as usual."""
+    raises Django's ``OperationalError``, as the ORM raises it, caused by psycopg's (the block
+    then rolls back: no order, no row, nothing published), and the next block, on a new
+    connection, commits and publishes as usual."""
+    import psycopg
+
     if shop.using != "pg":
         pytest.skip("PostgreSQL only: a SQLite connection cannot be killed from outside")
     lost, next_one = order_id(), order_id()
-    with pytest.raises(OperationalError) as raised:
+    with django_options(shop.using, **options):
+        with pytest.raises(OperationalError) as raised:
+            if insert_first:
+                terminate_djangos_connection(shop)
+            with transaction.atomic(using=shop.using):
+                if not insert_first:
+                    Order.objects.using(shop.using).create(number=lost)
+                    terminate_djangos_connection(shop)
+                shop.pay.apply_async((lost,), task_id=f"pay-{lost}")
+                Order.objects.using(shop.using).create(number=lost)
+        assert isinstance(raised.value.__cause__, psycopg.OperationalError), repr(raised.value.__cause__)
+        assert outgoing_rows(shop) == []
+        assert not Order.objects.using(shop.using).filter(number=lost).exists()
+        assert nothing_more(shop.app, shop.durable)
         with transaction.atomic(using=shop.using):
-            Order.objects.using(shop.using).create(number=lost)
-            pid = connections[shop.using].connection.info.backend_pid
-            with shop.outbox.engine.connect() as other:
-                assert other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar_one()
-            shop.pay.apply_async((lost,), task_id=f"pay-{lost}")
-    assert raised.value.connection_invalidated, raised.value
-    assert outgoing_rows(shop) == []
-    assert not Order.objects.using(shop.using).filter(number=lost).exists()
+            Order.objects.using(shop.using).create(number=next_one)
+            shop.pay.apply_async((next_one,), task_id=f"pay-{next_one}")
+    assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{next_one}"]
+
+
+def test_a_failing_durable_insert_raises_djangos_error_for_the_drivers(shop):
+    """The durable message's INSERT fails inside the block (its table renamed away in the same
+    transaction): ``delay`` raises Django's class for the driver's error, as the ORM would, caused
+    by the driver's own; the block rolls back (the table is back), nothing is published, and the
+    next block commits and publishes."""
+    connection = connections[shop.using]
+    table = shop.outbox.store.tables.outgoing.name
+    failed, next_one = order_id(), order_id()
+    with pytest.raises(DatabaseError) as raised:
+        with transaction.atomic(using=shop.using):
+            Order.objects.using(shop.using).create(number=failed)
+            with connection.cursor() as cursor:
+                cursor.execute(f"ALTER TABLE {table} RENAME TO {table}_away")
+            shop.pay.apply_async((failed,), task_id=f"pay-{failed}")
+    assert type(raised.value).__module__ == "django.db.utils", repr(raised.value)
+    assert isinstance(raised.value.__cause__, connection.Database.Error), repr(raised.value.__cause__)
+    assert table in str(raised.value)
     assert nothing_more(shop.app, shop.durable)
     with transaction.atomic(using=shop.using):
         Order.objects.using(shop.using).create(number=next_one)
         shop.pay.apply_async((next_one,), task_id=f"pay-{next_one}")
     assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{next_one}"]
+    assert not Order.objects.using(shop.using).filter(number=failed).exists()
+
+
+def test_blocks_with_psycopgs_prepared_statements_on_publish_what_they_commit(shop):
+    """Django's connection with psycopg's prepared statements on (``prepare_threshold`` 0: the
+    ORM's statements are prepared too, and psycopg deallocates every one on a rollback): blocks
+    whose first statement is the durable INSERT, blocks that write with the ORM first, blocks
+    rolled back whole and savepoints rolled back by an ``IntegrityError``, taking turns on one
+    connection. The store's INSERT comes to be prepared; every committed message is stored and
+    published once, in order; nothing rolled back is stored or published."""
+    if shop.using != "pg":
+        pytest.skip("PostgreSQL only: SQLite prepares nothing")
+    orders = Order.objects.using(shop.using)
+
+    def pay(number: str) -> str:
+        return shop.pay.apply_async((number,), task_id=f"pay-{number}").id
+
+    committed: list[str] = []
+    with django_options(shop.using, prepare_threshold=0):
+        for _ in range(4):
+            first, second, gone, third = (order_id() for _ in range(4))
+            with transaction.atomic(using=shop.using):  # the INSERT opens the transaction
+                committed.append(pay(first))
+                orders.create(number=first)
+            with transaction.atomic(using=shop.using):  # the INSERT inside the ORM's transaction
+                orders.create(number=second)
+                committed.append(pay(second))
+            with pytest.raises(RuntimeError):
+                with transaction.atomic(using=shop.using):
+                    orders.create(number=gone)
+                    pay(gone)
+                    raise RuntimeError("the block rolls back")
+            with transaction.atomic(using=shop.using):
+                orders.create(number=third)
+                with pytest.raises(IntegrityError):
+                    with transaction.atomic(using=shop.using):  # a savepoint
+                        pay(f"{third}-again")
+                        orders.create(number=third)
+                committed.append(pay(third))
+        with django_engine(shop.using).connect() as conn:
+            prepared = _prepared_statements(conn)[0]
+        assert any("insert_outgoing" in name for name in prepared), prepared
+    assert outgoing_rows(shop) == committed, "each committed message stored once, nothing rolled back"
+    assert [m.id for m in receive(shop.app, shop.durable, len(committed))] == committed
+    assert nothing_more(shop.app, shop.durable)
 
 
 def test_the_stores_record_of_prepared_statements_is_one_per_django_connection(shop):
