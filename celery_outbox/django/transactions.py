@@ -1,14 +1,15 @@
 """Publishes inside Django's ``transaction.atomic()`` join Django's transaction.
 
 Transaction boundary: inside an atomic block on the outbox's Django database (nested
-blocks, savepoints and ``ATOMIC_REQUESTS`` included), a captured message for a durable
-queue is inserted at once through Django's own connection, in the block's transaction:
-a savepoint or block that rolls back takes its row back with the user's writes. Every
-captured message is published by ``transaction.on_commit`` after Django's outermost
-commit (durable rows taken as the commit-time publisher takes them), never after a
-rollback: Django drops the callbacks of a rolled-back block. A ``retry`` or ``replace``
-of the running task, which Celery decided on, is not tied to the block: it is stored and
-forwarded at once, as outside a unit of work.
+blocks, savepoints and ``ATOMIC_REQUESTS`` included), the captured messages wait, a batch
+per savepoint level, each batch one ``transaction.on_commit`` callback. Django's outermost
+commit first inserts the durable messages of the batches whose callbacks Django still holds
+(a savepoint or block that rolled back took its callbacks, and so its messages, with it)
+through Django's own connection, as the transaction's last statement (on PostgreSQL with
+psycopg, the INSERT and the COMMIT in one network message), then commits; the callbacks
+publish after it, never after a rollback. A ``retry`` or ``replace`` of the running task,
+which Celery decided on, is not tied to the block: it is stored and forwarded at once, as
+outside a unit of work.
 
 Guarantee: as for a unit of work. A durable message commits with the user's data or not
 at all; once committed it is published now or by the relay later, never lost.
@@ -17,7 +18,6 @@ at all; once committed it is published now or by the relay later, never lost.
 from __future__ import annotations
 
 import weakref
-from functools import partial
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
@@ -31,12 +31,26 @@ from .engine import django_engine
 __all__ = ["DjangoTransaction", "joined_transaction"]
 
 
+class _Batch:
+    """The messages captured at one savepoint level, and the ``on_commit`` callback that
+    publishes them: Django drops it, with them, when that savepoint (or an outer one) rolls back."""
+
+    __slots__ = ("messages", "owner", "__weakref__")
+
+    def __init__(self, owner: DjangoTransaction):
+        self.messages: list[OutgoingMessage] = []
+        self.owner = owner
+
+    def __call__(self) -> None:
+        self.owner.publish(self.messages)
+
+
 class DjangoTransaction:
     """The capture target of the publishes inside Django's atomic block on database ``using``.
 
-    Messages captured at one savepoint level share one ``on_commit`` callback, so they are
-    published together after the commit; Django drops the callback, with the level's messages,
-    when that savepoint (or an outer one) rolls back.
+    Messages captured at one savepoint level share one batch (``_Batch``); the durable ones are
+    inserted with Django's outermost COMMIT (``store_before_commit``), and every batch still
+    registered with Django is published after it.
     """
 
     def __init__(self, publisher: Publisher, using: str, store: Store):
@@ -44,34 +58,99 @@ class DjangoTransaction:
         self.using = using
         self.store = store
         self._hooks: Any = None  # Django's list of on_commit callbacks the batches below were registered in
-        self._batches: dict[tuple[str, ...], list[OutgoingMessage]] = {}
+        self._batches: dict[tuple[str, ...], _Batch] = {}
+        self._pending: list[_Batch] = []  # the batches registered since the last commit, in order
 
     def add(self, messages: list[OutgoingMessage]) -> None:
-        """Insert the durable messages in Django's transaction; publish all after its commit."""
+        """Capture messages in Django's transaction: the durable ones are inserted with its
+        COMMIT, and all are published after it."""
         from django.db import connections, transaction
 
         decided = [m for m in messages if m.survives_rollback]
         if decided:
             self.publisher.store_and_forward(decided)
         joined = [m for m in messages if not m.survives_rollback]
-        durable = [m for m in joined if m.durable]
-        connection = connections[self.using]
-        if durable:
-            try:
-                with self.store.engine.connect() as conn:  # Django's connection, in its open transaction
-                    self.publisher.store_durable(conn, durable)
-            except (StoreUnavailable, DBAPIError) as exc:
-                _raise_as_django_error(exc, connection)
         if not joined:
             return
+        connection = connections[self.using]
         if self._hooks is not connection.run_on_commit:  # a new transaction, or a savepoint rolled back
             self._hooks, self._batches = connection.run_on_commit, {}
+            self._pending = _registered(self._pending, connection)
         level = tuple(connection.savepoint_ids)
         batch = self._batches.get(level)
         if batch is None:
-            batch = self._batches[level] = []
-            transaction.on_commit(partial(self.publisher.publish_committed, batch), using=self.using, robust=True)
-        batch.extend(joined)
+            batch = self._batches[level] = _Batch(self)
+            self._pending.append(batch)
+            transaction.on_commit(batch, using=self.using, robust=True)
+            _store_at_commit(connection)
+        batch.messages.extend(joined)
+
+    def store_before_commit(self, connection: Any, commit: bool) -> None:
+        """Django's outermost COMMIT is about to go: insert the durable messages of the batches
+        Django still holds, through its connection, in its transaction; with ``commit``, as the
+        transaction's last statement, which the COMMIT may go with. An error is raised as the ORM
+        raises one (``_raise_as_django_error``): Django's commit then rolls back."""
+        batches, self._pending = _registered(self._pending, connection), []
+        durable = [m for batch in batches for m in batch.messages if m.durable and m.row_id is None]
+        if durable:
+            self._insert(connection, durable, commit)
+
+    def publish(self, messages: list[OutgoingMessage]) -> None:
+        """Django's ``on_commit`` callback of a batch: publish its messages. A durable message
+        with no row yet had its callback run with no commit (Django's test cases run them,
+        ``captureOnCommitCallbacks(execute=True)``, inside the test's transaction): it is inserted
+        first, through Django's connection as it stands."""
+        from django.db import connections
+
+        stranded = [m for m in messages if m.durable and m.row_id is None]
+        if stranded:
+            self._insert(connections[self.using], stranded, commit=False)
+        self.publisher.publish_committed(messages)
+
+    def _insert(self, connection: Any, messages: list[OutgoingMessage], commit: bool) -> None:
+        try:
+            with self.store.engine.connect() as conn:  # Django's connection
+                self.publisher.store_durable(conn, messages, commit)
+        except (StoreUnavailable, DBAPIError) as exc:
+            _raise_as_django_error(exc, connection)
+
+
+def _registered(batches: list[_Batch], connection: Any) -> list[_Batch]:
+    """The ``batches`` whose callbacks Django's ``connection`` still holds, in order."""
+    held = {id(callback) for _, callback, _ in connection.run_on_commit}
+    return [batch for batch in batches if id(batch) in held]
+
+
+# the Django connections whose commit stores the joined transactions' durable messages first
+_storing: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _store_at_commit(connection: Any) -> None:
+    """Make Django's ``connection`` insert the durable messages of its joined transactions just
+    before each COMMIT it sends (once per connection; a commit with none sends only its COMMIT).
+    Django rolls back on the ``DatabaseError`` an INSERT raises; anything else (a signal such as
+    a soft time limit interrupting the exchange) closes the connection first, its protocol state
+    unknown, and Django's callbacks go with it."""
+    from django.db import DatabaseError
+
+    if connection in _storing:
+        return
+    commit = connection._commit
+
+    def store_then_commit() -> Any:
+        joined = [t for t in _joined.get(connection, {}).values() if t._pending]
+        try:
+            for n, each in enumerate(joined, 1):
+                each.store_before_commit(connection, commit=n == len(joined))
+        except DatabaseError:
+            raise
+        except BaseException:
+            connection.close()
+            raise
+        return commit()
+
+    connection._commit = store_then_commit
+    _storing.add(connection)
 
 
 def _raise_as_django_error(exc: StoreUnavailable | DBAPIError, connection: Any) -> None:

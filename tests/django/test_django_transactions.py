@@ -41,17 +41,25 @@ def order_id() -> str:
 
 
 def test_a_durable_message_commits_with_the_orm_write_and_is_published_after_it(shop):
+    """The durable message's row is written with Django's COMMIT, in the block's transaction (on
+    PostgreSQL the row and the order carry the same transaction id), and published after it."""
     number = order_id()
     with transaction.atomic(using=shop.using):
         Order.objects.using(shop.using).create(number=number)
         shop.pay.apply_async((number,), task_id=f"pay-{number}")
-        assert outgoing_rows(shop, through_django=True) == [f"pay-{number}"], "written in Django's transaction"
-        if shop.using == "pg":
-            assert outgoing_rows(shop) == [], "not visible before Django commits"
+        assert outgoing_rows(shop, through_django=True) == [], "written with the COMMIT, not before"
         assert nothing_more(shop.app, shop.durable), "nothing published before the commit"
     (message,) = receive(shop.app, shop.durable, 1)
     assert (message.id, message.args) == (f"pay-{number}", [number])
+    assert outgoing_rows(shop) == [f"pay-{number}"]
     assert Order.objects.using(shop.using).filter(number=number).exists()
+    if shop.using == "pg":
+        with connections[shop.using].cursor() as cursor:
+            cursor.execute(f"SELECT xmin::text FROM {Order._meta.db_table} WHERE number = %s", [number])
+            (order_xid,) = cursor.fetchone()
+            cursor.execute(f"SELECT xmin::text FROM {shop.outbox.store.tables.outgoing.name} WHERE message_id = %s",
+                           [f"pay-{number}"])
+            assert cursor.fetchone() == (order_xid,), "the row committed in the order's transaction"
 
 
 def test_a_rolled_back_block_publishes_nothing_and_keeps_no_row(shop):
@@ -80,10 +88,33 @@ def test_a_rolled_back_savepoint_takes_back_only_its_own_messages(shop):
                 shop.email.delay(dropped)
                 raise RuntimeError("the inner block fails")
         shop.pay.apply_async((after,), task_id=f"pay-{after}")  # the outer block goes on
-        assert outgoing_rows(shop, through_django=True) == [f"pay-{kept}", f"pay-{after}"]
+    assert outgoing_rows(shop) == [f"pay-{kept}", f"pay-{after}"]
     assert sorted(m.args[0] for m in receive(shop.app, shop.durable, 2)) == sorted([kept, after])
     assert sorted(m.args[0] for m in receive(shop.app, shop.plain, 2)) == sorted([kept, nested])
     assert nothing_more(shop.app, shop.durable) and nothing_more(shop.app, shop.plain)
+
+
+def test_a_test_case_running_the_callbacks_without_a_commit_gets_every_message(shop):
+    """A Django test case never commits: its transaction wraps the test, and
+    ``captureOnCommitCallbacks(execute=True)`` runs the callbacks inside it. The durable message,
+    whose INSERT waits for a COMMIT that never comes, is inserted by its callback, in the test's
+    transaction, and published with the plain one."""
+    from django.test import TestCase
+
+    number = order_id()
+    with pytest.raises(RuntimeError):
+        with transaction.atomic(using=shop.using):  # the test case's transaction
+            with TestCase.captureOnCommitCallbacks(using=shop.using, execute=True) as callbacks:
+                with transaction.atomic(using=shop.using):  # the code under test
+                    Order.objects.using(shop.using).create(number=number)
+                    shop.pay.apply_async((number,), task_id=f"pay-{number}")
+                    shop.email.delay(number)
+            assert len(callbacks) == 1, callbacks
+            assert outgoing_rows(shop, through_django=True) == [f"pay-{number}"]
+            assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{number}"]
+            assert [m.args for m in receive(shop.app, shop.plain, 1)] == [[number]]
+            raise RuntimeError("the test case ends: its transaction rolls back")
+    assert outgoing_rows(shop) == []
 
 
 def test_plain_queue_messages_canvas_and_send_task_wait_for_the_commit(shop):
@@ -163,14 +194,14 @@ def terminate_djangos_connection(shop) -> None:
         assert other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar_one()
 
 
-@pytest.mark.parametrize("insert_first", [False, True], ids=["after the ORM's write", "first in the block"])
+@pytest.mark.parametrize("alone", [False, True], ids=["after the ORM's write", "alone in the block"])
 @pytest.mark.parametrize("options", list(CONNECTION_OPTIONS.values()), ids=list(CONNECTION_OPTIONS))
-def test_a_connection_lost_under_the_durable_insert_raises_djangos_error_and_keeps_nothing(shop, options,
-                                                                                         insert_first):
-    """Django's connection killed by the server inside the block: the durable message's INSERT
-    raises Django's ``OperationalError``, as the ORM raises it, caused by psycopg's (the block
-    then rolls back: no order, no row, nothing published), and the next block, on a new
-    connection, commits and publishes as usual."""
+def test_a_connection_lost_under_the_durable_insert_raises_djangos_error_and_keeps_nothing(shop, options, alone):
+    """Django's connection killed by the server inside the block: the durable message's INSERT,
+    sent with the block's COMMIT (alone in the block: with its BEGIN too), raises Django's
+    ``OperationalError`` from the block, as the ORM raises it, caused by psycopg's (Django rolls
+    back: no order, no row, nothing published), and the next block, on a new connection, commits
+    and publishes as usual."""
     import psycopg
 
     if shop.using != "pg":
@@ -178,14 +209,13 @@ def test_a_connection_lost_under_the_durable_insert_raises_djangos_error_and_kee
     lost, next_one = order_id(), order_id()
     with django_options(shop.using, **options):
         with pytest.raises(OperationalError) as raised:
-            if insert_first:
+            if alone:
                 terminate_djangos_connection(shop)
             with transaction.atomic(using=shop.using):
-                if not insert_first:
+                if not alone:
                     Order.objects.using(shop.using).create(number=lost)
                     terminate_djangos_connection(shop)
                 shop.pay.apply_async((lost,), task_id=f"pay-{lost}")
-                Order.objects.using(shop.using).create(number=lost)
         assert isinstance(raised.value.__cause__, psycopg.OperationalError), repr(raised.value.__cause__)
         assert outgoing_rows(shop) == []
         assert not Order.objects.using(shop.using).filter(number=lost).exists()
