@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from ..crashpoints import crashpoint
 from ..envelope import OutgoingMessage
 from ..errors import StoreUnavailable
 from ..publishing import Publisher
@@ -105,6 +106,7 @@ class DjangoTransaction:
         stranded = [m for m in messages if m.durable and m.row_id is None]
         if stranded:
             self._insert(connections[self.using], stranded, commit=False)
+        crashpoint("after_commit")
         self.publisher.publish_committed(messages)
 
     def _insert(self, connection: Any, messages: list[OutgoingMessage], commit: bool) -> None:
@@ -139,6 +141,8 @@ def _store_at_commit(connection: Any) -> None:
 
     def store_then_commit() -> Any:
         joined = [t for t in _joined.get(connection, {}).values() if t._pending]
+        if joined:
+            crashpoint("before_commit")
         try:
             for n, each in enumerate(joined, 1):
                 each.store_before_commit(connection, commit=n == len(joined))

@@ -226,6 +226,37 @@ def test_a_connection_lost_under_the_durable_insert_raises_djangos_error_and_kee
     assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{next_one}"]
 
 
+def test_a_signal_interrupting_the_insert_at_the_commit_drops_the_connection(shop, monkeypatch):
+    """A signal (a soft time limit) interrupts the exchange of the durable INSERT and the COMMIT at
+    the block's end: the block raises it, Django's connection is closed (its protocol state is
+    unknown) and its callbacks dropped; nothing is committed or published, and the next block
+    runs on a new connection."""
+    if shop.using != "pg":
+        pytest.skip("PostgreSQL only: the INSERT goes with the COMMIT there")
+    from celery_outbox.store import pipeline
+
+    from ..integration.test_outbox_publishing import Interrupted, interrupted_exchange
+
+    interrupted, next_one = order_id(), order_id()
+    connections[shop.using].ensure_connection()
+    first = connections[shop.using].connection
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "_exchange", interrupted_exchange)
+        with pytest.raises(Interrupted):
+            with transaction.atomic(using=shop.using):
+                Order.objects.using(shop.using).create(number=interrupted)
+                shop.pay.apply_async((interrupted,), task_id=f"pay-{interrupted}")
+                shop.email.delay(interrupted)
+    assert connections[shop.using].connection is not first, "the interrupted connection is not reused"
+    assert outgoing_rows(shop) == []
+    assert not Order.objects.using(shop.using).filter(number=interrupted).exists()
+    assert nothing_more(shop.app, shop.durable) and nothing_more(shop.app, shop.plain)
+    with transaction.atomic(using=shop.using):
+        Order.objects.using(shop.using).create(number=next_one)
+        shop.pay.apply_async((next_one,), task_id=f"pay-{next_one}")
+    assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{next_one}"]
+
+
 def test_a_failing_durable_insert_raises_djangos_error_for_the_drivers(shop):
     """The durable message's INSERT fails inside the block (its table renamed away in the same
     transaction): ``delay`` raises Django's class for the driver's error, as the ORM would, caused
