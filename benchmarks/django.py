@@ -6,7 +6,7 @@ block, on the same PostgreSQL and Redis:
 * plain Celery: ``delay_on_commit`` for each message: published by ``on_commit`` after the
   commit, lost if the broker does not answer then;
 * celery-outbox (``celery_outbox.django``): ``delay`` to a durable queue: the N rows written
-  through Django's connection in the block's transaction, published after its commit.
+  through Django's connection in one INSERT sent with the block's COMMIT, published after it.
 
 Messages per second for N = 1, 10 and 100; nobody consumes (the queues are deleted afterwards).
 Django is configured in this process on the ``postgres`` database of the benchmark's server,

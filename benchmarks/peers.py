@@ -26,7 +26,7 @@ integer) and, for the workers, the same concurrency (two) and the same body:
 * **django-celery-outbox, sending**: N = 1, 10, 100 messages in one ``transaction.atomic()``
   that also writes one row with Django's connection (``benchmarks.django``'s unit of work): ours,
   ``delay`` to a durable queue with ``celery_outbox.django`` (the rows written through Django's
-  connection in the block, published after its commit), vs ``delay`` on its ``OutboxCelery`` app
+  connection with the block's COMMIT, published after it), vs ``delay`` on its ``OutboxCelery`` app
   (a row written with the ORM in the block; published later by its relay).
 * **django-celery-outbox, the relay**: a backlog of 100 k rows published to Redis: ours
   (``outbox.relay()`` on rows stranded while the broker was unreachable, ``benchmarks.relay``) vs
