@@ -36,7 +36,7 @@ class _Batch:
     """The messages captured at one savepoint level, and the ``on_commit`` callback that
     publishes them: Django drops it, with them, when that savepoint (or an outer one) rolls back."""
 
-    __slots__ = ("messages", "owner", "__weakref__")
+    __slots__ = ("messages", "owner")
 
     def __init__(self, owner: DjangoTransaction):
         self.messages: list[OutgoingMessage] = []

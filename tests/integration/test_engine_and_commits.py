@@ -29,11 +29,14 @@ def backend_pid(engine) -> int:
         return conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
 
 
-def terminate(postgres_url: str, pid: int) -> None:
+def terminate(postgres_url: str, pid: int, wait: bool = False) -> None:
+    """End server process ``pid``; with ``wait``, return once it has ended (``pg_terminate_backend``'s
+    timeout, 10 s)."""
     other = build_engine(postgres_url)
     try:
         with other.connect() as conn:
-            assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+            assert conn.execute(text("SELECT pg_terminate_backend(:pid, :timeout)"),
+                                {"pid": pid, "timeout": 10000 if wait else 0}).scalar_one()
     finally:
         other.dispose()
 

@@ -55,20 +55,6 @@ class Interrupted(BaseException):
     """What a signal handler raises mid-exchange, as Celery's soft time limit does."""
 
 
-def terminate_and_wait(database_url: str, pid: int) -> None:
-    """End server process ``pid`` and wait until it has ended (``pg_terminate_backend``'s timeout)."""
-    from sqlalchemy import text
-
-    from celery_outbox.store import build_engine
-
-    admin = build_engine(database_url)
-    try:
-        with admin.connect() as conn:
-            assert conn.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid}).scalar_one()
-    finally:
-        admin.dispose()
-
-
 def interrupted_exchange(driver, send):
     """A stand-in for the store's exchange with PostgreSQL (``pipeline._exchange``) that a signal
     interrupts before any answer comes."""
@@ -581,11 +567,11 @@ def test_a_connection_lost_before_the_pool_prepares_on_it_is_replaced(broker_url
     of work runs on the new connection as if nothing happened; nothing is lost."""
     if not database_url.startswith("postgresql"):
         pytest.skip("PostgreSQL only: SQLite has no prepared statements")
-    from .test_engine_and_commits import count_pings
+    from .test_engine_and_commits import count_pings, terminate
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         lost = unit_opened_by_a_statement(shop, 0)
-        terminate_and_wait(database_url, lost)
+        terminate(database_url, lost, wait=True)
         pings = count_pings(shop.outbox.engine)
         assert unit_opened_by_a_statement(shop, 1) != lost
         assert pings == [], "the preparing checkout found the connection lost, not the idle ping"
@@ -678,13 +664,15 @@ def test_a_connection_lost_under_a_durable_message_stored_alone_raises_store_una
     from celery_outbox import StoreUnavailable
     from celery_outbox.store import pipeline
 
+    from .test_engine_and_commits import terminate
+
     real_exchange = pipeline._exchange
     ended: list[int] = []
 
     def exchange_on_an_ended_session(driver, send):
         if not ended:
             ended.append(driver.info.backend_pid)
-            terminate_and_wait(database_url, ended[0])
+            terminate(database_url, ended[0], wait=True)
         return real_exchange(driver, send)
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
