@@ -49,9 +49,9 @@ class _Batch:
 class DjangoTransaction:
     """The capture target of the publishes inside Django's atomic block on database ``using``.
 
-    Messages captured at one savepoint level share one batch (``_Batch``); the durable ones are
-    inserted with Django's outermost COMMIT (``store_before_commit``), and every batch still
-    registered with Django is published after it.
+    Messages captured at one savepoint level share one batch (``_Batch``); the durable ones of
+    the batches Django still holds are inserted with its outermost COMMIT
+    (``_store_at_commit``), and those batches are published after it.
     """
 
     def __init__(self, publisher: Publisher, using: str, store: Store):
@@ -60,7 +60,6 @@ class DjangoTransaction:
         self.store = store
         self._hooks: Any = None  # Django's list of on_commit callbacks the batches below were registered in
         self._batches: dict[tuple[str, ...], _Batch] = {}
-        self._pending: list[_Batch] = []  # the batches registered since the last commit, in order
 
     def add(self, messages: list[OutgoingMessage]) -> None:
         """Capture messages in Django's transaction: the durable ones are inserted with its
@@ -76,22 +75,20 @@ class DjangoTransaction:
         connection = connections[self.using]
         if self._hooks is not connection.run_on_commit:  # a new transaction, or a savepoint rolled back
             self._hooks, self._batches = connection.run_on_commit, {}
-            self._pending = _registered(self._pending, connection)
         level = tuple(connection.savepoint_ids)
         batch = self._batches.get(level)
         if batch is None:
             batch = self._batches[level] = _Batch(self)
-            self._pending.append(batch)
             transaction.on_commit(batch, using=self.using, robust=True)
             _store_at_commit(connection)
         batch.messages.extend(joined)
 
-    def store_before_commit(self, connection: Any, commit: bool) -> None:
-        """Django's outermost COMMIT is about to go: insert the durable messages of the batches
-        Django still holds, through its connection, in its transaction; with ``commit``, as the
-        transaction's last statement, which the COMMIT may go with. An error is raised as the ORM
-        raises one (``_raise_as_django_error``): Django's commit then rolls back."""
-        batches, self._pending = _registered(self._pending, connection), []
+    def store_before_commit(self, connection: Any, batches: list[_Batch], commit: bool) -> None:
+        """Django's outermost COMMIT is about to go: insert the durable messages of ``batches``
+        (this transaction's, which Django still holds), through its connection, in its
+        transaction; with ``commit``, as the transaction's last statement, which the COMMIT may go
+        with. An error is raised as the ORM raises one (``_raise_as_django_error``): Django's
+        commit then rolls back."""
         durable = [m for batch in batches for m in batch.messages if m.durable and m.row_id is None]
         if durable:
             self._insert(connection, durable, commit)
@@ -117,19 +114,14 @@ class DjangoTransaction:
             _raise_as_django_error(exc, connection)
 
 
-def _registered(batches: list[_Batch], connection: Any) -> list[_Batch]:
-    """The ``batches`` whose callbacks Django's ``connection`` still holds, in order."""
-    held = {id(callback) for _, callback, _ in connection.run_on_commit}
-    return [batch for batch in batches if id(batch) in held]
-
-
 # the Django connections whose commit stores the joined transactions' durable messages first
 _storing: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _store_at_commit(connection: Any) -> None:
-    """Make Django's ``connection`` insert the durable messages of its joined transactions just
-    before each COMMIT it sends (once per connection; a commit with none sends only its COMMIT).
+    """Make Django's ``connection`` insert the durable messages of the batches among its
+    ``on_commit`` callbacks (a rolled-back savepoint took its own with it) just before each
+    COMMIT it sends (once per connection; a commit with none sends only its COMMIT).
     Django rolls back on the ``DatabaseError`` an INSERT raises; anything else (a signal such as
     a soft time limit interrupting the exchange) closes the connection first, its protocol state
     unknown, and Django's callbacks go with it."""
@@ -140,17 +132,19 @@ def _store_at_commit(connection: Any) -> None:
     commit = connection._commit
 
     def store_then_commit() -> Any:
-        joined = [t for t in _joined.get(connection, {}).values() if t._pending]
-        if joined:
+        batches = [callback for _, callback, _ in connection.run_on_commit if isinstance(callback, _Batch)]
+        if batches:
             crashpoint("before_commit")
-        try:
-            for n, each in enumerate(joined, 1):
-                each.store_before_commit(connection, commit=n == len(joined))
-        except DatabaseError:
-            raise
-        except BaseException:
-            connection.close()
-            raise
+            owners = list(dict.fromkeys(batch.owner for batch in batches))  # each outbox's, in order
+            try:
+                for n, owner in enumerate(owners, 1):
+                    owner.store_before_commit(connection, [b for b in batches if b.owner is owner],
+                                              commit=n == len(owners))
+            except DatabaseError:
+                raise
+            except BaseException:
+                connection.close()
+                raise
         return commit()
 
     connection._commit = store_then_commit
