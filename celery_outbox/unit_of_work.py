@@ -40,7 +40,7 @@ from .envelope import OutgoingMessage
 from .errors import OutboxError, StoreUnavailable
 from .publishing import Publisher
 from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions, wait_for_commit
-from .store.outage import as_driver_error
+from .store.outage import raise_as_driver_error
 
 __all__ = ["ConnectionUnitOfWork", "UnitOfWork", "begin", "current_connection", "current_session",
            "current_unit_of_work", "run_body", "transaction"]
@@ -172,8 +172,7 @@ class UnitOfWork:
             try:
                 self.publisher.store_durable(connection, durable, commit)
             except StoreUnavailable as exc:
-                error = as_driver_error(exc)
-                raise error from error.__cause__
+                raise_as_driver_error(exc)
         self._committing = True
 
     def _publish_committed(self) -> None:

@@ -11,12 +11,14 @@ class, never by message text.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import StoreUnavailable
 
-__all__ = ["as_driver_error", "is_outage"]
+__all__ = ["is_outage", "raise_as_driver_error"]
 
 # SQLSTATE classes of an unusable database: connection exception, insufficient resources,
 # operator intervention (admin shutdown, crash shutdown, cannot connect now, idle session timeout)
@@ -67,14 +69,14 @@ def is_outage(exc: BaseException, *, transient: bool = False) -> bool:
     return False
 
 
-def as_driver_error(exc: StoreUnavailable) -> BaseException:
-    """The error SQLAlchemy raises for the driver's error ``exc`` was made from: a lost connection
-    is an ``OperationalError`` with ``connection_invalidated`` set, as ``engine.begin()`` raises
-    it, caused by the driver's error (``__cause__``). For a user's own transaction, whose retry
-    catches SQLAlchemy's errors; ``exc`` itself when no driver error caused it."""
+def raise_as_driver_error(exc: StoreUnavailable) -> NoReturn:
+    """Raise the error SQLAlchemy raises for the driver's error ``exc`` was made from: a lost
+    connection is an ``OperationalError`` with ``connection_invalidated`` set, as
+    ``engine.begin()`` raises it, caused by the driver's error. For a user's own transaction,
+    whose retry catches SQLAlchemy's errors; ``exc`` itself when no driver error caused it."""
     cause = exc.__cause__
-    if cause is None or isinstance(cause, DBAPIError):
-        return cause or exc
-    error = DBAPIError.instance(None, None, cause, Exception, connection_invalidated=True)
-    error.__cause__ = cause
-    return error
+    if cause is None:
+        raise exc
+    if isinstance(cause, DBAPIError):
+        raise cause
+    raise DBAPIError.instance(None, None, cause, Exception, connection_invalidated=True) from cause

@@ -123,7 +123,7 @@ class OutgoingStatements(OneMessage):
         raised and its transaction is left for the caller to roll back; the caller's own commit
         then finds the transaction ended (psycopg sends nothing); it still ends SQLAlchemy's.
         A lost connection is ``StoreUnavailable``, whatever path the INSERT took; the owner of
-        the transaction raises it as its caller expects (``as_driver_error``)."""
+        the transaction raises it as its caller expects (``raise_as_driver_error``)."""
         if not rows:
             return []
         table = self.tables.outgoing
