@@ -2,7 +2,8 @@
 and PostgreSQL with Redis: a pool process killed after its task's ORM write and before the commit
 loses the write (and, in the optimistic style, the claim with it; in the eager style the claim,
 committed before the body, stays running); Celery sends the task again (or the pool puts back a
-job whose start it had not yet read), the new attempt takes the claim over and writes the order once. Nothing is left running or owned."""
+job whose start it had not yet read), the new attempt takes the claim over and writes the order
+once. Nothing is left running or owned."""
 
 from __future__ import annotations
 
