@@ -182,11 +182,7 @@ class IncomingStatements(OneMessage):
         transaction."""
         if not self.is_postgres:
             return False
-        nesting, replays, retries = attempt
-        values = {**{f"row_{key}": value for key, value in row.items()}, "ack_id": message_id, "ack_send": send_id,
-                  "ack_nesting": nesting, "ack_replays": replays, "ack_retries": retries}
-        if destination is not None:
-            values["ack_destination"] = destination
+        values = self._claim_and_acknowledge_values(row, message_id, destination, attempt, send_id)
         statement = self._claim_and_acknowledge(tuple(row), destination is not None)
 
         def send(conn: Connection) -> bool:
@@ -196,11 +192,44 @@ class IncomingStatements(OneMessage):
 
         return bool(self._in_one_message_alone(send))
 
+    def claim_held_envelope(self, conn: Connection, row: dict[str, Any], message_id: str, destination: str | None,
+                            attempt: Attempt, send_id: str) -> int | None:
+        """PostgreSQL, inside the caller's transaction (an optimistic attempt's, as its first
+        statement): insert the inbox row ``row`` of a new key, with its envelope, and, only if it
+        went in, acknowledge the sender's outgoing rows as ``acknowledge_outgoing`` does, in one
+        statement (its BEGIN in the same message when ``conn`` is between transactions). Returns
+        None when the key exists (nothing written); else how many of the rows it deleted are this
+        very attempt's and tracked (``redeliver_at`` set). Such a row holds the message until the
+        caller's transaction ends: a rollback (the process dying with it) puts the row back, and
+        delivery tracking publishes it again once due."""
+        values = self._claim_and_acknowledge_values(row, message_id, destination, attempt, send_id)
+        statement = self._claim_and_acknowledge(tuple(row), destination is not None)
+        opening = self._opening(conn)
+        if opening is not None:
+            query = _pipelined_query(statement, conn.dialect, tuple(values), "held_envelope")
+            result, _ = self._send_one_message(conn, query, values, opening, ())
+            return int(result.get_value(0, 1)) if result.ntuples else None
+        claimed = conn.execute(statement, values).first()
+        return None if claimed is None else int(claimed[1])
+
+    @staticmethod
+    def _claim_and_acknowledge_values(row: dict[str, Any], message_id: str, destination: str | None,
+                                      attempt: Attempt, send_id: str) -> dict[str, Any]:
+        """The parameters of ``_claim_and_acknowledge``."""
+        nesting, replays, retries = attempt
+        values = {**{f"row_{key}": value for key, value in row.items()}, "ack_id": message_id, "ack_send": send_id,
+                  "ack_nesting": nesting, "ack_replays": replays, "ack_retries": retries}
+        if destination is not None:
+            values["ack_destination"] = destination
+        return values
+
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one store per table prefix: a handful of column sets
     def _claim_and_acknowledge(self, columns: tuple[str, ...], by_destination: bool):
         """PostgreSQL: ``WITH claimed AS (INSERT ... ON CONFLICT DO NOTHING RETURNING), acked AS
-        (DELETE FROM outgoing ... WHERE EXISTS (SELECT FROM claimed)) SELECT FROM claimed``, the
-        inbox row's values as ``row_<column>`` parameters, built once per set of columns."""
+        (DELETE FROM outgoing ... WHERE EXISTS (SELECT FROM claimed) RETURNING) SELECT FROM
+        claimed``: the claimed key's message id and how many deleted rows are this attempt's and
+        tracked (see ``claim_held_envelope``). The inbox row's values are ``row_<column>``
+        parameters; built once per set of columns."""
         table, outgoing = self.tables.incoming, self.tables.outgoing
         claimed = (self._upsert(table).values({column: bindparam(f"row_{column}") for column in columns})
                    .on_conflict_do_nothing(index_elements=_INCOMING_KEY).returning(table.c.message_id)
@@ -208,8 +237,14 @@ class IncomingStatements(OneMessage):
         attempt = (bindparam("ack_nesting"), bindparam("ack_replays"), bindparam("ack_retries"))
         acknowledged = acknowledged_sends(outgoing, bindparam("ack_id"), bindparam("ack_send"), attempt,
                                           bindparam("ack_destination") if by_destination else None)
-        return select(claimed.c.message_id).add_cte(
-            delete(outgoing).where(*acknowledged, exists(select(claimed.c.message_id))).cte("acked"))
+        acked = (delete(outgoing).where(*acknowledged, exists(select(claimed.c.message_id)))
+                 .returning(outgoing.c.nesting, outgoing.c.replays, outgoing.c.retries, outgoing.c.redeliver_at)
+                 .cte("acked"))
+        held = (select(func.count()).select_from(acked)
+                .where(acked.c.redeliver_at.is_not(None),
+                       tuple_(acked.c.nesting, acked.c.replays, acked.c.retries) == tuple_(*attempt))
+                .scalar_subquery())
+        return select(claimed.c.message_id, held).add_cte(acked)
 
     def _insert_incoming_in_one_message(self, conn: Connection, row: dict[str, Any], before: tuple[bytes, ...],
                                         after: tuple[bytes, ...] = ()) -> bool:

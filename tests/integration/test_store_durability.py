@@ -572,3 +572,56 @@ def test_a_handled_row_is_not_in_flight(store: Store):
     with store.begin() as conn:
         store.insert_incoming(conn, incoming_row("done", status="handled", keep_until=utcnow()))
         assert store.claim_in_flight(conn, "done", "", (0, 0, 0)) is False
+
+
+@pytest.mark.parametrize("one_message", [True, False], ids=["in one message", "through SQLAlchemy"])
+def test_a_held_envelope_claim_counts_this_attempts_tracked_rows_and_rolls_back_whole(store: Store, one_message):
+    """The optimistic attempt's claim from a durable queue: the inbox row goes in with its envelope
+    and the sender's rows up to this attempt are acknowledged, in the attempt's transaction. Only a
+    tracked row (``redeliver_at`` set) of this very attempt counts as holding the message; a
+    rollback puts back every row it deleted and takes the inbox row away."""
+    if not store.is_postgres:
+        pytest.skip("PostgreSQL: SQLite stores the envelope in a transaction of its own")
+    from .test_store_contract import outgoing_row
+
+    now = utcnow()
+    outgoing = store.tables.outgoing
+    with store.begin() as conn:
+        tracked, pending, earlier, later, other_send = store.insert_outgoing(conn, [
+            outgoing_row(1, message_id="m", send_id="s", retries=1),
+            outgoing_row(2, message_id="m", send_id="s", retries=1),  # not yet marked sent: not tracked
+            outgoing_row(3, message_id="m", send_id="s", retries=0),
+            outgoing_row(4, message_id="m", send_id="s", retries=2),
+            outgoing_row(5, message_id="m", send_id="other", retries=1)])
+        store.finish_sent(conn, [tracked, earlier, later, other_send], now, now + timedelta(minutes=10))
+    envelope = dict(exchange="", routing_key="q", body=b"[[1], {}, {}]", content_type="application/json",
+                    content_encoding="utf-8", headers="{}", properties="{}")
+    row = incoming_row("m", send_id="s", status="handled", retries=1, handled_at=now, keep_until=now, **envelope)
+
+    def claim(conn):
+        return store.claim_held_envelope(conn, row, "m", None, (0, 0, 1), "s")
+
+    def left():
+        with store.engine.connect() as conn:
+            return set(conn.execute(select(outgoing.c.id)).scalars())
+
+    with store.engine.connect() as conn:
+        if not one_message:
+            conn = conn.execution_options(isolation_level="REPEATABLE READ")
+        with conn.begin() as transaction:
+            assert claim(conn) == 1, "one tracked row of this attempt; the pending and the earlier do not count"
+            assert left() == {tracked, pending, earlier, later, other_send}, "nothing is gone before the commit"
+            transaction.rollback()
+        assert store.get_incoming("m") is None and left() == {tracked, pending, earlier, later, other_send}
+        with conn.begin():
+            assert claim(conn) == 1
+        assert store.get_incoming("m").status == "handled" and store.get_incoming("m").body == envelope["body"]
+        assert left() == {later, other_send}, "a later attempt and another send stay"
+        with conn.begin():
+            assert claim(conn) is None, "the key has its row: nothing is written"
+        assert left() == {later, other_send}
+        with store.begin() as other:
+            store.insert_outgoing(other, [outgoing_row(6, message_id="n", send_id="s")])
+        with conn.begin():
+            assert store.claim_held_envelope(conn, {**row, "message_id": "n", "retries": 0}, "n", None, (0, 0, 0),
+                                             "s") == 0, "an untracked row does not hold the message"
