@@ -85,7 +85,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between two heartbeats of a worker node."),
     Setting("node_stale_after", 30.0, parse.seconds,
             "A node whose last heartbeat is older than this many seconds is suspected dead. Also the grace "
-            "before recovery re-publishes the envelope of a durable-queue delivery that nobody is running."),
+            "before recovery re-publishes the envelope of a durable-queue delivery that nobody is running "
+            "(an eager claim, or an optimistic attempt whose message no tracked outgoing row holds)."),
     Setting("node_stale_checks", 3, parse.positive_int,
             "Consecutive recover passes a node must be found stale before it is declared dead "
             "and its rows are released."),
@@ -102,7 +103,9 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds (doubling each time, up to an hour): a broker that loses a message (a Redis restart, "
             "a killed worker's prefetched messages), or a sender that dies between its commit and its "
             "publish (the rows are stored marked sent, so the commit needs no round trip after it), "
-            "delays it, never loses it. Consumers of durable "
+            "delays it, never loses it. Also the delay before the message of an optimistic "
+            "`IdempotentTask` whose worker died mid-attempt on a durable queue is published again (its "
+            "rolled-back claim leaves the sender's row). Consumers of durable "
             "queues must share the store. `None` deletes sent rows at once (no tracking)."),
     Setting("relay_batch_size", 500, parse.positive_int,
             "Outgoing rows one relay (or redelivery) batch locks, publishes and marks sent."),

@@ -14,11 +14,18 @@ Transaction boundaries, by idempotency style:
   marked handled in the body's transaction. A claim whose owner died (or older
   than ``outbox_inbox_stale_time``) can be taken over.
 
-For durable queues the full envelope is stored and committed before the body runs
-(unowned for the optimistic style, already claimed for the eager one), so recovery
-can re-publish it. An attempt that ends in a retry is recorded
-as ``retried``; one that fails for good as ``dead``, with a dead letter; one the
-worker discards unrun (revoked or expired) as ``revoked``. A
+For durable queues the full envelope is kept, so that the message can be published again
+if the attempt dies. The eager style commits it with its claim, before the body; recovery
+re-publishes it once the claim's node is found dead. The optimistic style commits nothing
+before the body when the sender's tracked outgoing row holds the message: the envelope goes
+in with the claim, and the acknowledgment of that row with them, as the first statement of
+the attempt's transaction; an attempt that dies rolls back and leaves the sender's row, which
+delivery tracking publishes again. Otherwise (no tracked row, or a key with a row already) it
+commits the envelope, unowned, before the body, as the eager style does.
+
+An attempt that ends in a retry is recorded as ``retried``; one that fails for good as
+``dead``, with a dead letter; one the worker discards unrun (revoked or expired) as
+``revoked``; each acknowledges the sender's rows of a durable queue. A
 duplicate (the attempt already handled or ended) is acked, counted, logged at
 INFO, signalled and ends IGNORED.
 
@@ -87,6 +94,12 @@ class ClaimLost(Exception):
     """The attempt's claim was taken over while its body ran: roll back and hand the message back."""
 
 
+class _NotHeld(Exception):
+    """No tracked outgoing row of the sender holds the delivery's message, or the attempt takes
+    over a row its key has already: the attempt rolls back its claim, and the envelope is
+    committed on its own first."""
+
+
 _APP_ATTRIBUTE = "_celery_outbox_inbox"
 
 
@@ -125,9 +138,7 @@ class Inbox:
             if style == "eager":
                 result = self._run_eager(task, delivery, body, unit_of_work, envelope)
             else:
-                if durable:
-                    self._store_envelope(delivery, envelope, owner=UNOWNED)
-                result = self._run_optimistic(task, delivery, body, stored=durable)
+                result = self._run_optimistic(task, delivery, body, envelope)
             if message_handled.receivers:
                 message_handled.send(sender=self.runtime.owner, message_id=delivery.message_id,
                                      task_name=delivery.task_name, queue=delivery.queue, attempt=delivery.attempt,
@@ -194,8 +205,37 @@ class Inbox:
                                                           delivery.attempt, delivery.send_id)
         return InFlight() if in_flight else Duplicate()
 
-    def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any], stored: bool) -> Any:
-        """Claim as the first statement of the attempt's transaction (taking over the row of the
+    def _run_optimistic(self, task: Any, delivery: Delivery, body: Callable[[], Any],
+                        envelope: dict[str, Any]) -> Any:
+        """The optimistic attempt; with an ``envelope`` (a durable queue), kept for recovery one of
+        two ways. When the sender's tracked outgoing row holds the message, the envelope goes in
+        with the claim and that row is acknowledged in the same statement, the first of the
+        attempt's transaction: nothing commits before the body, and if the attempt dies, its
+        rollback puts the sender's row back for delivery tracking to publish again
+        (``outbox_redeliver_after``). A copy of an attempt the key's row has ended is discarded
+        by that first statement's transaction. Otherwise (a sender without the outbox or without
+        tracking, a copy recovery published, an attempt taking over the key's row) the envelope
+        is committed first (``_store_envelope``), for recovery to publish again after
+        ``outbox_node_stale_after``."""
+        if envelope and self._may_be_held(delivery):
+            try:
+                return self._run_optimistic_attempt(task, delivery, body, envelope, stored=False)
+            except _NotHeld:
+                pass  # rolled back: nothing but the claim ran in its transaction
+        if envelope:
+            self._store_envelope(delivery, envelope, owner=UNOWNED)
+        return self._run_optimistic_attempt(task, delivery, body, {}, stored=bool(envelope))
+
+    def _may_be_held(self, delivery: Delivery) -> bool:
+        """The delivery's message may have a tracked outgoing row in this store, and the store can
+        claim and acknowledge it in one statement (PostgreSQL)."""
+        return bool(delivery.sent_as) and self.runtime.settings.redeliver_after is not None \
+            and self.runtime.store.is_postgres
+
+    def _run_optimistic_attempt(self, task: Any, delivery: Delivery, body: Callable[[], Any],
+                                envelope: dict[str, Any], stored: bool) -> Any:
+        """Claim as the first statement of the attempt's transaction (with the ``envelope`` held by
+        the sender's row, raising ``_NotHeld`` when it is not; or taking over the row of the
         envelope when the caller ``stored`` it), then the body."""
         store = self.runtime.store
         outcome: BaseException | None = None
@@ -203,8 +243,23 @@ class Inbox:
             now = utcnow()
             with _store_errors(), tracing.delivery_span(tracing.CLAIM, delivery):
                 row = self._claim_row(delivery, IncomingStatus.HANDLED, UNOWNED, now)
-                claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
-                                               self.runtime.settings.silent_before(now), stored=stored)
+                if envelope:
+                    row.update(recoveries=delivery.redelivered, recover_after=None, **envelope)
+                    held = store.claim_held_envelope(uow.connection, row, delivery.message_id,
+                                                     self._acknowledged_destination(delivery), delivery.attempt,
+                                                     delivery.sent_as)
+                    if held is None:  # the key has a row: a copy (discarded here), or an attempt taking it over
+                        claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
+                                                       self.runtime.settings.silent_before(now), stored=True)
+                        if claimed:
+                            raise _NotHeld()
+                    elif not held:
+                        raise _NotHeld()
+                    else:
+                        claimed = True
+                else:
+                    claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
+                                                   self.runtime.settings.silent_before(now), stored=stored)
             if not claimed:
                 raise self._not_claimed(uow.connection, delivery)
             crashpoint("after_claim")
@@ -317,7 +372,7 @@ class Inbox:
         unusable, is an outage: the message goes back, nothing is recorded."""
         try:
             yield
-        except (Duplicate, InFlight, ClaimLost, _StoreDown):
+        except (Duplicate, InFlight, ClaimLost, _NotHeld, _StoreDown):
             raise
         except Reject as reject:
             if not reject.requeue:
@@ -347,12 +402,12 @@ class Inbox:
     def _store_envelope(self, delivery: Delivery, envelope: dict[str, Any], owner: int) -> None:
         """Keep this attempt's envelope, committed, before the body runs: if this process dies
         before the attempt ends, recovery re-publishes it after ``outbox_node_stale_after``
-        (once the claim of a dead ``owner`` is released). Unowned for the optimistic style,
-        whose claim commits with the body; claimed by this node for the eager style, which
-        saves it a transaction. In the same transaction the sender's sent outgoing row is
-        acknowledged (deleted): from here on the inbox answers for the message. Raises
-        ``Duplicate`` when the attempt was already claimed or handled: the same rules as
-        the claim itself."""
+        (once the claim of a dead ``owner`` is released). Unowned for an optimistic attempt
+        whose message no tracked outgoing row holds (its claim commits with the body); claimed
+        by this node for the eager style, which saves it a transaction. In the same transaction
+        the sender's sent outgoing row is acknowledged (deleted): from here on the inbox answers
+        for the message. Raises ``Duplicate`` when the attempt was already claimed or handled:
+        the same rules as the claim itself."""
         store = self.runtime.store
         now = utcnow()
         grace = timedelta(seconds=self.runtime.settings.node_stale_after)
@@ -384,6 +439,8 @@ class Inbox:
                 store.record_outcome(conn, row)
                 if dead_letters:
                     store.insert_dead_letters(conn, dead_letters)
+                if self.runtime.settings.is_durable(delivery.queue):
+                    self._acknowledge(conn, delivery)  # a rolled-back claim put the sender's row back
             announce_dead_letters(self.runtime.owner, dead_letters)
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
             if status == IncomingStatus.DEAD and is_outage(error, transient=True):
@@ -403,6 +460,8 @@ class Inbox:
         with store.begin() as conn:
             store.record_outcome(conn, row)
             store.insert_dead_letters(conn, [dead_letter])
+            if self.runtime.settings.is_durable(delivery.queue):
+                self._acknowledge(conn, delivery)  # a rolled-back claim put the sender's row back
         announce_dead_letters(self.runtime.owner, [dead_letter])
 
     def end_revoked_attempt(self, delivery: Delivery, terminated: bool = False) -> None:

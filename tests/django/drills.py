@@ -154,6 +154,24 @@ class Shop:
         return [message_id for (message_id,) in self.read(
             f"SELECT message_id FROM {self.store.tables.incoming.name} WHERE status = 'running'")]
 
+    def held(self) -> list[str]:
+        """PostgreSQL: the message ids whose outgoing row a running attempt holds (an optimistic
+        attempt acknowledges the sender's row in its open transaction): the rows this connection
+        cannot lock, read in a transaction rolled back at once."""
+        if not self.store.is_postgres:
+            return []
+        outgoing = self.store.tables.outgoing.name
+        connection = self.outbox.engine.raw_connection()
+        try:
+            cursor = connection.cursor()
+            cursor.execute(f"SELECT message_id FROM {outgoing}")
+            every = {row[0] for row in cursor.fetchall()}
+            cursor.execute(f"SELECT message_id FROM {outgoing} FOR UPDATE SKIP LOCKED")
+            return sorted(every - {row[0] for row in cursor.fetchall()})
+        finally:
+            connection.rollback()
+            connection.close()
+
     def read(self, query: str) -> list[tuple]:
         """The rows of ``query``, read on a connection of the outbox's engine outside any transaction of
         its own: no lock taken (the store's transactions on SQLite take the write lock, which a worker
@@ -186,15 +204,16 @@ class Shop:
 
 def caught_running(worker: WorkerProcess, shop: Shop, bodies: int, timeout: float = 30.0) -> list[str]:
     """Stop the worker (SIGSTOP, its whole process group) at a moment when at least ``bodies`` attempts
-    run in it (their envelopes stored, in the eager style their claims committed too; their bodies
-    not), and return their message ids; the worker stays stopped. Give it bodies that take a while,
-    or ``bodies`` at once may never be caught."""
+    run in it (their envelopes committed, in the eager style with their claims; or, an optimistic
+    attempt on PostgreSQL, the sender's row held by its open transaction; their bodies not
+    committed), and return their message ids; the worker stays stopped. Give it bodies that take a
+    while, or ``bodies`` at once may never be caught."""
     group = worker.process.pid
     running: list[str] = []
 
     def caught() -> bool:
         os.killpg(group, signal.SIGSTOP)
-        running[:] = shop.running()
+        running[:] = shop.running() + shop.held()
         if len(running) >= bodies:
             return True
         os.killpg(group, signal.SIGCONT)

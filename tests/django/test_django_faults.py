@@ -136,12 +136,15 @@ def test_postgres_restarted_mid_run_and_between_tasks(using, redis_url, tmp_path
 def test_recovery_takes_over_the_attempts_of_a_killed_node(using, tmp_path, style):
     """Eight orders, two bodies at a time, each a second long. The first worker is SIGKILLed (its
     whole process group) at a moment when two attempts run in it (one on SQLite in the optimistic
-    style): their envelopes stored, in the eager style their claims committed by its pool processes'
-    nodes, their bodies not committed. The broker, a Redis of the drill's own, would give their
-    messages back only after an hour (a shared one may give them back sooner: another consumer's
-    shorter visibility timeout restores every consumer's unacked messages). Beat's recovery, run by
-    the maintenance worker, brings them back to a second worker (eager: once the dead nodes are
-    declared dead and their claims released): each order is written once."""
+    style), their bodies not committed: in the eager style their envelopes and claims committed by
+    its pool processes' nodes; in the optimistic style their envelopes committed (SQLite) or the
+    sender's outgoing rows held by their open transactions (PostgreSQL). The broker, a Redis of the
+    drill's own, would give their messages back only after an hour (a shared one may give them back
+    sooner: another consumer's shorter visibility timeout restores every consumer's unacked
+    messages). Beat's recovery, run by the maintenance worker, brings them back to a second worker
+    (eager: once the dead nodes are declared dead and their claims released; optimistic on
+    PostgreSQL: by delivery tracking, the killed transactions having left the sender's rows): each
+    order is written once."""
     with ThrowawayRedis(tmp_path / "redis", persistent=False) as redis:
         # the orders wait for the first worker to start: published again only if they wait longer
         project = Project(tmp_path, using, redis.url, durable=True, maintenance=True, body_seconds=1.0,
@@ -169,7 +172,7 @@ def test_recovery_takes_over_the_attempts_of_a_killed_node(using, tmp_path, styl
                        message=f"every order written, nothing pending (logs in {tmp_path})")
             shop.assert_each_order_once(numbers)
             recovered = {message_id: shop.store.get_incoming(message_id).recoveries for message_id in stranded}
-            assert all(recovered.values()), f"attempts not brought back by recovery: {recovered}"
+            assert all(recovered.values()), f"attempts not brought back by recovery or tracking: {recovered}"
             if style == "eager":
                 declared = re.findall(r"'nodes_declared_dead': \[\d", project.log("maintenance"))
                 assert declared, "recovery declared no node dead"

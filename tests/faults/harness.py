@@ -246,10 +246,12 @@ class FaultRun:
         consumer.process = consumer._start()
 
     def kill_consumer_in_flight(self, bodies: int = 2, timeout: float = 30.0) -> None:
-        """``kill_consumer`` at a moment when at least ``bodies`` attempts run in it (their envelopes
-        stored, not yet finished), caught by stopping the worker (SIGSTOP) to look: the kill is sure
-        to strand envelopes for recovery, not only messages the broker holds. Give the run bodies
-        that take a while (``body_seconds``), or two at once may never be caught."""
+        """``kill_consumer`` at a moment when at least ``bodies`` eager attempts run in it (their
+        envelopes committed with their claims, not yet finished), caught by stopping the worker
+        (SIGSTOP) to look: the kill is sure to strand envelopes for recovery, not only messages the
+        broker or delivery tracking holds (an optimistic attempt commits nothing before its body).
+        Give the run bodies that take a while (``body_seconds``) and mostly eager attempts
+        (``plain_receipts``), or two at once may never be caught."""
         group = self.processes["consumer"].process.pid
 
         def caught() -> bool:

@@ -51,11 +51,12 @@ def test_crash_during_relay(services, tmp_path, record_property):
 
 
 def test_crash_during_recover(services, tmp_path, record_property):
-    """The consuming worker is SIGKILLed three times while two bodies run in it, and Redis would give
-    its unacked messages back only after an hour: recovery re-publishes the stranded envelopes, and
-    dies at every second one it publishes."""
+    """The consuming worker is SIGKILLed three times while two eager bodies run in it (the receipts
+    are plain tasks, eager on the durable queue), and Redis would give its unacked messages back
+    only after an hour: recovery re-publishes the stranded envelopes, and dies at every second one
+    it publishes."""
     run = FaultRun("during_recover:2", tmp_path, *services, crashpoint="during_recover:2", visibility_timeout=3600,
-                   body_seconds=0.05)
+                   body_seconds=0.05, plain_receipts=True)
     for share in (0.2, 0.45, 0.7):
         run.at_progress(share, run.kill_consumer_in_flight)
     outcome = play(run, record_property)
@@ -85,10 +86,13 @@ def test_crash_during_cleanup(services, tmp_path, record_property):
 
 
 def test_worker_sigkilled_repeatedly(services, tmp_path, record_property):
-    """SIGKILL the consuming worker four times while orders flow, each time while two bodies run in
-    it; Redis gives nothing back for an hour, so recovery and delivery tracking bring every message
-    back."""
-    run = FaultRun("worker SIGKILLed x4", tmp_path, *services, visibility_timeout=3600, body_seconds=0.05)
+    """SIGKILL the consuming worker four times while orders flow, each time while two eager bodies run
+    in it (the receipts are plain tasks, eager on the durable queue) beside optimistic ones; Redis
+    gives nothing back for an hour, so recovery (the eager attempts' envelopes) and delivery
+    tracking (the optimistic attempts' rolled-back claims, the prefetched messages) bring every
+    message back."""
+    run = FaultRun("worker SIGKILLed x4", tmp_path, *services, visibility_timeout=3600, body_seconds=0.05,
+                   plain_receipts=True)
     for share in (0.15, 0.35, 0.55, 0.75):
         run.at_progress(share, run.kill_consumer_in_flight)
     outcome = play(run, record_property)

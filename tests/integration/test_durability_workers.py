@@ -31,13 +31,17 @@ def test_a_sigkilled_workers_messages_are_delivered_by_another_worker(postgres_u
                                                                         tmp_path):
     """Both styles in flight on a durable queue when the whole worker is SIGKILLed. Redis would give the
     messages back only after its one-hour visibility timeout: recovery, run by celery beat, re-publishes
-    them and a second worker runs each exactly once."""
+    them and a second worker runs each exactly once. The eager claim committed the envelope, which
+    recovery publishes again once the dead node's claim is released; the optimistic attempt committed
+    nothing, and its rollback left the sender's outgoing row, which delivery tracking publishes again
+    (here after two seconds)."""
     scenario = Scenario(redis_url, postgres_url, table_prefix, tmp_path, visibility_timeout=3600,
-                        outbox_recover_interval=1, outbox_node_stale_after=2)
+                        outbox_recover_interval=1, outbox_node_stale_after=2, outbox_redeliver_after=2)
     try:
         shop, durable = scenario.shop, scenario.env["TEST_OTHER_QUEUE"]
         victim = scenario.worker_with_both_styles_in_flight()
         assert shop.outbox.store.get_incoming("eager-1").owner != 0, "the eager claim is owned by the victim"
+        assert shop.outbox.store.get_incoming("optimistic-1") is None, "the optimistic claim is not committed"
         victim.kill()
 
         scenario.worker(queues=[scenario.env["TEST_QUEUE"], durable], concurrency=2)

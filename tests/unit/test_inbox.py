@@ -27,9 +27,9 @@ from ..conftest import drop_store
 class Harness:
     """An app with an in-process solo worker, a user table, and a record of task outcomes."""
 
-    def __init__(self, sqlite_url: str, prefix: str, **conf):
+    def __init__(self, sqlite_url: str, prefix: str, queue: str | None = None, **conf):
         suffix = uuid.uuid4().hex[:8]
-        self.queue, self.other_queue = f"q_{suffix}", f"other_{suffix}"
+        self.queue, self.other_queue = queue or f"q_{suffix}", f"other_{suffix}"
         self.app = Celery(f"inbox_{suffix}", broker="memory://", set_as_current=False)
         self.app.conf.update(task_default_queue=self.queue, outbox_database_url=sqlite_url,
                              outbox_table_prefix=prefix, result_backend="cache+memory://",
@@ -582,3 +582,80 @@ def test_a_duplicate_whose_count_fails_for_another_reason_is_discarded_uncounted
     assert harness.runs == [("pay-1", 0)] and harness.effect_count() == 1
     row = harness.outbox.store.get_incoming("pay-1")
     assert (row.status, row.duplicates) == ("handled", 0)
+
+
+@pytest.fixture
+def durable_harness_on_postgres(postgres_url, table_prefix):
+    """A harness on a real PostgreSQL whose queue is durable (delivery tracking on, the default)."""
+    durable_queue = f"durable_{uuid.uuid4().hex[:8]}"
+    harness = Harness(postgres_url, table_prefix, queue=durable_queue, outbox_durable_queues=[durable_queue])
+    yield harness
+    harness.close()
+    harness.metadata.drop_all(harness.outbox.engine)
+    drop_store(harness.outbox.store)
+    harness.outbox.engine.dispose()
+
+
+def define_watched_pay(harness, seen: dict[str, tuple]):
+    """``shop.pay`` that records, from a connection of its own while its body runs, the committed
+    inbox row of its message (None when there is none) and how many outgoing rows the store has."""
+    store = harness.outbox.store
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.pay", shared=False)
+    def pay(self, note):
+        row = store.get_incoming(self.request.id)
+        seen[self.request.id] = (row and (row.status, row.owner, bool(row.body)), store.count_outgoing())
+        self.connection.execute(insert(harness.effects).values(note=note))
+        if note == "retry" and not self.request.retries:
+            raise self.retry(countdown=0)
+        return note
+
+    return pay
+
+
+def test_an_optimistic_attempt_held_by_its_senders_row_commits_nothing_before_its_body(durable_harness_on_postgres):
+    """The sender's tracked outgoing row holds the message: the claim, the envelope and the
+    acknowledgment of that row are the first statement of the attempt's transaction, and nothing
+    is committed before the body runs."""
+    harness, seen = durable_harness_on_postgres, {}
+    pay = define_watched_pay(harness, seen)
+    with harness.worker(queues=[harness.queue]):
+        pay.apply_async(("held",), task_id="held-1")
+        assert harness.wait_for_states("held-1", 1) == ["SUCCESS"]
+    assert seen["held-1"] == (None, 1), "no inbox row committed; the sender's row still there"
+    row = harness.outbox.store.get_incoming("held-1")
+    assert (row.status, row.owner) == ("handled", 0) and row.body and row.headers, "the envelope is kept"
+    assert harness.outbox.store.count_outgoing() == 0, "the sender's row is acknowledged with the claim"
+    assert harness.effect_count() == 1
+
+
+def test_an_optimistic_attempt_without_a_tracked_row_commits_its_envelope_first(durable_harness_on_postgres):
+    """A message whose sender's row is gone (a sender without delivery tracking deletes it once
+    published): the held claim finds nothing holding the message, rolls back, and the envelope is
+    committed before the body, running and unowned, for recovery."""
+    harness, seen = durable_harness_on_postgres, {}
+    pay = define_watched_pay(harness, seen)
+    pay.apply_async(("untracked",), task_id="untracked-1")
+    with harness.outbox.engine.begin() as conn:
+        conn.execute(harness.outbox.store.tables.outgoing.delete())
+    with harness.worker(queues=[harness.queue]):
+        assert harness.wait_for_states("untracked-1", 1) == ["SUCCESS"]
+    assert seen["untracked-1"] == (("running", 0, True), 0), "the envelope committed, unowned, before the body"
+    assert harness.outbox.store.get_incoming("untracked-1").status == "handled"
+    assert harness.effect_count() == 1
+
+
+def test_an_optimistic_retry_from_a_durable_queue_runs_twice_and_leaves_nothing_outgoing(
+        durable_harness_on_postgres):
+    """The first attempt retries: its rollback puts the sender's row back, and the record of the
+    retry acknowledges it. The retry's key has a row already, so its envelope is committed first."""
+    harness, seen = durable_harness_on_postgres, {}
+    pay = define_watched_pay(harness, seen)
+    with harness.worker(queues=[harness.queue]):
+        pay.apply_async(("retry",), task_id="retry-1")
+        assert harness.wait_for_states("retry-1", 2) == ["RETRY", "SUCCESS"]
+    assert seen["retry-1"] == (("running", 0, True), 0), "the retry's envelope committed before its body"
+    row = harness.outbox.store.get_incoming("retry-1")
+    assert (row.status, row.retries) == ("handled", 1)
+    assert harness.outbox.store.count_outgoing() == 0, "both attempts' rows acknowledged"
+    assert harness.effect_count() == 1, "the first attempt's write rolled back with its claim"
