@@ -44,15 +44,20 @@ def test_same_id_delivered_twice_in_sequence_runs_once(scenario, task):
     assert (row.status, row.duplicates) == ("handled", 1)
 
 
-@pytest.mark.parametrize("task", ["pay", "pay_eager"])
-def test_same_id_delivered_to_two_workers_at_once_runs_once(scenario, task):
+@pytest.mark.parametrize("task, durable", [("pay", False), ("pay_eager", False), ("pay", True)],
+                         ids=["optimistic", "eager", "optimistic-durable-queue"])
+def test_same_id_delivered_to_two_workers_at_once_runs_once(scenario, task, durable):
     """Two copies run at once in two workers. Optimistic: the copy's claim waits for the first
-    transaction, then the copy is discarded. Eager: the copy meets the first's running claim,
+    transaction, then the copy is discarded (on a durable queue that claim is the statement that
+    also deletes the sender's outgoing rows). Eager: the copy meets the first's running claim,
     whose node is alive, and goes back to the broker (REJECTED, requeued) until that claim is
     handled; then it is discarded. Never two bodies, never a copy acked while the first runs."""
-    scenario.worker()
-    scenario.worker()
+    queues = [scenario.env["TEST_OTHER_QUEUE"]] if durable else None
+    scenario.worker(queues=queues)
+    scenario.worker(queues=queues)
     send = getattr(scenario.shop, task)
+    if durable:
+        send = send.signature(queue=queues[0])
     send.apply_async(("order-2", 1.5), **copy_options("order-2"))  # held below the 3 s Redis visibility timeout
     send.apply_async(("order-2", 1.5), **copy_options("order-2"))  # held below the 3 s Redis visibility timeout
     wait_until(lambda: "IGNORED" in states(scenario.shop.events("order-2")), timeout=60,
@@ -71,6 +76,8 @@ def test_same_id_delivered_to_two_workers_at_once_runs_once(scenario, task):
         assert states(rows) == ["SUCCESS", "IGNORED"], "optimistic: the copy waits for the first, then is discarded"
     assert len(scenario.shop.effects("order-2")) == 1
     assert len([e for e in scenario.shop.events("order-2") if e.kind == "body"]) == 1
+    if durable:
+        assert scenario.shop.outbox.store.count_outgoing() == 0, "both copies' sends acknowledged"
 
 
 def test_a_retry_runs_again(scenario):
