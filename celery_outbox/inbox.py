@@ -248,18 +248,14 @@ class Inbox:
                     held = store.claim_held_envelope(uow.connection, row, delivery.message_id,
                                                      self._acknowledged_destination(delivery), delivery.attempt,
                                                      delivery.sent_as)
-                    if held is None:  # the key has a row: a copy (discarded here), or an attempt taking it over
-                        claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
-                                                       self.runtime.settings.silent_before(now), stored=True)
-                        if claimed:
-                            raise _NotHeld()
-                    elif not held:
+                    if held == 0:  # no tracked outgoing row of this attempt holds the message
                         raise _NotHeld()
-                    else:
-                        claimed = True
+                    # None: the key has a row, of a copy (discarded here) or of an attempt this one takes over
+                    if held is None and self._claim_in(uow.connection, row, now, stored=True):
+                        raise _NotHeld()
+                    claimed = bool(held)
                 else:
-                    claimed = store.claim_incoming(uow.connection, row, self._stale_before(now),
-                                                   self.runtime.settings.silent_before(now), stored=stored)
+                    claimed = self._claim_in(uow.connection, row, now, stored=stored)
             if not claimed:
                 raise self._not_claimed(uow.connection, delivery)
             crashpoint("after_claim")
@@ -270,6 +266,12 @@ class Inbox:
         if outcome is not None:
             raise outcome
         return result
+
+    def _claim_in(self, conn: Any, row: dict[str, Any], now: datetime, stored: bool = False) -> bool:
+        """``Store.claim_incoming`` in the open transaction ``conn``, by this inbox's stale and silent
+        times as of ``now``."""
+        return self.runtime.store.claim_incoming(conn, row, self._stale_before(now),
+                                                 self.runtime.settings.silent_before(now), stored=stored)
 
     def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                    envelope: dict[str, Any]) -> Any:
@@ -420,7 +422,7 @@ class Inbox:
                                           delivery.attempt, delivery.sent_as):
                 return
         with _store_errors(), store.begin(durable=False) as conn:  # the body's commit makes it durable
-            if not store.claim_incoming(conn, row, self._stale_before(now), self.runtime.settings.silent_before(now)):
+            if not self._claim_in(conn, row, now):
                 raise self._not_claimed(conn, delivery)
             self._acknowledge(conn, delivery)  # the inbox has the message now: the sender's row can go
 
@@ -439,8 +441,7 @@ class Inbox:
                 store.record_outcome(conn, row)
                 if dead_letters:
                     store.insert_dead_letters(conn, dead_letters)
-                if self.runtime.settings.is_durable(delivery.queue):
-                    self._acknowledge(conn, delivery)  # a rolled-back claim put the sender's row back
+                self._acknowledge_if_durable(conn, delivery)  # a rolled-back claim put the sender's row back
             announce_dead_letters(self.runtime.owner, dead_letters)
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
             if status == IncomingStatus.DEAD and is_outage(error, transient=True):
@@ -460,8 +461,7 @@ class Inbox:
         with store.begin() as conn:
             store.record_outcome(conn, row)
             store.insert_dead_letters(conn, [dead_letter])
-            if self.runtime.settings.is_durable(delivery.queue):
-                self._acknowledge(conn, delivery)  # a rolled-back claim put the sender's row back
+            self._acknowledge_if_durable(conn, delivery)  # a rolled-back claim put the sender's row back
         announce_dead_letters(self.runtime.owner, [dead_letter])
 
     def end_revoked_attempt(self, delivery: Delivery, terminated: bool = False) -> None:
@@ -487,13 +487,18 @@ class Inbox:
         stale_before = now if terminated else self._stale_before(now)
         with store.begin(lock_wait=TERMINATED_LOCK_WAIT if terminated else None) as conn:
             store.claim_incoming(conn, row, stale_before, self.runtime.settings.silent_before(now))
-            if self.runtime.settings.is_durable(delivery.queue):
-                self._acknowledge(conn, delivery)
+            self._acknowledge_if_durable(conn, delivery)
 
     def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
         """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""
         self.runtime.store.acknowledge_outgoing(conn, delivery.message_id, self._acknowledged_destination(delivery),
                                                delivery.attempt, delivery.sent_as)
+
+    def _acknowledge_if_durable(self, conn: Any, delivery: Delivery) -> None:
+        """``_acknowledge`` for a delivery from a durable queue; one from a plain queue has no
+        sender's rows."""
+        if self.runtime.settings.is_durable(delivery.queue):
+            self._acknowledge(conn, delivery)
 
     def _acknowledged_destination(self, delivery: Delivery) -> str | None:
         """The destination whose outgoing rows the delivery acknowledges: its queue with message
@@ -510,8 +515,7 @@ class Inbox:
             with _store_errors(), tracing.delivery_span(tracing.DISCARD, delivery), \
                     self.runtime.store.begin(durable=False) as conn:
                 self.runtime.store.count_duplicate(conn, delivery.message_id, delivery.destination, delivery.send_id)
-                if self.runtime.settings.is_durable(delivery.queue):
-                    self._acknowledge(conn, delivery)  # the inbox has this attempt: stop redelivering it
+                self._acknowledge_if_durable(conn, delivery)  # the inbox has this attempt: stop redelivering it
         except _StoreDown:
             raise
         except Exception as error:  # noqa: BLE001 - not an outage: the discard stands, uncounted
