@@ -47,9 +47,8 @@ def test_a_sigkilled_workers_messages_are_delivered_by_another_worker(postgres_u
         scenario.worker(queues=[scenario.env["TEST_QUEUE"], durable], concurrency=2)
         scenario.beat()
         for task_id in ("eager-1", "optimistic-1"):
-            wait_until(lambda task_id=task_id: shop.outbox.store.get_incoming(task_id).status == "handled",
-                       timeout=60, message=f"{task_id} to be recovered and handled (logs in {tmp_path})")
-            row = shop.outbox.store.get_incoming(task_id)
+            row = wait_until(lambda task_id=task_id: scenario.handled(task_id), timeout=60,
+                             message=f"{task_id} to be recovered and handled (logs in {tmp_path})")
             assert row.recoveries >= 1 and row.owner == 0
             assert len(shop.effects(task_id)) == 1, "effects exactly once"
             # the postrun event is written just after the commit that marked the row handled

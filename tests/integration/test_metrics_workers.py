@@ -126,8 +126,7 @@ def test_recovery_counts_the_claims_it_takes_over_and_the_envelopes_it_redeliver
 
         def recovered():
             shop.outbox.recover()
-            return all(shop.outbox.store.get_incoming(task_id).status == "handled"
-                       for task_id in ("eager-1", "optimistic-1"))
+            return all(scenario.handled(task_id) for task_id in ("eager-1", "optimistic-1"))
 
         wait_until(recovered, timeout=60, interval=0.5, message=f"both messages recovered (logs in {tmp_path})")
         assert registry_value(registry, "celery_outbox_claims_taken_over_total", reason="dead_node") >= 1
