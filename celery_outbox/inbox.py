@@ -228,9 +228,11 @@ class Inbox:
 
     def _may_be_held(self, delivery: Delivery) -> bool:
         """The delivery's message may have a tracked outgoing row in this store, and the store can
-        claim and acknowledge it in one statement (PostgreSQL)."""
-        return bool(delivery.sent_as) and self.runtime.settings.redeliver_after is not None \
-            and self.runtime.store.is_postgres
+        claim and acknowledge it in one statement (PostgreSQL). An attempt after the first (a
+        retry, a replay, a ``replace``) meets the row of its key's earlier attempt: the held claim
+        would roll back, so it takes the committed envelope's way at once."""
+        return bool(delivery.sent_as) and not any(delivery.attempt) \
+            and self.runtime.settings.redeliver_after is not None and self.runtime.store.is_postgres
 
     def _run_optimistic_attempt(self, task: Any, delivery: Delivery, body: Callable[[], Any],
                                 envelope: dict[str, Any], stored: bool) -> Any:

@@ -648,13 +648,23 @@ def test_an_optimistic_attempt_without_a_tracked_row_commits_its_envelope_first(
 def test_an_optimistic_retry_from_a_durable_queue_runs_twice_and_leaves_nothing_outgoing(
         durable_harness_on_postgres):
     """The first attempt retries: its rollback puts the sender's row back, and the record of the
-    retry acknowledges it. The retry's key has a row already, so its envelope is committed first."""
+    retry acknowledges it. The retry's key has a row already, so its envelope is committed first,
+    with no held claim tried."""
     harness, seen = durable_harness_on_postgres, {}
     pay = define_watched_pay(harness, seen)
+    store, held_claims = harness.outbox.store, []
+    claim_held_envelope = store.claim_held_envelope
+
+    def recorded(conn, row, *args):
+        held_claims.append(row["retries"])
+        return claim_held_envelope(conn, row, *args)
+
+    store.claim_held_envelope = recorded
     with harness.worker(queues=[harness.queue]):
         pay.apply_async(("retry",), task_id="retry-1")
         assert harness.wait_for_states("retry-1", 2) == ["RETRY", "SUCCESS"]
     assert seen["retry-1"] == (("running", 0, True), 0), "the retry's envelope committed before its body"
+    assert held_claims == [0], "only the first attempt tries the held claim: the retry's key has a row"
     row = harness.outbox.store.get_incoming("retry-1")
     assert (row.status, row.retries) == ("handled", 1)
     assert harness.outbox.store.count_outgoing() == 0, "both attempts' rows acknowledged"
