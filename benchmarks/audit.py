@@ -116,8 +116,8 @@ def run(options: Options) -> list[Result]:
             if not options.quick:  # --quick checks the answers only: its times need no warm JVM
                 _progress("warming up")
                 measure(spark, root, 20_000, watch)  # JIT, codegen, class loading: not part of any run measured
-            results += measure_incremental(spark, root, options.units(10_000_000, 100_000),
-                                           options.units(1_000_000, 10_000), watch)
+            results += measure_incremental(spark, root, options.units(10_000_000, 20_000),
+                                           options.units(1_000_000, 2_000), watch)
         finally:
             spark.stop()
     except Exception as exc:

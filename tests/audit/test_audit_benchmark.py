@@ -20,10 +20,10 @@ def test_the_audit_benchmark_checks_a_full_and_an_incremental_run(tmp_path):
                                cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads(report_path.read_text())["results"]
-    assert [r["case"] for r in results] == ["Spark job on 100 k archived envelopes",
-                                            "second run, 100 k archived + 10 k new: incremental"]
+    assert [r["case"] for r in results] == ["Spark job on 20 k archived envelopes",
+                                            "second run, 20 k archived + 2 k new: incremental"]
     assert all(r["ours"] > 0 for r in results)
     assert "for a full run of the same archive that keeps no ledger" in results[1]["note"]
     progress = completed.stderr
-    assert "100,000 + 10,000 messages, incremental: audit in" in progress
-    assert "100,000 + 10,000 messages, full, no ledger: audit in" in progress
+    assert "20,000 + 2,000 messages, incremental: audit in" in progress
+    assert "20,000 + 2,000 messages, full, no ledger: audit in" in progress
