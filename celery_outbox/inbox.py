@@ -214,8 +214,8 @@ class Inbox:
         rollback puts the sender's row back for delivery tracking to publish again
         (``outbox_redeliver_after``). A copy of an attempt the key's row has ended is discarded
         by that first statement's transaction. Otherwise (a sender without the outbox or without
-        tracking, a copy recovery published, an attempt taking over the key's row) the envelope
-        is committed first (``_store_envelope``), for recovery to publish again after
+        tracking, a copy recovery published, an attempt after the first, one taking over the
+        key's row) the envelope is committed first (``_store_envelope``), for recovery to publish again after
         ``outbox_node_stale_after``."""
         if envelope and self._may_be_held(delivery):
             try:
