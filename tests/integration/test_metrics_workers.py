@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -233,15 +232,18 @@ def test_a_worker_whose_metrics_port_is_taken_stops_with_one_clear_line(postgres
         taken.listen()
         port = taken.getsockname()[1]
         scenario = Scenario(redis_url, postgres_url, table_prefix, tmp_path, outbox_metrics_port=port)
-        folders_before = set(Path(tempfile.gettempdir()).glob("celery-outbox-metrics-*"))
+        # a temporary folder of the worker's own: the other test process's workers make theirs meanwhile
+        worker_temp = tmp_path / "worker-tmp"
+        worker_temp.mkdir()
         try:
-            worker = WorkerProcess("tests.apps.inbox_app", scenario.env, concurrency=1,
-                                   queues=[scenario.env["TEST_QUEUE"]], log_path=tmp_path / "worker.log").start()
+            worker = WorkerProcess("tests.apps.inbox_app", {**scenario.env, "TMPDIR": str(worker_temp)},
+                                   concurrency=1, queues=[scenario.env["TEST_QUEUE"]],
+                                   log_path=tmp_path / "worker.log").start()
             scenario.workers.append(worker)
             assert worker.process.wait(timeout=60) != 0
             assert f"cannot serve metrics on 127.0.0.1:{port}" in worker.log()
             assert "Traceback" not in worker.log()
-            assert set(Path(tempfile.gettempdir()).glob("celery-outbox-metrics-*")) <= folders_before, \
+            assert not list(worker_temp.glob("celery-outbox-metrics-*")), \
                 "the multiprocess folder the worker made is gone with it"
         finally:
             scenario.close()
