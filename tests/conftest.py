@@ -133,6 +133,13 @@ def store(database_url, table_prefix):
     engine.dispose()
 
 
+def handled_row(store: Store, message_id: str, destination: str = ""):
+    """The inbox row of ``message_id`` once it is handled, else None (no row yet: an optimistic
+    attempt on a durable queue commits none until it ends)."""
+    row = store.get_incoming(message_id, destination)
+    return row if row is not None and row.status == "handled" else None
+
+
 def unsent_rows(store: Store) -> int:
     """Count outgoing rows still to be published (not yet sent), from a connection outside any
     transaction of the store (no lock taken)."""

@@ -45,12 +45,6 @@ class Scenario:
         self.wait_events("optimistic-1", "body", 1)
         return victim
 
-    def handled(self, task_id):
-        """The inbox row of ``task_id`` once it is handled, else None (an optimistic attempt on a
-        durable queue commits no row until it ends)."""
-        row = self.shop.outbox.store.get_incoming(task_id)
-        return row if row is not None and row.status == "handled" else None
-
     def wait_events(self, task_id, kind, count, timeout=60):
         return wait_until(
             lambda: (rows := [e for e in self.shop.events(task_id) if e.kind == kind]) and len(rows) >= count and rows,

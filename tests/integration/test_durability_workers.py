@@ -20,7 +20,7 @@ from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand
 from ..brokers import copy_options, nothing_more, purge, receive
-from ..conftest import drop_store, unsent_rows
+from ..conftest import drop_store, handled_row, unsent_rows
 from ..scenario import Scenario
 from ..services import wait_until
 
@@ -47,7 +47,7 @@ def test_a_sigkilled_workers_messages_are_delivered_by_another_worker(postgres_u
         scenario.worker(queues=[scenario.env["TEST_QUEUE"], durable], concurrency=2)
         scenario.beat()
         for task_id in ("eager-1", "optimistic-1"):
-            row = wait_until(lambda task_id=task_id: scenario.handled(task_id), timeout=60,
+            row = wait_until(lambda task_id=task_id: handled_row(shop.outbox.store, task_id), timeout=60,
                              message=f"{task_id} to be recovered and handled (logs in {tmp_path})")
             assert row.recoveries >= 1 and row.owner == 0
             assert len(shop.effects(task_id)) == 1, "effects exactly once"

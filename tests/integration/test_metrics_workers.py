@@ -19,7 +19,7 @@ from celery_outbox import metrics
 
 from ..apps.factory import make_shop, strand
 from ..brokers import copy_options, purge
-from ..conftest import drop_store
+from ..conftest import drop_store, handled_row
 from ..scenario import Scenario
 from ..services import free_port, wait_until
 from ..workers import WorkerProcess
@@ -125,7 +125,7 @@ def test_recovery_counts_the_claims_it_takes_over_and_the_envelopes_it_redeliver
 
         def recovered():
             shop.outbox.recover()
-            return all(scenario.handled(task_id) for task_id in ("eager-1", "optimistic-1"))
+            return all(handled_row(shop.outbox.store, task_id) for task_id in ("eager-1", "optimistic-1"))
 
         wait_until(recovered, timeout=60, interval=0.5, message=f"both messages recovered (logs in {tmp_path})")
         assert registry_value(registry, "celery_outbox_claims_taken_over_total", reason="dead_node") >= 1

@@ -14,7 +14,7 @@ from celery_outbox.signals import message_published
 
 from ..apps import routing_app
 from ..brokers import purge
-from ..conftest import drop_store
+from ..conftest import drop_store, handled_row
 from ..services import require, wait_until
 from ..workers import WorkerProcess
 
@@ -70,16 +70,11 @@ def test_messages_routed_every_way_to_a_durable_queue_are_stored_and_kept_in_the
     assert committed == expected, "each row was committed by the sender's commit, for its durable queue"
     assert published == dict.fromkeys(expected, False), "then the sender published each, not the relay"
     for task_id, queue in expected.items():
-        row = wait_until(lambda task_id=task_id, queue=queue: _handled(shop, task_id, queue), timeout=60,
-                         message=f"{task_id} to be handled from {queue}")
+        row = wait_until(lambda task_id=task_id, queue=queue: handled_row(shop.outbox.store, task_id, queue),
+                         timeout=60, message=f"{task_id} to be handled from {queue}")
         assert row.queue == queue and row.body, "the consumer keeps the envelope, under the durable queue"
     wait_until(lambda: all(_outgoing_destination(shop, task_id) is None for task_id in expected), timeout=30,
                message="the consumer to acknowledge each outgoing row under the queue the sender stored it for")
-
-
-def _handled(shop, task_id: str, queue: str):
-    row = shop.outbox.store.get_incoming(task_id, queue)
-    return row if row is not None and row.status == "handled" else None
 
 
 def _outgoing_destination(shop, message_id: str) -> str | None:
