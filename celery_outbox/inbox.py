@@ -38,9 +38,10 @@ The claim rule: a claim never outlives the attempt that holds the message.
 * An attempt whose claim was taken from it (its node was declared dead) rolls
   back and sends its message back to the broker; it never acks it as a duplicate.
 * Every store outage (see ``store.outage``), in the claim, the body's own
-  statements, the finish, the record of the outcome or the count of a discarded
-  duplicate, sends the message back to
-  the broker: nothing is acked, nothing is recorded as a failure. An eager claim
+  statements, the finish, the record of a failed attempt (``dead``) or the count of a
+  discarded duplicate, sends the message back to
+  the broker: nothing is acked, nothing is recorded as a failure. (A retry's record that
+  meets one is logged: the retry's own message is out already.) An eager claim
   that committed is released first; when the database cannot be reached for that
   either, the node's heartbeat thread releases it once it can.
 * ``Reject(requeue=True)`` from the body releases the claim before the message
@@ -68,10 +69,10 @@ from .node import Node
 from .publishing import Publisher
 from .runtime import Runtime
 from .signals import announce_dead_letters, duplicate_discarded, message_handled
-from .store import UNOWNED, utcnow
+from .store import UNOWNED, is_lock_timeout, utcnow
 from .store.outage import is_outage
 from .unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
-from .vocabulary import REQUEUE_BACKOFF, IncomingStatus
+from .vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, IncomingStatus
 
 __all__ = ["Inbox", "inbox_of"]
 
@@ -87,7 +88,8 @@ class Duplicate(Exception):
 
 
 class InFlight(Exception):
-    """The delivery is claimed by a running attempt that may still finish: hand it back."""
+    """The delivery is claimed by a running attempt that may still finish: a copy goes back to
+    the broker; a revoked one is discarded unrecorded (that attempt records its own outcome)."""
 
 
 class ClaimLost(Exception):
@@ -212,8 +214,8 @@ class Inbox:
         with the claim and that row is acknowledged in the same statement, the first of the
         attempt's transaction: nothing commits before the body, and if the attempt dies, its
         rollback puts the sender's row back for delivery tracking to publish again
-        (``outbox_redeliver_after``). A copy of an attempt the key's row has ended is discarded
-        by that first statement's transaction. Otherwise (a sender without the outbox or without
+        (``outbox_redeliver_after``). A copy of an attempt the key's row has ended is found out
+        by that first statement, and discarded (``_discard``). Otherwise (a sender without the outbox or without
         tracking, a copy recovery published, an attempt after the first, one taking over the
         key's row) the envelope is committed first (``_store_envelope``), for recovery to publish again after
         ``outbox_node_stale_after``."""
@@ -410,8 +412,9 @@ class Inbox:
         whose message no tracked outgoing row holds (its claim commits with the body); claimed
         by this node for the eager style, which saves it a transaction. In the same transaction
         the sender's sent outgoing row is acknowledged (deleted): from here on the inbox answers
-        for the message. Raises ``Duplicate`` when the attempt was already claimed or handled:
-        the same rules as the claim itself."""
+        for the message. Raises ``Duplicate`` when the attempt was already claimed or handled,
+        or ``InFlight`` when a running claim of it may still finish: the same rules as the claim
+        itself."""
         store = self.runtime.store
         now = utcnow()
         grace = timedelta(seconds=self.runtime.settings.node_stale_after)
@@ -454,13 +457,15 @@ class Inbox:
     def end_lost_worker_attempt(self, delivery: Delivery, dead_letter: dict[str, Any]) -> None:
         """The worker's pool process died running this attempt once too often (Celery re-sends a
         lost attempt only up to ``max_retries``): end the attempt as ``dead`` and keep its message
-        in dead letters, in one transaction, before Celery acks it. Raises on a store error: the
-        message must then go back to the broker instead."""
+        in dead letters, in one transaction, before Celery acks it. Runs in the worker's main
+        process: a row another transaction holds is waited for at most ``BUSY_ROW_WAIT``.
+        Raises on a store error or that wait running out: the message must then go back to the
+        broker instead."""
         store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, IncomingStatus.DEAD, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
-        with store.begin() as conn:
+        with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
             store.record_outcome(conn, row)
             store.insert_dead_letters(conn, [dead_letter])
             self._acknowledge_if_durable(conn, delivery)  # a rolled-back claim put the sender's row back
@@ -480,16 +485,25 @@ class Inbox:
         terminated attempt takes over its own running claim (the killed process's: recovery must
         not run it again). A terminated optimistic attempt's claim is in the killed process's
         open transaction: its row waits for that transaction to end, at most
-        ``TERMINATED_LOCK_WAIT`` seconds. Raises on a store error (the caller logs it; the revoke
-        stands in this worker)."""
+        ``TERMINATED_LOCK_WAIT`` seconds. A revoked or expired copy waits at most
+        ``BUSY_ROW_WAIT`` for rows another transaction holds: an optimistic attempt of the
+        message running elsewhere holds its key, and its sender's row, until it ends, and records
+        its own outcome; that wait running out raises ``InFlight`` (the revoke stands in this
+        worker, unrecorded). Raises on a store error (the caller logs it; the revoke stands in
+        this worker)."""
         store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, IncomingStatus.REVOKED, UNOWNED, now)
         row.update(handled_at=now, keep_until=self._keep_until(now), recover_after=None)
         stale_before = now if terminated else self._stale_before(now)
-        with store.begin(lock_wait=TERMINATED_LOCK_WAIT if terminated else None) as conn:
-            store.claim_incoming(conn, row, stale_before, self.runtime.settings.silent_before(now))
-            self._acknowledge_if_durable(conn, delivery)
+        try:
+            with store.begin(lock_wait=TERMINATED_LOCK_WAIT if terminated else BUSY_ROW_WAIT) as conn:
+                store.claim_incoming(conn, row, stale_before, self.runtime.settings.silent_before(now))
+                self._acknowledge_if_durable(conn, delivery)
+        except Exception as error:
+            if not terminated and is_lock_timeout(error):
+                raise InFlight() from error
+            raise
 
     def _acknowledge(self, conn: Any, delivery: Delivery) -> None:
         """Delete the sender's outgoing rows of this attempt and earlier ones (delivery tracking)."""

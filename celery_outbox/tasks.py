@@ -40,7 +40,7 @@ from . import log_fields
 from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
 from .delivery import Delivery, dead_letter_row
 from .errors import OutboxError
-from .inbox import Inbox, inbox_of
+from .inbox import Inbox, InFlight, inbox_of
 from .publish_hook import resending
 from .routing import queue_of
 from .runtime import runtime_of
@@ -90,8 +90,9 @@ class OutboxRequest(HookedRequest):
         killed (``revoke(terminate=True)``) is recorded as ended and its outgoing rows
         acknowledged (``Inbox.end_revoked_attempt``), in one transaction: a later copy is a
         duplicate, and neither delivery tracking nor recovery publishes the message again. When
-        the store cannot take it, that is logged and the revoke stands in this worker, as in plain
-        Celery."""
+        the store cannot take it, or an attempt of the message running elsewhere holds its rows
+        (that attempt records its own outcome), that is logged and the revoke stands in this
+        worker, as in plain Celery."""
         if self._goes_through_inbox():
             self._end_revoked(reason, terminated)
 
@@ -110,6 +111,11 @@ class OutboxRequest(HookedRequest):
         delivery = Delivery.from_context(task, request_context(self), inbox.runtime.settings)
         try:
             inbox.end_revoked_attempt(delivery, terminated)
+        except InFlight:
+            logger.warning("celery-outbox: %s[%s] %s while an attempt of it runs (its transaction holds the "
+                           "message's rows): discarded here unrecorded; the running attempt records its own outcome",
+                           task.name, self.id, reason, **log_fields.of_delivery(delivery))
+            return
         except Exception as error:  # noqa: BLE001 - Celery's revoke stands; delivery tracking may send it again
             logger.error("celery-outbox: cannot record that %s[%s] was %s: %s; it is discarded here, as in "
                          "plain Celery, but a durable message stays unacknowledged and is published again "

@@ -79,3 +79,10 @@ REDELIVERY_HEADER = "celery_outbox_redelivery"
 #: Seconds to wait before handing a message back to the broker when the database is down, or a copy
 #: meets its own running attempt, so a worker does not spin on a message it cannot claim.
 REQUEUE_BACKOFF = 1.0
+
+#: Seconds a bookkeeping statement made on the way of other work waits for a row another transaction
+#: holds, such as the open transaction of an optimistic attempt running its body: in the worker's
+#: main process (a revoked or expired copy's record, a lost process's dead letter, the guard's dead
+#: letters) and in a sender (giving back rows whose publish failed). Past it the statement gives up
+#: and its caller goes on, instead of stalling for the whole of that attempt's body.
+BUSY_ROW_WAIT = 1.0

@@ -29,6 +29,7 @@ from .schema import UNOWNED, Tables, _incoming_key, build_tables
 __all__ = ["StoreBase", "as_utc", "is_content_error", "is_unique_violation", "utcnow"]
 
 PG_UNIQUE_VIOLATION = "23505"
+PG_LOCK_NOT_AVAILABLE = "55P03"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
 
@@ -50,6 +51,12 @@ def is_unique_violation(exc: BaseException) -> bool:
     if getattr(orig, "sqlstate", None) == PG_UNIQUE_VIOLATION:
         return True
     return getattr(orig, "sqlite_errorcode", None) in (SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE)
+
+
+def is_lock_timeout(exc: BaseException) -> bool:
+    """True when a statement gave up waiting for a row another transaction holds (PostgreSQL's
+    ``lock_timeout``, set by ``begin(lock_wait=...)``): the database works, the row is busy."""
+    return getattr(getattr(exc, "orig", exc), "sqlstate", None) == PG_LOCK_NOT_AVAILABLE
 
 
 def is_content_error(exc: BaseException) -> bool:

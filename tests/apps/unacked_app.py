@@ -4,11 +4,13 @@ protocol 1), built the same way with plain Celery (``with_outbox=False``) and wi
 The worker builds it from the environment (TEST_BROKER_URL, also the result backend,
 TEST_DATABASE_URL, TEST_TABLE_PREFIX, TEST_QUEUE and TEST_LATE_QUEUE (both durable with the
 outbox), TEST_COUNTERS (a Redis key prefix), TEST_WITH_OUTBOX ("1" or "0"), TEST_CONF: more
-settings as JSON); a test builds the same app in its own process with ``create(...)``. Every
-task body counts its runs in Redis (``runs(task_id)``), and the worker counts the messages it
-discards unrun (``runs("revoked:<id>")``, ``runs("expired:<id>")``, from Celery's ``task_revoked``
-signal, sent once the message is acked), so a test sees what happened, in whichever process, with
-or without the outbox.
+settings as JSON); a test builds the same app in its own process with ``create(...)``. With the
+outbox, ``held`` is an optimistic ``IdempotentTask`` that keeps its attempt's transaction open
+until the test releases it (``release(task_id)``). Every task body counts its runs in Redis
+(``runs(task_id)``), and the worker counts the messages it discards unrun
+(``runs("revoked:<id>")``, ``runs("expired:<id>")``, from Celery's ``task_revoked`` signal, sent
+once the message is acked), so a test sees what happened, in whichever process, with or without
+the outbox.
 """
 
 from __future__ import annotations
@@ -74,6 +76,23 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, late_que
         while time.monotonic() < deadline:
             time.sleep(0.05)
 
+    held = None
+    if with_outbox:
+        from celery_outbox import IdempotentTask
+
+        @app.task(name="unacked.held", bind=True, shared=False, base=IdempotentTask)
+        def held(self) -> None:
+            """An optimistic attempt: counts its run, then holds its transaction open until
+            ``release(task_id)`` (at most a minute)."""
+            count(self.request.id)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # each wait shorter than the client's socket timeout
+                if client.blpop([f"{counters}:release:{self.request.id}"], timeout=1):
+                    return
+
+    def release(task_id: str) -> None:
+        client.rpush(f"{counters}:release:{task_id}", 1)
+
     @app.task(name="unacked.foreign", bind=True, shared=False, base=Task)
     def foreign(self) -> str:
         count(self.request.id)
@@ -97,8 +116,9 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, late_que
             client.delete(*keys)
         client.close()
 
-    return SimpleNamespace(app=app, outbox=outbox, count=count_run, block=block, foreign=foreign,
-                           foreign_custom=foreign_custom, runs=runs, forget=forget, queue=queue, late_queue=late_queue)
+    return SimpleNamespace(app=app, outbox=outbox, count=count_run, block=block, held=held, release=release,
+                           foreign=foreign, foreign_custom=foreign_custom, runs=runs, forget=forget, queue=queue,
+                           late_queue=late_queue)
 
 
 if "TEST_BROKER_URL" in os.environ:

@@ -16,6 +16,7 @@ tests/integration/test_unacknowledged_messages.py."""
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import pytest
 from celery import Celery
@@ -29,7 +30,7 @@ from celery_outbox.vocabulary import IncomingStatus
 
 from ..conftest import drop_store
 from ..services import wait_until
-from .test_store_contract import incoming_row
+from .test_store_contract import incoming_row, outgoing_row
 
 
 @pytest.fixture
@@ -99,19 +100,24 @@ def waiting_for_a_lock(outbox: Outbox, holder_pid: int) -> bool:
             "pg_blocking_pids(pid))"), {"holder": holder_pid}).scalar())
 
 
-def record_in_thread(the_inbox, message_id: str) -> tuple[threading.Thread, list]:
+def run_in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list]:
+    """Start ``work`` in a thread; its outcome (a list) gets "done", or the exception it raised."""
     outcome: list = []
 
-    def record() -> None:
+    def run() -> None:
         try:
-            the_inbox.end_revoked_attempt(delivery(message_id), terminated=True)
-            outcome.append("recorded")
+            work()
+            outcome.append("done")
         except Exception as exc:  # noqa: BLE001 - the test looks at it
             outcome.append(exc)
 
-    thread = threading.Thread(target=record)
+    thread = threading.Thread(target=run)
     thread.start()
     return thread, outcome
+
+
+def record_in_thread(the_inbox, message_id: str) -> tuple[threading.Thread, list]:
+    return run_in_thread(lambda: the_inbox.end_revoked_attempt(delivery(message_id), terminated=True))
 
 
 @pytest.mark.parametrize("commit, status", [(False, IncomingStatus.REVOKED), (True, IncomingStatus.HANDLED)])
@@ -126,7 +132,7 @@ def test_an_optimistic_claim_in_an_open_transaction_is_waited_for(outbox, commit
     finally:
         claim.end(commit)
     thread.join(timeout=30)
-    assert outcome == ["recorded"]
+    assert outcome == ["done"]
     assert status_of(outbox, "optimistic-1") == status.value
 
 
@@ -141,3 +147,63 @@ def test_a_transaction_that_does_not_end_is_waited_for_only_so_long(outbox, monk
     finally:
         claim.end(commit=False)
     assert status_of(outbox, "stuck-1") is None, "nothing recorded; the revoke stands in the worker"
+
+
+class HeldSendersRow(OpenClaim):
+    """The sender's outgoing row of ``message_id``, deleted in a transaction left open, as an
+    optimistic attempt's claim from a durable queue holds it until its body ends."""
+
+    def __init__(self, outbox: Outbox, message_id: str):  # holds no inbox row, only the sender's
+        with outbox.store.begin() as conn:  # sent, and tracked
+            (self.row_id,) = outbox.store.insert_outgoing(conn, [outgoing_row(
+                0, message_id=message_id, destination="durable", routing_key="durable", sent_at=utcnow(),
+                redeliver_at=utcnow())])
+        self.context = outbox.engine.begin()
+        self.conn = self.context.__enter__()
+        assert outbox.store.acknowledge_outgoing(self.conn, message_id, None, (0, 0, 0)) == 1
+
+
+@pytest.mark.parametrize("held", ["the inbox key", "the sender's row"])
+def test_a_revoked_copy_gives_up_on_rows_a_running_attempt_holds(outbox, held):
+    """A revoked or expired copy, in the worker's main process, while an optimistic attempt of its
+    message runs elsewhere: that attempt's open transaction holds the inbox key and, from a
+    durable queue, the sender's row. The record gives up after ``BUSY_ROW_WAIT`` (``InFlight``:
+    the revoke stands, unrecorded) while the attempt still runs, instead of waiting for its body;
+    the attempt's own outcome stands."""
+    the_inbox = installed_inbox(outbox.app)
+    holder = OpenClaim(outbox, "running-1") if held == "the inbox key" else HeldSendersRow(outbox, "running-1")
+    try:
+        thread, outcome = run_in_thread(lambda: the_inbox.end_revoked_attempt(delivery("running-1")))
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the record still waits for the running attempt"
+        assert len(outcome) == 1 and isinstance(outcome[0], inbox.InFlight), outcome
+        assert "lock timeout" in str(outcome[0].__cause__)
+    finally:
+        holder.end(commit=True)
+    if held == "the inbox key":
+        assert status_of(outbox, "running-1") == IncomingStatus.HANDLED.value, "the attempt's outcome stands"
+    else:
+        assert status_of(outbox, "running-1") is None, "nothing recorded by the copy"
+        assert outbox.store.count_outgoing() == 0, "the attempt acknowledged the sender's row"
+
+
+def test_a_lost_process_dead_letter_gives_up_on_a_key_another_attempt_holds(outbox):
+    """The worker's main process dead-letters an attempt whose pool process died once too often;
+    meanwhile another attempt of the message (a copy delivery tracking published again) runs
+    elsewhere and holds its key. The dead letter gives up after ``BUSY_ROW_WAIT`` and raises (the
+    message goes back to the broker) instead of stalling the consumer for that attempt's body."""
+    from celery_outbox.dead_letter_rows import dead_letter_row
+    from celery_outbox.vocabulary import DeadLetterReason
+
+    the_inbox = installed_inbox(outbox.app)
+    holder = OpenClaim(outbox, "lost-1")
+    letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="lost-1")
+    try:
+        thread, outcome = run_in_thread(lambda: the_inbox.end_lost_worker_attempt(delivery("lost-1"), letter))
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the dead letter still waits for the running attempt"
+        assert len(outcome) == 1 and "lock timeout" in str(outcome[0]), outcome
+    finally:
+        holder.end(commit=True)
+    assert outbox.store.count_dead_letters() == 0
+    assert status_of(outbox, "lost-1") == IncomingStatus.HANDLED.value, "the running attempt's outcome stands"

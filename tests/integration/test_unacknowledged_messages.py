@@ -32,7 +32,7 @@ from celery_outbox.vocabulary import IncomingStatus
 
 from ..apps import unacked_app
 from ..brokers import purge
-from ..conftest import drop_store, unique_prefix
+from ..conftest import drop_store, handled_row, unique_prefix
 from ..services import require, wait_until
 from ..workers import WorkerProcess
 
@@ -283,3 +283,49 @@ def test_a_revoke_the_store_cannot_record_stands_and_is_recorded_at_the_redelive
         proxy.start() if proxy._listener is None else None
         setup.close()
         proxy.stop()
+
+
+def test_an_expired_copy_of_a_running_attempt_does_not_stall_the_worker(tmp_path):
+    """An optimistic attempt from a durable queue holds its message's inbox key and its sender's
+    row in its open transaction until its body ends. A copy of that message reaching another
+    worker past its ``expires`` (as a broker gives a long task back after its visibility timeout)
+    is discarded by that worker's main process, which records it first. The record gives up
+    after ``BUSY_ROW_WAIT`` instead of waiting for the running body: the worker goes on consuming
+    (a task sent after the copy runs while the body still runs), and the running attempt's
+    outcome stands."""
+    from celery_outbox.vocabulary import SEND_HEADER
+
+    from ..brokers import copy_options
+
+    setup = Setup("outbox", tmp_path)
+    plain = unacked_app.create(setup.env["TEST_BROKER_URL"], "", setup.env["TEST_TABLE_PREFIX"], setup.queue,
+                               setup.late_queue, setup.env["TEST_COUNTERS"], with_outbox=False)
+    other = WorkerProcess("tests.apps.unacked_app", setup.worker_env, concurrency=1, queues=[setup.late_queue],
+                          log_path=tmp_path / "other-worker.log")
+    setup.workers.append(other)
+    task_id = f"held-{uuid.uuid4().hex[:8]}"
+    try:
+        other.start().wait_ready()
+        setup.shop.held.apply_async(**copy_options(task_id), queue=setup.queue)
+        wait_until(lambda: setup.shop.runs(task_id) == 1, timeout=30,
+                   message=f"{task_id}'s body to run (log: {setup.worker.log_path})")
+        plain.app.send_task("unacked.held", task_id=task_id, headers={SEND_HEADER: f"send-of-{task_id}"},
+                            queue=setup.late_queue, expires=datetime.now(timezone.utc) - timedelta(seconds=1))
+        wait_until(lambda: setup.shop.runs(f"expired:{task_id}") == 1, timeout=30,
+                   message=f"the other worker to discard the expired copy (log: {other.log_path})")
+        sentinel = setup.shop.count.apply_async(queue=setup.late_queue)
+        assert sentinel.get(timeout=30) == sentinel.id, "the other worker goes on consuming"
+        store = setup.shop.outbox.store
+        assert handled_row(store, task_id) is None and setup.shop.runs(task_id) == 1, \
+            "while the first attempt still runs"
+        assert "while an attempt of it runs" in other.log_path.read_text()
+        setup.shop.release(task_id)
+        wait_until(lambda: handled_row(store, task_id) is not None, timeout=30,
+                   message=f"the running attempt of {task_id} to end (log: {setup.worker.log_path})")
+        assert store.get_incoming(task_id).status == IncomingStatus.HANDLED.value, "its outcome stands"
+        assert setup.outgoing_rows(task_id) == [], "the sender's row is acknowledged"
+        assert setup.shop.runs(task_id) == 1
+    finally:
+        setup.shop.release(task_id)
+        setup.close()
+        plain.forget()
