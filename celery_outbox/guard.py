@@ -20,9 +20,11 @@ Celery stores none for a message it cannot read (``on_invalid_task``, ``on_decod
 
 Transaction boundary: the dead letter commits, in a transaction of its own, before
 the ack, and the result is written after the ack; a result backend that fails is
-logged and the dead letter kept. If the store cannot be reached the message is not
-acked (and no result is written): it is handed back to the broker after a back-off,
-from the consumer's timer; nothing sleeps in the consumer.
+logged and the dead letter kept. If the store cannot be reached, or the sender's row
+the dead letter acknowledges stays held (by an attempt of the message running elsewhere)
+past ``BUSY_ROW_WAIT``, the message is not acked (and no result is written): it is handed
+back to the broker after a back-off, from the consumer's timer; nothing sleeps in the
+consumer.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from .routing import queue_of
 from .runtime import Runtime, runtime_of
 from .signals import announce_dead_letters
 from .store import is_content_error, utcnow
-from .vocabulary import REQUEUE_BACKOFF, Attempt, DeadLetterReason
+from .vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, Attempt, DeadLetterReason
 
 __all__ = ["MessageGuard", "body_reason", "dead_letter_row_of", "malformed_reason", "sound_envelope",
            "store_limits_reason", "tolerate_any_envelope"]
@@ -370,9 +372,11 @@ def _acknowledgment(settings: OutboxSettings, message: Any, queue: str | None,
 
 def _insert(runtime: Runtime, row: dict[str, Any],
             acknowledged: tuple[str, str | None, Attempt, str] | None) -> None:
-    """Insert the dead letter and, in the same transaction, acknowledge the sender's outgoing row."""
+    """Insert the dead letter and, in the same transaction, acknowledge the sender's outgoing row.
+    In the consumer: a row another transaction holds (an attempt of the message running in another
+    worker) is waited for at most ``BUSY_ROW_WAIT``, then the message goes back for a later try."""
     store = runtime.ready().store
-    with store.begin() as conn:
+    with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
         store.insert_dead_letters(conn, [row])
         if acknowledged is not None:
             store.acknowledge_outgoing(conn, *acknowledged)

@@ -32,7 +32,8 @@ from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
 from .runtime import Runtime
 from .signals import message_published, messages_stored, publish_failed
-from .store import utcnow
+from .store import is_lock_timeout, utcnow
+from .vocabulary import BUSY_ROW_WAIT
 
 __all__ = ["Publisher"]
 
@@ -165,14 +166,23 @@ class Publisher:
     def _give_back(self, ids: list[int]) -> None:
         """Rows stored marked sent whose publish failed: unsent again, in a transaction of their
         own, so the relay sends them at its next pass. If the store is down too, they stay
-        marked and their redelivery sends them."""
+        marked and their redelivery sends them. A publish can fail after the broker took the
+        message: a consumer's optimistic attempt then holds the row (its claim deleted it, in a
+        transaction open until the body ends); that is waited for at most ``BUSY_ROW_WAIT``,
+        then the rows stay marked sent: delivery tracking publishes them again if that attempt
+        rolls back."""
         if not ids:
             return
         store = self.runtime.store
         try:
-            with store.begin(durable=False) as conn:  # lost in a crash, the rows wait for their redelivery
+            with store.begin(durable=False, lock_wait=BUSY_ROW_WAIT) as conn:  # lost in a crash: redelivered
                 store.unmark_sent(conn, ids)
         except Exception as exc:  # noqa: BLE001 - the rows stay marked; the caller's commit stands
+            if is_lock_timeout(exc):
+                logger.warning("celery-outbox: %d messages whose publish failed are held by a consumer's running "
+                               "attempt (the broker took them); they stay marked sent, for their redelivery if "
+                               "that attempt does not end", len(ids))
+                return
             logger.error("celery-outbox: could not give %d unpublished messages back to the relay "
                          "(their redelivery sends them): %s", len(ids), exc)
 
