@@ -94,9 +94,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Opt-in: an inbox claim older than this many seconds (from claim time), not yet handled, is "
             "released for recovery even if its node is alive (a hung task). Off by default."),
     Setting("outbox_stale_time", None, parse.optional_seconds,
-            "Opt-in (PostgreSQL): a relay transaction that holds outgoing rows and idles longer than this "
-            "many seconds (a publish hung on the broker) is ended, so another relay takes the rows. "
-            "Off by default."),
+            "Opt-in (PostgreSQL): a relay or redelivery transaction that holds outgoing rows and idles longer "
+            "than this many seconds (a publish hung on the broker) is ended, so another relay takes the rows "
+            "and an inbox's claim waiting on them goes on. Off by default."),
     Setting("redeliver_after", 600.0, parse.optional_seconds,
             "Delivery tracking of durable queues: a sent message stays in the outgoing table until the "
             "consuming inbox has it, and is published again when that has not happened after this many "

@@ -144,6 +144,7 @@ def redeliver(runtime: Runtime, max_batches: int | None = None) -> tuple[int, st
         connected = False
         for _ in range(max_batches or settings.max_batches_per_run):
             with store.begin(durable=False) as conn:
+                store.limit_lock_holding(conn, settings.outbox_stale_time)  # an inbox's claim waits on these rows
                 now = utcnow()
                 rows = store.lock_unacknowledged_outgoing(conn, now, settings.relay_batch_size)
                 if not rows:

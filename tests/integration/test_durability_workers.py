@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 from kombu.messaging import Producer
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 
+from celery_outbox.relay import redeliver
 from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand
 from ..brokers import copy_options, nothing_more, purge, receive
-from ..conftest import drop_store, handled_row, unsent_rows
+from ..conftest import drop_store, handled_row, outgoing_rows, unsent_rows
 from ..scenario import Scenario
 from ..services import wait_until
 
@@ -195,11 +196,30 @@ def test_recover_and_cleanup_commands_print_what_they_did(postgres_url, redis_ur
         scenario.close()
 
 
-def test_outbox_stale_time_hands_the_rows_of_a_hung_relay_to_another(postgres_url, table_prefix):
+def redelivery_due(store) -> bool:
+    """Whether every sent outgoing row has come due for its redelivery, read without a lock."""
+    with store.engine.connect() as conn:
+        table = store.tables.outgoing
+        waiting = select(func.count()).select_from(table).where(table.c.redeliver_at > utcnow())
+        return conn.execute(waiting).scalar() == 0
+
+
+@pytest.mark.parametrize("relay_pass", ["relay", "redeliver"])
+def test_outbox_stale_time_hands_the_rows_of_a_hung_relay_to_another(postgres_url, table_prefix, relay_pass):
     """A relay whose publish hangs on the broker holds its rows' locks; with outbox_outbox_stale_time
-    PostgreSQL ends its idle transaction and a second relay publishes the rows."""
-    shop = make_shop("memory://", postgres_url, table_prefix, outbox_outbox_stale_time=1)
+    PostgreSQL ends its idle transaction and a second relay publishes the rows. The same for
+    delivery tracking's pass (``redeliver``), whose rows an inbox's claim would otherwise wait for:
+    a row sent once, not acknowledged past ``outbox_redeliver_after``."""
+    shop = make_shop("memory://", postgres_url, table_prefix, outbox_outbox_stale_time=1,
+                     outbox_redeliver_after=0.1)
     shop.outbox.ready()
+    runtime = shop.outbox.runtime
+
+    def one_pass() -> int:
+        if relay_pass == "relay":
+            return shop.outbox.relay().published
+        return redeliver(runtime)[0]
+
     real_publish = Producer.publish
     hung, release = threading.Event(), threading.Event()
 
@@ -213,26 +233,32 @@ def test_outbox_stale_time_hands_the_rows_of_a_hung_relay_to_another(postgres_ur
 
     def hung_relay():
         try:
-            shop.outbox.relay()
+            one_pass()
         except BaseException as exc:  # noqa: BLE001 - its database session was ended: expected
             errors.append(exc)
 
     try:
         (sent,) = strand(shop, "stuck")
+        published_before = 0
+        if relay_pass == "redeliver":  # sent once, then due for its redelivery
+            assert shop.outbox.relay().published == published_before + 1
+            published_before = 1
+            wait_until(lambda: outgoing_rows(shop.outbox.store) == (1, 0) and redelivery_due(shop.outbox.store),
+                       timeout=10, message="the sent row to come due for its redelivery")
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Producer, "publish", publish)
             thread = threading.Thread(target=hung_relay, name="hung-relay")
             thread.start()
             assert hung.wait(30)
-            assert shop.outbox.relay().published == 0, "the hung relay still holds the row"
-            wait_until(lambda: shop.outbox.relay().published == 1, timeout=30,
-                       message="PostgreSQL to end the idle relay transaction")
+            assert one_pass() == 0, "the hung pass still holds the row"
+            wait_until(lambda: one_pass() == 1, timeout=30, message="PostgreSQL to end the idle relay transaction")
             release.set()
             thread.join(60)
         assert len(errors) == 1 and "idle-in-transaction timeout" in str(errors[0]), errors
         assert unsent_rows(shop.outbox.store) == 0
-        assert [m.id for m in receive(shop.app, shop.durable_queue, 2)] == [sent.id, sent.id], \
-            "at least once: both relays published it, the inbox discards the copy"
+        expected = published_before + 2
+        assert [m.id for m in receive(shop.app, shop.durable_queue, expected)] == [sent.id] * expected, \
+            "at least once: both passes published it, the inbox discards the copy"
     finally:
         release.set()
         drop_store(shop.outbox.store)
