@@ -443,9 +443,9 @@ class Inbox:
         dead_letters = [] if exc is None else [dead_letter_row(task, delivery, failed, exc, now)]
         try:
             with store.begin() as conn:
-                store.record_outcome(conn, row)
-                if dead_letters:
-                    store.insert_dead_letters(conn, dead_letters)
+                if not store.record_outcome(conn, row):  # a copy handled it meanwhile, or a later attempt ran
+                    dead_letters = []
+                store.insert_dead_letters(conn, dead_letters)
                 self._acknowledge_if_durable(conn, delivery)  # a rolled-back claim put the sender's row back
             announce_dead_letters(self.runtime.owner, dead_letters)
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
@@ -454,22 +454,24 @@ class Inbox:
             logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
                          delivery.task_name, delivery.message_id, status, error, **log_fields.of_delivery(delivery))
 
-    def end_lost_worker_attempt(self, delivery: Delivery, dead_letter: dict[str, Any]) -> None:
+    def end_lost_worker_attempt(self, delivery: Delivery, dead_letter: dict[str, Any]) -> bool:
         """The worker's pool process died running this attempt once too often (Celery re-sends a
         lost attempt only up to ``max_retries``): end the attempt as ``dead`` and keep its message
         in dead letters, in one transaction, before Celery acks it. Runs in the worker's main
         process: a row another transaction holds is waited for at most ``BUSY_ROW_WAIT``.
         Raises on a store error or that wait running out: the message must then go back to the
-        broker instead."""
+        broker instead. False when the key's row is handled (a copy ran meanwhile) or a later
+        attempt's: nothing is dead-lettered."""
         store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, IncomingStatus.DEAD, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
         with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
-            store.record_outcome(conn, row)
-            store.insert_dead_letters(conn, [dead_letter])
+            dead_letters = [dead_letter] if store.record_outcome(conn, row) else []  # none: handled meanwhile
+            store.insert_dead_letters(conn, dead_letters)
             self._acknowledge_if_durable(conn, delivery)  # a rolled-back claim put the sender's row back
-        announce_dead_letters(self.runtime.owner, [dead_letter])
+        announce_dead_letters(self.runtime.owner, dead_letters)
+        return bool(dead_letters)
 
     def end_revoked_attempt(self, delivery: Delivery, terminated: bool = False) -> None:
         """The worker discards this delivery unrun (revoked, or expired), or has killed the pool

@@ -148,14 +148,15 @@ class OutboxRequest(HookedRequest):
         return task.max_retries is not None and (request_context(self).retries or 0) >= task.max_retries
 
     def _dead_lettered(self, exc: BaseException) -> bool:
-        """Write the dead letter; False (logged) when the store cannot take it."""
+        """Write the dead letter (none when another attempt of the message was handled meanwhile);
+        False (logged) when the store cannot take it."""
         task, context = self.task, request_context(self)
         inbox = installed_inbox(task.app)
         delivery = Delivery.from_context(task, context, inbox.runtime.settings)
         task.request_stack.push(context)
         try:
             dead_letter = dead_letter_row(task, delivery, DeadLetterReason.WORKER_LOST, exc, utcnow())
-            inbox.end_lost_worker_attempt(delivery, dead_letter)
+            stored = inbox.end_lost_worker_attempt(delivery, dead_letter)
         except Exception as error:  # noqa: BLE001 - without a dead letter the message must not be acked
             logger.error("celery-outbox: cannot dead-letter %s[%s], lost with its worker process %d times; the "
                          "message goes back to the broker: %s", task.name, self.id, (context.retries or 0) + 1, error,
@@ -163,6 +164,11 @@ class OutboxRequest(HookedRequest):
             return False
         finally:
             task.request_stack.pop()
+        if not stored:
+            logger.warning("celery-outbox: %s[%s] lost its worker process %d times (max_retries %s); another "
+                           "attempt of it was handled meanwhile: no dead letter", task.name, self.id,
+                           (context.retries or 0) + 1, task.max_retries, **log_fields.of_delivery(delivery))
+            return True
         logger.error("celery-outbox: %s[%s] lost its worker process %d times (max_retries %s); dead-lettered "
                      "(reason worker_lost)", task.name, self.id, (context.retries or 0) + 1, task.max_retries,
                      **log_fields.of_delivery(delivery))

@@ -304,9 +304,10 @@ class IncomingStatements(OneMessage):
             return failed is None
         return conn.execute(self._finish_incoming, values).rowcount == 1
 
-    def record_outcome(self, conn: Connection, row: dict[str, Any]) -> None:
+    def record_outcome(self, conn: Connection, row: dict[str, Any]) -> bool:
         """Record how an attempt ended without committing its effects (``retried`` or
-        ``dead``), unless a later attempt or a handled row is already there."""
+        ``dead``), unless a later attempt or a handled row is already there; False when one is
+        (the message's outcome is that row's)."""
         table = self.tables.incoming
         insert = self._upsert(table).values(**row)
         new = insert.excluded
@@ -315,10 +316,10 @@ class IncomingStatements(OneMessage):
         not_older = _later_attempt(new, table) | same_attempt
         updates = {key: getattr(new, key) for key in row if key not in (*_INCOMING_KEY, "received_at")}
         updates = {k: v for k, v in updates.items() if k not in _ENVELOPE_KEYS or row.get(k) is not None}
-        conn.execute(insert.on_conflict_do_update(
+        return conn.execute(insert.on_conflict_do_update(
             index_elements=_INCOMING_KEY, set_=updates,
             where=not_older & (table.c.status != IncomingStatus.HANDLED.value),
-        ))
+        ).returning(table.c.message_id)).first() is not None
 
     def claim_in_flight(self, conn: Connection, message_id: str, destination: str,
                         attempt: Attempt, send_id: str = "") -> bool:

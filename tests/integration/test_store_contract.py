@@ -392,6 +392,20 @@ def test_an_inbox_key_is_inserted_once(store: Store):
         assert store.insert_incoming(conn, incoming_row("a", destination="other")) is True
 
 
+def test_an_outcome_is_recorded_unless_the_message_was_handled_or_a_later_attempt_ran(store: Store):
+    def record(message_id: str, status: str = "dead", retries: int = 0) -> bool:
+        with store.begin() as conn:
+            return store.record_outcome(conn, incoming_row(message_id, status=status, retries=retries))
+
+    with store.begin() as conn:
+        store.insert_incoming(conn, incoming_row("handled", status="handled"))
+        store.insert_incoming(conn, incoming_row("later", retries=1))
+        store.insert_incoming(conn, incoming_row("running"))
+    assert [record("new"), record("handled"), record("later"), record("running")] == [True, False, False, True]
+    assert [store.get_incoming(m).status for m in ("new", "handled", "later", "running")] == \
+        ["dead", "handled", "running", "dead"]
+
+
 def test_a_concurrent_inbox_insert_waits_for_the_first_and_then_conflicts(store: Store):
     first_inserted = threading.Event()
     release_first = threading.Event()

@@ -207,3 +207,29 @@ def test_a_lost_process_dead_letter_gives_up_on_a_key_another_attempt_holds(outb
         holder.end(commit=True)
     assert outbox.store.count_dead_letters() == 0
     assert status_of(outbox, "lost-1") == IncomingStatus.HANDLED.value, "the running attempt's outcome stands"
+
+
+def test_a_failed_attempt_leaves_no_dead_letter_when_a_copy_was_handled_meanwhile(outbox):
+    """An optimistic attempt fails and rolls back; a copy waiting for its key runs and commits
+    before the failure is recorded. The message is handled: neither the failure's record nor a
+    lost pool process's dead-letters it (a dead letter of a handled message could not be replayed)."""
+    from celery_outbox.dead_letter_rows import dead_letter_row
+    from celery_outbox.vocabulary import DeadLetterReason
+
+    the_inbox = installed_inbox(outbox.app)
+    with outbox.store.begin() as conn:
+        outbox.store.insert_incoming(conn, claim_row("copied-1", IncomingStatus.HANDLED, 0))
+
+    @outbox.app.task(name="t.block", shared=False)
+    def block() -> None:
+        raise AssertionError("not run")
+
+    block.push_request(args=(), kwargs={}, id="copied-1")
+    try:
+        the_inbox._record(block, delivery("copied-1"), IncomingStatus.DEAD, ValueError("failed"))
+    finally:
+        block.pop_request()
+    letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="copied-1")
+    assert the_inbox.end_lost_worker_attempt(delivery("copied-1"), letter) is False
+    assert outbox.store.count_dead_letters() == 0
+    assert status_of(outbox, "copied-1") == IncomingStatus.HANDLED.value
