@@ -215,10 +215,10 @@ class Inbox:
         attempt's transaction: nothing commits before the body, and if the attempt dies, its
         rollback puts the sender's row back for delivery tracking to publish again
         (``outbox_redeliver_after``). A copy of an attempt the key's row has ended is found out
-        by that first statement, and discarded (``_discard``). Otherwise (a sender without the outbox or without
-        tracking, a copy recovery published, an attempt after the first, one taking over the
-        key's row) the envelope is committed first (``_store_envelope``), for recovery to publish again after
-        ``outbox_node_stale_after``."""
+        by that first statement, and discarded (``_discard``). Otherwise (a sender without the
+        outbox or without tracking, a copy recovery published, an attempt after the first, one
+        taking over the key's row) the envelope is committed first (``_store_envelope``), for
+        recovery to publish again after ``outbox_node_stale_after``."""
         if envelope and self._may_be_held(delivery):
             try:
                 return self._run_optimistic_attempt(task, delivery, body, envelope, stored=False)

@@ -181,7 +181,7 @@ class Publisher:
             if is_lock_timeout(exc):
                 logger.warning("celery-outbox: %d messages whose publish failed are held by a consumer's running "
                                "attempt (the broker took them); they stay marked sent, for their redelivery if "
-                               "that attempt does not end", len(ids))
+                               "that attempt rolls back", len(ids))
                 return
             logger.error("celery-outbox: could not give %d unpublished messages back to the relay "
                          "(their redelivery sends them): %s", len(ids), exc)

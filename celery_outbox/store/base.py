@@ -26,7 +26,7 @@ from ..errors import StoreUnavailable
 from .engine import redact, safe_url
 from .schema import UNOWNED, Tables, _incoming_key, build_tables
 
-__all__ = ["StoreBase", "as_utc", "is_content_error", "is_unique_violation", "utcnow"]
+__all__ = ["StoreBase", "as_utc", "is_content_error", "is_lock_timeout", "is_unique_violation", "utcnow"]
 
 PG_UNIQUE_VIOLATION = "23505"
 PG_LOCK_NOT_AVAILABLE = "55P03"
