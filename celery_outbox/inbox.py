@@ -443,10 +443,7 @@ class Inbox:
         dead_letters = [] if exc is None else [dead_letter_row(task, delivery, failed, exc, now)]
         try:
             with store.begin() as conn:
-                if not store.record_outcome(conn, row):  # a copy handled it meanwhile, or a later attempt ran
-                    dead_letters = []
-                store.insert_dead_letters(conn, dead_letters)
-                self._acknowledge_if_durable(conn, delivery)  # a rolled-back claim put the sender's row back
+                dead_letters = self._record_ended(conn, delivery, row, dead_letters)
             announce_dead_letters(self.runtime.owner, dead_letters)
         except Exception as error:  # noqa: BLE001 - the task's own outcome stands; say what was not recorded
             if status == IncomingStatus.DEAD and is_outage(error, transient=True):
@@ -467,11 +464,21 @@ class Inbox:
         row = self._claim_row(delivery, IncomingStatus.DEAD, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
         with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
-            dead_letters = [dead_letter] if store.record_outcome(conn, row) else []  # none: handled meanwhile
-            store.insert_dead_letters(conn, dead_letters)
-            self._acknowledge_if_durable(conn, delivery)  # a rolled-back claim put the sender's row back
+            dead_letters = self._record_ended(conn, delivery, row, [dead_letter])
         announce_dead_letters(self.runtime.owner, dead_letters)
         return bool(dead_letters)
+
+    def _record_ended(self, conn: Connection, delivery: Delivery, row: dict[str, Any],
+                      dead_letters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """In the open transaction ``conn``: record the ended attempt ``row`` with its
+        ``dead_letters``, and acknowledge the sender's rows (a rolled-back claim put them back).
+        Returns the dead letters stored: none when the key's row is handled (a copy ran
+        meanwhile) or a later attempt's, whose outcome is the message's."""
+        store = self.runtime.store
+        stored = dead_letters if store.record_outcome(conn, row) else []
+        store.insert_dead_letters(conn, stored)
+        self._acknowledge_if_durable(conn, delivery)
+        return stored
 
     def end_revoked_attempt(self, delivery: Delivery, terminated: bool = False) -> None:
         """The worker discards this delivery unrun (revoked, or expired), or has killed the pool
