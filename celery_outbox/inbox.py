@@ -373,11 +373,20 @@ class Inbox:
 
     @contextmanager
     def _ending(self, task: Any, delivery: Delivery, uow: ConnectionUnitOfWork) -> Iterator[None]:
-        """Record how an attempt ended when its transaction rolled back; close its connection.
+        """Close the attempt (its connection back to the pool, then what it publishes or the
+        retry that survives its rollback: ``ConnectionUnitOfWork.close``), then record how it
+        ended when its transaction rolled back: an attempt holds one pooled connection at a time.
         An exception of the body that is a store outage, or that left the attempt's connection
         unusable, is an outage: the message goes back, nothing is recorded."""
+        lost = False
         try:
-            yield
+            try:
+                yield
+            except Exception:
+                lost = uow.connection_lost()  # judged before the close below closes it
+                raise
+            finally:
+                uow.close()
         except (Duplicate, InFlight, ClaimLost, _NotHeld, _StoreDown):
             raise
         except Reject as reject:
@@ -388,12 +397,10 @@ class Inbox:
             self._record(task, delivery, IncomingStatus.RETRIED)
             raise
         except Exception as exc:
-            if is_outage(exc) or uow.connection_lost():
+            if is_outage(exc) or lost:
                 raise _StoreDown(exc) from exc
             self._record(task, delivery, IncomingStatus.DEAD, exc)
             raise
-        finally:
-            uow.close()
 
     def _without_claim(self, body: Callable[[], Any], unit_of_work: bool) -> Any:
         if not unit_of_work:

@@ -212,7 +212,10 @@ class ConnectionUnitOfWork(UnitOfWork):
     own ``commit()`` only flushes (it cannot end the owner's transaction), its
     ``rollback()`` rolls the whole transaction back, and its savepoints work as in any
     unit of work. Guarantee: as for ``UnitOfWork``; durable messages are inserted just
-    before ``commit`` commits, and everything captured is published just after.
+    before ``commit`` commits. What a commit left to publish, or the retry that survives a
+    rollback, goes out in ``close``, once the connection is back in the pool: a unit holds one
+    pooled connection at a time, so units ending at once never wait on the pool for each other
+    (and a pool of one hands its connection to the next statement).
     """
 
     #: whether ``last`` may send the COMMIT with it (the transaction is this unit's own to commit)
@@ -229,6 +232,7 @@ class ConnectionUnitOfWork(UnitOfWork):
         runtime = publisher.runtime.ready()
         self._connection = (engine or runtime.engine).connect()
         self._transaction: RootTransaction | None = None
+        self._survivors: list[OutgoingMessage] = []
 
     @property
     def connection(self) -> Connection:
@@ -252,8 +256,8 @@ class ConnectionUnitOfWork(UnitOfWork):
 
     def commit(self, last: Callable[[Connection, bool], bool] | None = None) -> bool:
         """Flush the Session, insert the durable messages, run ``last`` (the transaction's last
-        statement, which may send the COMMIT with it), commit, then publish. False, with nothing
-        committed or published, when ``last`` returns False: the caller rolls back."""
+        statement, which may send the COMMIT with it) and commit; ``close`` publishes. False,
+        with nothing committed, when ``last`` returns False: the caller rolls back."""
         if self._transaction is not None and not self._transaction.is_active:
             raise OutboxError(self.ended_inside)
         if self._session is not None:
@@ -284,12 +288,26 @@ class ConnectionUnitOfWork(UnitOfWork):
             self._rolled_back()
 
     def close(self) -> None:
-        """Close the Session, if one was made, and give the connection back to the pool."""
+        """Close the Session, if one was made, and give the connection back to the pool; then
+        publish what a commit left to publish, or store and send what survived a rollback (which
+        raises as ``store_and_forward`` does: the retry was not stored)."""
         try:
             if self._session is not None:
                 self._session.close()
         finally:
             self._connection.close()
+            survivors, self._survivors = self._survivors, []
+            if self._committed:
+                self._committed = False
+                UnitOfWork._publish_committed(self)
+            elif survivors:
+                self.publisher.store_and_forward(survivors)
+
+    def _publish_committed(self) -> None:
+        self._committed = True
+
+    def _rolled_back(self) -> None:
+        self._survivors = self._drop_captured()
 
     def _begin(self) -> RootTransaction:
         """Begin the attempt's transaction."""
@@ -313,38 +331,12 @@ class ConnectionUnitOfWork(UnitOfWork):
 
 
 class _BlockUnitOfWork(ConnectionUnitOfWork):
-    """The unit of work of a ``begin()`` block: its COMMIT goes with the durable messages' INSERT,
-    and it publishes, or after a rollback stores and sends the retry that survives it, once
-    ``close`` gave its connection back to the pool (both take one: blocks ending at once would
-    otherwise wait on the pool for each other, and a pool of one would never hand it out)."""
+    """The unit of work of a ``begin()`` block: its COMMIT goes with the durable messages' INSERT."""
 
     commits_with_insert = True
     ended_inside = ("the unit of work's transaction was ended inside its block (commit() or rollback() on its "
                     "connection or Session): let the block end it, committing, or raise an exception to roll it "
                     "back; its messages are dropped")
-
-    def __init__(self, publisher: "Publisher"):
-        super().__init__(publisher)
-        self._survivors: list[OutgoingMessage] = []
-
-    def _publish_committed(self) -> None:
-        self._committed = True
-
-    def _rolled_back(self) -> None:
-        self._survivors = self._drop_captured()
-
-    def close(self) -> None:
-        """Give the connection back to the pool, then publish what a commit left to publish, or
-        store and send what survived a rollback."""
-        try:
-            super().close()
-        finally:
-            survivors, self._survivors = self._survivors, []
-            if self._committed:
-                self._committed = False
-                UnitOfWork._publish_committed(self)
-            elif survivors:
-                self.publisher.store_and_forward(survivors)
 
 
 @contextmanager

@@ -208,3 +208,40 @@ def test_an_engine_pool_that_cannot_hand_out_a_connection_is_an_outage(database_
         harness.metadata.drop_all(harness.outbox.engine)
         drop_store(harness.outbox.store)
         harness.outbox.engine.dispose()
+
+
+def test_an_attempt_that_fails_or_retries_takes_one_pooled_connection_at_a_time(database_url, table_prefix):
+    """An attempt gives its connection back before it records how it ended and stores the retry
+    that survives its rollback: with a pool of one connection (beside the node's liveness one),
+    a failure is dead-lettered and a retry from a durable queue runs, where holding the attempt's
+    connection would leave the record waiting on the pool (an outage: the message back, again)."""
+    from ..conftest import drop_store
+
+    liveness = 1 if database_url.startswith("postgresql") else 0
+    durable_queue = f"durable_{table_prefix}"
+    harness = Harness(database_url, table_prefix, queue=durable_queue, outbox_durable_queues=[durable_queue],
+                      outbox_engine_options={"pool_size": 1 + liveness, "max_overflow": 0, "pool_timeout": 0.5})
+    try:
+        @harness.app.task(base=IdempotentTask, bind=True, name="shop.one_connection", shared=False)
+        def one_connection(self, outcome):
+            self.connection.execute(insert(harness.effects).values(note=f"{outcome}-{self.request.retries}"))
+            if outcome == "fails":
+                raise ValueError("the body fails")
+            if not self.request.retries:
+                raise self.retry(countdown=0)
+
+        with harness.worker():
+            one_connection.apply_async(("fails",), task_id="fails-1")
+            one_connection.apply_async(("retries",), task_id="retries-1")
+            assert harness.wait_for_state("fails-1", "FAILURE", timeout=30) == ["FAILURE"]
+            assert harness.wait_for_states("retries-1", 2, timeout=30) == ["RETRY", "SUCCESS"]
+        assert dead_letters(harness) == 1
+        with harness.outbox.engine.begin() as conn:
+            notes = conn.execute(text(f"SELECT note FROM {table_prefix}effects")).scalars().all()
+        assert notes == ["retries-1"], "the failure and the first attempt rolled back; the retry committed"
+        assert harness.outbox.store.get_incoming("fails-1").status == "dead"
+    finally:
+        harness.close()
+        harness.metadata.drop_all(harness.outbox.engine)
+        drop_store(harness.outbox.store)
+        harness.outbox.engine.dispose()
