@@ -56,7 +56,10 @@ SETTINGS: tuple[Setting, ...] = (
             "SQLAlchemy URL of the message store. PostgreSQL (`postgresql+psycopg://...`) in production; "
             "the SQLite default needs no server."),
     Setting("engine_options", None, parse.mapping,
-            "Extra keyword arguments for `sqlalchemy.create_engine` (pool size, echo, ...)."),
+            "Extra keyword arguments for `sqlalchemy.create_engine` (pool size, echo, ...). On PostgreSQL, "
+            "`connect_args` adds to the library's connection options or overrides them: a 5 s connect timeout, "
+            "TCP keepalives and a 30 s `tcp_user_timeout`, so that a connection to a vanished server fails "
+            "within about a minute ([faults.md](faults.md))."),
     Setting("durable_queues", None, parse.queue_names,
             "Queues whose messages are stored in the outgoing table in the sender's transaction and relayed, "
             "and whose consumers keep a full envelope in the inbox. A list or a comma-separated string."),

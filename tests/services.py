@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import socket
+import subprocess
 from urllib.parse import urlsplit
 
 import pytest
@@ -70,6 +72,51 @@ def require(service: str) -> str:
     return URLS[service]
 
 
+@functools.lru_cache(maxsize=None)
+def _packet_filter_reason() -> str | None:
+    if _iptables() is None:
+        return "dropping packets needs iptables (Debian's iptables package)"
+    listed = subprocess.run([_iptables(), "-L", "OUTPUT", "-n"], capture_output=True, text=True)
+    if listed.returncode != 0:
+        return f"iptables cannot read the OUTPUT chain here (root with CAP_NET_ADMIN?): {listed.stderr.strip()}"
+    return None
+
+
+def _iptables() -> str | None:
+    return shutil.which("iptables-legacy") or shutil.which("iptables")
+
+
+def require_packet_filter() -> None:
+    """Skip (fail under CELERY_OUTBOX_REQUIRE_SERVICES=1) unless iptables can drop packets here."""
+    reason = _packet_filter_reason()
+    if reason is not None:
+        if services_required():
+            pytest.fail(f"{reason}; CELERY_OUTBOX_REQUIRE_SERVICES=1 demands it")
+        pytest.skip(reason)
+
+
+class PacketDrop:
+    """iptables rules that drop every packet between two local TCP ports, both ways: a connection
+    that goes silent for good, with no reset ever reaching either end, as one to a host that
+    vanished from the network does. ``remove`` takes the rules out again (a later connection
+    may get the same port)."""
+
+    def __init__(self) -> None:
+        self._rules: list[list[str]] = []
+
+    def silence(self, port: int, peer_port: int) -> None:
+        for source, destination in ((port, peer_port), (peer_port, port)):
+            rule = ["OUTPUT", "-p", "tcp", "-s", "127.0.0.1", "-d", "127.0.0.1", "--sport", str(source),
+                    "--dport", str(destination), "-j", "DROP"]
+            subprocess.run([_iptables(), "-I", *rule], check=True, capture_output=True)
+            self._rules.append(rule)
+
+    def remove(self) -> None:
+        for rule in self._rules:
+            subprocess.run([_iptables(), "-D", *rule], capture_output=True)
+        self._rules.clear()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -101,6 +148,7 @@ class TcpProxy:
         self.port = free_port()
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
+        self._clients: list[socket.socket] = []
         self._lock = threading.Lock()
 
     def start(self) -> "TcpProxy":
@@ -133,6 +181,7 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._connections.update((client, upstream))
+                self._clients.append(client)
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
 
@@ -148,6 +197,31 @@ class TcpProxy:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def go_silent(self, drop: PacketDrop) -> int:
+        """Every connection open now goes silent for good while new ones are served, as a failover
+        that moves the service's address leaves the old ones: ``drop`` drops the packets between
+        each client and the proxy, then the proxy ends the session behind it (the old server is
+        gone, and what it held with it). The clients hear nothing, neither data nor a reset. The
+        number of connections silenced."""
+        with self._lock:
+            pairs, self._clients = self._clients, []
+        silenced = 0
+        for client in pairs:
+            try:
+                drop.silence(client.getpeername()[1], self.port)
+            except OSError:  # the client had closed it already
+                continue
+            silenced += 1
+        with self._lock:
+            for sock in self._connections:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+                except OSError:
+                    pass
+            self._connections.clear()
+        return silenced
 
     def stop(self) -> None:
         if self._listener is not None:
@@ -165,3 +239,4 @@ class TcpProxy:
                 except OSError:
                     pass
             self._connections.clear()
+            self._clients.clear()

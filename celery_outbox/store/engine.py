@@ -7,8 +7,12 @@ without lock-upgrade deadlocks. A pooled connection that sat idle for
 database dropped it); a busy one is not, which saves a round trip per task under
 load. A statement that still meets a dropped connection fails like any database
 error: the inbox hands its message back to the broker, maintenance runs again.
-PostgreSQL needs psycopg 3 (``pip install celery-outbox[postgres]``); a missing
-driver is reported as such.
+PostgreSQL connections get ``POSTGRES_CONNECT_ARGS`` unless the URL or the engine options
+set them: a server that goes silent (a failover that moves its address, a host gone without
+resetting its connections) fails a statement within about a minute, as a dropped connection
+does, instead of leaving it waiting for the kernel's limits (a quarter of an hour of
+retransmissions, two hours before a keepalive probe). PostgreSQL needs psycopg 3
+(``pip install celery-outbox[postgres]``); a missing driver is reported as such.
 """
 
 from __future__ import annotations
@@ -25,13 +29,19 @@ from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 
 from ..errors import ConfigurationError
 
-__all__ = ["build_engine", "is_secret_name", "masked_options", "safe_url", "redact"]
+__all__ = ["POSTGRES_CONNECT_ARGS", "build_engine", "is_secret_name", "masked_options", "safe_url", "redact"]
 
 MASK = "***"
 _QUOTED_MASK = "%2A%2A%2A"  # the mask as a URL's query renders it
 _SECRET_NAME = re.compile(r"pass|secret|token", re.IGNORECASE)
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: libpq's connection options the library sets (over TCP; a Unix socket ignores the keepalives):
+#: give up connecting after 5 s; probe a connection idle for 30 s every 10 s; and fail one whose
+#: sent data, or probes, the server has not acknowledged for 30 s
+POSTGRES_CONNECT_ARGS: Mapping[str, int] = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 30,
+                                            "keepalives_interval": 10, "keepalives_count": 3,
+                                            "tcp_user_timeout": 30_000}
 PING_AFTER_IDLE = 0.05  # seconds a pooled connection may sit idle before it is pinged on checkout
 _IDLE_SINCE = "celery_outbox_idle_since"
 
@@ -191,8 +201,9 @@ def build_engine(database_url: str, options: Mapping[str, Any] | None = None) ->
         )
     url = _normalise_postgres(url)
     kwargs: dict[str, Any] = dict(options or {})
-    if backend == "postgresql":  # a given connect_args adds to the timeout, or overrides it
-        kwargs["connect_args"] = {"connect_timeout": 5, **kwargs.get("connect_args", {})}
+    if backend == "postgresql":  # the URL's query and a given connect_args override the library's options
+        library = {name: value for name, value in POSTGRES_CONNECT_ARGS.items() if name not in url.query}
+        kwargs["connect_args"] = {**library, **kwargs.get("connect_args", {})}
     try:
         engine = create_engine(url, **kwargs)
     except (ArgumentError, NoSuchModuleError, TypeError) as exc:

@@ -9,6 +9,8 @@ while the database's connections fail:
   terminated at random moments (``pg_terminate_backend``), with prefork, threads, gevent and
   solo consumers, and with plain Celery tasks on the durable queue;
 * the database refusing every connection for 10 s (a proxy that cuts and refuses), then back;
+* a failover that moves the database's address: every open connection silent for good (its
+  packets dropped, no reset ever comes), new ones served;
 * the server ending idle sessions (``idle_session_timeout``), as poolers and cloud databases do:
   every pooled connection and every liveness connection is cut between two uses;
 * bodies that raise ``Reject(requeue=True)`` and pool processes lost mid-body
@@ -27,7 +29,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from ..conftest import SUMMARY_LINE
-from ..services import TcpProxy, require
+from ..services import PacketDrop, TcpProxy, require, require_packet_filter
 from ..throwaway import ThrowawayPostgres
 from .chaos import KINDS, ConnectionKiller
 from .harness import FaultRun, assert_invariants, play
@@ -96,6 +98,37 @@ def test_database_refusing_connections_for_ten_seconds(redis_url, tmp_path, reco
     finally:
         proxy.stop()
     assert outage_over.is_set()
+    assert_invariants(outcome)
+
+
+def test_database_address_moving_silences_every_open_connection(redis_url, tmp_path, record_property):
+    """Every process reaches PostgreSQL through a proxy. At 40% of the orders paid, the database's
+    address moves, as a failover behind a DNS name or a virtual IP does: every connection open then
+    goes silent for good (packets dropped both ways: no data, no reset), its server session ended,
+    while new connections reach the database. A statement waiting on a silent connection, and a
+    pooled or liveness connection pinged, fail within the library's TCP timeouts
+    (``POSTGRES_CONNECT_ARGS``) as a dropped connection does: claims go back to the broker, nodes
+    take their liveness again, and every effect still commits once."""
+    require_packet_filter()
+    database_url = require("postgres")
+    target = urlsplit(database_url.replace("+psycopg", ""))
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 5432).start()
+    proxied = database_url.replace(f"{target.hostname}:{target.port}", f"127.0.0.1:{proxy.port}")
+    run = FaultRun("database address moved: open connections silent", tmp_path, redis_url, proxied, orders=120,
+                   body_seconds=0.02)
+    drop, silenced = PacketDrop(), []
+
+    def failover() -> None:
+        silenced.append(proxy.go_silent(drop))
+        run.count_fault()
+
+    run.at_progress(0.4, failover)
+    try:
+        outcome = play(run, record_property)
+    finally:
+        drop.remove()
+        proxy.stop()
+    assert silenced and silenced[0] > 0, "connections were open at the failover"
     assert_invariants(outcome)
 
 

@@ -8,10 +8,13 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from celery_outbox.store import Store, build_engine
 from celery_outbox.store import engine as engine_module
@@ -98,20 +101,51 @@ def test_an_explicit_pool_pre_ping_is_kept(postgres_url):
         engine.dispose()
 
 
-def test_given_connect_args_keep_the_connect_timeout(postgres_url):
-    """``outbox_engine_options = {"connect_args": {...}}`` adds to the library's connect timeout."""
-    engine = build_engine(postgres_url, {"connect_args": {"prepare_threshold": None}})
+def tcp_options(conn) -> dict[str, int]:
+    """The keepalive and user-timeout options of the socket under a pooled connection, as the
+    kernel has them."""
+    fd = conn.connection.driver_connection.pgconn.socket
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        return {"keepalive": sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                "idle": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                "interval": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                "count": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+                "user_timeout_ms": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)}
+
+
+def test_connections_get_the_librarys_timeouts_and_keepalives(postgres_url):
+    """Over TCP, every connection gives up connecting after 5 s, probes the server when idle for
+    30 s, and fails when what it sent goes unacknowledged for 30 s (``POSTGRES_CONNECT_ARGS``):
+    read off the connection's socket."""
+    engine = build_engine(postgres_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.connection.driver_connection.info.get_parameters()["connect_timeout"] == "5"
+            assert tcp_options(conn) == {"keepalive": 1, "idle": 30, "interval": 10, "count": 3,
+                                         "user_timeout_ms": 30_000}
+    finally:
+        engine.dispose()
+
+
+def test_given_connect_args_and_the_urls_query_override_the_librarys_options(postgres_url):
+    """``outbox_engine_options = {"connect_args": {...}}`` adds to the library's options or overrides
+    them, and so does the URL's query: what the user wrote wins."""
+    engine = build_engine(postgres_url, {"connect_args": {"prepare_threshold": None, "connect_timeout": 2}})
     try:
         with engine.connect() as conn:
             driver = conn.connection.driver_connection
             assert driver.prepare_threshold is None
-            assert driver.info.get_parameters()["connect_timeout"] == "5"
+            assert driver.info.get_parameters()["connect_timeout"] == "2"
+            assert tcp_options(conn)["idle"] == 30
     finally:
         engine.dispose()
-    engine = build_engine(postgres_url, {"connect_args": {"connect_timeout": 2}})
+    engine = build_engine(make_url(postgres_url).update_query_dict({"keepalives_idle": "45",
+                                                                   "tcp_user_timeout": "9000"})
+                          .render_as_string(hide_password=False))
     try:
         with engine.connect() as conn:
-            assert conn.connection.driver_connection.info.get_parameters()["connect_timeout"] == "2"
+            options = tcp_options(conn)
+            assert (options["idle"], options["user_timeout_ms"], options["interval"]) == (45, 9_000, 10)
     finally:
         engine.dispose()
 
