@@ -205,22 +205,15 @@ class TcpProxy:
         gone, and what it held with it). The clients hear nothing, neither data nor a reset. The
         number of connections silenced."""
         with self._lock:
-            pairs, self._clients = self._clients, []
+            clients, self._clients = self._clients, []
         silenced = 0
-        for client in pairs:
+        for client in clients:
             try:
                 drop.silence(client.getpeername()[1], self.port)
             except OSError:  # the client had closed it already
                 continue
             silenced += 1
-        with self._lock:
-            for sock in self._connections:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    sock.close()
-                except OSError:
-                    pass
-            self._connections.clear()
+        self._cut_all()
         return silenced
 
     def stop(self) -> None:
@@ -231,6 +224,10 @@ class TcpProxy:
             except OSError:
                 pass
             listener.close()
+        self._cut_all()
+
+    def _cut_all(self) -> None:
+        """Close both ends of every connection the proxy holds."""
         with self._lock:
             for sock in self._connections:
                 try:
