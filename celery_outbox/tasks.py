@@ -16,7 +16,8 @@ Celery re-sends a lost attempt only while its retries are below ``max_retries``;
 that cap it acks the message as failed. ``OutboxRequest`` (the worker's request
 class of both bases) first ends such an attempt as a dead letter (reason
 ``worker_lost``), or, when the store cannot take it, hands the message back to the
-broker: never a silent ack.
+broker: never a silent ack. When a copy of the message was handled meanwhile, the copy's
+outcome stands: no dead letter, no FAILURE over the copy's result.
 
 ``InboxTask`` is the base ``Outbox(app)`` installs as the app's task class: a task
 consumed from a durable queue gets its envelope stored and its duplicates
@@ -27,6 +28,7 @@ rejected (eager style: the claim commits before the body) whether or not it is a
 from __future__ import annotations
 
 import logging
+from enum import Enum
 from typing import Any, Callable, ContextManager
 
 from billiard.einfo import ExceptionInfo
@@ -78,6 +80,15 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
     return lambda: call(*args, **kwargs)
 
 
+class LostAttemptEnd(Enum):
+    """How the worker's main process ended an attempt whose pool process was lost past the cap."""
+
+    DEAD_LETTERED = "dead_lettered"  #: the dead letter committed: the task fails as in plain Celery
+    ANOTHER_ATTEMPTS_OUTCOME = "another_attempts_outcome"  #: a copy was handled meanwhile, or a later attempt
+    #: holds the key: that attempt's outcome is the message's
+    NOT_RECORDED = "not_recorded"  #: the store could not take it: the message goes back to the broker
+
+
 class OutboxRequest(HookedRequest):
     """The worker's request (in the worker's main process): a pool process lost running an
     inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; an
@@ -127,11 +138,22 @@ class OutboxRequest(HookedRequest):
                     **log_fields.of_delivery(delivery))
 
     def on_failure(self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        """An attempt lost past the cap ends as a dead letter, then fails as in plain Celery
+        (FAILURE(WorkerLostError), errbacks, the ``task-failed`` event). When the store cannot take
+        the dead letter the message goes back to the broker. When a copy of the message was
+        handled meanwhile (or a later attempt holds its key), that attempt's outcome is the
+        message's: the delivery is acked with no failure, so the copy's SUCCESS stays in the
+        result backend and no errback runs."""
         exc = exc_info.exception
         exc = unwrap_exception(exc)
-        if self._lost_past_the_cap(exc) and not self._dead_lettered(exc):
-            self.reject(requeue=True)  # the store could not take the dead letter: the message comes back
-            return
+        if self._lost_past_the_cap(exc):
+            ended = self._end_lost_attempt(exc)
+            if ended is LostAttemptEnd.NOT_RECORDED:
+                self.reject(requeue=True)
+                return
+            if ended is LostAttemptEnd.ANOTHER_ATTEMPTS_OUTCOME:
+                self.acknowledge()
+                return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def resending_lost_attempt(self) -> ContextManager[Any]:
@@ -147,9 +169,9 @@ class OutboxRequest(HookedRequest):
             return False
         return task.max_retries is not None and (request_context(self).retries or 0) >= task.max_retries
 
-    def _dead_lettered(self, exc: BaseException) -> bool:
-        """Write the dead letter (none when another attempt of the message was handled meanwhile);
-        False (logged) when the store cannot take it."""
+    def _end_lost_attempt(self, exc: BaseException) -> LostAttemptEnd:
+        """Write the dead letter, in one transaction with the attempt's end (none when another
+        attempt of the message was handled meanwhile); how it ended, logged."""
         task, context = self.task, request_context(self)
         inbox = installed_inbox(task.app)
         delivery = Delivery.from_context(task, context, inbox.runtime.settings)
@@ -161,18 +183,19 @@ class OutboxRequest(HookedRequest):
             logger.error("celery-outbox: cannot dead-letter %s[%s], lost with its worker process %d times; the "
                          "message goes back to the broker: %s", task.name, self.id, (context.retries or 0) + 1, error,
                          **log_fields.of_delivery(delivery))
-            return False
+            return LostAttemptEnd.NOT_RECORDED
         finally:
             task.request_stack.pop()
         if not stored:
             logger.warning("celery-outbox: %s[%s] lost its worker process %d times (max_retries %s); another "
-                           "attempt of it was handled meanwhile: no dead letter", task.name, self.id,
-                           (context.retries or 0) + 1, task.max_retries, **log_fields.of_delivery(delivery))
-            return True
+                           "attempt of it was handled meanwhile or holds its key: no dead letter, acked with no "
+                           "failure", task.name, self.id, (context.retries or 0) + 1, task.max_retries,
+                           **log_fields.of_delivery(delivery))
+            return LostAttemptEnd.ANOTHER_ATTEMPTS_OUTCOME
         logger.error("celery-outbox: %s[%s] lost its worker process %d times (max_retries %s); dead-lettered "
                      "(reason worker_lost)", task.name, self.id, (context.retries or 0) + 1, task.max_retries,
                      **log_fields.of_delivery(delivery))
-        return True
+        return LostAttemptEnd.DEAD_LETTERED
 
 
 class InboxTask(Task):

@@ -17,8 +17,11 @@ import signal
 from types import SimpleNamespace
 
 from celery import Celery, signals
+from sqlalchemy import update
 
-from celery_outbox import Outbox
+from celery_outbox import IdempotentTask, Outbox
+from celery_outbox.store import utcnow
+from celery_outbox.vocabulary import IncomingStatus
 
 
 def create(broker_url: str, result_backend: str, queue: str, durable_queue: str, database_url: str | None = None,
@@ -52,8 +55,22 @@ def create(broker_url: str, result_backend: str, queue: str, durable_queue: str,
         """A chord's body."""
         return sum(values)
 
+    lost_after_a_copy = None
+    if outbox is not None:
+        @app.task(base=IdempotentTask, bind=True, name="results.lost_after_a_copy", shared=False, max_retries=0)
+        def lost_after_a_copy(self) -> None:
+            """Plays a copy of its own message handled elsewhere (its inbox row handled, its
+            result not stored yet), then kills its own pool process past the re-send cap."""
+            incoming = outbox.store.tables.incoming
+            with outbox.store.begin() as conn:
+                conn.execute(update(incoming).where(incoming.c.message_id == self.request.id)
+                             .values(status=IncomingStatus.HANDLED.value, owner=0, handled_at=utcnow()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        lost_after_a_copy.idempotency = "eager"  # its claim commits before the body, for the body to update
+
     return SimpleNamespace(app=app, outbox=outbox, add=add, lose_worker=lose_worker, record_error=record_error,
-                           total=total)
+                           total=total, lost_after_a_copy=lost_after_a_copy)
 
 
 def unknown_signal_key(task_id: str) -> str:

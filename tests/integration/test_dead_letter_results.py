@@ -60,7 +60,7 @@ def world(tmp_path_factory):
         for worker in workers:
             worker.wait_ready()
         yield SimpleNamespace(plain=plain, outboxed=outboxed, queues=queues, redis_url=redis_url,
-                              postgres_url=postgres_url)
+                              postgres_url=postgres_url, outbox_worker=workers[1])
     finally:
         for worker in workers:
             worker.stop(cold=True)
@@ -227,6 +227,25 @@ def test_a_lost_worker_fails_with_worker_lost_error(world, shop):
 def errback_ran(world, task_id):
     return wait_until(lambda: world.plain.app.backend.client.get(results_app.errback_key(task_id)),
                       timeout=TIMEOUT, message=f"the errback of {task_id}")
+
+
+def test_a_lost_attempt_of_a_message_a_copy_handled_does_not_fail_it(world):
+    """The pool process running an attempt dies past the re-send cap after a copy of its message
+    was handled (here the body plays the copy: it marks its inbox row handled, its result not
+    stored yet). The copy's outcome is the message's: no dead letter, the delivery is acked, no
+    FAILURE(WorkerLostError) is stored over the copy's result and the errback does not run."""
+    errback = world.outboxed.record_error.s().set(queue=world.queues.outbox)
+    lost = world.outboxed.lost_after_a_copy.apply_async(queue=world.queues.outbox, link_error=errback)
+    wait_until(lambda: f"[{lost.id}] lost its worker process 1 times" in world.outbox_worker.log(), timeout=TIMEOUT,
+               message="the worker's main process ending the lost attempt")
+    # the worker runs one task at a time from one queue: an errback sent on the failure would run before this
+    assert world.outboxed.add.apply_async((1, 2), queue=world.queues.outbox).get(timeout=TIMEOUT) == 3
+    assert lost.state == "PENDING", "nothing stored over the copy's result"
+    assert world.outboxed.app.backend.client.get(results_app.errback_key(lost.id)) is None, "no errback ran"
+    assert dead_letters(world.outboxed.outbox, lost.id) == []
+    assert world.outboxed.outbox.store.get_incoming(lost.id).status == "handled"
+    unacked = world.outboxed.app.backend.client.hvals("unacked")
+    assert not any(lost.id.encode() in message for message in unacked), "the delivery is acked"
 
 
 def test_a_lost_worker_calls_its_errbacks_and_fails_the_rest_of_its_chain(world, shop):
