@@ -12,7 +12,7 @@ from sqlalchemy.exc import ArgumentError
 
 from ..errors import ConfigurationError
 
-__all__ = ["APP", "database_url", "installed", "outbox_settings", "same_database"]
+__all__ = ["APP", "database_url", "installed", "libpq_options", "outbox_settings", "same_database"]
 
 APP = "celery_outbox.django"
 _DRIVERS = {"django.db.backends.postgresql": "postgresql+psycopg", "django.db.backends.sqlite3": "sqlite"}
@@ -32,7 +32,9 @@ def installed() -> bool:
 
 def database_url(using: str) -> str:
     """The SQLAlchemy URL of Django's database ``using`` (the test database's, under Django's test
-    runner): PostgreSQL through psycopg 3, or SQLite."""
+    runner): PostgreSQL through psycopg 3, or SQLite. A PostgreSQL URL carries the ``OPTIONS``
+    that are libpq connection parameters (``libpq_options``), so the outbox's engine connects as
+    Django's connections do."""
     from django.db import connections
 
     try:
@@ -47,13 +49,26 @@ def database_url(using: str) -> str:
                                  "PostgreSQL or SQLite")
     if driver == "sqlite":
         return URL.create("sqlite", database=str(settings_dict["NAME"])).render_as_string(hide_password=False)
-    options = settings_dict.get("OPTIONS") or {}
-    query = {key: str(value) for key, value in options.items() if key in ("sslmode", "application_name")}
+    query = libpq_options(settings_dict.get("OPTIONS") or {})
     return URL.create(
         driver, username=settings_dict.get("USER") or None, password=settings_dict.get("PASSWORD") or None,
         host=settings_dict.get("HOST") or None, port=int(settings_dict["PORT"]) if settings_dict.get("PORT") else None,
         database=settings_dict.get("NAME") or None, query=query,
     ).render_as_string(hide_password=False)
+
+
+def libpq_options(options: dict[str, Any]) -> dict[str, str]:
+    """The entries of a Django PostgreSQL database's ``OPTIONS`` that are libpq connection
+    parameters, as text: TLS (``sslmode``, ``sslrootcert``...), keepalives and
+    ``tcp_user_timeout`` (they override the library's, ``POSTGRES_CONNECT_ARGS``), ``options``
+    (a ``search_path``: the schema where ``manage.py migrate`` made the tables),
+    ``target_session_attrs``... Django's own entries (``isolation_level``, ``pool``,
+    ``server_side_binding``, ``assume_role``) and psycopg's keyword arguments are not libpq's
+    and stay Django's."""
+    from psycopg import pq
+
+    keywords = {option.keyword.decode() for option in pq.Conninfo.get_defaults()}
+    return {key: str(value) for key, value in options.items() if key in keywords and value is not None}
 
 
 def outbox_settings() -> Any:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 from django.core.management import call_command
 from django.db import connections
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.engine import make_url
 
 from celery_outbox.django.settings import database_url
 from celery_outbox.store import Store
 
 from ..conftest import drop_store, unique_prefix
+from ..integration.test_engine_and_commits import tcp_options
 
 pytestmark = pytest.mark.django_db(databases=["default", "pg"], transaction=True)
 
@@ -99,3 +101,29 @@ def test_only_an_outbox_whose_store_is_the_django_database_joins_its_transaction
     assert outbox().runtime.joins_django
     assert outbox(database_url=database_url("default")).runtime.joins_django
     assert not outbox(database_url=f"sqlite:///{tmp_path / 'other.sqlite3'}").runtime.joins_django
+
+
+@pytest.mark.parametrize("using", ["pg"], indirect=True)
+def test_the_outbox_engine_connects_with_the_libpq_options_of_django(using, monkeypatch):
+    """The entries of the database's ``OPTIONS`` that are libpq connection parameters reach the
+    outbox's own engine, read off its real connection (a keepalive and the user timeout on the
+    socket, a ``search_path``); Django's own entries do not, and the library's keepalive options
+    fill in the rest."""
+    from celery import Celery
+    from psycopg import IsolationLevel
+
+    from celery_outbox import Outbox
+
+    options = {"keepalives_idle": 7, "tcp_user_timeout": 12_000, "options": "-c search_path=outbox_schema,public",
+               "isolation_level": IsolationLevel.SERIALIZABLE, "server_side_binding": True, "pool": False}
+    monkeypatch.setitem(connections[using].settings_dict, "OPTIONS", options)
+    assert set(make_url(database_url(using)).query) == {"keepalives_idle", "tcp_user_timeout", "options"}
+    outbox = Outbox(Celery(f"dj_{unique_prefix()}", broker="memory://", set_as_current=False), django_database=using)
+    try:
+        with outbox.engine.connect() as conn:
+            assert conn.execute(text("SHOW search_path")).scalar_one() == "outbox_schema,public"
+            assert tcp_options(conn) == {"keepalive": 1, "idle": 7, "interval": 10, "count": 3,
+                                         "user_timeout_ms": 12_000}
+            assert conn.execute(text("SHOW transaction_isolation")).scalar_one() == "read committed"
+    finally:
+        outbox.engine.dispose()
