@@ -331,7 +331,7 @@ class Inbox:
                     claimed = store.claim_incoming_alone(row, self._stale_before(now), uow.connection_before_begin,
                                                          self.runtime.settings.silent_before(now))
                 if not claimed:
-                    with _store_errors(), store.begin(durable=False) as conn:
+                    with _store_errors(), store.begin(durable=False, on=uow.connection_before_begin) as conn:
                         raise self._not_claimed(conn, delivery)
             crashpoint("after_claim")
             try:

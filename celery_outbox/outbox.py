@@ -143,9 +143,9 @@ class Outbox:
     def _size_engine_for(self, worker: Any) -> None:
         """A worker whose pool runs its tasks in threads or greenlets of one process (threads,
         gevent, eventlet) shares one engine among them: size its pool from the concurrency, so
-        that every task can hold its attempt's connection beside the node's heartbeat and
-        liveness connections, with as many again in overflow for the second one a task takes
-        for a moment (a copy reading the claim it met). An engine given to
+        that every task can hold its attempt's connection (one at a time) beside the node's
+        heartbeat and liveness connections, with as many again in overflow for whatever else in
+        the process uses the engine at the same moment. An engine given to
         ``Outbox(app, engine=...)`` or a ``pool_size`` in ``outbox_engine_options`` is the user's:
         a warning says when it is smaller."""
         concurrency = threaded_concurrency(worker)

@@ -104,8 +104,10 @@ class StoreBase:
             f"cannot use the message store at {self.describe()}: {redact(message, self.engine.url)}"
         )
 
-    def begin(self, durable: bool = True, lock_wait: float | None = None):
-        """A short transaction of its own: ``with store.begin() as conn: ...``.
+    def begin(self, durable: bool = True, lock_wait: float | None = None, on: Connection | None = None):
+        """A short transaction of its own: ``with store.begin() as conn: ...``, on a pooled
+        connection, or on ``on``, a connection between transactions that the caller holds
+        (so that the caller takes no second connection from the pool).
 
         ``durable=False`` is for bookkeeping that no irreversible act (an ack, a reply,
         an effect) waits for, and whose loss in a database crash only makes a message
@@ -117,7 +119,7 @@ class StoreBase:
         waits for a row another transaction holds (``lock_timeout``): past it the statement
         raises instead of holding up its caller.
         """
-        return _Transaction(self, durable, lock_wait)
+        return _Transaction(self, durable, lock_wait, on)
 
     def ping(self) -> None:
         """Raise ``StoreUnavailable`` unless the database answers."""
@@ -158,16 +160,23 @@ class _Transaction:
     """``with store.begin() as conn``: commit on success, roll back on error, and turn a
     database that cannot be reached into ``StoreUnavailable`` naming the store."""
 
-    def __init__(self, store: StoreBase, durable: bool = True, lock_wait: float | None = None):
+    def __init__(self, store: StoreBase, durable: bool = True, lock_wait: float | None = None,
+                 on: Connection | None = None):
         self.store = store
         self.durable = durable
         self.lock_wait = lock_wait
+        self.on = on
         self._context = None
 
     def __enter__(self) -> Connection:
         try:
-            self._context = self.store.engine.begin()
-            conn = self._context.__enter__()
+            if self.on is None:
+                self._context = self.store.engine.begin()
+                conn = self._context.__enter__()
+            else:  # a Connection's transaction enters as itself, not as its connection
+                self._context = self.on.begin()
+                self._context.__enter__()
+                conn = self.on
             if not self.durable and self.store.is_postgres:
                 conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
             if self.lock_wait is not None and self.store.is_postgres:

@@ -149,6 +149,8 @@ class IncomingStatements(OneMessage):
                              then_begin: Connection | None = None, silent_before: datetime | None = None) -> bool:
         """``claim_incoming`` in a transaction of its own that commits without waiting for the
         WAL flush (``begin(durable=False)``): the eager claim, made durable by the body's commit.
+        Given ``then_begin``, a connection between transactions, the claim goes on it whichever
+        way it is made: the caller takes no second connection from the pool.
 
         On PostgreSQL a new key, the common case, costs one round trip instead of four: BEGIN,
         ``SET LOCAL synchronous_commit TO OFF``, the ``INSERT ... ON CONFLICT DO NOTHING`` and
@@ -164,7 +166,7 @@ class IncomingStatements(OneMessage):
             then_begin) if self.is_postgres else None
         if inserted:
             return True
-        with self.begin(durable=False) as conn:
+        with self.begin(durable=False, on=then_begin) as conn:
             if inserted is None:  # not sent as one message
                 return self.claim_incoming(conn, row, stale_before, silent_before)
             return self._take_over_incoming(conn, row, stale_before, silent_before)

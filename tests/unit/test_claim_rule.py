@@ -245,3 +245,37 @@ def test_an_attempt_that_fails_or_retries_takes_one_pooled_connection_at_a_time(
         harness.metadata.drop_all(harness.outbox.engine)
         drop_store(harness.outbox.store)
         harness.outbox.engine.dispose()
+
+
+def test_an_eager_attempt_that_meets_its_key_takes_one_pooled_connection_at_a_time(database_url, table_prefix):
+    """An eager attempt whose key exists already claims it, and learns why it could not, on its own
+    connection: with a pool of one connection (beside the node's liveness one), a duplicate is
+    discarded and a retry takes its claim over, where a second connection would leave the claim
+    waiting on the pool (an outage: the message back, again)."""
+    from ..conftest import drop_store
+
+    liveness = 1 if database_url.startswith("postgresql") else 0
+    harness = Harness(database_url, table_prefix,
+                      outbox_engine_options={"pool_size": 1 + liveness, "max_overflow": 0, "pool_timeout": 0.5})
+    try:
+        @harness.app.task(base=IdempotentTask, bind=True, name="shop.eager_one_connection", shared=False)
+        def eager_one_connection(self, n):
+            self.connection.execute(insert(harness.effects).values(note=f"{n}-{self.request.retries}"))
+            if not self.request.retries:
+                raise self.retry(countdown=0)
+
+        eager_one_connection.idempotency = "eager"
+        with harness.worker():
+            eager_one_connection.apply_async((1,), **copy_options("eager-1"))
+            assert harness.wait_for_states("eager-1", 2, timeout=30) == ["RETRY", "SUCCESS"]
+            eager_one_connection.apply_async((1,), **copy_options("eager-1"))  # the broker delivering it again
+            assert harness.wait_for_states("eager-1", 3, timeout=30)[-1] == "IGNORED"
+        with harness.outbox.engine.begin() as conn:
+            notes = conn.execute(text(f"SELECT note FROM {table_prefix}effects")).scalars().all()
+        assert notes == ["1-1"], "the first attempt rolled back with its retry; the retry committed, the copy ran not"
+        assert harness.outbox.store.get_incoming("eager-1").status == "handled"
+    finally:
+        harness.close()
+        harness.metadata.drop_all(harness.outbox.engine)
+        drop_store(harness.outbox.store)
+        harness.outbox.engine.dispose()
