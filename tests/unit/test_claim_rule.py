@@ -210,70 +210,52 @@ def test_an_engine_pool_that_cannot_hand_out_a_connection_is_an_outage(database_
         harness.outbox.engine.dispose()
 
 
-def test_an_attempt_that_fails_or_retries_takes_one_pooled_connection_at_a_time(database_url, table_prefix):
-    """An attempt gives its connection back before it records how it ended and stores the retry
-    that survives its rollback: with a pool of one connection (beside the node's liveness one),
-    a failure is dead-lettered and a retry from a durable queue runs, where holding the attempt's
-    connection would leave the record waiting on the pool (an outage: the message back, again)."""
+@pytest.mark.parametrize("durable", [False, True], ids=["plain-queue", "durable-queue"])
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_an_attempt_takes_one_pooled_connection_at_a_time(database_url, table_prefix, style, durable):
+    """With a pool of one connection (beside the node's liveness one) and no overflow, every way
+    an attempt ends works, in each style, from a plain and from a durable queue: a failure is
+    dead-lettered, a retry takes its claim over and commits with the message its body sent (published
+    once), and a copy is discarded. An attempt that held its connection while it asked the pool for
+    a second (to record how it ended, to store the retry surviving its rollback, to claim a key that
+    exists, to read why it could not) waited on the pool, timed out and counted as an outage: its
+    message went back to the broker, again and again."""
+    from sqlalchemy import func, select
+
     from ..conftest import drop_store
 
     liveness = 1 if database_url.startswith("postgresql") else 0
-    durable_queue = f"durable_{table_prefix}"
-    harness = Harness(database_url, table_prefix, queue=durable_queue, outbox_durable_queues=[durable_queue],
+    queue, sink = f"q_{table_prefix}", f"sink_{table_prefix}"
+    harness = Harness(database_url, table_prefix, queue=queue, outbox_durable_queues=[sink] + [queue] * durable,
                       outbox_engine_options={"pool_size": 1 + liveness, "max_overflow": 0, "pool_timeout": 0.5})
     try:
         @harness.app.task(base=IdempotentTask, bind=True, name="shop.one_connection", shared=False)
         def one_connection(self, outcome):
             self.connection.execute(insert(harness.effects).values(note=f"{outcome}-{self.request.retries}"))
+            harness.app.send_task("shop.sink", (outcome, self.request.retries), queue=sink)
             if outcome == "fails":
                 raise ValueError("the body fails")
             if not self.request.retries:
                 raise self.retry(countdown=0)
 
+        one_connection.idempotency = style
         with harness.worker():
-            one_connection.apply_async(("fails",), task_id="fails-1")
-            one_connection.apply_async(("retries",), task_id="retries-1")
+            one_connection.apply_async(("fails",), **copy_options("fails-1"))
+            one_connection.apply_async(("retries",), **copy_options("retries-1"))
             assert harness.wait_for_state("fails-1", "FAILURE", timeout=30) == ["FAILURE"]
             assert harness.wait_for_states("retries-1", 2, timeout=30) == ["RETRY", "SUCCESS"]
+            one_connection.apply_async(("retries",), **copy_options("retries-1"))  # the broker delivering it again
+            assert harness.wait_for_states("retries-1", 3, timeout=30)[-1] == "IGNORED"
         assert dead_letters(harness) == 1
-        with harness.outbox.engine.begin() as conn:
-            notes = conn.execute(text(f"SELECT note FROM {table_prefix}effects")).scalars().all()
-        assert notes == ["retries-1"], "the failure and the first attempt rolled back; the retry committed"
         assert harness.outbox.store.get_incoming("fails-1").status == "dead"
-    finally:
-        harness.close()
-        harness.metadata.drop_all(harness.outbox.engine)
-        drop_store(harness.outbox.store)
-        harness.outbox.engine.dispose()
-
-
-def test_an_eager_attempt_that_meets_its_key_takes_one_pooled_connection_at_a_time(database_url, table_prefix):
-    """An eager attempt whose key exists already claims it, and learns why it could not, on its own
-    connection: with a pool of one connection (beside the node's liveness one), a duplicate is
-    discarded and a retry takes its claim over, where a second connection would leave the claim
-    waiting on the pool (an outage: the message back, again)."""
-    from ..conftest import drop_store
-
-    liveness = 1 if database_url.startswith("postgresql") else 0
-    harness = Harness(database_url, table_prefix,
-                      outbox_engine_options={"pool_size": 1 + liveness, "max_overflow": 0, "pool_timeout": 0.5})
-    try:
-        @harness.app.task(base=IdempotentTask, bind=True, name="shop.eager_one_connection", shared=False)
-        def eager_one_connection(self, n):
-            self.connection.execute(insert(harness.effects).values(note=f"{n}-{self.request.retries}"))
-            if not self.request.retries:
-                raise self.retry(countdown=0)
-
-        eager_one_connection.idempotency = "eager"
-        with harness.worker():
-            eager_one_connection.apply_async((1,), **copy_options("eager-1"))
-            assert harness.wait_for_states("eager-1", 2, timeout=30) == ["RETRY", "SUCCESS"]
-            eager_one_connection.apply_async((1,), **copy_options("eager-1"))  # the broker delivering it again
-            assert harness.wait_for_states("eager-1", 3, timeout=30)[-1] == "IGNORED"
+        assert harness.outbox.store.get_incoming("retries-1").status == "handled"
         with harness.outbox.engine.begin() as conn:
             notes = conn.execute(text(f"SELECT note FROM {table_prefix}effects")).scalars().all()
-        assert notes == ["1-1"], "the first attempt rolled back with its retry; the retry committed, the copy ran not"
-        assert harness.outbox.store.get_incoming("eager-1").status == "handled"
+            outgoing = harness.outbox.store.tables.outgoing
+            to_sink = conn.execute(select(func.count(), func.count(outgoing.c.sent_at))
+                                   .where(outgoing.c.destination == sink)).one()
+        assert notes == ["retries-1"], "the failure and the first attempt rolled back; the retry committed"
+        assert tuple(to_sink) == (1, 1), "the retry's message to the sink stored and published; no other"
     finally:
         harness.close()
         harness.metadata.drop_all(harness.outbox.engine)
