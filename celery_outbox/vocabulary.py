@@ -83,6 +83,7 @@ REQUEUE_BACKOFF = 1.0
 #: Seconds a bookkeeping statement made on the way of other work waits for a row another transaction
 #: holds, such as the open transaction of an optimistic attempt running its body: in the worker's
 #: main process (a revoked or expired copy's record, a lost process's dead letter, the guard's dead
-#: letters) and in a sender (giving back rows whose publish failed). Past it the statement gives up
-#: and its caller goes on, instead of stalling for the whole of that attempt's body.
+#: letters) and in a sender (giving back rows whose publish failed). On SQLite, where every
+#: transaction takes the one write lock as it begins, the wait is for that lock. Past it the statement
+#: gives up and its caller goes on, instead of stalling for the whole of that attempt's body.
 BUSY_ROW_WAIT = 1.0

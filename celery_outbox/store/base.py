@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..errors import StoreUnavailable
-from .engine import redact, safe_url
+from .engine import SQLITE_BUSY_TIMEOUT_MS, redact, safe_url
 from .schema import UNOWNED, Tables, _incoming_key, build_tables
 
 __all__ = ["StoreBase", "as_utc", "is_content_error", "is_lock_timeout", "is_unique_violation", "utcnow"]
@@ -32,6 +32,7 @@ PG_UNIQUE_VIOLATION = "23505"
 PG_LOCK_NOT_AVAILABLE = "55P03"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
+SQLITE_BUSY = 5
 
 
 def utcnow() -> datetime:
@@ -55,8 +56,11 @@ def is_unique_violation(exc: BaseException) -> bool:
 
 def is_lock_timeout(exc: BaseException) -> bool:
     """True when a statement gave up waiting for a row another transaction holds (PostgreSQL's
-    ``lock_timeout``, set by ``begin(lock_wait=...)``): the database works, the row is busy."""
-    return getattr(getattr(exc, "orig", exc), "sqlstate", None) == PG_LOCK_NOT_AVAILABLE
+    ``lock_timeout``), or a transaction for the write lock another one holds (SQLite's busy
+    timeout), as ``begin(lock_wait=...)`` bounds them: the database works, the row is busy."""
+    orig = getattr(exc, "orig", exc)
+    return getattr(orig, "sqlstate", None) == PG_LOCK_NOT_AVAILABLE or getattr(orig, "sqlite_errorcode", None) \
+        == SQLITE_BUSY
 
 
 def is_content_error(exc: BaseException) -> bool:
@@ -115,9 +119,11 @@ class StoreBase:
         waiting for the WAL flush (``synchronous_commit = off``). The next durable
         commit of any session makes it durable too: the WAL is flushed in order.
 
-        ``lock_wait`` (seconds, PostgreSQL) bounds how long a statement of the transaction
-        waits for a row another transaction holds (``lock_timeout``): past it the statement
-        raises instead of holding up its caller.
+        ``lock_wait`` (seconds) bounds how long the transaction waits for what another one
+        holds: on PostgreSQL a statement for a row (``lock_timeout``), on SQLite the BEGIN for
+        the write lock, which every transaction takes (the busy timeout, for this transaction
+        only). Past it the transaction raises an error ``is_lock_timeout`` recognises, instead
+        of holding up its caller.
         """
         return _Transaction(self, durable, lock_wait, on)
 
@@ -166,29 +172,62 @@ class _Transaction:
         self.durable = durable
         self.lock_wait = lock_wait
         self.on = on
+        self._conn: Connection | None = None
         self._context = None
+        self._busy_timeout_set = False
 
     def __enter__(self) -> Connection:
+        wait_ms = None if self.lock_wait is None else max(1, int(self.lock_wait * 1000))
         try:
-            if self.on is None:
-                self._context = self.store.engine.begin()
-                conn = self._context.__enter__()
-            else:  # a Connection's transaction enters as itself, not as its connection
-                self._context = self.on.begin()
-                self._context.__enter__()
-                conn = self.on
+            conn = self._conn = self.on if self.on is not None else self.store.engine.connect()
+            if wait_ms is not None and not self.store.is_postgres:  # before the BEGIN that waits for the lock
+                self._busy_timeout_set = True
+                _set_busy_timeout(conn, wait_ms)
+            self._context = conn.begin()
+            self._context.__enter__()
             if not self.durable and self.store.is_postgres:
                 conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
-            if self.lock_wait is not None and self.store.is_postgres:
-                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+            if wait_ms is not None and self.store.is_postgres:
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
             return conn
-        except OperationalError as exc:
-            raise self.store.unavailable(exc) from exc
+        except BaseException as exc:
+            self._end()
+            if isinstance(exc, OperationalError):
+                raise self._error(exc) from exc
+            raise
 
     def __exit__(self, exc_type, exc, tb):
         try:
             return self._context.__exit__(exc_type, exc, tb)
         except OperationalError as error:
             if exc is None:
-                raise self.store.unavailable(error) from error
+                raise self._error(error) from error
             raise
+        finally:
+            self._end()
+
+    def _error(self, exc: OperationalError) -> Exception:
+        """``exc`` itself for a lock wait that ran out, else ``StoreUnavailable`` naming the store."""
+        return exc if self.lock_wait is not None and is_lock_timeout(exc) else self.store.unavailable(exc)
+
+    def _end(self) -> None:
+        """The connection as it was: the engine's busy timeout back; a pooled one given back."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            if self._busy_timeout_set and not conn.closed and not conn.invalidated:
+                self._busy_timeout_set = False
+                try:
+                    _set_busy_timeout(conn, SQLITE_BUSY_TIMEOUT_MS)
+                except Exception:  # noqa: BLE001 - a connection with the short timeout must not be pooled
+                    conn.invalidate()
+        finally:
+            if self.on is None:
+                conn.close()
+
+
+def _set_busy_timeout(conn: Connection, milliseconds: int) -> None:
+    """SQLite: the busy timeout of ``conn``, set on the driver's connection itself (a statement
+    through SQLAlchemy would begin a transaction, and with it wait for the write lock)."""
+    conn.connection.dbapi_connection.execute(f"PRAGMA busy_timeout = {milliseconds}")
