@@ -83,10 +83,12 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
 class LostAttemptEnd(Enum):
     """How the worker's main process ended an attempt whose pool process was lost past the cap."""
 
-    DEAD_LETTERED = "dead_lettered"  #: the dead letter committed: the task fails as in plain Celery
-    ANOTHER_ATTEMPTS_OUTCOME = "another_attempts_outcome"  #: a copy was handled meanwhile, or a later attempt
-    #: holds the key: that attempt's outcome is the message's
-    NOT_RECORDED = "not_recorded"  #: the store could not take it: the message goes back to the broker
+    #: the dead letter committed: the task fails as in plain Celery
+    DEAD_LETTERED = "dead_lettered"
+    #: a copy was handled meanwhile, or a later attempt holds the key: that attempt's outcome is the message's
+    ANOTHER_ATTEMPTS_OUTCOME = "another_attempts_outcome"
+    #: the store could not take it: the message goes back to the broker
+    NOT_RECORDED = "not_recorded"
 
 
 class OutboxRequest(HookedRequest):

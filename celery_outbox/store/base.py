@@ -32,7 +32,7 @@ PG_UNIQUE_VIOLATION = "23505"
 PG_LOCK_NOT_AVAILABLE = "55P03"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
-SQLITE_BUSY = 5
+SQLITE_BUSY = 5  # and its extended codes, SQLITE_BUSY_*, in the low byte
 
 
 def utcnow() -> datetime:
@@ -59,8 +59,8 @@ def is_lock_timeout(exc: BaseException) -> bool:
     ``lock_timeout``), or a transaction for the write lock another one holds (SQLite's busy
     timeout), as ``begin(lock_wait=...)`` bounds them: the database works, the row is busy."""
     orig = getattr(exc, "orig", exc)
-    return getattr(orig, "sqlstate", None) == PG_LOCK_NOT_AVAILABLE or getattr(orig, "sqlite_errorcode", None) \
-        == SQLITE_BUSY
+    sqlite_code = getattr(orig, "sqlite_errorcode", None) or 0
+    return getattr(orig, "sqlstate", None) == PG_LOCK_NOT_AVAILABLE or sqlite_code & 0xFF == SQLITE_BUSY
 
 
 def is_content_error(exc: BaseException) -> bool:
@@ -191,6 +191,11 @@ class _Transaction:
                 conn.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
             return conn
         except BaseException as exc:
+            if self._context is not None and self._context.is_active:
+                try:  # a transaction begun on the caller's connection ends here: it stays the caller's
+                    self._context.rollback()
+                except Exception:  # noqa: BLE001 - the error that stopped the BEGIN is the one to raise
+                    pass
             self._end()
             if isinstance(exc, OperationalError):
                 raise self._error(exc) from exc
