@@ -16,7 +16,7 @@ tests/integration/test_unacknowledged_messages.py."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 from celery import Celery
@@ -33,16 +33,22 @@ from ..services import wait_until
 from .test_store_contract import incoming_row, outgoing_row
 
 
-@pytest.fixture
-def outbox(postgres_url, table_prefix):
+def durable_outbox(database_url: str, table_prefix: str) -> Iterator[Outbox]:
+    """An outbox ready on ``database_url`` with one durable queue, ``durable``; its tables
+    dropped after."""
     app = Celery("terminated", broker="memory://", set_as_current=False)
-    app.conf.update(outbox_database_url=postgres_url, outbox_table_prefix=table_prefix,
+    app.conf.update(outbox_database_url=database_url, outbox_table_prefix=table_prefix,
                     outbox_durable_queues=["durable"])
     outbox = Outbox(app).ready()
     yield outbox
     outbox.node.deregister()
     drop_store(outbox.store)
     outbox.engine.dispose()
+
+
+@pytest.fixture
+def outbox(postgres_url, table_prefix):
+    yield from durable_outbox(postgres_url, table_prefix)
 
 
 def delivery(message_id: str) -> Delivery:

@@ -9,26 +9,20 @@ tests/integration/test_terminated_attempts.py.)"""
 from __future__ import annotations
 
 import pytest
-from celery import Celery
 from sqlalchemy.exc import OperationalError
 
-from celery_outbox import Outbox
-from celery_outbox.delivery import Delivery
 from celery_outbox.inbox import InFlight
 from celery_outbox.store import is_lock_timeout
 from celery_outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
 from celery_outbox.tasks import installed_inbox
 from celery_outbox.vocabulary import BUSY_ROW_WAIT
 
+from ..integration.test_terminated_attempts import delivery, durable_outbox
+
 
 @pytest.fixture
 def outbox(sqlite_url, table_prefix):
-    app = Celery("lock_wait", broker="memory://", set_as_current=False)
-    app.conf.update(outbox_database_url=sqlite_url, outbox_table_prefix=table_prefix,
-                    outbox_durable_queues=["durable"])
-    outbox = Outbox(app).ready()
-    yield outbox
-    outbox.engine.dispose()
+    yield from durable_outbox(sqlite_url, table_prefix)
 
 
 @pytest.fixture
@@ -50,10 +44,6 @@ def busy_timeouts(outbox) -> list[int]:
     finally:
         for conn in held:
             conn.close()
-
-
-def delivery(message_id: str) -> Delivery:
-    return Delivery(message_id=message_id, destination="", task_name="t.busy", queue="durable", retries=0, nesting=0)
 
 
 def test_a_bounded_transaction_gives_up_on_the_write_lock_another_holds(outbox, write_lock_held):
