@@ -174,14 +174,14 @@ class _Transaction:
         self.on = on
         self._conn: Connection | None = None
         self._context = None
-        self._busy_timeout_set = False
+        #: SQLite: the wait is the connection's busy timeout, set for this transaction only
+        self._sets_busy_timeout = lock_wait is not None and not store.is_postgres
 
     def __enter__(self) -> Connection:
         wait_ms = None if self.lock_wait is None else max(1, int(self.lock_wait * 1000))
         try:
             conn = self._conn = self.on if self.on is not None else self.store.engine.connect()
-            if wait_ms is not None and not self.store.is_postgres:  # before the BEGIN that waits for the lock
-                self._busy_timeout_set = True
+            if self._sets_busy_timeout:  # before the BEGIN that waits for the lock
                 _set_busy_timeout(conn, wait_ms)
             self._context = conn.begin()
             self._context.__enter__()
@@ -221,8 +221,7 @@ class _Transaction:
         if conn is None:
             return
         try:
-            if self._busy_timeout_set and not conn.closed and not conn.invalidated:
-                self._busy_timeout_set = False
+            if self._sets_busy_timeout and not conn.closed and not conn.invalidated:
                 try:
                     _set_busy_timeout(conn, SQLITE_BUSY_TIMEOUT_MS)
                 except Exception:  # noqa: BLE001 - a connection with the short timeout must not be pooled
