@@ -70,7 +70,9 @@ def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], An
 
     Celery's tracer (a worker, or ``apply``) pushes the task and its request before it calls a
     task with a ``__call__`` of its own. When the next ``__call__`` is Celery's ``Task.__call__``,
-    which would push both again (a copy of the request, built anew), the body runs directly, as
+    which would push both again (a copy of the request, built anew; before Celery 5.5 from the
+    arguments alone, with no id, so that a ``retry`` or ``replace`` in the body would not be
+    known as the running task's), the body runs directly, as
     Celery runs a task without a ``__call__`` of its own. Called directly (no request pushed),
     and with a ``__call__`` of another class in between, the next one runs as usual."""
     call = super(cls, task).__call__
@@ -201,7 +203,9 @@ class OutboxRequest(HookedRequest):
 
 
 class InboxTask(Task):
-    """Plain Celery, except for deliveries from durable queues, which go through the inbox."""
+    """Plain Celery, except for deliveries from durable queues, which go through the inbox. The body
+    runs on the request Celery's tracer pushed, as Celery runs a task without a ``__call__`` of
+    its own (``body_of``)."""
 
     abstract = True
     Request = "celery_outbox.tasks:OutboxRequest"
@@ -214,7 +218,7 @@ class InboxTask(Task):
         settings = inbox.runtime.settings
         queue = None if request.called_directly else queue_of(request.delivery_info, self.app, settings.durable_queues)
         if not settings.is_durable(queue):
-            return super().__call__(*args, **kwargs)
+            return body_of(self, InboxTask, args, kwargs)()
         return inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
                          unit_of_work=False, queue=queue)
 

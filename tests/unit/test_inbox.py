@@ -22,6 +22,7 @@ from celery_outbox.signals import duplicate_discarded
 
 from ..brokers import copy_options, receive_until_marker
 from ..conftest import drop_store
+from ..versions import CELERY
 
 
 class Harness:
@@ -451,8 +452,11 @@ def test_the_worker_runs_the_body_on_the_request_it_pushed_and_other_calls_still
         assert harness.wait_for_states("seen-1", 1) == ["SUCCESS"]
         assert harness.wait_for_states("seen-2", 1) == ["SUCCESS"]
     plain_seen("direct")
+    # the mixin's __call__ reaches Celery's Task.__call__, which pushes a request of its own: with
+    # or without the outbox, before Celery 5.5 it holds the arguments alone (no id)
+    audited_id = "seen-2" if CELERY >= (5, 5) else None
     assert seen[:2] == [("shop.seen", "queued", "seen-1", ("queued",), 1, True),
-                        ("shop.audited", "queued", "seen-2", ("queued",), 2, True)]
+                        ("shop.audited", "queued", audited_id, ("queued",), 2, True)]
     assert seen[2][:4] == ("shop.seen", "direct", None, ("direct",)) and seen[2][4:] == (1, True)
     assert audited == [("queued",)], "the mixin's __call__ ran for the worker's delivery"
     assert harness.outbox.store.get_incoming("seen-1").status == "handled"

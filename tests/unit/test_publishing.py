@@ -425,6 +425,29 @@ def test_replace_inside_a_unit_of_work_is_published(shop):
     assert (message.id, message.headers["replaced_task_nesting"]) == (result.id, 1)
 
 
+def test_a_plain_tasks_body_runs_on_the_request_the_worker_pushed(shop):
+    """With the outbox every task is an ``InboxTask``, whose class has a ``__call__`` of its own; the
+    body still runs on the request Celery's tracer pushed, as a plain task's body does without the
+    outbox. (``Task.__call__`` would push a second request; before Celery 5.5 one of the arguments
+    alone, with no id, so that a ``retry`` or ``replace`` inside a unit of work was not known as the
+    running task's and went with the rolled-back unit.)"""
+    from celery.contrib.testing.worker import start_worker
+
+    app = shop.app
+    seen = []
+
+    @app.task(name="shop.seen_plain", bind=True, shared=False)
+    def seen_plain(self, note):
+        seen.append((self.request.id, self.request.args, self.request.retries, len(self.request_stack.stack),
+                     app.current_task is self))
+
+    app.conf.result_backend = "cache+memory://"
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        seen_plain.apply_async(("queued",), task_id="plain-seen-1").get(timeout=10)
+    seen_plain("direct")
+    assert seen == [("plain-seen-1", ["queued"], 0, 1, True), (None, ("direct",), 0, 1, True)]
+
+
 def test_beat_runs_the_relay_under_a_documented_name(shop):
     entry = shop.app.conf.beat_schedule["celery_outbox.recover"]
     assert entry["task"] == "celery_outbox.recover"

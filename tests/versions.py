@@ -1,0 +1,13 @@
+"""The versions of the libraries the suite runs against, for the few tests whose expected outcome
+is what that version of the library does (the suite runs on the newest releases and, in
+``tox -e lowest``, on the oldest that ``setup.cfg`` admits)."""
+
+from __future__ import annotations
+
+import celery
+import sqlalchemy
+
+#: (major, minor) of Celery
+CELERY = tuple(celery.VERSION[:2])
+#: (major, minor) of SQLAlchemy
+SQLALCHEMY = tuple(int(part) for part in sqlalchemy.__version__.split(".")[:2])
