@@ -94,8 +94,8 @@ def redact(text: str, url: str | URL | None) -> str:
 def _normalise_postgres(url: URL) -> URL:
     if url.get_backend_name() != "postgresql":
         return url
-    driver = url.get_driver_name()
-    if driver in ("psycopg2", "asyncpg", "pg8000", "psycopg_async"):
+    driver = url.drivername.partition("+")[2]  # named in the URL: SQLAlchemy's default differs by version
+    if driver not in ("", "psycopg"):
         raise ConfigurationError(
             f"setting outbox_database_url = {safe_url(url)!r} names the driver {driver!r}: "
             "celery-outbox uses psycopg 3, write postgresql+psycopg://..."

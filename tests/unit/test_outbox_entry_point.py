@@ -70,13 +70,24 @@ def test_bad_setting_fails_at_start_up_with_one_clear_error():
     [
         ("not a url", "is not a database URL"),
         ("mysql://root@localhost/test", "supports postgresql (production) and sqlite"),
-        ("postgresql+psycopg2://u@h/d", "uses psycopg 3"),
+        ("postgresql+psycopg2://u@h/d", "names the driver 'psycopg2': celery-outbox uses psycopg 3"),
+        ("postgresql+pg8000://u@h/d", "names the driver 'pg8000': celery-outbox uses psycopg 3"),
     ],
 )
 def test_bad_database_urls(url, message):
     outbox = Outbox(make_app(outbox_database_url=url))
     with pytest.raises(ConfigurationError, match=re.escape(message)):
         outbox.ready()
+
+
+def test_a_postgresql_url_naming_no_driver_gets_psycopg_3():
+    """SQLAlchemy before 2.1 takes psycopg2 for a URL that names no driver: the store takes psycopg 3
+    on every version, and does not refuse the URL for a driver it does not name."""
+    engine = build_engine("postgresql://u@h/d")
+    try:
+        assert engine.url.drivername == "postgresql+psycopg"
+    finally:
+        engine.dispose()
 
 
 def test_missing_psycopg_is_reported_with_the_install_command(monkeypatch):
