@@ -13,6 +13,7 @@ because every SQLite transaction of the store is ``BEGIN IMMEDIATE`` (one writer
 
 from __future__ import annotations
 
+import sqlite3
 import zlib
 from datetime import datetime, timezone
 from typing import Sequence
@@ -33,6 +34,7 @@ PG_LOCK_NOT_AVAILABLE = "55P03"
 SQLITE_CONSTRAINT_PRIMARYKEY = 1555
 SQLITE_CONSTRAINT_UNIQUE = 2067
 SQLITE_BUSY = 5  # and its extended codes, SQLITE_BUSY_*, in the low byte
+SQLITE_BUSY_MESSAGE = "database is locked"  # SQLITE_BUSY's text: Python's sqlite3 gives no code before 3.11
 
 
 def utcnow() -> datetime:
@@ -59,8 +61,12 @@ def is_lock_timeout(exc: BaseException) -> bool:
     ``lock_timeout``), or a transaction for the write lock another one holds (SQLite's busy
     timeout), as ``begin(lock_wait=...)`` bounds them: the database works, the row is busy."""
     orig = getattr(exc, "orig", exc)
-    sqlite_code = getattr(orig, "sqlite_errorcode", None) or 0
-    return getattr(orig, "sqlstate", None) == PG_LOCK_NOT_AVAILABLE or sqlite_code & 0xFF == SQLITE_BUSY
+    if getattr(orig, "sqlstate", None) == PG_LOCK_NOT_AVAILABLE:
+        return True
+    if not isinstance(orig, sqlite3.Error):
+        return False
+    code = getattr(orig, "sqlite_errorcode", None)
+    return code & 0xFF == SQLITE_BUSY if code is not None else str(orig) == SQLITE_BUSY_MESSAGE
 
 
 def is_content_error(exc: BaseException) -> bool:
