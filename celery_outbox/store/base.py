@@ -13,7 +13,6 @@ because every SQLite transaction of the store is ``BEGIN IMMEDIATE`` (one writer
 
 from __future__ import annotations
 
-import sqlite3
 import zlib
 from datetime import datetime, timezone
 from typing import Sequence
@@ -26,15 +25,12 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from ..errors import StoreUnavailable
 from .engine import SQLITE_BUSY_TIMEOUT_MS, redact, safe_url
 from .schema import UNOWNED, Tables, _incoming_key, build_tables
+from .sqlite_codes import SqliteCode, sqlite_code
 
 __all__ = ["StoreBase", "as_utc", "is_content_error", "is_lock_timeout", "is_unique_violation", "utcnow"]
 
 PG_UNIQUE_VIOLATION = "23505"
 PG_LOCK_NOT_AVAILABLE = "55P03"
-SQLITE_CONSTRAINT_PRIMARYKEY = 1555
-SQLITE_CONSTRAINT_UNIQUE = 2067
-SQLITE_BUSY = 5  # and its extended codes, SQLITE_BUSY_*, in the low byte
-SQLITE_BUSY_MESSAGE = "database is locked"  # SQLITE_BUSY's text: Python's sqlite3 gives no code before 3.11
 
 
 def utcnow() -> datetime:
@@ -53,7 +49,7 @@ def is_unique_violation(exc: BaseException) -> bool:
     orig = getattr(exc, "orig", exc)
     if getattr(orig, "sqlstate", None) == PG_UNIQUE_VIOLATION:
         return True
-    return getattr(orig, "sqlite_errorcode", None) in (SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE)
+    return sqlite_code(orig) in (SqliteCode.CONSTRAINT_PRIMARYKEY, SqliteCode.CONSTRAINT_UNIQUE)
 
 
 def is_lock_timeout(exc: BaseException) -> bool:
@@ -63,10 +59,8 @@ def is_lock_timeout(exc: BaseException) -> bool:
     orig = getattr(exc, "orig", exc)
     if getattr(orig, "sqlstate", None) == PG_LOCK_NOT_AVAILABLE:
         return True
-    if not isinstance(orig, sqlite3.Error):
-        return False
-    code = getattr(orig, "sqlite_errorcode", None)
-    return code & 0xFF == SQLITE_BUSY if code is not None else str(orig) == SQLITE_BUSY_MESSAGE
+    code = sqlite_code(orig)
+    return code is not None and code & 0xFF == SqliteCode.BUSY  # SQLITE_BUSY and its extended codes
 
 
 def is_content_error(exc: BaseException) -> bool:

@@ -11,12 +11,14 @@ class, never by message text.
 
 from __future__ import annotations
 
+import sqlite3
 from typing import NoReturn
 
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import StoreUnavailable
+from .sqlite_codes import SqliteCode, sqlite_code
 
 __all__ = ["is_outage", "raise_as_driver_error"]
 
@@ -25,7 +27,8 @@ __all__ = ["is_outage", "raise_as_driver_error"]
 _OUTAGE_SQLSTATE_PREFIXES = ("08", "53", "57P")
 # SQLite primary result codes of a database that cannot be used now: busy, locked, I/O error,
 # full, cannot open
-_SQLITE_OUTAGE_CODES = frozenset({5, 6, 10, 13, 14})
+_SQLITE_OUTAGE_CODES = frozenset({SqliteCode.BUSY, SqliteCode.LOCKED, SqliteCode.IOERR, SqliteCode.FULL,
+                                  SqliteCode.CANTOPEN})
 # Class 40 (a deadlock, a serialization failure): the transaction is rolled back and a retry
 # of the same work succeeds; for the store's own statements it counts as an outage too.
 _TRANSIENT_SQLSTATE_PREFIX = "40"
@@ -45,9 +48,9 @@ def _is_outage_error(exc: BaseException, transient: bool) -> bool:
         return sqlstate.startswith(_OUTAGE_SQLSTATE_PREFIXES) or (
             transient and sqlstate.startswith(_TRANSIENT_SQLSTATE_PREFIX))
     driver = _driver_error(exc)
-    sqlite_code = getattr(driver, "sqlite_errorcode", None)
-    if sqlite_code is not None:
-        return sqlite_code & 0xFF in _SQLITE_OUTAGE_CODES
+    if isinstance(driver, sqlite3.Error):
+        code = sqlite_code(driver)
+        return code is not None and code & 0xFF in _SQLITE_OUTAGE_CODES
     # no SQLSTATE: the driver lost the connection (psycopg's "the connection is closed",
     # "server closed the connection unexpectedly")
     return isinstance(exc, (OperationalError, InterfaceError)) or type(driver).__name__ in (

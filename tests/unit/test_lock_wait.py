@@ -8,8 +8,6 @@ tests/integration/test_terminated_attempts.py.)"""
 
 from __future__ import annotations
 
-import sqlite3
-
 import pytest
 from sqlalchemy.exc import OperationalError
 
@@ -79,12 +77,3 @@ def test_once_the_lock_is_free_bounded_and_unbounded_transactions_write(outbox):
     assert outbox.store.get_incoming("revoked-1").status == "revoked"
     assert set(busy_timeouts(outbox)) == {SQLITE_BUSY_TIMEOUT_MS}
 
-
-@pytest.mark.parametrize("error, busy", [
-    (sqlite3.OperationalError("database is locked"), True),  # SQLITE_BUSY where Python gives no code (< 3.11)
-    (sqlite3.OperationalError("database table is locked"), False),  # SQLITE_LOCKED: not another's write lock
-    (sqlite3.OperationalError("disk I/O error"), False),
-    (ValueError("database is locked"), False),  # not SQLite's
-])
-def test_sqlites_busy_error_is_known_by_its_text_where_it_carries_no_code(error, busy):
-    assert is_lock_timeout(OperationalError("BEGIN IMMEDIATE", None, error)) is busy
