@@ -73,7 +73,7 @@ __all__ = [
 
 # -- publishing: the app's AMQP and its task sender (publish_hook.py, envelope.py) -----------------
 
-try:  # Celery >= 5.6 re-publishes worker callbacks with its own retry loop; we defer instead
+try:  # Celery >= 5.7 re-publishes worker callbacks with its own retry loop; we defer instead
     from celery.app.amqp import _callback_publish_retry
 except ImportError:  # pragma: no cover - older Celery
     _callback_publish_retry = contextvars.ContextVar("_callback_publish_retry_unused", default=False)
@@ -83,7 +83,7 @@ except ImportError:  # pragma: no cover - older Celery
 def without_callback_publish_retry() -> Iterator[None]:
     """While the block runs, Celery's sender publishes with a plain ``producer.publish`` call.
 
-    Touches ``celery.app.amqp._callback_publish_retry`` (a ``ContextVar``, Celery >= 5.6; a
+    Touches ``celery.app.amqp._callback_publish_retry`` (a ``ContextVar``, Celery >= 5.7; a
     stand-in before): ``AMQP._retry_publish`` sets it while a worker publishes a task's callbacks,
     and ``send_task_message`` then wraps ``producer.publish`` in ``retry_over_time``. The outbox
     captures the publish instead (``envelope.capture``): the recording producer must see the one
@@ -461,7 +461,8 @@ def kept_pooled_producer(app: Any) -> Iterator[Any]:
     """For the block: a producer on a connection of the app's producer pool, kept on that pooled
     connection from one block to the next instead of revived for every block. The block holds the
     connection as a producer of the pool would: one of the pool's connections, waiting
-    ``broker_pool_acquire_timeout`` for one when all are in use (the setting is read only then),
+    ``broker_pool_acquire_timeout`` (Celery 5.7; for ever before it) for one when all are in use
+    (the setting is read only then),
     then kombu's ``OperationalError`` (as Celery's own publishes raise); a block that raises
     hands it back to be replaced, as a pooled producer's does. Nothing connects here: a
     producer made or revived now takes its channel on its first publish, under that publish's
@@ -481,7 +482,8 @@ def kept_pooled_producer(app: Any) -> Iterator[Any]:
     try:
         connection = pool.connections.acquire(block=False)  # a free one, or a new one within the limit
     except LimitExceeded:
-        connection = _wait_for_pooled_connection(pool.connections, app.conf.broker_pool_acquire_timeout)
+        # Celery 5.7's setting; before it a pooled producer waits for ever, as None does
+        connection = _wait_for_pooled_connection(pool.connections, app.conf.get("broker_pool_acquire_timeout"))
     try:
         producer = connection.__dict__.get(_KEPT_PRODUCER)
         if producer is None:
