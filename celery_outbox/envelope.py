@@ -289,7 +289,7 @@ def capture(
     if getattr(message, "sent_event", None) and event_dispatcher is not None:
         events = RecordingDispatcher(options.get("event_dispatcher") or event_dispatcher())
         options = {**options, "event_dispatcher": events}
-    with without_callback_publish_retry():  # Celery >= 5.6 retries worker callbacks itself; we defer
+    with without_callback_publish_retry():  # Celery >= 5.7 retries worker callbacks itself; we defer
         sender(recorder, name, message, **options)
     captured = []
     for body, kwargs in recorder.records:

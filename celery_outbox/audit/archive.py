@@ -53,11 +53,20 @@ def _pyarrow():
         import pyarrow
         import pyarrow.fs
         import pyarrow.parquet
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name != "pyarrow":
+            raise _broken_pyarrow(exc) from None
         raise ConfigurationError(
             "outbox_archive_path needs pyarrow, which is not installed: pip install 'celery-outbox[spark]'"
         ) from None
+    except ImportError as exc:  # installed, but it cannot load (a numpy it was not built for, say)
+        raise _broken_pyarrow(exc) from None
     return pyarrow
+
+
+def _broken_pyarrow(exc: ImportError) -> ConfigurationError:
+    return ConfigurationError(f"outbox_archive_path needs pyarrow, which is installed but cannot be imported: {exc}; "
+                              "pip install --upgrade 'celery-outbox[spark]'")
 
 
 def archive_schema(kind: str):

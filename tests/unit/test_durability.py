@@ -321,3 +321,26 @@ def test_without_delivery_tracking_sent_rows_are_deleted(sqlite_url, table_prefi
     assert outgoing(shop) == []
     assert receive(shop.app, shop.durable_queue, 1)[0].id == result.id
     assert shop.outbox.recover().redelivered == 0
+
+
+@pytest.mark.parametrize("error, said", [
+    (ModuleNotFoundError("No module named 'pyarrow'", name="pyarrow"), "which is not installed"),
+    (ImportError("numpy.core.multiarray failed to import"),
+     "which is installed but cannot be imported: numpy.core.multiarray failed to import"),
+])
+def test_an_archive_without_a_working_pyarrow_says_which(monkeypatch, tmp_path, error, said):
+    import builtins
+
+    from celery_outbox.audit.archive import ParquetArchiver
+    from celery_outbox.errors import ConfigurationError
+
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise error
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    with pytest.raises(ConfigurationError, match=f"outbox_archive_path needs pyarrow, {said}"):
+        ParquetArchiver(str(tmp_path / "archive"))
