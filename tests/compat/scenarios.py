@@ -22,6 +22,7 @@ from celery.exceptions import TimeoutError as ResultTimeout
 from sqlalchemy import func, select
 
 from ..apps.compat_app import postrun_key
+from ..versions import CELERY
 from .harness import CONCURRENCY, Context
 
 TIMEOUT = 15.0  # how long a scenario waits for what plain Celery does at once
@@ -30,6 +31,15 @@ SCENARIOS: list[Callable[[Context], Any]] = []
 EXPECTED: dict[str, Any] = {}
 #: (scenario, mode) -> the outcome of a deliberate difference from plain Celery, each with its reason
 DIFFERENCES: dict[tuple[str, str], Any] = {}
+#: scenario -> the Celery release that first gives its ``EXPECTED`` outcome (an older one, such as
+#: ``tox -e lowest`` runs, gives another: what every other mode is compared with all the same)
+DOCUMENTED_SINCE: dict[str, tuple[int, int]] = {
+    "errbacks_of_a_failing_chord_member_in_a_chain": (5, 7),  # the chord body's ChordError stayed PENDING
+    "reject_without_requeue": (5, 7),  # no FAILURE (Reject) stored: the state stayed PENDING
+    "chord_with_countdown": (5, 7),  # the header tasks ran with no ETA
+    "events_of_a_task": (5, 7),  # task-started sent in some runs, not in others: left out (events_of_one_task)
+    "events_of_a_task_with_a_countdown": (5, 7),
+}
 
 
 def scenario(expected: Any) -> Callable[[Callable[[Context], Any]], Callable[[Context], Any]]:
@@ -515,12 +525,16 @@ def events_of_one_task(ctx, **options):
         finally:
             receiver.should_stop = True
             thread.join(TIMEOUT)
-    return seen.count("task-sent"), [event for event in seen if event != "task-sent"]
+    events = [event for event in seen if event != "task-sent"]
+    if CELERY < (5, 7):  # whether the worker sends task-started before 5.7 varies from run to run: not compared
+        events = [event for event in events if event != "task-started"]
+    return seen.count("task-sent"), events
 
 
 @scenario(expected=(1, ["task-received", "task-started", "task-succeeded"]))
 def events_of_a_task(ctx):
     return events_of_one_task(ctx)
+
 
 
 @scenario(expected=(1, ["task-received", "task-started", "task-succeeded"]))

@@ -404,7 +404,7 @@ def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_ur
         finally:
             trace.close()
         begin, select_one, insert = trips
-        assert (begin, select_one) == (['"BEGIN"'], ['"SELECT 1"']), trips
+        assert (begin, select_one) == (["BEGIN"], ["SELECT 1"]), trips
         assert insert[0].startswith("EXECUTE celery_outbox_insert_outgoing_") and insert[1:] == ["COMMIT"], trips
         assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [0, 1]
         assert unsent_rows(shop.outbox.store) == 0
@@ -430,7 +430,7 @@ def test_a_message_after_the_users_statements_goes_prepared_from_the_connections
         finally:
             trace.close()
         first, second, third = units
-        users = [['"BEGIN"'], ['"SELECT 1"'], ['"SELECT pg_backend_pid()"']]
+        users = [["BEGIN"], ["SELECT 1"], ["SELECT pg_backend_pid()"]]
         assert first[:3] == users and len(first) == 4, first
         insert = first[3]
         assert insert[0].startswith("INSERT INTO") and insert[1:] == ["COMMIT"], "sent unnamed, parsed"
@@ -489,7 +489,7 @@ def test_a_sessions_messages_go_with_its_commit_after_its_flush(broker_url, data
         finally:
             trace.close()
         third = units[2]
-        assert len(third) == 3 and third[0] == ['"BEGIN"'], units
+        assert len(third) == 3 and third[0] == ["BEGIN"], units
         assert len(third[1]) == 1 and third[1][0].startswith("INSERT INTO") and "_notes" in third[1][0], third
         assert third[2][0].startswith("EXECUTE celery_outbox_insert_outgoing_") and third[2][1:] == ["COMMIT"], third
         with shop.outbox.transaction() as session:
