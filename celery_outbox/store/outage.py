@@ -5,8 +5,9 @@ wrong: a connection refused, dropped or invalidated (a restart, a failover, a se
 timeout, a pooler recycling it), an engine pool that cannot hand out a connection in
 time, a server shutting down or out of resources. Work that meets an outage is done
 again later (its message goes back to the broker); it is never acked away, never
-recorded as a failure and never dead-lettered. Judged by exception type and SQLSTATE
-class, never by message text.
+recorded as a failure and never dead-lettered. Judged by exception type, SQLSTATE class
+and SQLite's result code (``sqlite_codes``: read from SQLite's own text where Python
+before 3.11 gives no code), never by a message the library or a driver wrote.
 """
 
 from __future__ import annotations
