@@ -217,10 +217,10 @@ class InboxTask(Task):
         request = self.request
         settings = inbox.runtime.settings
         queue = None if request.called_directly else queue_of(request.delivery_info, self.app, settings.durable_queues)
+        body = body_of(self, InboxTask, args, kwargs)
         if not settings.is_durable(queue):
-            return body_of(self, InboxTask, args, kwargs)()
-        return inbox.run(self, args, kwargs, body_of(self, InboxTask, args, kwargs), style="eager",
-                         unit_of_work=False, queue=queue)
+            return body()
+        return inbox.run(self, args, kwargs, body, style="eager", unit_of_work=False, queue=queue)
 
 
 class IdempotentTask(Task):

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import celery
 import kombu
-import sqlalchemy
 
 #: (major, minor) of Celery
 CELERY = tuple(celery.VERSION[:2])
 #: (major, minor) of kombu
 KOMBU = tuple(kombu.VERSION[:2])
-#: (major, minor) of SQLAlchemy
-SQLALCHEMY = tuple(int(part) for part in sqlalchemy.__version__.split(".")[:2])

@@ -536,7 +536,6 @@ def events_of_a_task(ctx):
     return events_of_one_task(ctx)
 
 
-
 @scenario(expected=(1, ["task-received", "task-started", "task-succeeded"]))
 def events_of_a_task_with_a_countdown(ctx):
     return events_of_one_task(ctx, countdown=1)

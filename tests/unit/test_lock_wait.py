@@ -76,4 +76,3 @@ def test_once_the_lock_is_free_bounded_and_unbounded_transactions_write(outbox):
     the_inbox.end_revoked_attempt(delivery("revoked-1"))
     assert outbox.store.get_incoming("revoked-1").status == "revoked"
     assert set(busy_timeouts(outbox)) == {SQLITE_BUSY_TIMEOUT_MS}
-
