@@ -92,11 +92,15 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
         if first_trick(key, "worker_lost"):
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def take_a_while() -> None:
+        """A body that takes ``body_seconds``: faults find bodies running, eager ones among them."""
+        if body_seconds:
+            time.sleep(body_seconds)
+
     def pay_body(task, order_id: str) -> None:
         play_tricks(order_id)
         task.session.execute(insert(effects).values(order_id=order_id, kind="payment", pid=os.getpid()))
-        if body_seconds:
-            time.sleep(body_seconds)  # a payment that takes a while: faults find bodies running
+        take_a_while()
         receipt.apply_async((order_id,), task_id=f"receipt-{order_id}")
 
     @app.task(base=IdempotentTask, bind=True, name="fault.pay", shared=False, default_retry_delay=0.2)
@@ -117,10 +121,12 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
                 written = select(effects.c.id).where(effects.c.order_id == order_id, effects.c.kind == "receipt")
                 if session.execute(written).first() is None:
                     session.execute(insert(effects).values(order_id=order_id, kind="receipt", pid=os.getpid()))
+                take_a_while()
     else:
         @app.task(base=IdempotentTask, bind=True, name="fault.receipt", shared=False, default_retry_delay=0.2)
         def receipt(self, order_id: str) -> None:
             self.session.execute(insert(effects).values(order_id=order_id, kind="receipt", pid=os.getpid()))
+            take_a_while()
 
     def place(number: int) -> None:
         """Commit one order and its payment message in one unit of work: every other order on a
