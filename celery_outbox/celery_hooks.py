@@ -12,7 +12,8 @@ Celery's and kombu's public API.
 Where each is used: ``without_callback_publish_retry`` (envelope), ``install_task_sender``,
 ``default_event_dispatcher``, ``install_send_task_producer`` and ``backend_ignores_producer``
 (publish_hook), ``app_task_base_used``, ``set_app_task_base``,
-``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``request_context``,
+``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``RESENDS_LOST_ATTEMPTS``,
+``request_context``,
 ``unwrap_exception``, ``tracer_pushed_request`` and ``swap_task_class`` (tasks),
 ``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
 ``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
@@ -44,6 +45,7 @@ from kombu.transport import virtual
 from kombu.utils.functional import ChannelPromise
 
 __all__ = [
+    "RESENDS_LOST_ATTEMPTS",
     "TASKS_STEP",
     "HookedRequest",
     "app_task_base_used",
@@ -250,6 +252,12 @@ class HookedRequest(Request):
     def _retry_worker_lost(self, exc: BaseException, exc_info: Any) -> bool:
         with self.resending_lost_attempt():
             return super()._retry_worker_lost(exc, exc_info)
+
+
+#: Celery re-sends the attempt of a lost pool process as its next retry, up to ``max_retries``
+#: (``retry_on_worker_lost``, ``Request._retry_worker_lost``: Celery 5.7); before 5.7 it hands every
+#: lost attempt of an ``acks_late`` task with ``reject_on_worker_lost`` back to the broker as it is.
+RESENDS_LOST_ATTEMPTS = hasattr(Request, "_retry_worker_lost")
 
 
 def request_context(request: Any) -> Any:

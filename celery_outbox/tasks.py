@@ -39,7 +39,14 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from . import log_fields
-from .celery_hooks import HookedRequest, request_context, swap_task_class, tracer_pushed_request, unwrap_exception
+from .celery_hooks import (
+    RESENDS_LOST_ATTEMPTS,
+    HookedRequest,
+    request_context,
+    swap_task_class,
+    tracer_pushed_request,
+    unwrap_exception,
+)
 from .delivery import Delivery, dead_letter_row
 from .errors import OutboxError
 from .inbox import Inbox, InFlight, inbox_of
@@ -167,7 +174,8 @@ class OutboxRequest(HookedRequest):
 
     def _lost_past_the_cap(self, exc: BaseException) -> bool:
         task = self.task
-        if not (isinstance(exc, WorkerLostError) and task.acks_late and task.retry_on_worker_lost):
+        if not (RESENDS_LOST_ATTEMPTS and isinstance(exc, WorkerLostError) and task.acks_late
+                and task.retry_on_worker_lost):
             return False
         if not self._goes_through_inbox():
             return False

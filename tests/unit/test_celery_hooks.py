@@ -426,6 +426,16 @@ def test_revoked_announces_through_announce_revoked_before_the_ack(app):
     assert expired.announced == ("expired", False, False)
 
 
+def test_lost_attempts_are_resent_by_celery_from_5_7_and_handed_back_before():
+    """``RESENDS_LOST_ATTEMPTS`` holds where Celery has ``retry_on_worker_lost`` (5.7): there a lost
+    attempt is re-sent as its next retry, up to ``max_retries``; before, ``on_failure`` hands it
+    back to the broker as it is (``reject_on_worker_lost``), with no cap for the inbox to mirror."""
+    assert hooks.RESENDS_LOST_ATTEMPTS is (CELERY >= (5, 7))
+    on_failure = inspect.getsource(Request.on_failure)
+    assert ("retry_on_worker_lost" in on_failure) is hooks.RESENDS_LOST_ATTEMPTS
+    assert "reject_on_worker_lost" in on_failure and "self.reject(requeue=requeue)" in on_failure
+
+
 def test_retry_worker_lost_resends_through_signature_from_request(app):
     """Celery 5.7 (``retry_on_worker_lost``): ``on_failure`` of a ``WorkerLostError`` calls
     ``_retry_worker_lost(exc, exc_info)``, which re-sends the task as its next retry through
