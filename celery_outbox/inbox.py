@@ -475,6 +475,21 @@ class Inbox:
         announce_dead_letters(self.runtime.owner, dead_letters)
         return bool(dead_letters)
 
+    def release_lost_process_claim(self, delivery: Delivery, hostname: str, pid: int) -> int:
+        """The worker saw its pool process ``pid`` die running this attempt, and Celery hands the
+        message back to the broker as it is (``reject_on_worker_lost``): release the eager claim
+        that process held (the node of ``pid`` on ``hostname``), in a transaction of its own, so
+        that the copy takes it over at once instead of going back to the broker until recovery
+        (or, on PostgreSQL, the silence of the process's heartbeat) declares the process dead.
+        Returns how many claims it released (0: none was running, or another node holds it). Runs
+        in the worker's main process: a row another transaction holds (the dead process's, until
+        the server ends its session) is waited for at most ``BUSY_ROW_WAIT``. Raises on a store
+        error: the copy then waits for recovery, as before."""
+        store = self.runtime.store
+        with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
+            return store.release_claim_of_process(conn, delivery.message_id, delivery.destination, hostname, pid,
+                                                  delivery.attempt, utcnow(), delivery.send_id)
+
     def _record_ended(self, conn: Connection, delivery: Delivery, row: dict[str, Any],
                       dead_letters: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """In the open transaction ``conn``: record the ended attempt ``row`` with its

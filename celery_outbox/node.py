@@ -40,9 +40,14 @@ from .runtime import Runtime
 from .store import node_lock_key, utcnow
 from .vocabulary import Attempt
 
-__all__ = ["Node", "node_lock_key"]
+__all__ = ["Node", "node_lock_key", "this_host"]
 
 logger = logging.getLogger("celery_outbox.node")
+
+
+def this_host() -> str:
+    """The host name a node of this machine is registered under (with its process id)."""
+    return socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class Node:
         self._stop = threading.Event()
         self._liveness_connection = None
         store = self.runtime.ready().store
-        hostname = socket.gethostname()
+        hostname = this_host()
         pid = os.getpid()
         name = f"{hostname}:{pid}:{uuid.uuid4().hex[:12]}"
         self._pending_releases = {}

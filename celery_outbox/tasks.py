@@ -10,7 +10,9 @@ of what the body sent; rolled back on an exception or a retry.
 
 ``acks_late`` is on, and a task whose worker process is killed is sent again
 (``retry_on_worker_lost`` on Celery 5.7+, ``reject_on_worker_lost`` before): the
-inbox tells the re-sent attempt from a duplicate.
+inbox tells the re-sent attempt from a duplicate. When Celery hands the lost attempt
+back to the broker as it is (``reject_on_worker_lost``), the worker's main process
+first releases the eager claim the dead process held, so that the copy runs at once.
 
 Celery re-sends a lost attempt only while its retries are below ``max_retries``; past
 that cap it acks the message as failed. ``OutboxRequest`` (the worker's request
@@ -50,6 +52,7 @@ from .celery_hooks import (
 from .delivery import Delivery, dead_letter_row
 from .errors import OutboxError
 from .inbox import Inbox, InFlight, inbox_of
+from .node import this_host
 from .publish_hook import resending
 from .routing import queue_of
 from .runtime import runtime_of
@@ -102,9 +105,13 @@ class LostAttemptEnd(Enum):
 
 class OutboxRequest(HookedRequest):
     """The worker's request (in the worker's main process): a pool process lost running an
-    inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; an
-    inbox attempt the worker discards unrun (revoked, expired) or terminates (``revoke(terminate=
-    True)``) ends as ``revoked`` before Celery acks it."""
+    inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; one lost
+    that Celery hands back to the broker has its eager claim released first; an inbox attempt the
+    worker discards unrun (revoked, expired) or terminates (``revoke(terminate=True)``) ends as
+    ``revoked`` before Celery acks it."""
+
+    #: the pool process running this request died (``WorkerLostError``)
+    _process_lost = False
 
     def before_revoked_announced(self, reason: str, terminated: bool) -> None:
         """Celery marks the task REVOKED and acks its message. Before that, an inbox attempt that
@@ -157,6 +164,7 @@ class OutboxRequest(HookedRequest):
         result backend and no errback runs."""
         exc = exc_info.exception
         exc = unwrap_exception(exc)
+        self._process_lost = isinstance(exc, WorkerLostError)
         if self._lost_past_the_cap(exc):
             ended = self._end_lost_attempt(exc)
             if ended is LostAttemptEnd.NOT_RECORDED:
@@ -166,6 +174,35 @@ class OutboxRequest(HookedRequest):
                 self.acknowledge()
                 return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def reject(self, requeue: bool = False) -> None:
+        """Celery hands the message back to the broker (``requeue``) or drops it. When it hands back
+        the attempt of a pool process it saw die (``reject_on_worker_lost``: every lost attempt
+        before Celery 5.7, and on 5.7 one of a task without ``retry_on_worker_lost`` or whose
+        re-send failed), the eager claim that process held is released first, in a transaction of
+        its own: the copy takes it over at once. Without that the copy would meet a running claim
+        and go back to the broker until recovery declared the process dead. When the store
+        cannot take the release, that is logged and the copy waits for recovery."""
+        if requeue and self._process_lost and not self.acknowledged and self.worker_pid is not None \
+                and self._goes_through_inbox():
+            self._release_lost_claim()
+        super().reject(requeue=requeue)
+
+    def _release_lost_claim(self) -> None:
+        task = self.task
+        inbox = installed_inbox(task.app)
+        delivery = Delivery.from_context(task, request_context(self), inbox.runtime.settings)
+        try:
+            released = inbox.release_lost_process_claim(delivery, this_host(), self.worker_pid)
+        except Exception as error:  # noqa: BLE001 - recovery releases it once it declares the process dead
+            logger.warning("celery-outbox: could not release the claim of %s[%s], whose pool process %d died; "
+                           "its copy goes back to the broker until recovery declares that process dead: %s",
+                           task.name, self.id, self.worker_pid, error, **log_fields.of_delivery(delivery))
+            return
+        if released:
+            logger.info("celery-outbox: %s[%s] lost its pool process %d; its claim is released for the copy "
+                        "Celery hands back to the broker", task.name, self.id, self.worker_pid,
+                        **log_fields.of_delivery(delivery))
 
     def resending_lost_attempt(self) -> ContextManager[Any]:
         """Celery re-sends the attempt of a lost worker process as its next retry: the message keeps

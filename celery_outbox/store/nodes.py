@@ -5,8 +5,8 @@
 ``ping_liveness`` run on the node's liveness connection in a transaction of their own; the
 advisory lock they take or check is the session's and outlives it. ``check_nodes``,
 ``dead_owners`` and ``forget_released_nodes`` run inside the caller's transaction (a recover run)
-and never commit, and so do ``release_owned`` and ``release_claim``, which release the inbox
-claims of a node (dead, or giving one claim up).
+and never commit, and so do ``release_owned``, ``release_claim`` and ``release_claim_of_process``,
+which release the inbox claims of a node (dead, giving one claim up, or a process seen dying).
 """
 
 from __future__ import annotations
@@ -144,6 +144,16 @@ class NodeStatements(StoreBase):
                 & (table.c.send_id == send_id) & (table.c.owner == owner) & (table.c.nesting == nesting)
                 & (table.c.replays == replays) & (table.c.retries == retries))
         return self._release_incoming(conn, ours, 1, now)
+
+    def release_claim_of_process(self, conn: Connection, message_id: str, destination: str, hostname: str,
+                                 pid: int, attempt: Attempt, now: datetime, send_id: str = "") -> int:
+        """``release_claim`` for the nodes of the process ``pid`` on ``hostname`` (a pool process
+        its worker saw die): whichever of them owns this attempt's running claim releases it;
+        returns how many rows. A claim any other node took over stays."""
+        nodes = self.tables.nodes
+        owners = conn.execute(select(nodes.c.id).where(nodes.c.hostname == hostname, nodes.c.pid == pid)).scalars()
+        return sum(self.release_claim(conn, message_id, destination, owner, attempt, now, send_id)
+                   for owner in list(owners))
 
     def _owner_predicate(self, column, owners: Sequence[int]):
         if self.is_postgres:

@@ -27,18 +27,18 @@ from ..brokers import fast_redelivery
 def create(broker_url: str, database_url: str, prefix: str, queue: str, other_queue: str,
            identity: str = "id", visibility_timeout: float = 3, **conf) -> SimpleNamespace:
     app = Celery("inbox_app", broker=broker_url, set_as_current=False)
-    app.conf.update(
-        task_default_queue=queue,
-        outbox_database_url=database_url,
-        outbox_table_prefix=prefix,
-        outbox_message_identity=identity,
-        outbox_durable_queues=[other_queue],
-        outbox_node_heartbeat_interval=0.5,
-        worker_prefetch_multiplier=1,
-        worker_hijack_root_logger=False,
-        broker_transport_options=fast_redelivery(visibility_timeout),
+    app.conf.update({
+        "task_default_queue": queue,
+        "outbox_database_url": database_url,
+        "outbox_table_prefix": prefix,
+        "outbox_message_identity": identity,
+        "outbox_durable_queues": [other_queue],
+        "outbox_node_heartbeat_interval": 0.5,
+        "worker_prefetch_multiplier": 1,
+        "worker_hijack_root_logger": False,
+        "broker_transport_options": fast_redelivery(visibility_timeout),
         **conf,
-    )
+    })
     outbox = Outbox(app)
     metadata = MetaData()
     effects = Table(f"{prefix}effects", metadata, Column("id", Integer, primary_key=True, autoincrement=True),
@@ -98,6 +98,33 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         record(order_id, "body")
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def die_the_first_time(order_id: str) -> None:
+        first_time = started_before(order_id) == 0
+        record(order_id, "body")
+        if first_time:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @app.task(name="inbox.ship", shared=False, acks_late=True, reject_on_worker_lost=True)
+    def ship(order_id: str) -> str:
+        """A plain task that kills its pool process the first time: Celery hands its message back
+        to the broker as it is (``reject_on_worker_lost``; no re-send, which is ``IdempotentTask``'s)."""
+        die_the_first_time(order_id)
+        with outbox.transaction() as session:
+            session.execute(insert(effects).values(order_id=order_id, attempt=0))
+        return order_id
+
+    @app.task(base=IdempotentTask, bind=True, name="inbox.pay_eager_handed_back", shared=False,
+              retry_on_worker_lost=False)
+    def pay_eager_handed_back(self, order_id: str) -> str:
+        """An eager ``IdempotentTask`` that kills its pool process the first time, re-sent by no
+        one: Celery hands its message back to the broker as it is, as every lost attempt before
+        Celery 5.7."""
+        die_the_first_time(order_id)
+        self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
+        return order_id
+
+    pay_eager_handed_back.idempotency = "eager"
+
     def on_prerun(sender=None, task_id=None, **_):
         if sender is not None and sender.app is app:
             record(task_id, "prerun")
@@ -129,7 +156,8 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
             return conn.execute(select(effects).where(effects.c.order_id == order_id)).all()
 
     return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, pay=pay, pay_eager=pay_eager, flaky=flaky,
-                           fragile=fragile, doomed=doomed, events=event_rows, effects=effect_rows,
+                           fragile=fragile, doomed=doomed, ship=ship,
+                           pay_eager_handed_back=pay_eager_handed_back, events=event_rows, effects=effect_rows,
                            disconnect=disconnect)
 
 

@@ -117,6 +117,37 @@ def test_worker_killed_mid_body_effects_exactly_once(scenario, victim, task):
     assert rows == ["handled"], "the attempt Celery re-sent kept its send's key: no other claim is left running"
 
 
+@pytest.mark.parametrize("task, durable", [("ship", True), ("pay_eager_handed_back", True),
+                                           ("pay_eager_handed_back", False)],
+                         ids=["plain-task-durable-queue", "eager-durable-queue", "eager"])
+def test_a_lost_attempt_handed_back_to_the_broker_finds_its_claim_released(broker_url, postgres_url, table_prefix,
+                                                                           tmp_path, task, durable):
+    """Celery hands the attempt of a pool process it saw die back to the broker as it is
+    (``reject_on_worker_lost``: an ``acks_late`` plain task, an ``IdempotentTask`` without
+    ``retry_on_worker_lost``, every lost attempt before Celery 5.7). The eager claim the dead
+    process committed before its body is released by the worker's main process before the message
+    goes back: the copy runs at once, and the effects exist once. Without the release the copy
+    would meet a running claim and go back to the broker (REJECTED) until the process was
+    declared dead: the nodes heartbeat every 10 s here, so not within the 30 s the test waits."""
+    scenario = Scenario(broker_url, postgres_url, table_prefix, tmp_path, outbox_node_heartbeat_interval=10)
+    try:
+        queues = [scenario.env["TEST_OTHER_QUEUE"]] if durable else None
+        worker = scenario.worker(pool="prefork", concurrency=1, queues=queues)
+        send = getattr(scenario.shop, task)
+        send.apply_async(("order-8",), task_id="order-8", **({"queue": queues[0]} if durable else {}))
+        wait_until(lambda: "SUCCESS" in states(scenario.shop.events("order-8")), timeout=30,
+                   message=f"the message run again (log: {worker.log_path})")
+        assert states(e for e in scenario.shop.events("order-8") if e.kind == "postrun") == ["SUCCESS"], \
+            "the copy met no running claim: it was never sent back"
+        assert len([e for e in scenario.shop.events("order-8") if e.kind == "body"]) == 2, "the body ran twice"
+        assert len(scenario.shop.effects("order-8")) == 1
+        assert "its claim is released for the copy" in worker.log()
+        row = scenario.shop.outbox.store.get_incoming("order-8")
+        assert (row.status, row.owner) == ("handled", 0)
+    finally:
+        scenario.close()
+
+
 @pytest.mark.parametrize("broker_url", ["redis"], indirect=True)
 def test_a_worker_killed_holding_redis_restore_lock_delays_redelivery_briefly(scenario):
     """Redis: every worker restores a dead worker's unacked messages under kombu's ``unacked_mutex``.

@@ -706,6 +706,39 @@ def test_nodes_register_and_heartbeat(store: Store):
     assert store.heartbeat(node + 1000) is False
 
 
+def test_a_process_seen_dying_releases_only_its_running_claim_of_the_attempt(store: Store):
+    """``release_claim_of_process``: the running claim of this attempt owned by a node of the dead
+    process (by host and pid) is released, unowned and due for recovery at once; the same
+    attempt's claim under another process's node, another attempt's claim, and an ended claim
+    stay as they are."""
+    dead = store.register_node("host:10:a", "host", 10)
+    other_pid = store.register_node("host:11:b", "host", 11)
+    other_host = store.register_node("elsewhere:10:c", "elsewhere", 10)
+    with store.begin() as conn:
+        store.insert_incoming(conn, incoming_row("lost", owner=dead))
+        store.insert_incoming(conn, incoming_row("lost", destination="other-queue", owner=dead))
+        store.insert_incoming(conn, incoming_row("later-attempt", retries=1, owner=dead))
+        store.insert_incoming(conn, incoming_row("taken-over", owner=other_pid))
+        store.insert_incoming(conn, incoming_row("elsewhere", owner=other_host))
+        store.insert_incoming(conn, incoming_row("ended", status="handled", owner=0, handled_at=utcnow()))
+    now = utcnow()
+    with store.begin() as conn:
+        assert [store.release_claim_of_process(conn, message_id, "", "host", 10, (0, 0, 0), now)
+                for message_id in ("lost", "later-attempt", "taken-over", "elsewhere", "ended")] == [1, 0, 0, 0, 0]
+    incoming = store.tables.incoming
+    with store.begin() as conn:
+        rows = {(r.message_id, r.destination, r.retries): (r.status, r.owner, r.recover_after is not None)
+                for r in conn.execute(select(incoming))}
+    assert rows == {
+        ("lost", "", 0): ("running", 0, True),
+        ("lost", "other-queue", 0): ("running", dead, False),
+        ("later-attempt", "", 1): ("running", dead, False),
+        ("taken-over", "", 0): ("running", other_pid, False),
+        ("elsewhere", "", 0): ("running", other_host, False),
+        ("ended", "", 0): ("handled", 0, False),
+    }
+
+
 def test_status_counts_rows_by_status_and_destination(store: Store):
     now = utcnow()
     with store.begin() as conn:

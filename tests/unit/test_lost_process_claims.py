@@ -1,0 +1,125 @@
+"""The worker's main process and the eager claim of a pool process it saw die (``OutboxRequest``),
+on the embedded store: when Celery hands the lost attempt back to the broker as it is
+(``reject_on_worker_lost``), the claim the dead process held is released first, so that the copy
+runs at once; when the store cannot take the release, the message goes back all the same. Real
+worker processes on PostgreSQL and SQLite: tests/integration/test_inbox_workers.py and
+tests/django/test_django_worker_kill.py."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Iterator
+
+import pytest
+from billiard.einfo import ExceptionInfo
+from celery import Celery
+from celery.exceptions import Reject, WorkerLostError
+
+from celery_outbox import Outbox
+from celery_outbox.celery_hooks import request_context
+from celery_outbox.delivery import Delivery
+from celery_outbox.node import this_host
+from celery_outbox.tasks import OutboxRequest
+
+from ..conftest import drop_store
+from ..integration.test_store_contract import incoming_row
+from .test_celery_hooks import delivered
+
+DEAD_PID = 4242
+
+
+@pytest.fixture
+def outbox(sqlite_url, table_prefix) -> Iterator[Outbox]:
+    """An outbox on SQLite whose app's default queue is durable, with a plain ``acks_late`` task."""
+    name = f"lost-{uuid.uuid4().hex[:8]}"
+    app = Celery(name, broker="memory://", backend="disabled://", set_as_current=False)
+    app.conf.update(task_default_queue=name, outbox_database_url=sqlite_url, outbox_table_prefix=table_prefix,
+                    outbox_durable_queues=[name])
+    outbox = Outbox(app).ready()
+
+    @app.task(name="t.ship", shared=False, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+    def ship(*args: Any) -> None:
+        pass
+
+    yield outbox
+    drop_store(outbox.store)
+    outbox.engine.dispose()
+    app.close()
+
+
+class Lost:
+    """A delivered request of ``t.ship`` whose pool process ``DEAD_PID`` ran it, with the running
+    claim that process's node committed; records what the request handed to the broker."""
+
+    def __init__(self, outbox: Outbox, owner_pid: int = DEAD_PID):
+        app = outbox.app
+        task = app.tasks["t.ship"]
+        self.requeued: list[bool] = []
+        self.request = OutboxRequest(
+            delivered(app, task.name), app=app, task=task, on_ack=lambda *a: None,
+            on_reject=lambda _logger, _errors, requeue: self.requeued.append(requeue),
+            hostname="w@lost", eventer=None)
+        self.request.worker_pid = DEAD_PID
+        self.store = outbox.store
+        delivery = Delivery.from_context(task, request_context(self.request), outbox.runtime.settings)
+        self.key = (delivery.message_id, delivery.destination)
+        node = self.store.register_node(f"{this_host()}:{owner_pid}:test", this_host(), owner_pid)
+        with self.store.begin() as conn:
+            self.store.insert_incoming(conn, incoming_row(**delivery.key(), task_name=task.name, queue=delivery.queue,
+                                                          owner=node))
+
+    def fail_with(self, exc: BaseException) -> None:
+        try:
+            raise exc
+        except BaseException:  # noqa: BLE001 - the pool's report of the attempt, as the worker gets it
+            self.request.on_failure(ExceptionInfo())
+
+    def claim(self) -> tuple[str, bool, bool]:
+        """The claim's status, whether an owner holds it, whether it is due for recovery."""
+        row = self.store.get_incoming(self.key[0], self.key[1])
+        return row.status, row.owner != 0, row.recover_after is not None
+
+
+def test_a_lost_attempt_handed_back_releases_the_dead_processs_claim_first(outbox, caplog):
+    lost = Lost(outbox)
+    with caplog.at_level(logging.INFO, logger="celery_outbox.tasks"):
+        lost.fail_with(WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)."))
+    assert lost.requeued == [True], "Celery hands the message back to the broker"
+    assert lost.claim() == ("running", False, True), "released: the copy takes it over"
+    assert f"lost its pool process {DEAD_PID}; its claim is released" in caplog.text
+
+
+def test_a_claim_another_process_holds_is_left_to_it(outbox):
+    """The attempt's claim is not the dead process's (another node took it over): it stays."""
+    lost = Lost(outbox, owner_pid=DEAD_PID + 1)
+    lost.fail_with(WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)."))
+    assert lost.requeued == [True]
+    assert lost.claim() == ("running", True, False)
+
+
+def test_a_message_handed_back_by_the_body_leaves_the_claim_to_the_body(outbox):
+    """``Reject(requeue=True)`` comes from a living process, which released its own claim (or
+    holds it): the main process does not touch it."""
+    lost = Lost(outbox)
+    lost.fail_with(Reject("not now", requeue=True))
+    assert lost.requeued == [True]
+    assert lost.claim() == ("running", True, False)
+
+
+def test_a_store_that_cannot_take_the_release_still_hands_the_message_back(outbox, caplog):
+    """Another transaction holds SQLite's write lock for longer than ``BUSY_ROW_WAIT``: the release
+    gives up, says so, and the message goes back all the same (the copy waits for recovery)."""
+    lost = Lost(outbox)
+    holder = outbox.engine.connect()
+    holder.begin()  # the store's SQLite engine takes the write lock as a transaction begins
+    try:
+        with caplog.at_level(logging.WARNING, logger="celery_outbox.tasks"):
+            lost.fail_with(WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)."))
+    finally:
+        holder.rollback()
+        holder.close()
+    assert lost.requeued == [True], "the message is never kept from the broker"
+    assert lost.claim() == ("running", True, False)
+    assert f"could not release the claim of t.ship[{lost.key[0]}], whose pool process {DEAD_PID} died" \
+        in caplog.text
