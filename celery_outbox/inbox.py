@@ -458,19 +458,23 @@ class Inbox:
             logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
                          delivery.task_name, delivery.message_id, status, error, **log_fields.of_delivery(delivery))
 
-    def end_lost_worker_attempt(self, delivery: Delivery, dead_letter: dict[str, Any]) -> bool:
-        """The worker's pool process died running this attempt once too often (Celery re-sends a
-        lost attempt only up to ``max_retries``): end the attempt as ``dead`` and keep its message
-        in dead letters, in one transaction, before Celery acks it. Runs in the worker's main
-        process: a row another transaction holds is waited for at most ``BUSY_ROW_WAIT``.
-        Raises on a store error or that wait running out: the message must then go back to the
-        broker instead. False when the key's row is handled (a copy ran meanwhile) or a later
+    def end_killed_attempt(self, delivery: Delivery, dead_letter: dict[str, Any],
+                           lock_wait: float = BUSY_ROW_WAIT) -> bool:
+        """The worker's pool process running this attempt is gone and Celery fails the task for
+        good: it died once too often (Celery re-sends a lost attempt only up to ``max_retries``),
+        or the worker killed it at the task's hard time limit. End the attempt as ``dead`` (over
+        the running claim the process left, whoever owns it) and keep its message in dead
+        letters, and acknowledge the sender's rows, in one transaction: neither recovery nor
+        delivery tracking runs it again. Runs in the worker's main process: a row another
+        transaction holds (the killed process's, until the server ends its session) is waited
+        for at most ``lock_wait`` seconds. Raises on a store error or that wait running out.
+        False when the key's row is handled (the attempt or a copy committed first) or a later
         attempt's: nothing is dead-lettered."""
         store = self.runtime.store
         now = utcnow()
         row = self._claim_row(delivery, IncomingStatus.DEAD, UNOWNED, now)
         row.update(keep_until=self._keep_until(now), handled_at=now)
-        with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
+        with store.begin(lock_wait=lock_wait) as conn:
             dead_letters = self._record_ended(conn, delivery, row, [dead_letter])
         announce_dead_letters(self.runtime.owner, dead_letters)
         return bool(dead_letters)

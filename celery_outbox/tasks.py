@@ -19,7 +19,9 @@ that cap it acks the message as failed. ``OutboxRequest`` (the worker's request
 class of both bases) first ends such an attempt as a dead letter (reason
 ``worker_lost``), or, when the store cannot take it, hands the message back to the
 broker: never a silent ack. When a copy of the message was handled meanwhile, the copy's
-outcome stands: no dead letter, no FAILURE over the copy's result.
+outcome stands: no dead letter, no FAILURE over the copy's result. An attempt Celery fails at
+its hard time limit (the pool kills its process) ends as a dead letter too (reason ``failed``),
+so that neither recovery nor delivery tracking runs it again.
 
 ``InboxTask`` is the base ``Outbox(app)`` installs as the app's task class: a task
 consumed from a durable queue gets its envelope stored and its duplicates
@@ -30,12 +32,14 @@ rejected (eager style: the claim commits before the body) whether or not it is a
 from __future__ import annotations
 
 import logging
+import threading
 from enum import Enum
 from typing import Any, Callable, ContextManager
 
 from billiard.einfo import ExceptionInfo
 from celery import Celery, Task
-from celery.exceptions import WorkerLostError
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from celery.worker import state as worker_state
 from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
@@ -51,14 +55,14 @@ from .celery_hooks import (
 )
 from .delivery import Delivery, dead_letter_row
 from .errors import OutboxError
-from .inbox import Inbox, InFlight, inbox_of
+from .inbox import TERMINATED_LOCK_WAIT, Inbox, InFlight, inbox_of
 from .node import this_host
 from .publish_hook import resending
 from .routing import queue_of
 from .runtime import runtime_of
 from .store import utcnow
 from .unit_of_work import current_connection, current_session
-from .vocabulary import DeadLetterReason
+from .vocabulary import BUSY_ROW_WAIT, DeadLetterReason
 
 __all__ = ["IdempotentTask", "InboxTask", "OutboxRequest", "give_inbox_to_every_task"]
 
@@ -106,9 +110,10 @@ class LostAttemptEnd(Enum):
 class OutboxRequest(HookedRequest):
     """The worker's request (in the worker's main process): a pool process lost running an
     inbox attempt past Celery's re-send cap ends as a dead letter before Celery acks it; one lost
-    that Celery hands back to the broker has its eager claim released first; an inbox attempt the
-    worker discards unrun (revoked, expired) or terminates (``revoke(terminate=True)``) ends as
-    ``revoked`` before Celery acks it."""
+    that Celery hands back to the broker has its eager claim released first; one Celery fails at
+    its hard time limit ends as a dead letter; an inbox attempt the worker discards unrun
+    (revoked, expired) or terminates (``revoke(terminate=True)``) ends as ``revoked`` before
+    Celery acks it."""
 
     #: the pool process running this request died (``WorkerLostError``)
     _process_lost = False
@@ -136,10 +141,9 @@ class OutboxRequest(HookedRequest):
 
     def _end_revoked(self, reason: str, terminated: bool) -> None:
         task = self.task
-        inbox = installed_inbox(task.app)
-        delivery = Delivery.from_context(task, request_context(self), inbox.runtime.settings)
+        delivery = self._delivery()
         try:
-            inbox.end_revoked_attempt(delivery, terminated)
+            installed_inbox(task.app).end_revoked_attempt(delivery, terminated)
         except InFlight:
             logger.warning("celery-outbox: %s[%s] %s while an attempt of it runs (its transaction holds the "
                            "message's rows): discarded here unrecorded; the running attempt records its own outcome",
@@ -190,10 +194,9 @@ class OutboxRequest(HookedRequest):
 
     def _release_lost_claim(self) -> None:
         task = self.task
-        inbox = installed_inbox(task.app)
-        delivery = Delivery.from_context(task, request_context(self), inbox.runtime.settings)
+        delivery = self._delivery()
         try:
-            released = inbox.release_lost_process_claim(delivery, this_host(), self.worker_pid)
+            released = installed_inbox(task.app).release_lost_process_claim(delivery, this_host(), self.worker_pid)
         except Exception as error:  # noqa: BLE001 - recovery releases it once it declares the process dead
             logger.warning("celery-outbox: could not release the claim of %s[%s], whose pool process %d died; "
                            "its copy goes back to the broker until recovery declares that process dead: %s",
@@ -222,19 +225,14 @@ class OutboxRequest(HookedRequest):
         """Write the dead letter, in one transaction with the attempt's end (none when another
         attempt of the message was handled meanwhile); how it ended, logged."""
         task, context = self.task, request_context(self)
-        inbox = installed_inbox(task.app)
-        delivery = Delivery.from_context(task, context, inbox.runtime.settings)
-        task.request_stack.push(context)
+        delivery = self._delivery()
         try:
-            dead_letter = dead_letter_row(task, delivery, DeadLetterReason.WORKER_LOST, exc, utcnow())
-            stored = inbox.end_lost_worker_attempt(delivery, dead_letter)
+            stored = self._dead_letter_killed_attempt(delivery, DeadLetterReason.WORKER_LOST, exc, BUSY_ROW_WAIT)
         except Exception as error:  # noqa: BLE001 - without a dead letter the message must not be acked
             logger.error("celery-outbox: cannot dead-letter %s[%s], lost with its worker process %d times; the "
                          "message goes back to the broker: %s", task.name, self.id, (context.retries or 0) + 1, error,
                          **log_fields.of_delivery(delivery))
             return LostAttemptEnd.NOT_RECORDED
-        finally:
-            task.request_stack.pop()
         if not stored:
             logger.warning("celery-outbox: %s[%s] lost its worker process %d times (max_retries %s); another "
                            "attempt of it was handled meanwhile or holds its key: no dead letter, acked with no "
@@ -245,6 +243,69 @@ class OutboxRequest(HookedRequest):
                      "(reason worker_lost)", task.name, self.id, (context.retries or 0) + 1, task.max_retries,
                      **log_fields.of_delivery(delivery))
         return LostAttemptEnd.DEAD_LETTERED
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        """At the task's hard time limit Celery fails it for good (``FAILURE(TimeLimitExceeded)``,
+        its errbacks) and the pool kills its process. Unless Celery hands the message back to the
+        broker instead (``acks_late`` with ``acks_on_timeout`` off) or the worker is in a cold
+        shutdown, an inbox attempt then ends as ``dead`` with a dead letter (reason ``failed``),
+        as a failure does: without it recovery would publish a durable message's envelope again
+        once the killed process was declared dead, and delivery tracking its sender's row, and
+        the task would run again, time out again, and so on. The record runs in a thread of its
+        own, so that the pool kills the process meanwhile: it takes over the claim the process
+        left and waits for its open transaction to end (``TERMINATED_LOCK_WAIT``). When the store
+        cannot take it, that is logged, and the message is run again as before."""
+        if not soft and self._fails_for_good_at_time_limit() and self._goes_through_inbox():
+            threading.Thread(target=self._end_timed_out, args=(timeout,), name="celery-outbox-time-limit",
+                             daemon=True).start()
+        super().on_timeout(soft, timeout)
+
+    def _fails_for_good_at_time_limit(self) -> bool:
+        """Whether Celery's ``on_timeout`` fails the task for good: it acks the message (or an early
+        ack took it already) and marks ``FAILURE``."""
+        task = self.task
+        if worker_state.should_terminate:
+            return False  # a cold shutdown: Celery marks no failure
+        if not task.acks_late:
+            return True
+        acks = getattr(task, "acks_on_timeout", None)  # Celery 5.7; before it acks_on_failure_or_timeout alone
+        return bool(task.acks_on_failure_or_timeout if acks is None else acks)
+
+    def _end_timed_out(self, timeout: float) -> None:
+        task = self.task
+        delivery = self._delivery()
+        try:
+            stored = self._dead_letter_killed_attempt(delivery, DeadLetterReason.FAILED, TimeLimitExceeded(timeout),
+                                                      TERMINATED_LOCK_WAIT)
+        except Exception as error:  # noqa: BLE001 - Celery's failure stands; the message may run again
+            logger.error("celery-outbox: cannot record that %s[%s] failed at its hard time limit (%ss): %s; "
+                         "a durable message is run again by recovery or delivery tracking", task.name, self.id,
+                         timeout, error, **log_fields.of_delivery(delivery))
+            return
+        if stored:
+            logger.error("celery-outbox: %s[%s] failed at its hard time limit (%ss); dead-lettered (reason "
+                         "failed)", task.name, self.id, timeout, **log_fields.of_delivery(delivery))
+        else:
+            logger.warning("celery-outbox: %s[%s] reached its hard time limit (%ss) after it, or a copy of it, was "
+                           "handled, or while a later attempt holds its key: no dead letter", task.name, self.id,
+                           timeout, **log_fields.of_delivery(delivery))
+
+    def _dead_letter_killed_attempt(self, delivery: Delivery, reason: DeadLetterReason, exc: BaseException,
+                                    lock_wait: float) -> bool:
+        """``Inbox.end_killed_attempt`` with the dead letter of ``exc``, built on this request's
+        context (pushed for the calling thread)."""
+        task, context = self.task, request_context(self)
+        task.request_stack.push(context)
+        try:
+            dead_letter = dead_letter_row(task, delivery, reason, exc, utcnow())
+            return installed_inbox(task.app).end_killed_attempt(delivery, dead_letter, lock_wait)
+        finally:
+            task.request_stack.pop()
+
+    def _delivery(self) -> Delivery:
+        """The delivery this request names."""
+        task = self.task
+        return Delivery.from_context(task, request_context(self), installed_inbox(task.app).runtime.settings)
 
 
 class InboxTask(Task):

@@ -23,6 +23,9 @@ from celery_outbox import IdempotentTask, Outbox
 
 from ..brokers import fast_redelivery
 
+#: seconds the ``overrun`` tasks may run (``time_limit``) before the pool kills their process
+TIME_LIMIT = 2
+
 
 def create(broker_url: str, database_url: str, prefix: str, queue: str, other_queue: str,
            identity: str = "id", visibility_timeout: float = 3, **conf) -> SimpleNamespace:
@@ -125,6 +128,30 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
 
     pay_eager_handed_back.idempotency = "eager"
 
+    def outlive(order_id: str) -> str:
+        record(order_id, "body")
+        time.sleep(60)  # past the hard time limit: the pool kills the process
+        return order_id
+
+    @app.task(name="inbox.overrun", shared=False, time_limit=TIME_LIMIT)
+    def overrun(order_id: str) -> str:
+        """A plain task that runs past its hard time limit."""
+        return outlive(order_id)
+
+    @app.task(base=IdempotentTask, bind=True, name="inbox.overrun_optimistic", shared=False, time_limit=TIME_LIMIT)
+    def overrun_optimistic(self, order_id: str) -> str:
+        """An optimistic ``IdempotentTask`` that writes, then runs past its hard time limit."""
+        self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
+        return outlive(order_id)
+
+    @app.task(base=IdempotentTask, bind=True, name="inbox.overrun_eager", shared=False, time_limit=TIME_LIMIT)
+    def overrun_eager(self, order_id: str) -> str:
+        """An eager ``IdempotentTask`` that writes, then runs past its hard time limit."""
+        self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
+        return outlive(order_id)
+
+    overrun_eager.idempotency = "eager"
+
     def on_prerun(sender=None, task_id=None, **_):
         if sender is not None and sender.app is app:
             record(task_id, "prerun")
@@ -156,7 +183,8 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
             return conn.execute(select(effects).where(effects.c.order_id == order_id)).all()
 
     return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, pay=pay, pay_eager=pay_eager, flaky=flaky,
-                           fragile=fragile, doomed=doomed, ship=ship,
+                           fragile=fragile, doomed=doomed, ship=ship, overrun=overrun,
+                           overrun_optimistic=overrun_optimistic, overrun_eager=overrun_eager,
                            pay_eager_handed_back=pay_eager_handed_back, events=event_rows, effects=effect_rows,
                            disconnect=disconnect)
 

@@ -205,7 +205,7 @@ def test_a_lost_process_dead_letter_gives_up_on_a_key_another_attempt_holds(outb
     holder = OpenClaim(outbox, "lost-1")
     letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="lost-1")
     try:
-        thread, outcome = run_in_thread(lambda: the_inbox.end_lost_worker_attempt(delivery("lost-1"), letter))
+        thread, outcome = run_in_thread(lambda: the_inbox.end_killed_attempt(delivery("lost-1"), letter))
         thread.join(timeout=30)
         assert not thread.is_alive(), "the dead letter still waits for the running attempt"
         assert len(outcome) == 1 and "lock timeout" in str(outcome[0]), outcome
@@ -236,6 +236,6 @@ def test_a_failed_attempt_leaves_no_dead_letter_when_a_copy_was_handled_meanwhil
     finally:
         block.pop_request()
     letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="copied-1")
-    assert the_inbox.end_lost_worker_attempt(delivery("copied-1"), letter) is False
+    assert the_inbox.end_killed_attempt(delivery("copied-1"), letter) is False
     assert outbox.store.count_dead_letters() == 0
     assert status_of(outbox, "copied-1") == IncomingStatus.HANDLED.value

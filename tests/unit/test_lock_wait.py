@@ -67,7 +67,7 @@ def test_the_main_processs_records_give_up_on_a_running_attempts_write_lock(outb
         the_inbox.end_revoked_attempt(delivery("revoked-1"))
     letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="lost-1")
     with pytest.raises(OperationalError) as raised:
-        the_inbox.end_lost_worker_attempt(delivery("lost-1"), letter)
+        the_inbox.end_killed_attempt(delivery("lost-1"), letter)
     assert is_lock_timeout(raised.value)
 
 

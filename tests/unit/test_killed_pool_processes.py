@@ -1,13 +1,19 @@
-"""The worker's main process and the eager claim of a pool process it saw die (``OutboxRequest``),
-on the embedded store: when Celery hands the lost attempt back to the broker as it is
-(``reject_on_worker_lost``), the claim the dead process held is released first, so that the copy
-runs at once; when the store cannot take the release, the message goes back all the same. Real
-worker processes on PostgreSQL and SQLite: tests/integration/test_inbox_workers.py and
-tests/django/test_django_worker_kill.py."""
+"""The worker's main process and the attempt of a pool process that died or was killed
+(``OutboxRequest``), on the embedded store.
+
+* Celery hands a lost attempt back to the broker as it is (``reject_on_worker_lost``): the claim
+  the dead process held is released first, so that the copy runs at once; when the store cannot
+  take the release, the message goes back all the same.
+* Celery fails a task at its hard time limit: the attempt ends as ``dead`` with a dead letter,
+  over the claim the killed process left, unless Celery hands the message back instead.
+
+Real worker processes: tests/integration/test_inbox_workers.py,
+tests/django/test_django_worker_kill.py and tests/integration/test_time_limits.py."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from typing import Any, Iterator
 
@@ -15,6 +21,7 @@ import pytest
 from billiard.einfo import ExceptionInfo
 from celery import Celery
 from celery.exceptions import Reject, WorkerLostError
+from celery.worker import state as worker_state
 
 from celery_outbox import Outbox
 from celery_outbox.celery_hooks import request_context
@@ -42,6 +49,15 @@ def outbox(sqlite_url, table_prefix) -> Iterator[Outbox]:
     def ship(*args: Any) -> None:
         pass
 
+    @app.task(name="t.overrun", shared=False, ignore_result=True, time_limit=2)
+    def overrun(*args: Any) -> None:
+        pass
+
+    @app.task(name="t.overrun_late", shared=False, ignore_result=True, time_limit=2, acks_late=True,
+              acks_on_failure_or_timeout=False)
+    def overrun_late(*args: Any) -> None:
+        pass
+
     yield outbox
     drop_store(outbox.store)
     outbox.engine.dispose()
@@ -52,12 +68,13 @@ class Lost:
     """A delivered request of ``t.ship`` whose pool process ``DEAD_PID`` ran it, with the running
     claim that process's node committed; records what the request handed to the broker."""
 
-    def __init__(self, outbox: Outbox, owner_pid: int = DEAD_PID):
+    def __init__(self, outbox: Outbox, owner_pid: int = DEAD_PID, task_name: str = "t.ship"):
         app = outbox.app
-        task = app.tasks["t.ship"]
+        task = app.tasks[task_name]
         self.requeued: list[bool] = []
+        self.acked: list[bool] = []
         self.request = OutboxRequest(
-            delivered(app, task.name), app=app, task=task, on_ack=lambda *a: None,
+            delivered(app, task.name), app=app, task=task, on_ack=lambda *a: self.acked.append(True),
             on_reject=lambda _logger, _errors, requeue: self.requeued.append(requeue),
             hostname="w@lost", eventer=None)
         self.request.worker_pid = DEAD_PID
@@ -74,6 +91,14 @@ class Lost:
             raise exc
         except BaseException:  # noqa: BLE001 - the pool's report of the attempt, as the worker gets it
             self.request.on_failure(ExceptionInfo())
+
+    def time_out(self) -> None:
+        """The hard time limit, as the pool reports it; then the record's thread, if one started,
+        ends (the pool kills the process meanwhile)."""
+        self.request.on_timeout(soft=False, timeout=2)
+        for thread in threading.enumerate():
+            if thread.name == "celery-outbox-time-limit":
+                thread.join(timeout=30)
 
     def claim(self) -> tuple[str, bool, bool]:
         """The claim's status, whether an owner holds it, whether it is due for recovery."""
@@ -123,3 +148,51 @@ def test_a_store_that_cannot_take_the_release_still_hands_the_message_back(outbo
     assert lost.claim() == ("running", True, False)
     assert f"could not release the claim of t.ship[{lost.key[0]}], whose pool process {DEAD_PID} died" \
         in caplog.text
+
+
+def test_a_task_failed_at_its_hard_time_limit_ends_as_a_dead_letter(outbox, caplog):
+    """The killed process's eager claim is taken over: recovery will not publish it again."""
+    lost = Lost(outbox, task_name="t.overrun")
+    with caplog.at_level(logging.ERROR, logger="celery_outbox.tasks"):
+        lost.time_out()
+    assert lost.claim() == ("dead", False, False)
+    (letter,) = outbox.store.list_dead_letters(outbox.store.dead_letter_filter())
+    assert (letter.message_id, letter.reason, letter.exception_type) == (
+        lost.key[0], "failed", "TimeLimitExceeded")
+    assert f"t.overrun[{lost.key[0]}] failed at its hard time limit (2s); dead-lettered" in caplog.text
+
+
+def test_a_task_celery_hands_back_at_its_hard_time_limit_keeps_its_attempt(outbox):
+    """``acks_late`` with ``acks_on_timeout`` off: Celery does not fail the task for good (it hands
+    the message back to the broker, or before Celery 5.7 leaves it unacknowledged), so the
+    attempt is not ended; nor in a cold shutdown, where Celery marks no failure."""
+    late = Lost(outbox, task_name="t.overrun_late")
+    late.time_out()
+    assert late.claim() == ("running", True, False)
+    assert outbox.store.count_dead_letters() == 0
+    assert late.acked == []
+
+
+def test_a_hard_time_limit_in_a_cold_shutdown_is_left_to_recovery(outbox, monkeypatch):
+    monkeypatch.setattr(worker_state, "should_terminate", True)
+    lost = Lost(outbox, task_name="t.overrun")
+    lost.time_out()
+    assert lost.claim() == ("running", True, False)
+    assert outbox.store.count_dead_letters() == 0
+
+
+def test_a_time_limit_record_the_store_cannot_take_is_logged(outbox, caplog, monkeypatch):
+    """Another transaction holds SQLite's write lock past the record's wait: it gives up and says
+    so; Celery's failure stands."""
+    monkeypatch.setattr("celery_outbox.tasks.TERMINATED_LOCK_WAIT", 0.2)
+    lost = Lost(outbox, task_name="t.overrun")
+    holder = outbox.engine.connect()
+    holder.begin()
+    try:
+        with caplog.at_level(logging.ERROR, logger="celery_outbox.tasks"):
+            lost.time_out()
+    finally:
+        holder.rollback()
+        holder.close()
+    assert lost.claim() == ("running", True, False)
+    assert f"cannot record that t.overrun[{lost.key[0]}] failed at its hard time limit (2s)" in caplog.text
