@@ -15,6 +15,7 @@ Where each is used: ``without_callback_publish_retry`` (envelope), ``install_tas
 ``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``RESENDS_LOST_ATTEMPTS``,
 ``request_context``,
 ``unwrap_exception``, ``tracer_pushed_request`` and ``swap_task_class`` (tasks),
+``STORE_ERRORS_READS_THE_MESSAGE`` (results),
 ``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
 ``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
 ``can_batch_publish``, ``start_publish_batch``, ``cache_exchange_bindings``,
@@ -38,6 +39,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Iterator
 
 from billiard.einfo import ExceptionWithTraceback
+from celery import VERSION as CELERY_VERSION
 from celery.worker.request import Request
 from kombu.exceptions import LimitExceeded
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -46,6 +48,7 @@ from kombu.utils.functional import ChannelPromise
 
 __all__ = [
     "RESENDS_LOST_ATTEMPTS",
+    "STORE_ERRORS_READS_THE_MESSAGE",
     "TASKS_STEP",
     "HookedRequest",
     "app_task_base_used",
@@ -253,6 +256,11 @@ class HookedRequest(Request):
         with self.resending_lost_attempt():
             return super()._retry_worker_lost(exc, exc_info)
 
+
+#: Celery's ``Request.store_errors`` (whether a FAILURE or REVOKED is stored) reads the message's
+#: ``ignore_result`` header from Celery 5.6 (``Request._ignore_result``); before 5.6 the task's
+#: ``ignore_result`` alone.
+STORE_ERRORS_READS_THE_MESSAGE = (CELERY_VERSION.major, CELERY_VERSION.minor) >= (5, 6)
 
 #: Celery re-sends the attempt of a lost pool process as its next retry, up to ``max_retries``
 #: (``retry_on_worker_lost``, ``Request._retry_worker_lost``: Celery 5.7); before 5.7 it hands every

@@ -25,8 +25,9 @@ body that cannot be read (or whose embedded signatures are not mappings) gives n
 the result is still stored, and a warning names the message.
 
 As Celery does, a FAILURE or REVOKED of a known task is not stored when the message asked
-to ignore its result (header ``ignore_result``, else the task's ``ignore_result``), unless
-the task has ``store_errors_even_if_ignored``; its chord, chain and errbacks are still told.
+to ignore its result (header ``ignore_result``, else the task's ``ignore_result``; before
+Celery 5.6 the task's alone), unless the task has ``store_errors_even_if_ignored``; its chord,
+chain and errbacks are still told.
 The unknown task's FAILURE is always stored.
 
 Transaction boundary: called after the dead letter committed (the message is kept whatever
@@ -49,6 +50,7 @@ from kombu.serialization import prepare_accept_content
 from kombu.utils import json as kombu_json
 
 from . import log_fields
+from .celery_hooks import STORE_ERRORS_READS_THE_MESSAGE
 from .vocabulary import DeadLetterReason
 
 if TYPE_CHECKING:
@@ -170,7 +172,7 @@ def _target(app: "Celery", message: EndedMessage) -> tuple[Any, bool, Context]:
     if isinstance(backend, DisabledBackend):
         return None, False, Context()
     headers = _mapping(message.headers)
-    ignore_result = headers.get("ignore_result")
+    ignore_result = headers.get("ignore_result") if STORE_ERRORS_READS_THE_MESSAGE else None
     if ignore_result is None:
         ignore_result = task.ignore_result if task is not None else False
     store = not ignore_result or bool(task is not None and task.store_errors_even_if_ignored)

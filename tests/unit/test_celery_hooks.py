@@ -426,6 +426,14 @@ def test_revoked_announces_through_announce_revoked_before_the_ack(app):
     assert expired.announced == ("expired", False, False)
 
 
+def test_store_errors_reads_the_messages_ignore_result_from_5_6():
+    """``STORE_ERRORS_READS_THE_MESSAGE``: Celery's ``Request.store_errors`` reads the request's own
+    ``ignore_result`` (the message's header) where it holds, the task's alone before."""
+    source = inspect.getsource(Request.store_errors.fget)
+    assert ("self._ignore_result" in source) is hooks.STORE_ERRORS_READS_THE_MESSAGE
+    assert ("self.task.ignore_result" in source) is not hooks.STORE_ERRORS_READS_THE_MESSAGE
+
+
 def test_lost_attempts_are_resent_by_celery_from_5_7_and_handed_back_before():
     """``RESENDS_LOST_ATTEMPTS`` holds where Celery has ``retry_on_worker_lost`` (5.7): there a lost
     attempt is re-sent as its next retry, up to ``max_retries``; before, ``on_failure`` hands it
