@@ -30,6 +30,7 @@ from ..apps import schedule_app
 from ..brokers import purge, receive
 from ..conftest import drop_store, unique_prefix
 from ..services import TcpProxy, require, wait_until
+from ..versions import CELERY
 from ..workers import WorkerProcess
 
 QUEUES = ["queue", "durable_queue"]  # a plain queue; a durable one (an ordinary queue on plain Celery)
@@ -174,7 +175,11 @@ def test_an_eta_task_past_its_expiry_is_revoked_not_run(world, kind):
 
 
 @pytest.mark.parametrize("kind", QUEUES)
-@pytest.mark.parametrize("canvas", ["chord", "group"])
+@pytest.mark.parametrize("canvas", [
+    pytest.param("chord", marks=pytest.mark.skipif(
+        CELERY < (5, 7), reason="before Celery 5.7 a chord's countdown does not reach its header tasks, in plain "
+        "Celery as well (the compatibility suite's DOCUMENTED_SINCE)")),
+    "group"])
 def test_a_countdown_on_a_chord_or_group_delays_its_header(world, canvas, kind):
     """``chord(header, body).apply_async(countdown=2)`` and ``group(...).apply_async(countdown=2)``:
     every header task starts no earlier than the countdown; a chord's body after its header."""
@@ -270,6 +275,8 @@ def test_one_task_sent_event_per_send_with_celerys_fields(world):
         assert {"hostname", "timestamp", "clock", "pid", "utcoffset"} <= set(event)
 
 
+@pytest.mark.skipif(CELERY < (5, 7), reason="on Celery and kombu 5.4 the sender retries the task-sent event's "
+                    "publish over the lost connection instead of buffering it, in plain Celery as well")
 @pytest.mark.parametrize("kind", ["queue", "idle_queue"])
 def test_a_task_sent_event_that_cannot_be_published_is_buffered_by_celerys_dispatcher(world, kind):
     """The broker goes away right after the task message is published: the event's publish fails
