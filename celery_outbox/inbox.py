@@ -65,6 +65,7 @@ from . import dead_letter_rows, log_fields, tracing
 from .crashpoints import crashpoint
 from .delivery import Delivery, dead_letter_row, envelope_of
 from .django.unit_of_work import DjangoAttempt
+from .errors import OutboxError
 from .node import Node
 from .publishing import Publisher
 from .runtime import Runtime
@@ -74,7 +75,7 @@ from .store.outage import is_outage
 from .unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
 from .vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, IncomingStatus
 
-__all__ = ["Inbox", "inbox_of"]
+__all__ = ["Inbox", "inbox_of", "installed_inbox"]
 
 logger = logging.getLogger("celery_outbox.inbox")
 
@@ -108,6 +109,14 @@ _APP_ATTRIBUTE = "_celery_outbox_inbox"
 def inbox_of(app: Any) -> "Inbox | None":
     """The inbox installed on ``app`` (``Inbox.install``), or None."""
     return getattr(app, _APP_ATTRIBUTE, None)
+
+
+def installed_inbox(app: Any) -> "Inbox":
+    """The inbox of the outbox installed on ``app``; a clear error when there is none."""
+    inbox = inbox_of(app)
+    if inbox is None:
+        raise OutboxError(f"no Outbox is installed on app {app.main!r}: call Outbox(app) in your Celery module")
+    return inbox
 
 
 class Inbox:

@@ -24,8 +24,8 @@ from sqlalchemy import text
 
 from celery_outbox import Outbox, inbox
 from celery_outbox.delivery import Delivery
+from celery_outbox.inbox import installed_inbox
 from celery_outbox.store import utcnow
-from celery_outbox.tasks import installed_inbox
 from celery_outbox.vocabulary import IncomingStatus
 
 from ..conftest import drop_store

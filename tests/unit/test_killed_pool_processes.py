@@ -27,7 +27,7 @@ from celery_outbox import Outbox
 from celery_outbox.celery_hooks import request_context
 from celery_outbox.delivery import Delivery
 from celery_outbox.node import this_host
-from celery_outbox.tasks import OutboxRequest
+from celery_outbox.worker_request import OutboxRequest
 
 from ..conftest import drop_store
 from ..integration.test_store_contract import incoming_row
@@ -108,7 +108,7 @@ class Lost:
 
 def test_a_lost_attempt_handed_back_releases_the_dead_processs_claim_first(outbox, caplog):
     lost = Lost(outbox)
-    with caplog.at_level(logging.INFO, logger="celery_outbox.tasks"):
+    with caplog.at_level(logging.INFO, logger="celery_outbox.worker_request"):
         lost.fail_with(WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)."))
     assert lost.requeued == [True], "Celery hands the message back to the broker"
     assert lost.claim() == ("running", False, True), "released: the copy takes it over"
@@ -139,7 +139,7 @@ def test_a_store_that_cannot_take_the_release_still_hands_the_message_back(outbo
     holder = outbox.engine.connect()
     holder.begin()  # the store's SQLite engine takes the write lock as a transaction begins
     try:
-        with caplog.at_level(logging.WARNING, logger="celery_outbox.tasks"):
+        with caplog.at_level(logging.WARNING, logger="celery_outbox.worker_request"):
             lost.fail_with(WorkerLostError("Worker exited prematurely: signal 9 (SIGKILL)."))
     finally:
         holder.rollback()
@@ -153,7 +153,7 @@ def test_a_store_that_cannot_take_the_release_still_hands_the_message_back(outbo
 def test_a_task_failed_at_its_hard_time_limit_ends_as_a_dead_letter(outbox, caplog):
     """The killed process's eager claim is taken over: recovery will not publish it again."""
     lost = Lost(outbox, task_name="t.overrun")
-    with caplog.at_level(logging.ERROR, logger="celery_outbox.tasks"):
+    with caplog.at_level(logging.ERROR, logger="celery_outbox.worker_request"):
         lost.time_out()
     assert lost.claim() == ("dead", False, False)
     (letter,) = outbox.store.list_dead_letters(outbox.store.dead_letter_filter())
@@ -184,12 +184,12 @@ def test_a_hard_time_limit_in_a_cold_shutdown_is_left_to_recovery(outbox, monkey
 def test_a_time_limit_record_the_store_cannot_take_is_logged(outbox, caplog, monkeypatch):
     """Another transaction holds SQLite's write lock past the record's wait: it gives up and says
     so; Celery's failure stands."""
-    monkeypatch.setattr("celery_outbox.tasks.TERMINATED_LOCK_WAIT", 0.2)
+    monkeypatch.setattr("celery_outbox.worker_request.TERMINATED_LOCK_WAIT", 0.2)
     lost = Lost(outbox, task_name="t.overrun")
     holder = outbox.engine.connect()
     holder.begin()
     try:
-        with caplog.at_level(logging.ERROR, logger="celery_outbox.tasks"):
+        with caplog.at_level(logging.ERROR, logger="celery_outbox.worker_request"):
             lost.time_out()
     finally:
         holder.rollback()

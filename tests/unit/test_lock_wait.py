@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from celery_outbox.inbox import InFlight
+from celery_outbox.inbox import InFlight, installed_inbox
 from celery_outbox.store import is_lock_timeout
 from celery_outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
-from celery_outbox.tasks import installed_inbox
 from celery_outbox.vocabulary import BUSY_ROW_WAIT
 
 from ..integration.test_terminated_attempts import delivery, durable_outbox
