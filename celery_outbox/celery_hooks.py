@@ -13,8 +13,8 @@ Where each is used: ``without_callback_publish_retry`` (envelope), ``install_tas
 ``default_event_dispatcher``, ``install_send_task_producer`` and ``backend_ignores_producer``
 (publish_hook), ``app_task_base_used``, ``set_app_task_base``,
 ``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``RESENDS_LOST_ATTEMPTS``,
-``request_context``,
-``unwrap_exception``, ``tracer_pushed_request`` and ``swap_task_class`` (tasks),
+``request_context`` and ``unwrap_exception`` (worker_request), ``tracer_pushed_request`` and
+``swap_task_class`` (tasks),
 ``STORE_ERRORS_READS_THE_MESSAGE`` (results),
 ``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
 ``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
