@@ -23,8 +23,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..errors import StoreUnavailable
+from ..vocabulary import Attempt
 from .engine import SQLITE_BUSY_TIMEOUT_MS, redact, safe_url
-from .schema import UNOWNED, Tables, _incoming_key, build_tables
+from .schema import UNOWNED, Tables, _incoming_key, build_tables, is_running
 from .sqlite_codes import SqliteCode, sqlite_code
 
 __all__ = ["StoreBase", "as_utc", "is_content_error", "is_lock_timeout", "is_unique_violation", "utcnow"]
@@ -149,6 +150,15 @@ class StoreBase:
         lock for the rest of the transaction when it is free."""
         lock_key = literal_column(str(node_lock_namespace(self.prefix) << 32), BigInteger) + node_id_column
         return func.pg_try_advisory_xact_lock(lock_key)
+
+    def _running_claim(self, message_id: str, destination: str, attempt: Attempt, send_id: str):
+        """The inbox row of the message that is a running claim of this attempt (nesting, replays,
+        retries)."""
+        table = self.tables.incoming
+        nesting, replays, retries = attempt
+        return (is_running(table) & (table.c.message_id == message_id) & (table.c.destination == destination)
+                & (table.c.send_id == send_id) & (table.c.nesting == nesting) & (table.c.replays == replays)
+                & (table.c.retries == retries))
 
     def _release_incoming(self, conn: Connection, where, limit: int, now: datetime) -> int:
         """Release up to ``limit`` claims matching ``where`` (skipping locked rows); due for recovery at once."""

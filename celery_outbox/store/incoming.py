@@ -329,13 +329,8 @@ class IncomingStatements(OneMessage):
         retries): after a claim that failed, its owner is alive and may still finish it, so a
         copy of it is not a duplicate yet."""
         table = self.tables.incoming
-        nesting, replays, retries = attempt
-        return conn.execute(
-            select(table.c.message_id).where(
-                table.c.message_id == message_id, table.c.destination == destination,
-                table.c.send_id == send_id, is_running(table), table.c.nesting == nesting,
-                table.c.replays == replays, table.c.retries == retries)
-        ).first() is not None
+        return conn.execute(select(table.c.message_id).where(
+            self._running_claim(message_id, destination, attempt, send_id))).first() is not None
 
     def count_duplicate(self, conn: Connection, message_id: str, destination: str, send_id: str = "") -> None:
         table = self.tables.incoming

@@ -138,22 +138,19 @@ class NodeStatements(StoreBase):
         """Release ``owner``'s running claim of this attempt (nesting, replays, retries) of the
         message, so that a redelivered copy takes it over; returns how many rows (0: the claim
         was not there, not ours, or already ended). Due for recovery at once, as ``release_owned``."""
-        table = self.tables.incoming
-        nesting, replays, retries = attempt
-        ours = (is_running(table) & (table.c.message_id == message_id) & (table.c.destination == destination)
-                & (table.c.send_id == send_id) & (table.c.owner == owner) & (table.c.nesting == nesting)
-                & (table.c.replays == replays) & (table.c.retries == retries))
+        ours = self._running_claim(message_id, destination, attempt, send_id) & (self.tables.incoming.c.owner == owner)
         return self._release_incoming(conn, ours, 1, now)
 
     def release_claim_of_process(self, conn: Connection, message_id: str, destination: str, hostname: str,
                                  pid: int, attempt: Attempt, now: datetime, send_id: str = "") -> int:
         """``release_claim`` for the nodes of the process ``pid`` on ``hostname`` (a pool process
-        its worker saw die): whichever of them owns this attempt's running claim releases it;
-        returns how many rows. A claim any other node took over stays."""
+        its worker saw die), in one statement: whichever of them owns this attempt's running claim
+        releases it; returns how many rows. A claim any other node took over stays."""
         nodes = self.tables.nodes
-        owners = conn.execute(select(nodes.c.id).where(nodes.c.hostname == hostname, nodes.c.pid == pid)).scalars()
-        return sum(self.release_claim(conn, message_id, destination, owner, attempt, now, send_id)
-                   for owner in list(owners))
+        of_process = select(nodes.c.id).where(nodes.c.hostname == hostname, nodes.c.pid == pid)
+        theirs = self._running_claim(message_id, destination, attempt, send_id) \
+            & self.tables.incoming.c.owner.in_(of_process)
+        return self._release_incoming(conn, theirs, 1, now)
 
     def _owner_predicate(self, column, owners: Sequence[int]):
         if self.is_postgres:
