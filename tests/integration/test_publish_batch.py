@@ -67,11 +67,11 @@ def queue():
 
 
 #: kombu 5.7 added batch publishing; before it a batch publishes each message at once, as on RabbitMQ
-needs_kombus_batch = pytest.mark.skipif(KOMBU < (5, 7), reason="kombu before 5.7 has no batch publishing: each "
+needs_kombu_batch = pytest.mark.skipif(KOMBU < (5, 7), reason="kombu before 5.7 has no batch publishing: each "
                                         "message goes at once (test_rabbitmq_publishes_each_message_at_once)")
 
 
-@needs_kombus_batch
+@needs_kombu_batch
 def test_a_redis_batch_arrives_in_order_with_one_binding_lookup(redis_url, queue):
     with Connection(redis_url) as connection:
         producer = connection.Producer()
@@ -94,7 +94,7 @@ def test_a_redis_batch_arrives_in_order_with_one_binding_lookup(redis_url, queue
         queue.bind(channel).delete()
 
 
-@needs_kombus_batch
+@needs_kombu_batch
 def test_a_redis_batch_that_cannot_be_sent_reports_its_error(redis_url, queue):
     real = urlsplit(redis_url)
     proxy = TcpProxy(real.hostname or "127.0.0.1", real.port or 6379).start()
