@@ -13,8 +13,8 @@ Where each is used: ``without_callback_publish_retry`` (envelope), ``install_tas
 ``default_event_dispatcher``, ``install_send_task_producer`` and ``backend_ignores_producer``
 (publish_hook), ``app_task_base_used``, ``set_app_task_base``,
 ``pool_module`` and ``worker_concurrency`` (outbox), ``HookedRequest``, ``RESENDS_LOST_ATTEMPTS``,
-``request_context`` and ``unwrap_exception`` (worker_request), ``tracer_pushed_request`` and
-``swap_task_class`` (tasks),
+``HANDS_BACK_AT_TIME_LIMIT``, ``request_context`` and ``unwrap_exception`` (worker_request),
+``tracer_pushed_request`` and ``swap_task_class`` (tasks),
 ``STORE_ERRORS_READS_THE_MESSAGE`` (results),
 ``TASKS_STEP``, ``wrap_task_handler``, ``task_consumer_channel``, ``task_strategies``,
 ``call_later``, ``consumer_event_dispatcher`` and ``build_channel_messages_with`` (guard),
@@ -40,6 +40,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 from billiard.einfo import ExceptionWithTraceback
 from celery import VERSION as CELERY_VERSION
+from celery.app.task import Task
 from celery.worker.request import Request
 from kombu.exceptions import LimitExceeded
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -48,6 +49,7 @@ from kombu.utils.functional import ChannelPromise
 
 __all__ = [
     "RESENDS_LOST_ATTEMPTS",
+    "HANDS_BACK_AT_TIME_LIMIT",
     "STORE_ERRORS_READS_THE_MESSAGE",
     "TASKS_STEP",
     "HookedRequest",
@@ -266,6 +268,11 @@ STORE_ERRORS_READS_THE_MESSAGE = (CELERY_VERSION.major, CELERY_VERSION.minor) >=
 #: (``retry_on_worker_lost``, ``Request._retry_worker_lost``: Celery 5.7); before 5.7 it hands every
 #: lost attempt of an ``acks_late`` task with ``reject_on_worker_lost`` back to the broker as it is.
 RESENDS_LOST_ATTEMPTS = hasattr(Request, "_retry_worker_lost")
+
+#: At an ``acks_late`` task's hard time limit Celery acks the message when the task's
+#: ``acks_on_timeout`` is on and hands it back to the broker when it is off (Celery 5.7); before 5.7
+#: ``acks_on_failure_or_timeout`` alone decides, and a message it does not ack stays unacknowledged.
+HANDS_BACK_AT_TIME_LIMIT = hasattr(Task, "acks_on_timeout")
 
 
 def request_context(request: Any) -> Any:

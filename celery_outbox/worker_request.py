@@ -12,6 +12,9 @@ of its own in the worker's main process, before Celery acks or hands back the me
   meanwhile, the copy's outcome stands: no dead letter, no FAILURE over the copy's result;
 * a lost attempt Celery hands back to the broker as it is (``reject_on_worker_lost``): the eager
   claim the dead process held is released first, so that the copy runs at once;
+* an attempt Celery hands back at its hard time limit (``acks_late`` with ``acks_on_timeout``
+  off): the eager claim is released once the pool has killed the process, so that the copy runs
+  without waiting for recovery;
 * a hard time limit (the pool kills the process): the attempt ends as a dead letter (reason
   ``failed``), so that neither recovery nor delivery tracking runs it again;
 * a delivery revoked or expired before it ran, or terminated (``revoke(terminate=True)``): the
@@ -28,9 +31,16 @@ from typing import Any, ContextManager
 from billiard.einfo import ExceptionInfo
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker import state as worker_state
+from kombu.asynchronous import get_event_loop
 
 from . import log_fields
-from .celery_hooks import RESENDS_LOST_ATTEMPTS, HookedRequest, request_context, unwrap_exception
+from .celery_hooks import (
+    HANDS_BACK_AT_TIME_LIMIT,
+    RESENDS_LOST_ATTEMPTS,
+    HookedRequest,
+    request_context,
+    unwrap_exception,
+)
 from .delivery import Delivery, dead_letter_row
 from .inbox import TERMINATED_LOCK_WAIT, InFlight, inbox_of, installed_inbox
 from .node import this_host
@@ -65,6 +75,9 @@ class OutboxRequest(HookedRequest):
 
     #: the pool process running this request died (``WorkerLostError``)
     _process_lost = False
+    #: the request passed its hard time limit: the pool reports it (``on_failure``, then
+    #: ``on_timeout``) and kills the process once both return
+    _past_hard_time_limit = False
 
     def before_revoked_announced(self, reason: str, terminated: bool) -> None:
         """Celery marks the task REVOKED and acks its message. Before that, an inbox attempt that
@@ -117,6 +130,7 @@ class OutboxRequest(HookedRequest):
         exc = exc_info.exception
         exc = unwrap_exception(exc)
         self._process_lost = isinstance(exc, WorkerLostError)
+        self._past_hard_time_limit = isinstance(exc, TimeLimitExceeded) and not return_ok
         if self._lost_past_the_cap(exc):
             ended = self._end_lost_attempt(exc)
             if ended is LostAttemptEnd.NOT_RECORDED:
@@ -133,12 +147,31 @@ class OutboxRequest(HookedRequest):
         before Celery 5.7, and on 5.7 one of a task without ``retry_on_worker_lost`` or whose
         re-send failed), the eager claim that process held is released first, in a transaction of
         its own: the copy takes it over at once. Without that the copy would meet a running claim
-        and go back to the broker until recovery declared the process dead. When the store
-        cannot take the release, that is logged and the copy waits for recovery."""
-        if requeue and self._process_lost and not self.acknowledged and self.worker_pid is not None \
-                and self._goes_through_inbox():
-            self._release_lost_claim()
+        and go back to the broker until recovery declared the process dead. When it hands back an
+        attempt at its hard time limit (``acks_late`` with ``acks_on_timeout`` off), the process
+        still runs: the release waits for the worker's event loop to come round, after the pool
+        has killed the process, so that the body never overlaps its copy. When the store cannot
+        take the release, that is logged and the copy waits for recovery."""
+        if requeue and not self.acknowledged and self.worker_pid is not None and self._goes_through_inbox():
+            if self._process_lost:
+                self._release_lost_claim()
+            elif self._past_hard_time_limit:
+                self._release_claim_once_killed()
         super().reject(requeue=requeue)
+
+    def _release_claim_once_killed(self) -> None:
+        """Release the claim of the process the pool kills at the hard time limit, in a timer of the
+        worker's event loop due at once: the pool's hard-time-limit timer calls ``on_timeout`` and
+        then kills the process (TERM, at most 0.1 s, KILL), and the loop fires the timer due next
+        as soon as that one returns, before it reads another message. A worker with no event loop
+        (a pool without one) leaves the claim to recovery."""
+        hub = get_event_loop()
+        if hub is None:
+            logger.info("celery-outbox: %s[%s] is handed back at its hard time limit; with no event loop to "
+                        "release its claim after the kill, its copy waits for recovery", self.task.name, self.id,
+                        **log_fields.of_delivery(self._delivery()))
+            return
+        hub.call_later(0, self._release_lost_claim)
 
     def _release_lost_claim(self) -> None:
         task = self.task
@@ -146,14 +179,15 @@ class OutboxRequest(HookedRequest):
         try:
             released = installed_inbox(task.app).release_lost_process_claim(delivery, this_host(), self.worker_pid)
         except Exception as error:  # noqa: BLE001 - recovery releases it once it declares the process dead
-            logger.warning("celery-outbox: could not release the claim of %s[%s], whose pool process %d died; "
+            logger.warning("celery-outbox: could not release the claim of %s[%s], whose pool process %d ended; "
                            "its copy goes back to the broker until recovery declares that process dead: %s",
                            task.name, self.id, self.worker_pid, error, **log_fields.of_delivery(delivery))
             return
         if released:
-            logger.info("celery-outbox: %s[%s] lost its pool process %d; its claim is released for the copy "
-                        "Celery hands back to the broker", task.name, self.id, self.worker_pid,
-                        **log_fields.of_delivery(delivery))
+            ended = "lost its pool process" if self._process_lost else \
+                "passed its hard time limit; the pool killed its process"
+            logger.info("celery-outbox: %s[%s] %s %d; its claim is released for the copy Celery hands back to "
+                        "the broker", task.name, self.id, ended, self.worker_pid, **log_fields.of_delivery(delivery))
 
     def resending_lost_attempt(self) -> ContextManager[Any]:
         """Celery re-sends the attempt of a lost worker process as its next retry: the message keeps
@@ -195,29 +229,29 @@ class OutboxRequest(HookedRequest):
     def on_timeout(self, soft: bool, timeout: float) -> None:
         """At the task's hard time limit Celery fails it for good (``FAILURE(TimeLimitExceeded)``,
         its errbacks) and the pool kills its process. Unless Celery hands the message back to the
-        broker instead (``acks_late`` with ``acks_on_timeout`` off) or the worker is in a cold
-        shutdown, an inbox attempt then ends as ``dead`` with a dead letter (reason ``failed``),
+        broker instead (``acks_late`` with ``acks_on_timeout`` off, Celery 5.7) or the worker is in
+        a cold shutdown, an inbox attempt then ends as ``dead`` with a dead letter (reason ``failed``),
         as a failure does: without it recovery would publish a durable message's envelope again
         once the killed process was declared dead, and delivery tracking its sender's row, and
         the task would run again, time out again, and so on. The record runs in a thread of its
         own, so that the pool kills the process meanwhile: it takes over the claim the process
         left and waits for its open transaction to end (``TERMINATED_LOCK_WAIT``). When the store
         cannot take it, that is logged, and the message is run again as before."""
+        self._past_hard_time_limit = not soft
         if not soft and self._fails_for_good_at_time_limit() and self._goes_through_inbox():
             threading.Thread(target=self._end_timed_out, args=(timeout,), name="celery-outbox-time-limit",
                              daemon=True).start()
         super().on_timeout(soft, timeout)
 
     def _fails_for_good_at_time_limit(self) -> bool:
-        """Whether Celery's ``on_timeout`` fails the task for good: it acks the message (or an early
-        ack took it already) and marks ``FAILURE``."""
+        """Whether Celery fails the task for good at its hard time limit: it acks the message or
+        drops it (or an early ack took it already) and marks ``FAILURE``."""
         task = self.task
         if worker_state.should_terminate:
             return False  # a cold shutdown: Celery marks no failure
-        if not task.acks_late:
-            return True
-        acks = getattr(task, "acks_on_timeout", None)  # Celery 5.7; before it acks_on_failure_or_timeout alone
-        return bool(task.acks_on_failure_or_timeout if acks is None else acks)
+        if not task.acks_late or not HANDS_BACK_AT_TIME_LIMIT:
+            return True  # before Celery 5.7 an acks_late task's message is acked, or dropped (rejected unrequeued)
+        return bool(task.acks_on_failure_or_timeout if task.acks_on_timeout is None else task.acks_on_timeout)
 
     def _end_timed_out(self, timeout: float) -> None:
         task = self.task

@@ -101,10 +101,14 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         record(order_id, "body")
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def die_the_first_time(order_id: str) -> None:
-        first_time = started_before(order_id) == 0
+    def first_time(order_id: str) -> bool:
+        """Whether no body of ``order_id`` started before this one (recorded as started)."""
+        first = started_before(order_id) == 0
         record(order_id, "body")
-        if first_time:
+        return first
+
+    def die_the_first_time(order_id: str) -> None:
+        if first_time(order_id):
             os.kill(os.getpid(), signal.SIGKILL)
 
     @app.task(name="inbox.ship", shared=False, acks_late=True, reject_on_worker_lost=True)
@@ -152,6 +156,32 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
 
     overrun_eager.idempotency = "eager"
 
+    def hang_the_first_time(order_id: str) -> None:
+        """The first body hangs past the time limit deaf to the pool's SIGTERM, as one stuck in C
+        code: only the SIGKILL that follows ends it, and its process's node is not deregistered."""
+        if first_time(order_id):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(60)
+
+    # acks_on_timeout off (Celery 5.7): Celery hands the message back to the broker at the hard time limit
+    @app.task(name="inbox.overrun_once", shared=False, time_limit=TIME_LIMIT, acks_late=True, acks_on_timeout=False)
+    def overrun_once(order_id: str) -> str:
+        """A plain task that hangs past its hard time limit the first time, then writes and returns."""
+        hang_the_first_time(order_id)
+        with outbox.transaction() as session:
+            session.execute(insert(effects).values(order_id=order_id, attempt=0))
+        return order_id
+
+    @app.task(base=IdempotentTask, bind=True, name="inbox.overrun_once_eager", shared=False, time_limit=TIME_LIMIT,
+              acks_on_timeout=False)
+    def overrun_once_eager(self, order_id: str) -> str:
+        """An eager ``IdempotentTask`` that hangs past its hard time limit the first time, then writes."""
+        hang_the_first_time(order_id)
+        self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
+        return order_id
+
+    overrun_once_eager.idempotency = "eager"
+
     def on_prerun(sender=None, task_id=None, **_):
         if sender is not None and sender.app is app:
             record(task_id, "prerun")
@@ -185,6 +215,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
     return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, pay=pay, pay_eager=pay_eager, flaky=flaky,
                            fragile=fragile, doomed=doomed, ship=ship, overrun=overrun,
                            overrun_optimistic=overrun_optimistic, overrun_eager=overrun_eager,
+                           overrun_once=overrun_once, overrun_once_eager=overrun_once_eager,
                            pay_eager_handed_back=pay_eager_handed_back, events=event_rows, effects=effect_rows,
                            disconnect=disconnect)
 

@@ -5,12 +5,18 @@ its process. On a durable queue the attempt left an envelope (an eager claim com
 body, or a sender's tracked row that the optimistic attempt's rollback put back): unrecorded,
 recovery or delivery tracking would publish it again, and the task would run, time out and run
 again for good. The worker's main process ends the attempt as ``dead`` with a dead letter, as a
-failure does: the body runs once, and no recover pass publishes it again."""
+failure does: the body runs once, and no recover pass publishes it again.
+
+With ``acks_late`` and ``acks_on_timeout`` off, Celery hands the message back to the broker
+instead (Celery 5.7): the claim the killed process left is released once the pool has killed it,
+so that the copy runs at once rather than after recovery."""
 
 from __future__ import annotations
 
 import pytest
 from sqlalchemy import select
+
+from celery_outbox.celery_hooks import HANDS_BACK_AT_TIME_LIMIT
 
 from ..apps.inbox_app import TIME_LIMIT
 from ..scenario import Scenario
@@ -53,5 +59,33 @@ def test_a_task_past_its_hard_time_limit_runs_once_and_ends_as_a_dead_letter(pos
         with store.begin() as conn:
             statuses = conn.execute(select(incoming.c.status).where(incoming.c.message_id == "late-1")).scalars()
             assert list(statuses) == ["dead"]
+    finally:
+        scenario.close()
+
+
+@pytest.mark.skipif(not HANDS_BACK_AT_TIME_LIMIT, reason="before Celery 5.7 the message stays unacknowledged")
+@pytest.mark.parametrize("task", ["overrun_once", "overrun_once_eager"], ids=["plain-task", "eager"])
+def test_a_task_handed_back_at_its_hard_time_limit_runs_again_at_once(postgres_url, table_prefix, tmp_path, task):
+    """The copy Celery hands back finds the killed process's eager claim released: it runs at
+    once, and its effects exist once. The first body is deaf to the pool's SIGTERM (as one stuck in
+    C code), so its process never deregisters its node: only the SIGKILL ends it. Without the
+    release the copy would meet a running claim and go back to the broker (REJECTED) until
+    recovery declared the process dead: no beat runs here, and the nodes heartbeat every 10 s, so
+    not within the 30 s the test waits."""
+    scenario = Scenario(require("redis"), postgres_url, table_prefix, tmp_path, outbox_node_heartbeat_interval=10)
+    try:
+        durable = scenario.env["TEST_OTHER_QUEUE"]
+        worker = scenario.worker(pool="prefork", concurrency=1, queues=[durable])
+        getattr(scenario.shop, task).apply_async(("late-2",), task_id="late-2", queue=durable)
+        wait_until(lambda: "SUCCESS" in [e.state for e in scenario.shop.events("late-2") if e.kind == "postrun"],
+                   timeout=30, message=f"the copy run (log: {worker.log_path})")
+        events = scenario.shop.events("late-2")
+        assert [e.state for e in events if e.kind == "postrun"] == ["SUCCESS"], "the copy met no running claim"
+        assert len([e for e in events if e.kind == "body"]) == 2, "the body ran twice: killed, then the copy"
+        assert len(scenario.shop.effects("late-2")) == 1
+        assert "passed its hard time limit; the pool killed its process" in worker.log()
+        row = scenario.shop.outbox.store.get_incoming("late-2")
+        assert (row.status, row.owner) == ("handled", 0)
+        assert scenario.shop.outbox.store.count_dead_letters() == 0
     finally:
         scenario.close()

@@ -444,6 +444,16 @@ def test_lost_attempts_are_resent_by_celery_from_5_7_and_handed_back_before():
     assert "reject_on_worker_lost" in on_failure and "self.reject(requeue=requeue)" in on_failure
 
 
+def test_celery_hands_back_at_the_hard_time_limit_from_5_7_and_fails_for_good_before():
+    """``HANDS_BACK_AT_TIME_LIMIT`` holds where Celery has ``acks_on_timeout`` (5.7): the pool's
+    failure of the timed-out job (``on_failure``) hands an ``acks_late`` task's message back when it
+    is off; before, ``acks_on_failure_or_timeout`` acks the message or drops it."""
+    assert hooks.HANDS_BACK_AT_TIME_LIMIT is (CELERY >= (5, 7))
+    on_failure = inspect.getsource(Request.on_failure)
+    assert ("self.task.acks_on_timeout" in on_failure) is hooks.HANDS_BACK_AT_TIME_LIMIT
+    assert "self.reject(requeue=False)" in on_failure
+
+
 def test_retry_worker_lost_resends_through_signature_from_request(app):
     """Celery 5.7 (``retry_on_worker_lost``): ``on_failure`` of a ``WorkerLostError`` calls
     ``_retry_worker_lost(exc, exc_info)``, which re-sends the task as its next retry through

@@ -5,7 +5,8 @@
   the dead process held is released first, so that the copy runs at once; when the store cannot
   take the release, the message goes back all the same.
 * Celery fails a task at its hard time limit: the attempt ends as ``dead`` with a dead letter,
-  over the claim the killed process left, unless Celery hands the message back instead.
+  over the claim the killed process left, unless Celery hands the message back instead; then the
+  claim is released once the pool has killed the process (on the worker's event loop).
 
 Real worker processes: tests/integration/test_inbox_workers.py,
 tests/django/test_django_worker_kill.py and tests/integration/test_time_limits.py."""
@@ -20,11 +21,12 @@ from typing import Any, Iterator
 import pytest
 from billiard.einfo import ExceptionInfo
 from celery import Celery
-from celery.exceptions import Reject, WorkerLostError
+from celery.exceptions import Reject, TimeLimitExceeded, WorkerLostError
 from celery.worker import state as worker_state
+from kombu.asynchronous import Hub, set_event_loop
 
 from celery_outbox import Outbox
-from celery_outbox.celery_hooks import request_context
+from celery_outbox.celery_hooks import HANDS_BACK_AT_TIME_LIMIT, request_context
 from celery_outbox.delivery import Delivery
 from celery_outbox.node import this_host
 from celery_outbox.worker_request import OutboxRequest
@@ -93,8 +95,12 @@ class Lost:
             self.request.on_failure(ExceptionInfo())
 
     def time_out(self) -> None:
-        """The hard time limit, as the pool reports it; then the record's thread, if one started,
-        ends (the pool kills the process meanwhile)."""
+        """The hard time limit, as the pool reports it (the job's failure, then its timeout); then
+        the record's thread, if one started, ends (the pool kills the process meanwhile)."""
+        try:
+            raise TimeLimitExceeded(2)
+        except TimeLimitExceeded:
+            self.request.on_failure(ExceptionInfo())
         self.request.on_timeout(soft=False, timeout=2)
         for thread in threading.enumerate():
             if thread.name == "celery-outbox-time-limit":
@@ -146,7 +152,7 @@ def test_a_store_that_cannot_take_the_release_still_hands_the_message_back(outbo
         holder.close()
     assert lost.requeued == [True], "the message is never kept from the broker"
     assert lost.claim() == ("running", True, False)
-    assert f"could not release the claim of t.ship[{lost.key[0]}], whose pool process {DEAD_PID} died" \
+    assert f"could not release the claim of t.ship[{lost.key[0]}], whose pool process {DEAD_PID} ended" \
         in caplog.text
 
 
@@ -162,15 +168,53 @@ def test_a_task_failed_at_its_hard_time_limit_ends_as_a_dead_letter(outbox, capl
     assert f"t.overrun[{lost.key[0]}] failed at its hard time limit (2s); dead-lettered" in caplog.text
 
 
-def test_a_task_celery_hands_back_at_its_hard_time_limit_keeps_its_attempt(outbox):
-    """``acks_late`` with ``acks_on_timeout`` off: Celery does not fail the task for good (it hands
-    the message back to the broker, or before Celery 5.7 leaves it unacknowledged), so the
-    attempt is not ended; nor in a cold shutdown, where Celery marks no failure."""
+@pytest.mark.skipif(not HANDS_BACK_AT_TIME_LIMIT, reason="before Celery 5.7 Celery fails it for good")
+def test_a_task_celery_hands_back_at_its_hard_time_limit_keeps_its_attempt(outbox, caplog):
+    """``acks_late`` with ``acks_on_timeout`` off (Celery 5.7): Celery hands the message back to the
+    broker rather than failing the task for good, so the attempt is not ended. With no event
+    loop to release the claim on after the kill (no worker here), the copy waits for recovery."""
     late = Lost(outbox, task_name="t.overrun_late")
-    late.time_out()
+    with caplog.at_level(logging.INFO, logger="celery_outbox.worker_request"):
+        late.time_out()
     assert late.claim() == ("running", True, False)
     assert outbox.store.count_dead_letters() == 0
-    assert late.acked == []
+    assert (late.acked, late.requeued) == ([], [True])
+    assert "with no event loop to release its claim after the kill" in caplog.text
+
+
+@pytest.mark.skipif(HANDS_BACK_AT_TIME_LIMIT, reason="Celery 5.7 hands the message back (acks_on_timeout)")
+def test_before_celery_5_7_a_task_dropped_at_its_hard_time_limit_ends_as_a_dead_letter(outbox):
+    """Before Celery 5.7, ``acks_on_failure_or_timeout`` off makes Celery drop the message at the
+    hard time limit (rejected, not requeued) and mark ``FAILURE``: the task fails for good, and
+    its attempt ends as ``dead`` with a dead letter, as with the message acked."""
+    late = Lost(outbox, task_name="t.overrun_late")
+    late.time_out()
+    assert late.requeued == [False]
+    assert late.claim() == ("dead", False, False)
+    (letter,) = outbox.store.list_dead_letters(outbox.store.dead_letter_filter())
+    assert (letter.reason, letter.exception_type) == ("failed", "TimeLimitExceeded")
+
+
+@pytest.mark.skipif(not HANDS_BACK_AT_TIME_LIMIT, reason="before Celery 5.7 the message stays unacknowledged")
+def test_a_task_handed_back_at_its_hard_time_limit_has_its_claim_released_after_the_kill(outbox, caplog):
+    """Celery hands the message back within the pool's hard-time-limit timer, which kills the
+    process once it returns: the claim is released in the timer due next, not before."""
+    hub = Hub()
+    set_event_loop(hub)
+    try:
+        late = Lost(outbox, task_name="t.overrun_late")
+        with caplog.at_level(logging.INFO, logger="celery_outbox.worker_request"):
+            late.time_out()
+            assert late.requeued == [True]
+            assert late.claim() == ("running", True, False), "the process still runs: its claim stays"
+            hub.fire_timers()  # the worker's loop, once the pool's timer (and the kill) returned
+    finally:
+        set_event_loop(None)
+        hub.close()
+    assert late.claim() == ("running", False, True), "released: the copy takes it over"
+    assert outbox.store.count_dead_letters() == 0
+    assert f"t.overrun_late[{late.key[0]}] passed its hard time limit; the pool killed its process {DEAD_PID}; " \
+           "its claim is released" in caplog.text
 
 
 def test_a_hard_time_limit_in_a_cold_shutdown_is_left_to_recovery(outbox, monkeypatch):
