@@ -9,6 +9,8 @@ from typing import Any
 
 from celery import Celery
 
+from .versions import KOMBU
+
 
 @dataclass
 class Received:
@@ -72,6 +74,12 @@ def nothing_more(app: Celery, queue: str) -> bool:
     import uuid
 
     return receive_until_marker(app, queue, f"marker-{uuid.uuid4().hex}") == []
+
+
+#: Seconds between two sweeps in which a Redis worker restores a dead worker's unacked messages
+#: (those past ``visibility_timeout``): every second with ``fast_redelivery`` from kombu 5.7;
+#: before it kombu sweeps about every 100 s, whatever the options (a 10 s timer, every 10th call).
+REDIS_RESTORE_SWEEP = 1 if KOMBU >= (5, 7) else 100
 
 
 def fast_redelivery(visibility_timeout: float) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import signal
 import pytest
 from sqlalchemy import select
 
-from ..brokers import copy_options
+from ..brokers import REDIS_RESTORE_SWEEP, copy_options
 from ..scenario import Scenario
 from ..services import require, wait_until
 from ..versions import CELERY
@@ -105,7 +105,7 @@ def test_worker_killed_mid_body_effects_exactly_once(scenario, victim, task):
         scenario.worker(pool="prefork", concurrency=1)
     else:
         os.kill(body.pid, signal.SIGKILL)
-    wait_until(lambda: "SUCCESS" in states(scenario.shop.events("order-4")), timeout=90,
+    wait_until(lambda: "SUCCESS" in states(scenario.shop.events("order-4")), timeout=90 + REDIS_RESTORE_SWEEP,
                message="the message run again")
     rows = [e for e in scenario.shop.events("order-4") if e.kind == "postrun"]
     assert set(states(rows)) <= {"REJECTED", "SUCCESS"}, states(rows)
@@ -153,7 +153,8 @@ def test_a_worker_killed_holding_redis_restore_lock_delays_redelivery_briefly(sc
     """Redis: every worker restores a dead worker's unacked messages under kombu's ``unacked_mutex``.
     A worker killed while it holds that lock leaves it held until ``unacked_mutex_expire``; the
     test workers' five seconds (``fast_redelivery``) bound the wait, where kombu's 300 s would
-    stop every test's redelivery for five minutes."""
+    stop every test's redelivery for five minutes (then the next sweep restores it:
+    ``REDIS_RESTORE_SWEEP``)."""
     worker = scenario.worker(pool="prefork", concurrency=1)
     scenario.shop.pay.apply_async(("order-7", 60.0), task_id="order-7")
     scenario.wait_events("order-7", "body", 1)
@@ -164,7 +165,7 @@ def test_a_worker_killed_holding_redis_restore_lock_delays_redelivery_briefly(sc
         # never released: its holder is gone, as a worker SIGKILLed mid-sweep
     worker.kill()
     scenario.worker(pool="prefork", concurrency=1)
-    wait_until(lambda: "SUCCESS" in states(scenario.shop.events("order-7")), timeout=60,
+    wait_until(lambda: "SUCCESS" in states(scenario.shop.events("order-7")), timeout=60 + REDIS_RESTORE_SWEEP,
                message="the message run again once the dead holder's lock expired")
     assert len(scenario.shop.effects("order-7")) == 1
 
