@@ -271,7 +271,8 @@ RESENDS_LOST_ATTEMPTS = hasattr(Request, "_retry_worker_lost")
 
 #: At an ``acks_late`` task's hard time limit Celery acks the message when the task's
 #: ``acks_on_timeout`` is on and hands it back to the broker when it is off (Celery 5.7); before 5.7
-#: ``acks_on_failure_or_timeout`` alone decides, and a message it does not ack stays unacknowledged.
+#: ``acks_on_failure_or_timeout`` alone decides, and a message it does not ack is dropped (rejected,
+#: not requeued): the task fails for good either way.
 HANDS_BACK_AT_TIME_LIMIT = hasattr(Task, "acks_on_timeout")
 
 

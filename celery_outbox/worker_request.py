@@ -161,10 +161,11 @@ class OutboxRequest(HookedRequest):
 
     def _release_claim_once_killed(self) -> None:
         """Release the claim of the process the pool kills at the hard time limit, in a timer of the
-        worker's event loop due at once: the pool's hard-time-limit timer calls ``on_timeout`` and
-        then kills the process (TERM, at most 0.1 s, KILL), and the loop fires the timer due next
-        as soon as that one returns, before it reads another message. A worker with no event loop
-        (a pool without one) leaves the claim to recovery."""
+        worker's event loop due at once: the pool's hard-time-limit timer reports the job
+        (``on_failure``, where Celery hands the message back, then ``on_timeout``) and then kills the
+        process (TERM, at most 0.1 s, KILL), and the loop fires the timer due next as soon as that
+        one returns, before it reads another message. A worker with no event loop (a pool without
+        one) leaves the claim to recovery."""
         hub = get_event_loop()
         if hub is None:
             logger.info("celery-outbox: %s[%s] is handed back at its hard time limit; with no event loop to "
