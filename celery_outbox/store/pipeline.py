@@ -21,7 +21,7 @@ import select as io_select
 import time
 import weakref
 import zlib
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Callable, TypeVar
@@ -40,6 +40,7 @@ _T = TypeVar("_T")
 _PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
 _COMMAND_OK = 1  # ExecStatus.COMMAND_OK
 _TUPLES_OK = 2  # ExecStatus.TUPLES_OK
+_FATAL_ERROR = 7  # ExecStatus.FATAL_ERROR (an ERROR's result as well as a FATAL's)
 _PIPELINE_SYNC = 10  # ExecStatus.PIPELINE_SYNC
 _PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
 _PSYCOPG_INTRANS = 2  # TransactionStatus.INTRANS
@@ -150,7 +151,8 @@ def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
     except BaseException:
         if pgconn.status == _PSYCOPG_CONNECTION_OK and pgconn.is_busy():
             driver.cancel()
-            _pipeline_results(pgconn, timeout=CANCEL_WAIT)
+            with suppress(Exception):  # a pipeline that cannot end: the caller drops the connection
+                _pipeline_results(pgconn, timeout=CANCEL_WAIT)
         try:
             pgconn.exit_pipeline_mode()
         except Exception:  # noqa: BLE001 - results left unread: the caller drops the connection
@@ -216,10 +218,19 @@ def _forget_when_psycopg_clears(driver: Any, prepared: set[str]) -> bool:
 
 def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | None:
     """Wait for the results of the pipeline in flight on ``pgconn`` up to its Sync; return the
-    last result of each query (None when ``timeout`` seconds passed first)."""
+    last result of each query (None when ``timeout`` seconds passed first).
+
+    A server that ends the session mid-pipeline (a restart, ``pg_terminate_backend``) sends a
+    FATAL error and sends no Sync: that closes the connection and raises
+    ``psycopg.OperationalError`` with its message, as a connection lost does, rather than
+    waiting for a Sync. libpq 16 may not see the connection
+    end: it then gives empty results without end, the connection still marked good. Every
+    query's results end with one empty result and the Sync's comes after the last, so two empty
+    results in a row raise the same."""
     deadline = None if timeout is None else time.monotonic() + timeout
     results: list[Any] = []
     last = None
+    ended = False  # the previous result ended a query's results
     while True:
         while pgconn.is_busy():
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -229,12 +240,38 @@ def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | 
             pgconn.consume_input()
         result = pgconn.get_result()
         if result is None:  # the end of one query's results
+            if ended:
+                raise _pipeline_stalled(pgconn, results)
             results.append(last)
             last = None
-        elif result.status == _PIPELINE_SYNC:
+            ended = True
+            continue
+        ended = False
+        if result.status == _PIPELINE_SYNC:
             return results
-        else:
-            last = result
+        if _ends_the_session(result):
+            raise _pipeline_stalled(pgconn, [*results, result])
+        last = result
+
+
+def _ends_the_session(result: Any) -> bool:
+    """A FATAL (or PANIC) error: the server ends the session after it."""
+    from psycopg import pq
+
+    return result.status == _FATAL_ERROR and result.error_field(
+        pq.DiagnosticField.SEVERITY_NONLOCALIZED) in (b"FATAL", b"PANIC")
+
+
+def _pipeline_stalled(pgconn: Any, results: list[Any]) -> Exception:
+    """The error for a pipeline that ends before its Sync (the server's last error message, else
+    the connection's), once the libpq connection is closed: its session is over, and every caller
+    then sees the connection lost (its status is no longer good)."""
+    import psycopg
+
+    messages = [result.error_message for result in results if result is not None and result.error_message]
+    message = (messages[-1] if messages else pgconn.error_message or b"").decode(errors="replace").strip()
+    pgconn.finish()
+    return psycopg.OperationalError(f"the connection ended before the pipeline's end: {message or 'no error given'}")
 
 
 def _prepare(driver: Any, prepared: set[str], to_prepare: dict[str, str],
