@@ -31,8 +31,15 @@ import pytest
 from ..conftest import SUMMARY_LINE
 from ..services import PacketDrop, TcpProxy, require, require_packet_filter
 from ..throwaway import ThrowawayPostgres
+from ..versions import KOMBU
 from .chaos import KINDS, ConnectionKiller
 from .harness import FaultRun, assert_invariants, play
+
+#: the threads pool on Redis before kombu 5.7: its event loop is not woken when a task's thread
+#: ends, so the worker takes its next message at its next timer, seconds later (plain Celery
+#: alike): the drill's 300 messages outlast its settle time
+THREADS_ON_REDIS = pytest.param("threads", False, id="threads", marks=pytest.mark.skipif(
+    KOMBU < (5, 7), reason="kombu before 5.7 wakes no event loop when a thread ends: a message per timer tick"))
 
 OUTAGE_SECONDS = 10.0
 
@@ -42,7 +49,7 @@ def redis_url():
     return require("redis")
 
 
-@pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("gevent", False),
+@pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), THREADS_ON_REDIS, ("gevent", False),
                                                    ("solo", False), ("prefork", True)],
                          ids=["prefork", "threads", "gevent", "solo", "plain receipts"])
 def test_connections_terminated_at_random(redis_url, tmp_path, record_property, pool, plain_receipts):
@@ -144,7 +151,7 @@ def test_server_ending_idle_sessions(redis_url, tmp_path, record_property):
         assert_invariants(outcome)
 
 
-@pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), ("threads", False), ("gevent", False),
+@pytest.mark.parametrize("pool, plain_receipts", [("prefork", False), THREADS_ON_REDIS, ("gevent", False),
                                                    ("prefork", True)],
                          ids=["prefork", "threads", "gevent", "plain receipts"])
 def test_reject_requeue_and_lost_pool_processes(redis_url, tmp_path, record_property, pool, plain_receipts):
