@@ -238,7 +238,6 @@ class OutboxRequest(HookedRequest):
         own, so that the pool kills the process meanwhile: it takes over the claim the process
         left and waits for its open transaction to end (``TERMINATED_LOCK_WAIT``). When the store
         cannot take it, that is logged, and the message is run again as before."""
-        self._past_hard_time_limit = not soft
         if not soft and self._fails_for_good_at_time_limit() and self._goes_through_inbox():
             threading.Thread(target=self._end_timed_out, args=(timeout,), name="celery-outbox-time-limit",
                              daemon=True).start()
