@@ -223,10 +223,9 @@ def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | 
     A server that ends the session mid-pipeline (a restart, ``pg_terminate_backend``) sends a
     FATAL error and sends no Sync: that closes the connection and raises
     ``psycopg.OperationalError`` with its message, as a connection lost does, rather than
-    waiting for a Sync. libpq 16 may not see the connection
-    end: it then gives empty results without end, the connection still marked good. Every
-    query's results end with one empty result and the Sync's comes after the last, so two empty
-    results in a row raise the same."""
+    waiting for a Sync. libpq 16 may not see the connection end: it then gives empty results
+    without end, the connection still marked good. Every query's results end with one empty
+    result and the Sync's comes after the last, so two empty results in a row raise the same."""
     deadline = None if timeout is None else time.monotonic() + timeout
     results: list[Any] = []
     last = None
@@ -256,10 +255,11 @@ def _pipeline_results(pgconn: Any, timeout: float | None = None) -> list[Any] | 
 
 def _ends_the_session(result: Any) -> bool:
     """A FATAL (or PANIC) error: the server ends the session after it."""
+    if result.status != _FATAL_ERROR:
+        return False
     from psycopg import pq
 
-    return result.status == _FATAL_ERROR and result.error_field(
-        pq.DiagnosticField.SEVERITY_NONLOCALIZED) in (b"FATAL", b"PANIC")
+    return result.error_field(pq.DiagnosticField.SEVERITY_NONLOCALIZED) in (b"FATAL", b"PANIC")
 
 
 def _pipeline_stalled(pgconn: Any, results: list[Any]) -> Exception:
