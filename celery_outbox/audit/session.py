@@ -5,7 +5,9 @@ summary reports.
 No master is hard-coded: it comes from spark-submit, or from ``AuditOptions.master``. A session
 this process starts on a cluster ships the package to its executors (``shipping``). No log
 configuration is either: a JVM this process starts keeps Spark's own (or the user's), its output
-only sent to a file; under spark-submit the user's log configuration applies unchanged.
+only sent to a file; under spark-submit the user's log configuration applies unchanged. On a
+local master the JVM's Python workers run the driver's interpreter, not the ``python3`` of
+``PATH``.
 """
 
 from __future__ import annotations
@@ -71,7 +73,20 @@ def spark_session(options: AuditOptions, log: str | None = None):
             session = builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
     if starting and not is_local(session.sparkContext.master):
         ship_package(session)
+    if starting:
+        _local_workers_run_this_python(session.sparkContext)
     return session
+
+
+def _local_workers_run_this_python(context) -> None:
+    """On a local master, the Python workers of a JVM this process started run this interpreter,
+    unless ``PYSPARK_PYTHON`` names one, or ``spark.pyspark.python`` (which PySpark reads only
+    under spark-submit). Spark's default is the ``python3`` of ``PATH``: another Python when this
+    one is a virtualenv's run by its path (a cron job, a systemd unit), and Spark refuses a worker
+    of another minor version than its driver."""
+    if not is_local(context.master) or "PYSPARK_PYTHON" in os.environ:
+        return
+    context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
 
 
 @contextmanager

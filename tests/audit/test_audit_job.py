@@ -26,14 +26,25 @@ from .conftest import COMMAND_TIMEOUT, JDBC_JAR, NOW
 
 
 def audit_command(tmp_path: Path, known_archive: str, out: str, *extra: str) -> subprocess.CompletedProcess:
-    """``celery outbox audit`` of the known archive in a process of its own (so it starts its own JVM)."""
+    """``celery outbox audit`` of the known archive in a process of its own (so it starts its own JVM),
+    run as a cron job or a systemd unit runs a virtualenv's Python: by its path, with no
+    ``PYSPARK_PYTHON``, and a ``python3`` first on ``PATH`` that is another interpreter (here one
+    that leaves a mark and fails). Spark's Python workers must run the command's own."""
     root = Path(__file__).parents[2]
-    env = dict(os.environ, TEST_DATABASE_URL=f"sqlite:///{tmp_path / 'store.db'}", PYTHONPATH=str(root),
-               PYSPARK_PYTHON=sys.executable)
-    return subprocess.run(
+    other_python = tmp_path / "another python" / "python3"
+    mark = tmp_path / "the python3 of PATH ran"
+    other_python.parent.mkdir(exist_ok=True)
+    other_python.write_text(f"#!/bin/sh\ntouch '{mark}'\nexit 1\n")
+    other_python.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "PYSPARK_PYTHON"}
+    env.update(TEST_DATABASE_URL=f"sqlite:///{tmp_path / 'store.db'}", PYTHONPATH=str(root),
+               PATH=f"{other_python.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    process = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", "audit", "--archive", known_archive,
          "--out", out, "--master", "local[1]", "--grace", "520w", *extra],
         env=env, cwd=root, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    assert not mark.exists(), "Spark ran its Python workers on the python3 of PATH, not the command's interpreter"
+    return process
 
 
 def test_a_known_archive_gives_exactly_the_expected_numbers(known_audit):
