@@ -142,6 +142,10 @@ class Shop:
     celery_app = "example_project.shop.celery_app"
     environment: dict[str, str] = {}  # what the shop's processes, the demo's own among them, must have set
 
+    def refusal(self) -> str | None:
+        """Why the shop cannot run with the environment set, or None. Asked before ``start``."""
+        return None
+
     def start(self) -> None:
         from example_project.shop.celery_app import app, outbox
         from example_project.shop.tasks import charge_payment
@@ -221,6 +225,9 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
 
     from celery_outbox import SEND_HEADER
 
+    reason = shop.refusal()
+    if reason:
+        return refuse(reason)
     shop.start()
     app, outbox = shop.app, shop.outbox
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request is noise here

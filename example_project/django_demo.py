@@ -13,6 +13,7 @@ migrate`` creates the tables.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -29,6 +30,17 @@ class DjangoShop(Shop):
     description = __doc__.splitlines()[0]
     celery_app = "example_project.django_shop"
     environment = {"DJANGO_SETTINGS_MODULE": SETTINGS}  # the shop's, whatever the caller's environment says
+
+    def refusal(self) -> str | None:
+        """On SQLite the shop's settings give the database Django 5.1's ``transaction_mode`` and
+        ``init_command`` (several processes write one file): older Django refuses them."""
+        import django
+
+        if os.environ.get("SHOP_DATABASE_URL") or django.VERSION >= (5, 1):
+            return None
+        return (f"the shop's SQLite database needs Django 5.1 or later (its transaction_mode IMMEDIATE and WAL: "
+                f"several processes write one file), and this is Django {django.get_version()}: install "
+                "Django 5.1 or later, or give --database-url a PostgreSQL database")
 
     def start(self) -> None:
         import django

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import django
 import pytest
 from sqlalchemy import create_engine, text
 
@@ -15,6 +16,33 @@ from ..services import require
 from .test_demo import ROOT, assert_every_receipt_sent_but_the_killed_workers, assert_settled_exactly_once, run_demo
 
 MODULE = "example_project.django_demo"
+
+
+def test_the_django_demo_refuses_sqlite_before_django_5_1(monkeypatch):
+    from example_project.django_demo import DjangoShop
+
+    monkeypatch.delenv("SHOP_DATABASE_URL", raising=False)
+    monkeypatch.setattr(django, "VERSION", (4, 2, 0, "final", 0))
+    reason = DjangoShop().refusal()
+    assert reason and "needs Django 5.1 or later" in reason and "--database-url" in reason, reason
+    monkeypatch.setenv("SHOP_DATABASE_URL", "postgresql+psycopg://shop@db/shop")
+    assert DjangoShop().refusal() is None, "on PostgreSQL the settings give no SQLite option"
+    monkeypatch.delenv("SHOP_DATABASE_URL")
+    monkeypatch.setattr(django, "VERSION", (5, 1, 0, "final", 0))
+    assert DjangoShop().refusal() is None
+
+
+@pytest.mark.skipif(django.VERSION >= (5, 1), reason="Django 5.1 or later here: the demo runs on SQLite "
+                                                     "(test_the_django_demo_on_embedded_defaults)")
+def test_before_django_5_1_the_django_demo_on_sqlite_exits_with_the_reason(tmp_path):
+    """Django before 5.1 refuses the SQLite options of the shop's settings when it connects: the demo
+    says so before it starts anything, with exit code 2."""
+    process = subprocess.run([sys.executable, "-m", MODULE, "--short", "--json", "--data-dir", str(tmp_path / "demo")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 2, process.stderr[-3000:]
+    assert process.stderr.startswith("demo: refused: the shop's SQLite database needs Django 5.1 or later"), \
+        process.stderr[-3000:]
+    assert not process.stdout
 
 
 def test_the_django_demo_on_embedded_defaults(tmp_path):
