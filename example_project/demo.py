@@ -36,6 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".celery-outbox-demo"  # in a data folder the demo made: the only kind it deletes without --reset
+RECEIPTS_QUEUE = "receipts"  # the shops' plain queue (their task_routes send shop.send_receipt there)
 
 # Timings that make a demo last a minute, not a day: beat every second, a dead node noticed
 # within seconds, a lost message redelivered after five.
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
     try:
         victim = worker("payments-a", shop.celery_app, "payments,cancellations,celery", 2, env, data_dir)
         processes.append(victim)  # stopped at the end even when a later process fails to start
-        processes.append(worker("receipts", shop.celery_app, "receipts", 1, env, data_dir))
+        processes.append(worker("receipts", shop.celery_app, RECEIPTS_QUEUE, 1, env, data_dir))
         beat = Process("beat", shop.celery_app, ["beat", "-l", "INFO"], env, data_dir)
         beat.wait_for("beat: Starting...")
         processes.append(beat)
@@ -340,14 +341,18 @@ def send_id_of(outbox: Any, task_id: str, timeout: float = 60.0) -> str:
 
 def settle(shop: Shop, placed: list[dict[str, Any]], duplicates: list[dict[str, Any]],
            timeout: float) -> dict[str, Any]:
-    """Wait until every payment and cancellation happened and nothing is pending; count what happened."""
+    """Wait until every payment and cancellation happened, nothing is pending, and the receipts'
+    plain queue stayed empty with the receipts counted unchanged across two looks (the broker
+    tracks nothing of a plain queue's messages but their number); count what happened."""
     outbox = shop.outbox
     to_pay = {order["order_id"] for order in placed if order["pay"]}
     unpaid = {order["order_id"] for order in placed if not order["pay"]}
     deadline = time.monotonic() + timeout
     started = time.monotonic()
+    receipts_seen: list[tuple[int, int]] = []
     while True:
         statuses, charges, receipts = shop.effects()
+        receipts_seen = [*receipts_seen[-1:], (messages_waiting(shop.app, RECEIPTS_QUEUE), receipts)]
         status = outbox.status()
         outgoing_left = sum(row["count"] for row in status["outgoing"])
         running = sum(row["count"] for row in status["incoming"] if row["status"] == "running")
@@ -368,8 +373,10 @@ def settle(shop: Shop, placed: list[dict[str, Any]], duplicates: list[dict[str, 
             "rows_pending": outgoing_left + running,
             "settle_seconds": round(time.monotonic() - started, 1),
         }
+        receipts_done = len(receipts_seen) == 2 and receipts_seen[0] == receipts_seen[1] == (0, receipts)
         settled = (summary["orders_paid_exactly_once"] == len(to_pay)
-                   and summary["unpaid_orders_cancelled"] == len(unpaid) and summary["rows_pending"] == 0)
+                   and summary["unpaid_orders_cancelled"] == len(unpaid) and summary["rows_pending"] == 0
+                   and receipts_done)
         if settled or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -378,6 +385,16 @@ def settle(shop: Shop, placed: list[dict[str, Any]], duplicates: list[dict[str, 
         and summary["paid_orders_cancelled"] == 0 and summary["dead_letters"] == 0
     )
     return summary
+
+
+def messages_waiting(app: Any, queue: str) -> int:
+    """The messages the broker holds in ``queue`` that no worker has taken yet (Redis knows no
+    empty queue: none there is none waiting)."""
+    with app.pool.acquire(block=True) as connection, connection.channel() as channel:
+        try:
+            return channel.queue_declare(queue, passive=True).message_count
+        except connection.channel_errors:
+            return 0
 
 
 def report(summary: dict[str, Any], name: str = Shop.name) -> str:
