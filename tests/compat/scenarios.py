@@ -37,7 +37,7 @@ DOCUMENTED_SINCE: dict[str, tuple[int, int]] = {
     "errbacks_of_a_failing_chord_member_in_a_chain": (5, 7),  # the chord body's ChordError stayed PENDING
     "reject_without_requeue": (5, 7),  # no FAILURE (Reject) stored: the state stayed PENDING
     "chord_with_countdown": (5, 7),  # the header tasks ran with no ETA
-    "events_of_a_task": (5, 7),  # task-started sent in some runs, not in others: left out (events_of_one_task)
+    "events_of_a_task": (5, 7),  # task events of a pool thread lost now and then: see events_of_one_task
     "events_of_a_task_with_a_countdown": (5, 7),
 }
 
@@ -501,7 +501,14 @@ def events_of_one_task(ctx, **options):
     """The events an ``app.events.Receiver`` sees for one task: one task-sent event (the sender's),
     and the worker's received, started, succeeded, in this order. Celery publishes task-sent just
     after the task message, from another process than the worker's events: it may come before or
-    after them, so only its count is compared."""
+    after them, so only its count is compared.
+
+    Before Celery 5.7 a worker's event dispatcher drops a task event that a pool thread buffers
+    while the event loop flushes the buffer (celery/celery#10434): on the threads pool
+    task-started and task-succeeded, sent from the task's thread, are lost now and then, in plain
+    Celery as in every mode, and more often beside beat's maintenance tasks, whose events are
+    flushed meanwhile. There only task-sent and task-received (buffered by the event loop itself)
+    are compared, once the task's result is stored."""
     app, task_id, probe = ctx.app, f"compat-{uuid.uuid4()}", f"probe-{uuid.uuid4()}"
     seen: list[str] = []
     listening = threading.Event()
@@ -520,14 +527,18 @@ def events_of_one_task(ctx, **options):
         try:
             with app.events.default_dispatcher() as dispatcher:
                 settle(lambda: dispatcher.send("compat-probe", uuid=probe) or listening.is_set(), bool)
-            ctx.add.apply_async((1, 1), task_id=task_id, **options)
-            settle(lambda: list(seen), lambda events: "task-sent" in events and "task-succeeded" in events)
+            result = ctx.add.apply_async((1, 1), task_id=task_id, **options)
+            if CELERY < (5, 7):
+                settle(result.ready, bool)
+                settle(lambda: list(seen), lambda events: "task-sent" in events and "task-received" in events)
+            else:
+                settle(lambda: list(seen), lambda events: "task-sent" in events and "task-succeeded" in events)
         finally:
             receiver.should_stop = True
             thread.join(TIMEOUT)
     events = [event for event in seen if event != "task-sent"]
-    if CELERY < (5, 7):  # whether the worker sends task-started before 5.7 varies from run to run: not compared
-        events = [event for event in events if event != "task-started"]
+    if CELERY < (5, 7):
+        events = [event for event in events if event not in ("task-started", "task-succeeded")]
     return seen.count("task-sent"), events
 
 
