@@ -45,7 +45,7 @@ from typing import Callable
 
 from kombu.exceptions import KombuError
 from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from celery_outbox.crashpoints import ENVIRONMENT_VARIABLE, EXIT_CODE
 from celery_outbox.envelope import from_row
@@ -187,8 +187,7 @@ class FaultRun:
         self.shop = fault_app.create(broker_url, database_url, self.prefix, self.env["FAULT_QUEUE"],
                                      self.env["FAULT_MAINTENANCE_QUEUE"], visibility_timeout, tricks=tricks,
                                      plain_receipts=plain_receipts, **settings)
-        self.shop.outbox.ready()
-        self.shop.metadata.create_all(self.shop.outbox.engine)
+        self._create_tables()
         self.processes: dict[str, Supervised] = {}
         self.external_kills = 0
         self._faults: list[tuple[float, Callable[[], None]]] = []
@@ -199,6 +198,20 @@ class FaultRun:
         with self.shop.app.connection_for_write() as connection:  # not connected: only its error types
             self._service_errors = (SQLAlchemyError, OSError, KombuError, *connection.connection_errors,
                                     *connection.channel_errors)
+
+    def _create_tables(self, attempts: int = 3) -> None:
+        """The store's tables and the shop's. A server ending idle sessions (``idle_session_timeout``)
+        may end a connection between its ping and its first statement when this process stalls under
+        load: that statement fails, as the library documents, and the pool connects afresh. The
+        setup is not the drill: it is tried again on a connection the pool has invalidated."""
+        for attempt in range(attempts):
+            try:
+                self.shop.outbox.ready()
+                self.shop.metadata.create_all(self.shop.outbox.engine)
+                return
+            except DBAPIError as exc:
+                if not exc.connection_invalidated or attempt == attempts - 1:
+                    raise
 
     # -- processes -----------------------------------------------------------------------------
 
