@@ -108,8 +108,10 @@ SETTINGS: tuple[Setting, ...] = (
             "publish (the rows are stored marked sent, so the commit needs no round trip after it), "
             "delays it, never loses it. Also the delay before the message of an optimistic "
             "`IdempotentTask` whose worker died mid-attempt on a durable queue is published again (its "
-            "rolled-back claim leaves the sender's row). Consumers of durable "
-            "queues must share the store. `None` deletes sent rows at once (no tracking)."),
+            "rolled-back claim leaves the sender's row), and before recovery publishes again the envelope "
+            "of an eager claim released for a message Celery handed back to the broker "
+            "(`Reject(requeue=True)`, a lost pool process), whose copy waits in the queue. Consumers of "
+            "durable queues must share the store. `None` deletes sent rows at once (no tracking)."),
     Setting("relay_batch_size", 500, parse.positive_int,
             "Outgoing rows one relay (or redelivery) batch locks, publishes and marks sent."),
     Setting("relay_max_attempts", 10, parse.positive_int,
@@ -224,6 +226,21 @@ class OutboxSettings:
         if self.redeliver_after is None:
             return None
         return max(now, eta or now) + timedelta(seconds=self.redeliver_after)
+
+    def released_claim_recovery(self, now: datetime, handed_back: bool) -> datetime:
+        """When recovery re-publishes the envelope of a claim its attempt released ``now``.
+
+        ``handed_back``: the message went back to the broker (``Reject(requeue=True)`` of an
+        ``acks_late`` task, a store outage's send-back, a lost pool process or a hard time limit
+        handed back). The broker holds that copy, which takes the claim over when it comes, however
+        long the queue before it: recovery is the net for a copy the broker loses, and waits as
+        delivery tracking waits for a sent message (``outbox_redeliver_after``), or
+        ``outbox_node_stale_after`` without tracking. Due at once, it would send a second copy of
+        a message still in the queue. Otherwise Celery acked the message on receipt: the envelope
+        is its only copy, due at once."""
+        if not handed_back:
+            return now
+        return self.first_redelivery(now) or now + timedelta(seconds=self.node_stale_after)
 
     def next_redelivery(self, now: datetime, redeliveries: int) -> datetime:
         """The redelivery after ``redeliveries`` of them: the delay doubles, up to an hour."""

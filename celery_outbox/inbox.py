@@ -289,32 +289,38 @@ class Inbox:
     def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                    envelope: dict[str, Any]) -> Any:
         node_id = self.node.id
+        handed_back = bool(task.acks_late)  # else Celery acked the message on receipt: the envelope is all
         try:
             return self._run_eager_claimed(task, delivery, body, unit_of_work, envelope, node_id)
         except _StoreDown:
-            self._release_claim(delivery, node_id)
+            self._release_claim(delivery, node_id, handed_back)
             raise
         except Reject as reject:
             if reject.requeue:
-                self._release_claim(delivery, node_id)
+                self._release_claim(delivery, node_id, handed_back)
             raise
 
-    def _release_claim(self, delivery: Delivery, node_id: int) -> None:
+    def _release_claim(self, delivery: Delivery, node_id: int, handed_back: bool) -> None:
         """The attempt ends without finishing its eager claim, and its message goes back to the
         broker (a store outage, ``Reject(requeue=True)``): release the claim, in a transaction of
         its own, so that the copy takes it over instead of meeting it running. When the database
         cannot be reached for that either, the node's heartbeat thread releases it later; until
-        then a copy goes back to the broker again."""
+        then a copy goes back to the broker again. ``handed_back``: the broker holds a copy (an
+        ``acks_late`` task's), so recovery waits before it re-publishes the envelope
+        (``OutboxSettings.released_claim_recovery``); otherwise Celery acked the message on
+        receipt, and the envelope, due at once, is the message's only copy."""
+        store = self.runtime.store
         try:
-            with self.runtime.store.begin() as conn:
-                self.runtime.store.release_claim(conn, delivery.message_id, delivery.destination, node_id,
-                                                delivery.attempt, utcnow(), delivery.send_id)
+            with store.begin() as conn:
+                recover_after = self.runtime.settings.released_claim_recovery(utcnow(), handed_back)
+                store.release_claim(conn, delivery.message_id, delivery.destination, node_id, delivery.attempt,
+                                    recover_after, delivery.send_id)
         except Exception as error:  # noqa: BLE001 - the node's heartbeat thread tries again
             logger.warning("celery-outbox: could not release the claim of %s[%s] (the node releases it when the "
                            "database answers): %s", delivery.task_name, delivery.message_id, error,
                            **log_fields.of_delivery(delivery))
             self.node.release_later(delivery.message_id, delivery.destination, delivery.attempt,
-                                           delivery.send_id)
+                                    delivery.send_id, handed_back)
 
     def _run_eager_claimed(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                            envelope: dict[str, Any], node_id: int) -> Any:
@@ -500,8 +506,9 @@ class Inbox:
         error: the copy then waits for recovery, as before."""
         store = self.runtime.store
         with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
+            recover_after = self.runtime.settings.released_claim_recovery(utcnow(), handed_back=True)
             return store.release_claim_of_process(conn, delivery.message_id, delivery.destination, hostname, pid,
-                                                  delivery.attempt, utcnow(), delivery.send_id)
+                                                  delivery.attempt, recover_after, delivery.send_id)
 
     def _record_ended(self, conn: Connection, delivery: Delivery, row: dict[str, Any],
                       dead_letters: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -58,6 +58,7 @@ class PendingRelease:
     destination: str
     attempt: Attempt
     send_id: str = ""
+    handed_back: bool = True  # the broker holds a copy of the message: recovery waits (Inbox._release_claim)
 
     def log_fields(self) -> dict[str, Any]:
         """The log fields of the claim's message (its task is not known here)."""
@@ -177,24 +178,26 @@ class Node:
         connection.invalidate()  # not back to the pool: it may hold the lock
         connection.close()
 
-    def release_later(self, message_id: str, destination: str, attempt: Attempt,
-                      send_id: str = "") -> None:
+    def release_later(self, message_id: str, destination: str, attempt: Attempt, send_id: str,
+                      handed_back: bool) -> None:
         """Remember a claim of this node that its attempt could not release (the database was
-        unreachable): the heartbeat thread releases it as soon as the database answers."""
+        unreachable): the heartbeat thread releases it as soon as the database answers, due for
+        recovery as ``Inbox._release_claim`` says (``handed_back``: the broker holds a copy)."""
         with self._lock:
             if self.registered():
                 assert self._id is not None
-                self._pending_releases[PendingRelease(message_id, destination, attempt, send_id)] = self._id
+                self._pending_releases[PendingRelease(message_id, destination, attempt, send_id,
+                                                      handed_back)] = self._id
 
     def _release_pending(self, node_id: int) -> None:
         with self._lock:
             pending = [claim for claim, owner in self._pending_releases.items() if owner == node_id]
-        store = self.runtime.store
+        store, settings = self.runtime.store, self.runtime.settings
         for claim in pending:
             try:
                 with store.begin() as conn:
-                    store.release_claim(conn, claim.message_id, claim.destination, node_id, claim.attempt, utcnow(),
-                                        claim.send_id)
+                    store.release_claim(conn, claim.message_id, claim.destination, node_id, claim.attempt,
+                                        settings.released_claim_recovery(utcnow(), claim.handed_back), claim.send_id)
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
                 logger.warning("celery-outbox: node %d could not release the claim of %s yet: %s", node_id,
                                claim.message_id, exc, **claim.log_fields())

@@ -69,6 +69,16 @@ def purge(app: Celery, *queues: str) -> None:
                 pass
 
 
+def waiting(app: Celery, queue: str) -> int:
+    """How many messages ``queue`` holds that no consumer has taken (0 for a queue Redis does not
+    have: it keeps no empty list)."""
+    with app.connection_for_write() as connection:
+        try:
+            return app.amqp.queues[queue].bind(connection.default_channel).queue_declare(passive=True).message_count
+        except connection.channel_errors:
+            return 0
+
+
 def nothing_more(app: Celery, queue: str) -> bool:
     """True when nothing is waiting on ``queue``: proven by a marker, not by a sleep."""
     import uuid

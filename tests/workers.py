@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -27,6 +28,11 @@ class WorkerProcess:
         self.env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
+
+    @property
+    def hostname(self) -> str:
+        """The worker's node name, for control commands sent to it alone."""
+        return self.command[self.command.index("-n") + 1].replace("%h", socket.gethostname())
 
     def start(self) -> "WorkerProcess":
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL

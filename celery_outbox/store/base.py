@@ -160,15 +160,16 @@ class StoreBase:
                 & (table.c.send_id == send_id) & (table.c.nesting == nesting) & (table.c.replays == replays)
                 & (table.c.retries == retries))
 
-    def _release_incoming(self, conn: Connection, where, limit: int, now: datetime) -> int:
-        """Release up to ``limit`` claims matching ``where`` (skipping locked rows); due for recovery at once."""
+    def _release_incoming(self, conn: Connection, where, limit: int, recover_after: datetime) -> int:
+        """Release up to ``limit`` claims matching ``where`` (skipping locked rows), due for recovery
+        at ``recover_after``."""
         table = self.tables.incoming
         keys = select(*_incoming_key(table)).where(where).limit(limit)
         if self.is_postgres:
             keys = keys.with_for_update(skip_locked=True)
         return conn.execute(
             update(table).where(tuple_(*_incoming_key(table)).in_(keys))
-            .values(owner=UNOWNED, recover_after=now)
+            .values(owner=UNOWNED, recover_after=recover_after)
         ).rowcount
 
 

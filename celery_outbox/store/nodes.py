@@ -134,15 +134,17 @@ class NodeStatements(StoreBase):
         return self._release_incoming(conn, owned, limit, now)
 
     def release_claim(self, conn: Connection, message_id: str, destination: str, owner: int,
-                      attempt: Attempt, now: datetime, send_id: str = "") -> int:
+                      attempt: Attempt, recover_after: datetime, send_id: str = "") -> int:
         """Release ``owner``'s running claim of this attempt (nesting, replays, retries) of the
         message, so that a redelivered copy takes it over; returns how many rows (0: the claim
-        was not there, not ours, or already ended). Due for recovery at once, as ``release_owned``."""
+        was not there, not ours, or already ended). Due for recovery at ``recover_after``: later
+        when the broker holds a copy of the message, at once when the envelope is the only one
+        left (``OutboxSettings.released_claim_recovery``)."""
         ours = self._running_claim(message_id, destination, attempt, send_id) & (self.tables.incoming.c.owner == owner)
-        return self._release_incoming(conn, ours, 1, now)
+        return self._release_incoming(conn, ours, 1, recover_after)
 
     def release_claim_of_process(self, conn: Connection, message_id: str, destination: str, hostname: str,
-                                 pid: int, attempt: Attempt, now: datetime, send_id: str = "") -> int:
+                                 pid: int, attempt: Attempt, recover_after: datetime, send_id: str = "") -> int:
         """``release_claim`` for the nodes of the process ``pid`` on ``hostname`` (a pool process
         its worker saw die), in one statement: whichever of them owns this attempt's running claim
         releases it; returns how many rows. A claim any other node took over stays."""
@@ -150,7 +152,7 @@ class NodeStatements(StoreBase):
         of_process = select(nodes.c.id).where(nodes.c.hostname == hostname, nodes.c.pid == pid)
         theirs = self._running_claim(message_id, destination, attempt, send_id) \
             & self.tables.incoming.c.owner.in_(of_process)
-        return self._release_incoming(conn, theirs, 1, now)
+        return self._release_incoming(conn, theirs, 1, recover_after)
 
     def _owner_predicate(self, column, owners: Sequence[int]):
         if self.is_postgres:

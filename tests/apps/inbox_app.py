@@ -17,6 +17,7 @@ import time
 from types import SimpleNamespace
 
 from celery import Celery, signals
+from celery.exceptions import Reject
 from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, func, insert, select
 
 from celery_outbox import IdempotentTask, Outbox
@@ -101,6 +102,12 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         record(order_id, "body")
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def write_effect(order_id: str) -> str:
+        """A plain task's write, in a unit of work of its own."""
+        with outbox.transaction() as session:
+            session.execute(insert(effects).values(order_id=order_id, attempt=0))
+        return order_id
+
     def first_time(order_id: str) -> bool:
         """Whether no body of ``order_id`` started before this one (recorded as started)."""
         first = started_before(order_id) == 0
@@ -116,9 +123,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         """A plain task that kills its pool process the first time: Celery hands its message back
         to the broker as it is (``reject_on_worker_lost``; no re-send, which is ``IdempotentTask``'s)."""
         die_the_first_time(order_id)
-        with outbox.transaction() as session:
-            session.execute(insert(effects).values(order_id=order_id, attempt=0))
-        return order_id
+        return write_effect(order_id)
 
     @app.task(base=IdempotentTask, bind=True, name="inbox.pay_eager_handed_back", shared=False,
               retry_on_worker_lost=False)
@@ -131,6 +136,50 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
         return order_id
 
     pay_eager_handed_back.idempotency = "eager"
+
+    def stop_consuming_the_durable_queue(task) -> None:
+        replies = app.control.cancel_consumer(other_queue, destination=[task.request.hostname], reply=True,
+                                              timeout=10)
+        if not replies:
+            raise RuntimeError(f"the worker {task.request.hostname} did not stop consuming {other_queue}")
+
+    def hand_back_the_first_time(task, order_id: str) -> None:
+        """The first body stops its worker consuming the durable queue, then hands its message back
+        to the broker (``Reject(requeue=True)``): the copy waits in the queue, behind nothing the
+        worker could take first, until the test lets the worker consume again."""
+        if first_time(order_id):
+            stop_consuming_the_durable_queue(task)
+            raise Reject("handed back", requeue=True)
+
+    @app.task(bind=True, name="inbox.lose_process", shared=False, acks_late=True, reject_on_worker_lost=True)
+    def lose_process(self, order_id: str) -> str:
+        """``hand_back``, but the first body kills its pool process instead of rejecting: Celery
+        hands the message back as it is (``reject_on_worker_lost``)."""
+        if first_time(order_id):
+            stop_consuming_the_durable_queue(self)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write_effect(order_id)
+
+    @app.task(bind=True, name="inbox.hand_back", shared=False, acks_late=True)
+    def hand_back(self, order_id: str) -> str:
+        """A plain ``acks_late`` task that hands its message back the first time, then writes."""
+        hand_back_the_first_time(self, order_id)
+        return write_effect(order_id)
+
+    @app.task(bind=True, name="inbox.hand_back_acked", shared=False, acks_late=False)
+    def hand_back_acked(self, order_id: str) -> str:
+        """``hand_back`` acked on receipt: its ``Reject(requeue=True)`` hands nothing back."""
+        hand_back_the_first_time(self, order_id)
+        return write_effect(order_id)
+
+    @app.task(base=IdempotentTask, bind=True, name="inbox.hand_back_eager", shared=False)
+    def hand_back_eager(self, order_id: str) -> str:
+        """An eager ``IdempotentTask`` that hands its message back the first time, then writes."""
+        hand_back_the_first_time(self, order_id)
+        self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
+        return order_id
+
+    hand_back_eager.idempotency = "eager"
 
     def outlive(order_id: str) -> str:
         record(order_id, "body")
@@ -168,9 +217,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
     def overrun_once(order_id: str) -> str:
         """A plain task that hangs past its hard time limit the first time, then writes and returns."""
         hang_the_first_time(order_id)
-        with outbox.transaction() as session:
-            session.execute(insert(effects).values(order_id=order_id, attempt=0))
-        return order_id
+        return write_effect(order_id)
 
     @app.task(base=IdempotentTask, bind=True, name="inbox.overrun_once_eager", shared=False, time_limit=TIME_LIMIT,
               acks_on_timeout=False)
@@ -216,7 +263,10 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
                            fragile=fragile, doomed=doomed, ship=ship, overrun=overrun,
                            overrun_optimistic=overrun_optimistic, overrun_eager=overrun_eager,
                            overrun_once=overrun_once, overrun_once_eager=overrun_once_eager,
-                           pay_eager_handed_back=pay_eager_handed_back, events=event_rows, effects=effect_rows,
+                           pay_eager_handed_back=pay_eager_handed_back, hand_back=hand_back,
+                           hand_back_acked=hand_back_acked, hand_back_eager=hand_back_eager,
+                           lose_process=lose_process,
+                           events=event_rows, effects=effect_rows,
                            disconnect=disconnect)
 
 

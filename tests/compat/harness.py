@@ -11,7 +11,6 @@ that differ overlap instead of adding up.
 
 from __future__ import annotations
 
-import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ class Mode:
     @property
     def hostname(self) -> str:
         """The worker's node name, for control commands sent to it alone."""
-        return self.worker.command[self.worker.command.index("-n") + 1].replace("%h", socket.gethostname())
+        return self.worker.hostname
 
 
 @dataclass

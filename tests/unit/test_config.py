@@ -182,6 +182,19 @@ def test_a_scheduled_messages_redelivery_counts_from_its_eta():
     assert settings.first_redelivery(now, now - timedelta(seconds=10)) == now + timedelta(seconds=60)
 
 
+def test_a_claim_released_for_a_copy_the_broker_holds_waits_as_delivery_tracking_does():
+    """Released for a copy the broker holds, a claim's envelope waits for ``outbox_redeliver_after``
+    (``outbox_node_stale_after`` without tracking); released with no copy anywhere else (a message
+    acked on receipt), it is due at once."""
+    now = utcnow()
+    tracked = settings_of(app_with(outbox_redeliver_after=60, outbox_node_stale_after=20))
+    assert tracked.released_claim_recovery(now, handed_back=True) == now + timedelta(seconds=60)
+    assert tracked.released_claim_recovery(now, handed_back=False) == now
+    untracked = settings_of(app_with(outbox_redeliver_after=None, outbox_node_stale_after=20))
+    assert untracked.released_claim_recovery(now, handed_back=True) == now + timedelta(seconds=20)
+    assert untracked.released_claim_recovery(now, handed_back=False) == now
+
+
 def test_overrides_win_and_are_validated():
     assert read_settings({"outbox_relay_batch_size": 5}, relay_batch_size=9).relay_batch_size == 9
     with pytest.raises(ConfigurationError, match="unknown setting 'nope'"):
