@@ -227,15 +227,23 @@ class Inbox:
         by that first statement, and discarded (``_discard``). Otherwise (a sender without the
         outbox or without tracking, a copy recovery published, an attempt after the first, one
         taking over the key's row) the envelope is committed first (``_store_envelope``), for
-        recovery to publish again after ``outbox_node_stale_after``."""
+        recovery to publish again after ``outbox_node_stale_after``. When the body hands that
+        message back (``Reject(requeue=True)``), the envelope waits as a released eager claim's
+        does (``_release_claim``)."""
         if envelope and self._may_be_held(delivery):
             try:
                 return self._run_optimistic_attempt(task, delivery, body, envelope, stored=False)
             except _NotHeld:
                 pass  # rolled back: nothing but the claim ran in its transaction
-        if envelope:
-            self._store_envelope(delivery, envelope, owner=UNOWNED)
-        return self._run_optimistic_attempt(task, delivery, body, {}, stored=bool(envelope))
+        if not envelope:
+            return self._run_optimistic_attempt(task, delivery, body, {}, stored=False)
+        self._store_envelope(delivery, envelope, owner=UNOWNED)
+        try:
+            return self._run_optimistic_attempt(task, delivery, body, {}, stored=True)
+        except Reject as reject:
+            if reject.requeue:
+                self._release_claim(delivery, UNOWNED, bool(task.acks_late))
+            raise
 
     def _may_be_held(self, delivery: Delivery) -> bool:
         """The delivery's message may have a tracked outgoing row in this store, and the store can
@@ -308,7 +316,11 @@ class Inbox:
         then a copy goes back to the broker again. ``handed_back``: the broker holds a copy (an
         ``acks_late`` task's), so recovery waits before it re-publishes the envelope
         (``OutboxSettings.released_claim_recovery``); otherwise Celery acked the message on
-        receipt, and the envelope, due at once, is the message's only copy."""
+        receipt, and the envelope, due at once, is the message's only copy.
+
+        ``node_id`` ``UNOWNED``: the committed envelope of an optimistic attempt, whose claim rolled
+        back, gets only its time for recovery; when the store cannot take that, recovery publishes
+        it when it was due (a copy the inbox discards, nothing lost)."""
         store = self.runtime.store
         try:
             with store.begin() as conn:
@@ -316,6 +328,11 @@ class Inbox:
                 store.release_claim(conn, delivery.message_id, delivery.destination, node_id, delivery.attempt,
                                     recover_after, delivery.send_id)
         except Exception as error:  # noqa: BLE001 - the node's heartbeat thread tries again
+            if node_id == UNOWNED:
+                logger.warning("celery-outbox: could not put off the recovery of %s[%s], handed back to the broker "
+                               "(recovery may publish a copy, which the inbox discards): %s", delivery.task_name,
+                               delivery.message_id, error, **log_fields.of_delivery(delivery))
+                return
             logger.warning("celery-outbox: could not release the claim of %s[%s] (the node releases it when the "
                            "database answers): %s", delivery.task_name, delivery.message_id, error,
                            **log_fields.of_delivery(delivery))

@@ -181,6 +181,13 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
 
     hand_back_eager.idempotency = "eager"
 
+    @app.task(base=IdempotentTask, bind=True, name="inbox.hand_back_optimistic", shared=False)
+    def hand_back_optimistic(self, order_id: str) -> str:
+        """``hand_back_eager`` in the optimistic style."""
+        hand_back_the_first_time(self, order_id)
+        self.session.execute(insert(effects).values(order_id=order_id, attempt=self.request.retries))
+        return order_id
+
     def outlive(order_id: str) -> str:
         record(order_id, "body")
         time.sleep(60)  # past the hard time limit: the pool kills the process
@@ -265,7 +272,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, other_qu
                            overrun_once=overrun_once, overrun_once_eager=overrun_once_eager,
                            pay_eager_handed_back=pay_eager_handed_back, hand_back=hand_back,
                            hand_back_acked=hand_back_acked, hand_back_eager=hand_back_eager,
-                           lose_process=lose_process,
+                           hand_back_optimistic=hand_back_optimistic, lose_process=lose_process,
                            events=event_rows, effects=effect_rows,
                            disconnect=disconnect)
 
