@@ -349,10 +349,12 @@ def settle(shop: Shop, placed: list[dict[str, Any]], duplicates: list[dict[str, 
     unpaid = {order["order_id"] for order in placed if not order["pay"]}
     deadline = time.monotonic() + timeout
     started = time.monotonic()
-    receipts_seen: list[tuple[int, int]] = []
+    last_receipts: tuple[int, int] | None = None  # (receipts waiting in their queue, receipts sent)
     while True:
         statuses, charges, receipts = shop.effects()
-        receipts_seen = [*receipts_seen[-1:], (messages_waiting(shop.app, RECEIPTS_QUEUE), receipts)]
+        receipts_now = (messages_waiting(shop.app, RECEIPTS_QUEUE), receipts)
+        receipts_done = receipts_now == last_receipts == (0, receipts)
+        last_receipts = receipts_now
         status = outbox.status()
         outgoing_left = sum(row["count"] for row in status["outgoing"])
         running = sum(row["count"] for row in status["incoming"] if row["status"] == "running")
@@ -373,7 +375,6 @@ def settle(shop: Shop, placed: list[dict[str, Any]], duplicates: list[dict[str, 
             "rows_pending": outgoing_left + running,
             "settle_seconds": round(time.monotonic() - started, 1),
         }
-        receipts_done = len(receipts_seen) == 2 and receipts_seen[0] == receipts_seen[1] == (0, receipts)
         settled = (summary["orders_paid_exactly_once"] == len(to_pay)
                    and summary["unpaid_orders_cancelled"] == len(unpaid) and summary["rows_pending"] == 0
                    and receipts_done)

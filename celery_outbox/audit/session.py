@@ -71,22 +71,22 @@ def spark_session(options: AuditOptions, log: str | None = None):
     else:
         with _output_to(log):  # Spark's progress bars, redrawn in place, are noise in a file
             session = builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
-    if starting and not is_local(session.sparkContext.master):
-        ship_package(session)
     if starting:
-        _local_workers_run_this_python(session.sparkContext)
+        if is_local(session.sparkContext.master):
+            _local_workers_run_this_python(session.sparkContext)
+        else:
+            ship_package(session)
     return session
 
 
 def _local_workers_run_this_python(context) -> None:
-    """On a local master, the Python workers of a JVM this process started run this interpreter,
-    unless ``PYSPARK_PYTHON`` names one, or ``spark.pyspark.python`` (which PySpark reads only
-    under spark-submit). Spark's default is the ``python3`` of ``PATH``: another Python when this
-    one is a virtualenv's run by its path (a cron job, a systemd unit), and Spark refuses a worker
-    of another minor version than its driver."""
-    if not is_local(context.master) or "PYSPARK_PYTHON" in os.environ:
-        return
-    context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
+    """The Python workers of a local JVM this process started run this interpreter, unless
+    ``PYSPARK_PYTHON`` names one, or ``spark.pyspark.python`` (which PySpark reads only under
+    spark-submit). Spark's default is the ``python3`` of ``PATH``: another Python when this one is
+    a virtualenv's run by its path (a cron job, a systemd unit), and Spark refuses a worker of
+    another minor version than its driver."""
+    if "PYSPARK_PYTHON" not in os.environ:
+        context.pythonExec = context.getConf().get("spark.pyspark.python") or sys.executable
 
 
 @contextmanager
