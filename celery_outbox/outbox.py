@@ -196,9 +196,11 @@ class Outbox:
 
     def ready(self) -> "Outbox":
         """Check the database answers and its tables exist (creating them when
-        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable``,
-        ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with one clear
-        message. Safe to call often."""
+        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable`` (the database cannot be
+        reached), ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with
+        one clear message; a connection lost under one of its statements raises SQLAlchemy's
+        ``OperationalError``, as any statement does, for a caller's retry to catch. Safe to call
+        often: once it has passed it does nothing."""
         self.runtime.ready()
         return self
 

@@ -152,9 +152,10 @@ class Runtime:
 
     def ready(self) -> "Runtime":
         """Check the database answers and its tables exist (creating them when
-        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable``,
-        ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with one clear
-        message. Cheap once it has passed."""
+        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable`` (the database cannot be
+        reached), ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with
+        one clear message; a connection lost under one of its statements raises SQLAlchemy's
+        ``OperationalError``, as any statement does. Cheap once it has passed."""
         if self._ready:
             return self
         with self._lock:

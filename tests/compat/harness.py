@@ -35,11 +35,6 @@ class Mode:
     beat: BeatProcess | None
     run: str  # prefix of every Redis key this run writes
 
-    @property
-    def hostname(self) -> str:
-        """The worker's node name, for control commands sent to it alone."""
-        return self.worker.hostname
-
 
 @dataclass
 class Harness:

@@ -386,7 +386,7 @@ def ignore(ctx):
 def revoke_before_run(ctx):
     """A task revoked before its message arrives is never run and its state is REVOKED."""
     key, task_id = ctx.key(), f"compat-{uuid.uuid4()}"
-    replies = ctx.app.control.revoke(task_id, reply=True, destination=[ctx.mode.hostname], timeout=5)
+    replies = ctx.app.control.revoke(task_id, reply=True, destination=[ctx.mode.worker.hostname], timeout=5)
     result = ctx.count.apply_async((key,), task_id=task_id)
     final_state(result)
     drain(ctx)
