@@ -16,15 +16,17 @@ from .errors import (
 from .outbox import Outbox
 from .store import build_tables
 from .tasks import IdempotentTask
-from .vocabulary import SEND_HEADER
+from .vocabulary import SEND_HEADER, IdempotencyStyle, MessageIdentity
 
 metadata = build_tables().metadata
 
 __all__ = [
     "SEND_HEADER",
     "ConfigurationError",
+    "IdempotencyStyle",
     "IdempotentTask",
     "IncompatibleSchema",
+    "MessageIdentity",
     "Outbox",
     "OutboxError",
     "OutboxSettings",

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 from . import setting_values as parse
 from .errors import ConfigurationError
 from .setting_values import invalid, shown
+from .vocabulary import IdempotencyStyle, MessageIdentity
 
 __all__ = ["OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
 
@@ -69,7 +70,7 @@ SETTINGS: tuple[Setting, ...] = (
             "With `celery_outbox.django` in Django's `INSTALLED_APPS`: the Django database (alias) that holds "
             "the outbox's tables. Publishes inside `transaction.atomic()` on it join Django's transaction, and "
             "the message store is that database unless `outbox_database_url` is set."),
-    Setting("message_identity", "id", parse.choice("id", "id_and_destination"),
+    Setting("message_identity", "id", parse.member_of(MessageIdentity),
             "What makes an incoming message a duplicate: the task id, or the task id and the queue "
             "(for one message consumed from several queues)."),
     Setting("deduplicate_task_ids", False, parse.boolean,
@@ -78,7 +79,7 @@ SETTINGS: tuple[Setting, ...] = (
             "recovery) are duplicates. `True`: a delivery whose task id the inbox already handled is a "
             "duplicate, whichever send it came from (the task id as a dedupe key, per task). A task's "
             "`deduplicate_task_ids` attribute overrides it."),
-    Setting("idempotency_style", "optimistic", parse.choice("optimistic", "eager"),
+    Setting("idempotency_style", "optimistic", parse.member_of(IdempotencyStyle),
             "`optimistic`: the inbox claim commits with the task's own DB writes. `eager`: the claim commits "
             "before the body runs, for bodies with side effects outside the database."),
     Setting("keep_after_handling", 7 * 24 * 3600.0, parse.seconds,
@@ -168,9 +169,9 @@ class OutboxSettings:
     durable_queues: frozenset[str] = frozenset()
     table_prefix: str = "celery_outbox_"
     django_database: str = "default"
-    message_identity: str = "id"
+    message_identity: MessageIdentity = MessageIdentity.ID
     deduplicate_task_ids: bool = False
-    idempotency_style: str = "optimistic"
+    idempotency_style: IdempotencyStyle = IdempotencyStyle.OPTIMISTIC
     keep_after_handling: float = 7 * 24 * 3600.0
     node_heartbeat_interval: float = 5.0
     node_stale_after: float = 30.0
@@ -196,6 +197,11 @@ class OutboxSettings:
 
     def is_durable(self, queue: str | None) -> bool:
         return queue is not None and queue in self.durable_queues
+
+    def destination_of(self, queue: str) -> str | None:
+        """The destination part of the key of a message from ``queue``: the queue with message
+        identity ``id_and_destination``, None (any destination) with ``id``."""
+        return queue if self.message_identity is MessageIdentity.ID_AND_DESTINATION else None
 
     def silent_before(self, now: datetime) -> datetime:
         """A node with no heartbeat since this instant, whose liveness lock is free (PostgreSQL),

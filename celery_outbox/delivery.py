@@ -53,7 +53,7 @@ class Delivery:
         by_task_id = settings.deduplicate_task_ids if by_task_id is None else bool(by_task_id)
         return cls(
             message_id=str(request.id),
-            destination=queue if settings.message_identity == "id_and_destination" else "",
+            destination=settings.destination_of(queue) or "",
             sent_as=sent_as,
             send_id=task_id_key(task.name) if by_task_id else sent_as,
             task_name=task.name,

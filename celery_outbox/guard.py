@@ -366,8 +366,7 @@ def _acknowledgment(settings: OutboxSettings, message: Any, queue: str | None,
         return None  # no sender's row can have this id: the outbox stores only ids it can hold
     if not settings.is_durable(queue):
         return None
-    by_queue = queue if settings.message_identity == "id_and_destination" else None
-    return headers["id"], by_queue, attempt_of(headers), send_id_of(headers)
+    return headers["id"], settings.destination_of(queue), attempt_of(headers), send_id_of(headers)
 
 
 def _insert(runtime: Runtime, row: dict[str, Any],

@@ -73,7 +73,7 @@ from .signals import announce_dead_letters, duplicate_discarded, message_handled
 from .store import UNOWNED, is_lock_timeout, utcnow
 from .store.outage import is_outage
 from .unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
-from .vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, IncomingStatus
+from .vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, IdempotencyStyle, IncomingStatus
 
 __all__ = ["Inbox", "inbox_of", "installed_inbox"]
 
@@ -133,7 +133,7 @@ class Inbox:
         setattr(self.runtime.app, _APP_ATTRIBUTE, self)
 
     @tracing.in_delivery_context
-    def run(self, task: Any, args: tuple, kwargs: dict, body: Callable[[], Any], style: str,
+    def run(self, task: Any, args: tuple, kwargs: dict, body: Callable[[], Any], style: IdempotencyStyle,
             unit_of_work: bool, queue: str | None = None) -> Any:
         """Run ``body`` once per delivery of ``task``'s current request (from ``queue``, when the caller
         resolved it already)."""
@@ -146,7 +146,7 @@ class Inbox:
         envelope = envelope_of(task, args, kwargs) if durable else {}
         claimed = time.monotonic()
         try:
-            if style == "eager":
+            if style is IdempotencyStyle.EAGER:
                 result = self._run_eager(task, delivery, body, unit_of_work, envelope)
             else:
                 result = self._run_optimistic(task, delivery, body, envelope)
@@ -587,7 +587,7 @@ class Inbox:
     def _acknowledged_destination(self, delivery: Delivery) -> str | None:
         """The destination whose outgoing rows the delivery acknowledges: its queue with message
         identity ``id_and_destination``; None (every destination) with identity ``id``."""
-        return delivery.destination if self.runtime.settings.message_identity == "id_and_destination" else None
+        return self.runtime.settings.destination_of(delivery.queue)
 
     def _discard(self, delivery: Delivery) -> None:
         """Count the duplicate on its inbox row and, for a durable queue, acknowledge the sender's

@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import re
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from enum import Enum
+from typing import Any, Callable, Mapping, TypeVar
 
 from .errors import ConfigurationError
 from .store.engine import masked_options, safe_url
 
-__all__ = ["boolean", "choice", "invalid", "mapping", "non_negative_number",
+__all__ = ["boolean", "invalid", "mapping", "member_of", "non_negative_number",
            "optional_seconds", "optional_string", "positive_int", "queue_names", "seconds", "shown", "string",
            "table_prefix"]
 
@@ -24,6 +25,8 @@ MAX_PREFIX_LENGTH = 32  # leaves room for the longest table and index suffix und
 MAX_SECONDS = 100 * 365 * 86400.0  # a duration added to now stays far inside datetime's range
 MAX_FACTOR = 1000.0
 MAX_INT = 2**31 - 1  # a PostgreSQL integer: counts and limits are compared with one in SQL
+
+E = TypeVar("E", bound=Enum)
 
 
 def invalid(key: str, value: Any, allowed: str) -> ConfigurationError:
@@ -78,11 +81,12 @@ def table_prefix(key: str, value: Any) -> str:
     return value
 
 
-def choice(*allowed: str) -> Callable[[str, Any], str]:
-    def parse(key: str, value: Any) -> str:
-        if value not in allowed:
-            raise invalid(key, value, "expected one of " + ", ".join(repr(a) for a in allowed))
-        return value
+def member_of(values: type[E]) -> Callable[[str, Any], E]:
+    """A parser of a setting whose value is one of the string values of the enum ``values``."""
+    def parse(key: str, value: Any) -> E:
+        if not isinstance(value, str) or value not in {member.value for member in values}:
+            raise invalid(key, value, "expected one of " + ", ".join(repr(member.value) for member in values))
+        return values(value)
 
     return parse
 

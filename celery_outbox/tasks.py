@@ -36,11 +36,10 @@ from .inbox import inbox_of, installed_inbox
 from .routing import queue_of
 from .runtime import runtime_of
 from .unit_of_work import current_connection, current_session
+from .vocabulary import IdempotencyStyle
 from .worker_request import OutboxRequest
 
 __all__ = ["IdempotentTask", "InboxTask", "give_inbox_to_every_task"]
-
-_STYLES = ("optimistic", "eager")
 
 
 def body_of(task: Task, cls: type, args: tuple, kwargs: dict) -> Callable[[], Any]:
@@ -78,7 +77,7 @@ class InboxTask(Task):
         body = body_of(self, InboxTask, args, kwargs)
         if not settings.is_durable(queue):
             return body()
-        return inbox.run(self, args, kwargs, body, style="eager", unit_of_work=False, queue=queue)
+        return inbox.run(self, args, kwargs, body, style=IdempotencyStyle.EAGER, unit_of_work=False, queue=queue)
 
 
 class IdempotentTask(Task):
@@ -91,8 +90,8 @@ class IdempotentTask(Task):
     acks_late = True
     reject_on_worker_lost = True
     retry_on_worker_lost = True  # Celery >= 5.7: re-send as a new attempt when the process dies
-    #: ``"optimistic"`` or ``"eager"``; None takes ``outbox_idempotency_style``.
-    idempotency: str | None = None
+    #: ``"optimistic"`` or ``"eager"`` (an ``IdempotencyStyle``); None takes ``outbox_idempotency_style``.
+    idempotency: IdempotencyStyle | str | None = None
 
     @property
     def session(self) -> Session:
@@ -122,11 +121,22 @@ class IdempotentTask(Task):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inbox = installed_inbox(self.app)
-        style = self.idempotency or inbox.runtime.settings.idempotency_style
-        if style not in _STYLES:
-            raise OutboxError(f"{self.name}.idempotency = {style!r} is not valid: expected one of {_STYLES}")
+        style = self._idempotency_style(inbox.runtime.settings.idempotency_style)
         return inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
                          unit_of_work=True)
+
+
+    def _idempotency_style(self, default: IdempotencyStyle) -> IdempotencyStyle:
+        """The task's ``idempotency``, or ``default`` when it is None; a value that is not a style
+        raises ``OutboxError`` naming the task."""
+        if self.idempotency is None:
+            return default
+        try:
+            return IdempotencyStyle(self.idempotency)
+        except ValueError:
+            allowed = ", ".join(repr(style.value) for style in IdempotencyStyle)
+            raise OutboxError(f"{self.name}.idempotency = {self.idempotency!r} is not valid: expected one of "
+                              f"{allowed}") from None
 
 
 def give_inbox_to_every_task(app: Celery) -> list[str]:

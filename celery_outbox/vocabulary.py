@@ -11,7 +11,7 @@ from enum import Enum
 from typing import NamedTuple
 
 __all__ = ["REDELIVERY_HEADER", "REPLAY_HEADER", "REQUEUE_BACKOFF", "SEND_HEADER", "Attempt", "ClaimRelease",
-           "DeadLetterReason", "IncomingStatus", "RedeliveryReason"]
+           "DeadLetterReason", "IdempotencyStyle", "IncomingStatus", "MessageIdentity", "RedeliveryReason"]
 
 
 class IncomingStatus(str, Enum):
@@ -24,6 +24,20 @@ class IncomingStatus(str, Enum):
     RETRIED = "retried"  #: ended in a retry; the next attempt (retries + 1) may claim the message
     DEAD = "dead"  #: failed for good (with a dead letter, unless rejected); a replay may claim it
     REVOKED = "revoked"  #: the worker discarded it unrun (revoked or expired), as Celery does; never runs
+
+
+class IdempotencyStyle(str, Enum):
+    """When an inbox claim commits (``outbox_idempotency_style``, ``IdempotentTask.idempotency``)."""
+
+    OPTIMISTIC = "optimistic"  #: with the body's own writes, in one transaction
+    EAGER = "eager"  #: in a transaction of its own, before the body (side effects outside the database)
+
+
+class MessageIdentity(str, Enum):
+    """What makes an incoming message a duplicate (``outbox_message_identity``)."""
+
+    ID = "id"  #: its task id
+    ID_AND_DESTINATION = "id_and_destination"  #: its task id and its queue (one message, several queues)
 
 
 class DeadLetterReason(str, Enum):

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from celery import Celery
 
-from celery_outbox import ConfigurationError, OutboxSettings
+from celery_outbox import ConfigurationError, IdempotencyStyle, MessageIdentity, OutboxSettings
 from celery_outbox.config import SETTINGS, read_settings, setting_docs
 from celery_outbox.store import utcnow
 
@@ -29,7 +29,8 @@ def test_defaults_when_nothing_is_set():
     assert settings == OutboxSettings()
     assert settings.database_url.startswith("sqlite:///")
     assert settings.durable_queues == frozenset()
-    assert settings.message_identity == "id" and settings.idempotency_style == "optimistic"
+    assert settings.message_identity is MessageIdentity.ID
+    assert settings.idempotency_style is IdempotencyStyle.OPTIMISTIC
 
 
 def test_lowercase_spelling():
@@ -55,7 +56,7 @@ def test_django_namespace_spelling():
     app.config_from_object(django_settings, namespace="CELERY")
     settings = settings_of(app)
     assert settings.durable_queues == frozenset({"payments"})
-    assert settings.idempotency_style == "eager"
+    assert settings.idempotency_style is IdempotencyStyle.EAGER
 
 
 def test_other_namespace():

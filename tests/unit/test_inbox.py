@@ -16,7 +16,7 @@ from celery import Celery, Task, signals
 from celery.contrib.testing.worker import start_worker
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 
-from celery_outbox import IdempotentTask, Outbox
+from celery_outbox import IdempotencyStyle, IdempotentTask, Outbox
 from celery_outbox.errors import OutboxError
 from celery_outbox.signals import duplicate_discarded
 
@@ -268,6 +268,24 @@ def test_global_eager_style_setting(sqlite_url, table_prefix):
             g.apply_async(task_id="g-1")
             assert harness.wait_for_states("g-1", 1) == ["SUCCESS"]
         assert statuses == ["running"]
+    finally:
+        harness.close()
+
+
+def test_a_task_idempotency_that_is_not_a_style_is_an_error_naming_the_task(sqlite_url, table_prefix):
+    harness = Harness(sqlite_url, table_prefix)
+    try:
+        @harness.app.task(base=IdempotentTask, name="shop.odd", shared=False)
+        def odd():
+            return "ran"
+
+        odd.idempotency = "pessimistic"
+        failed = odd.apply()
+        assert failed.failed() and isinstance(failed.result, OutboxError)
+        assert str(failed.result) == ("shop.odd.idempotency = 'pessimistic' is not valid: expected one of "
+                                      "'optimistic', 'eager'")
+        odd.idempotency = IdempotencyStyle.EAGER
+        assert odd.apply().get() == "ran"
     finally:
         harness.close()
 
