@@ -37,6 +37,9 @@ class Delivery:
     redelivered: int = 0  # times delivery tracking re-sent this message (not part of the attempt)
     sent_as: str = ""  # the publish identity the message carries ('' from a sender without the outbox)
     send_id: str = ""  # the key part: ``sent_as``, or the task's own key when its task id is the dedupe key
+    #: the task acks late (``acks_late``): the broker holds the message until the attempt ends, so a
+    #: ``Reject(requeue=True)`` or a store outage's send-back hands it back; else Celery acked it on receipt
+    acks_late: bool = False
 
     @classmethod
     def from_request(cls, task: Any, settings: Any, queue: str | None = None) -> "Delivery":
@@ -62,6 +65,7 @@ class Delivery:
             nesting=int(getattr(request, "replaced_task_nesting", 0) or 0),
             replays=header_count(getattr(request, REPLAY_HEADER, 0)),
             redelivered=header_count(getattr(request, REDELIVERY_HEADER, 0)),
+            acks_late=bool(getattr(task, "acks_late", False)),
         )
 
     @property

@@ -229,7 +229,7 @@ class Inbox:
         taking over the key's row) the envelope is committed first (``_store_envelope``), for
         recovery to publish again after ``outbox_node_stale_after``. When the body hands that
         message back (``Reject(requeue=True)``), the envelope waits as a released eager claim's
-        does (``_release_claim``)."""
+        does (``_put_off_recovery``)."""
         if envelope and self._may_be_held(delivery):
             try:
                 return self._run_optimistic_attempt(task, delivery, body, envelope, stored=False)
@@ -242,7 +242,7 @@ class Inbox:
             return self._run_optimistic_attempt(task, delivery, body, {}, stored=True)
         except Reject as reject:
             if reject.requeue:
-                self._release_claim(delivery, UNOWNED, bool(task.acks_late))
+                self._put_off_recovery(delivery)
             raise
 
     def _may_be_held(self, delivery: Delivery) -> bool:
@@ -297,47 +297,53 @@ class Inbox:
     def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                    envelope: dict[str, Any]) -> Any:
         node_id = self.node.id
-        handed_back = bool(task.acks_late)  # else Celery acked the message on receipt: the envelope is all
         try:
             return self._run_eager_claimed(task, delivery, body, unit_of_work, envelope, node_id)
         except _StoreDown:
-            self._release_claim(delivery, node_id, handed_back)
+            self._release_claim(delivery, node_id)
             raise
         except Reject as reject:
             if reject.requeue:
-                self._release_claim(delivery, node_id, handed_back)
+                self._release_claim(delivery, node_id)
             raise
 
-    def _release_claim(self, delivery: Delivery, node_id: int, handed_back: bool) -> None:
+    def _release_claim(self, delivery: Delivery, node_id: int) -> None:
         """The attempt ends without finishing its eager claim, and its message goes back to the
         broker (a store outage, ``Reject(requeue=True)``): release the claim, in a transaction of
         its own, so that the copy takes it over instead of meeting it running. When the database
         cannot be reached for that either, the node's heartbeat thread releases it later; until
-        then a copy goes back to the broker again. ``handed_back``: the broker holds a copy (an
-        ``acks_late`` task's), so recovery waits before it re-publishes the envelope
-        (``OutboxSettings.released_claim_recovery``); otherwise Celery acked the message on
-        receipt, and the envelope, due at once, is the message's only copy.
-
-        ``node_id`` ``UNOWNED``: the committed envelope of an optimistic attempt, whose claim rolled
-        back, gets only its time for recovery; when the store cannot take that, recovery publishes
-        it when it was due (a copy the inbox discards, nothing lost)."""
-        store = self.runtime.store
+        then a copy goes back to the broker again. Recovery waits as ``_release_in_store`` says."""
         try:
-            with store.begin() as conn:
-                recover_after = self.runtime.settings.released_claim_recovery(utcnow(), handed_back)
-                store.release_claim(conn, delivery.message_id, delivery.destination, node_id, delivery.attempt,
-                                    recover_after, delivery.send_id)
+            self._release_in_store(delivery, node_id)
         except Exception as error:  # noqa: BLE001 - the node's heartbeat thread tries again
-            if node_id == UNOWNED:
-                logger.warning("celery-outbox: could not put off the recovery of %s[%s], handed back to the broker "
-                               "(recovery may publish a copy, which the inbox discards): %s", delivery.task_name,
-                               delivery.message_id, error, **log_fields.of_delivery(delivery))
-                return
             logger.warning("celery-outbox: could not release the claim of %s[%s] (the node releases it when the "
                            "database answers): %s", delivery.task_name, delivery.message_id, error,
                            **log_fields.of_delivery(delivery))
             self.node.release_later(delivery.message_id, delivery.destination, delivery.attempt,
-                                    delivery.send_id, handed_back)
+                                    delivery.send_id, delivery.acks_late)
+
+    def _put_off_recovery(self, delivery: Delivery) -> None:
+        """An optimistic attempt whose envelope committed before the body (``UNOWNED``) hands its
+        message back (``Reject(requeue=True)``), and its claim rolled back: the envelope waits for
+        recovery as a released eager claim does (``_release_in_store``). When the store cannot
+        take that, recovery publishes it when it was due (a copy the inbox discards, nothing lost)."""
+        try:
+            self._release_in_store(delivery, UNOWNED)
+        except Exception as error:  # noqa: BLE001 - recovery publishes when it was due: a discarded copy at worst
+            logger.warning("celery-outbox: could not put off the recovery of %s[%s], handed back to the broker "
+                           "(recovery may publish a copy, which the inbox discards): %s", delivery.task_name,
+                           delivery.message_id, error, **log_fields.of_delivery(delivery))
+
+    def _release_in_store(self, delivery: Delivery, node_id: int) -> None:
+        """Release ``node_id``'s claim of the delivery's row in a transaction of its own, with the
+        time recovery may re-publish its envelope (``OutboxSettings.released_claim_recovery``): an
+        ``acks_late`` task's message is held by the broker, so recovery waits; otherwise Celery
+        acked the message on receipt, and the envelope, due at once, is the message's only copy."""
+        store = self.runtime.store
+        with store.begin() as conn:
+            recover_after = self.runtime.settings.released_claim_recovery(utcnow(), delivery.acks_late)
+            store.release_claim(conn, delivery.message_id, delivery.destination, node_id, delivery.attempt,
+                                recover_after, delivery.send_id)
 
     def _run_eager_claimed(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                            envelope: dict[str, Any], node_id: int) -> Any:
