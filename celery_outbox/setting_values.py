@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, TypeVar
 from .errors import ConfigurationError
 from .store.engine import masked_options, safe_url
 
-__all__ = ["boolean", "invalid", "mapping", "member_of", "non_negative_number",
+__all__ = ["boolean", "expected_member_of", "invalid", "mapping", "member_of", "non_negative_number",
            "optional_seconds", "optional_string", "positive_int", "queue_names", "seconds", "shown", "string",
            "table_prefix"]
 
@@ -81,11 +81,16 @@ def table_prefix(key: str, value: Any) -> str:
     return value
 
 
+def expected_member_of(values: type[Enum]) -> str:
+    """What an error about a value outside the enum ``values`` says is allowed."""
+    return "expected one of " + ", ".join(repr(member.value) for member in values)
+
+
 def member_of(values: type[E]) -> Callable[[str, Any], E]:
     """A parser of a setting whose value is one of the string values of the enum ``values``."""
     def parse(key: str, value: Any) -> E:
         if not isinstance(value, str) or value not in {member.value for member in values}:
-            raise invalid(key, value, "expected one of " + ", ".join(repr(member.value) for member in values))
+            raise invalid(key, value, expected_member_of(values))
         return values(value)
 
     return parse

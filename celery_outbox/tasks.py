@@ -35,6 +35,7 @@ from .errors import OutboxError
 from .inbox import inbox_of, installed_inbox
 from .routing import queue_of
 from .runtime import runtime_of
+from .setting_values import expected_member_of
 from .unit_of_work import current_connection, current_session
 from .vocabulary import IdempotencyStyle
 from .worker_request import OutboxRequest
@@ -125,7 +126,6 @@ class IdempotentTask(Task):
         return inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
                          unit_of_work=True)
 
-
     def _idempotency_style(self, default: IdempotencyStyle) -> IdempotencyStyle:
         """The task's ``idempotency``, or ``default`` when it is None; a value that is not a style
         raises ``OutboxError`` naming the task."""
@@ -134,9 +134,8 @@ class IdempotentTask(Task):
         try:
             return IdempotencyStyle(self.idempotency)
         except ValueError:
-            allowed = ", ".join(repr(style.value) for style in IdempotencyStyle)
-            raise OutboxError(f"{self.name}.idempotency = {self.idempotency!r} is not valid: expected one of "
-                              f"{allowed}") from None
+            raise OutboxError(f"{self.name}.idempotency = {self.idempotency!r} is not valid: "
+                              f"{expected_member_of(IdempotencyStyle)}") from None
 
 
 def give_inbox_to_every_task(app: Celery) -> list[str]:
