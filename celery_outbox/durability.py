@@ -53,7 +53,7 @@ from .results import EndedMessage, store_dead_letter_results
 from .runtime import Archiver, Runtime
 from .signals import announce_dead_letters, claims_released, message_redelivered
 from .store import utcnow
-from .vocabulary import ClaimRelease, DeadLetterReason, RedeliveryReason
+from .vocabulary import ArchiveKind, ClaimRelease, DeadLetterReason, RedeliveryReason
 
 __all__ = ["Archiver", "CleanupResult", "RecoverResult", "cleanup", "recover"]
 
@@ -314,7 +314,7 @@ def delete_expired_inbox_rows(runtime: Runtime, result: CleanupResult, max_batch
         else:
             rows = store.lock_expired_incoming(conn, now, batch, after)
             if rows:
-                archiver.archive("incoming", rows)
+                archiver.archive(ArchiveKind.INCOMING, rows)
                 result.archived += len(rows)
                 after = max(row.keep_until for row in rows)
             count = store.delete_incoming(conn, [(row.message_id, row.destination, row.send_id) for row in rows])
@@ -341,7 +341,7 @@ def expire_dead_letters(runtime: Runtime, result: CleanupResult, max_batches: in
         rows = store.lock_dead_letters(conn, store.dead_letter_filter(failed_before=cutoff), batch,
                                        full=archiver is not None)
         if rows and archiver is not None:
-            archiver.archive("dead_letters", rows)
+            archiver.archive(ArchiveKind.DEAD_LETTERS, rows)
             result.archived += len(rows)
         return store.delete_dead_letters(conn, [row.id for row in rows])
 
@@ -361,7 +361,7 @@ def archive_sent_records(runtime: Runtime, result: CleanupResult, max_batches: i
     def move(conn: Any) -> int:
         rows = store.lock_sent_records(conn, batch)
         if rows:
-            archiver.archive("sent", rows)
+            archiver.archive(ArchiveKind.SENT, rows)
         return store.delete_sent_records(conn, [row.id for row in rows])
 
     # a lost commit: the rows are archived again

@@ -30,6 +30,7 @@ from .django.settings import same_database
 from .errors import ConfigurationError
 from .sessions import listen_to_sessions, session_info
 from .store import Store, build_engine
+from .vocabulary import ArchiveKind
 
 __all__ = ["Archiver", "Runtime", "installed_runtimes", "runtime_of"]
 
@@ -41,11 +42,12 @@ _APP_ATTRIBUTE = "_celery_outbox_runtime"
 class Archiver(Protocol):
     """Receives rows cleanup is about to delete, inside the deleting transaction.
 
-    ``kind`` is ``"incoming"``, ``"dead_letters"`` or ``"sent"``. If it raises, the batch is
-    not deleted and the next cleanup tries again: archiving is at least once.
+    ``kind`` is an ``ArchiveKind``, a ``str`` (``"incoming"``, ``"dead_letters"`` or ``"sent"``).
+    If it raises, the batch is not deleted and the next cleanup tries again: archiving is at least
+    once.
     """
 
-    def archive(self, kind: str, rows: Sequence[Any]) -> None: ...
+    def archive(self, kind: ArchiveKind, rows: Sequence[Any]) -> None: ...
 
 
 class Runtime:

@@ -1,5 +1,5 @@
 """The closed sets of values celery-outbox writes and reads: inbox statuses, dead-letter reasons,
-the headers it adds to messages, and the attempt of a delivery.
+the kinds of archived rows, the headers it adds to messages, and the attempt of a delivery.
 
 The bottom of the import graph: it imports nothing of the package, and every layer (the store,
 the publishing side, the consumer side, maintenance) names these values from here.
@@ -10,8 +10,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import NamedTuple
 
-__all__ = ["REDELIVERY_HEADER", "REPLAY_HEADER", "REQUEUE_BACKOFF", "SEND_HEADER", "Attempt", "ClaimRelease",
-           "DeadLetterReason", "IdempotencyStyle", "IncomingStatus", "MessageIdentity", "RedeliveryReason"]
+__all__ = ["REDELIVERY_HEADER", "REPLAY_HEADER", "REQUEUE_BACKOFF", "SEND_HEADER", "ArchiveKind", "Attempt",
+           "ClaimRelease", "DeadLetterReason", "IdempotencyStyle", "IncomingStatus", "MessageIdentity",
+           "RedeliveryReason"]
 
 
 class IncomingStatus(str, Enum):
@@ -63,6 +64,20 @@ class ClaimRelease(str, Enum):
 
     DEAD_NODE = "dead_node"  #: the node that held it was declared dead (or has no node row)
     STALE = "stale"  #: it was older than ``outbox_inbox_stale_time``
+
+
+class ArchiveKind(str, Enum):
+    """What the rows cleanup hands an archiver are: the table it moves them from, the folder of the
+    archive they are written to, and one of the delivery audit's three inputs. ``str()`` and
+    formatting give the value, as the plain strings an ``Archiver`` received before did: a kind
+    names its folder and its table as it is."""
+
+    INCOMING = "incoming"  #: ended inbox rows (handled, retried, dead, revoked)
+    DEAD_LETTERS = "dead_letters"  #: dead letters past ``outbox_dead_letter_retention``
+    SENT = "sent"  #: the record of each durable message's first publish
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Attempt(NamedTuple):

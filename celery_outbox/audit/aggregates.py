@@ -20,7 +20,7 @@ from typing import Any
 from celery_outbox.audit.inputs import Inputs, jdbc_url_of
 from celery_outbox.audit.options import AuditOptions
 from celery_outbox.audit.sketch import bucket_of, quantile_columns
-from celery_outbox.vocabulary import IncomingStatus
+from celery_outbox.vocabulary import ArchiveKind, IncomingStatus
 
 __all__ = ["COUNTS", "FINAL_STATUSES", "LATENCY_BUCKETS", "Aggregates", "Tally", "Tracking", "aggregate", "iso",
            "merged_window", "open_sends", "quantiles", "sends_of", "tally"]
@@ -135,13 +135,13 @@ def merged_window(*windows: tuple[Any, Any]) -> tuple[Any, Any]:
 
 def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any],
           sends: tuple[int, tuple[Any, Any]] | None = None) -> Tally:
-    """The tally of the messages in the de-duplicated ``frames`` (``incoming``, ``sent``,
-    ``dead_letters``), its throughput per ``unit``; ``sends`` is ``sends_of(frames["sent"])`` when
+    """The tally of the messages in the de-duplicated ``frames`` (by ``ArchiveKind``), its
+    throughput per ``unit``; ``sends`` is ``sends_of(frames[ArchiveKind.SENT])`` when
     the caller has it already. The latencies and the tally's frames are cached (several figures
     read them) and appended to ``cached`` for the caller to unpersist."""
     from pyspark.sql import functions as F
 
-    incoming, sent, dead = frames["incoming"], frames["sent"], frames["dead_letters"]
+    incoming, sent, dead = frames[ArchiveKind.INCOMING], frames[ArchiveKind.SENT], frames[ArchiveKind.DEAD_LETTERS]
     handled = incoming.where(F.col("status") == IncomingStatus.HANDLED.value)
     latency = _matched(handled, sent).withColumn(
         "latency", F.col("handled_at").cast("double") - F.col("sent_at").cast("double"))
@@ -195,7 +195,8 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
 
     sends = sends_of(inputs.sent)
     unit = _throughput_unit(*(sends[1] if settled is None else merged_window(sends[1], settled.window)))
-    frames = {"incoming": inputs.incoming, "sent": inputs.sent, "dead_letters": inputs.dead}
+    frames = {ArchiveKind.INCOMING: inputs.incoming, ArchiveKind.SENT: inputs.sent,
+              ArchiveKind.DEAD_LETTERS: inputs.dead}
     total = tally(frames, options, unit, cached, sends)
     if settled is not None:
         total = settled.plus(total, unit)

@@ -21,31 +21,32 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from ..errors import ConfigurationError
+from ..setting_values import expected_member_of
+from ..vocabulary import ArchiveKind
 from .location import Location
 
-__all__ = ["ARCHIVE_KINDS", "ParquetArchiver", "archive_schema"]
-
-ARCHIVE_KINDS = ("incoming", "dead_letters", "sent")
+__all__ = ["ParquetArchiver", "archive_schema"]
 
 # column -> arrow type name, per kind; the audit checks every file against these
-_COLUMNS: dict[str, dict[str, str]] = {
-    "incoming": {
+_COLUMNS: dict[ArchiveKind, dict[str, str]] = {
+    ArchiveKind.INCOMING: {
         "message_id": "string", "destination": "string", "task_name": "string", "queue": "string",
         "status": "string", "retries": "int32", "nesting": "int32", "replays": "int32",
         "duplicates": "int32", "recoveries": "int32", "received_at": "timestamp", "claimed_at": "timestamp",
         "handled_at": "timestamp",
     },
-    "dead_letters": {
+    ArchiveKind.DEAD_LETTERS: {
         "id": "int64", "message_id": "string", "destination": "string", "task_name": "string", "queue": "string",
         "reason": "string", "exception_type": "string", "exception_message": "string", "retries": "int32",
         "nesting": "int32", "replays": "int32", "failed_at": "timestamp", "replay_count": "int32",
     },
-    "sent": {
+    ArchiveKind.SENT: {
         "message_id": "string", "destination": "string", "task_name": "string", "created_at": "timestamp",
         "sent_at": "timestamp",
     },
 }
-_PARTITION_BY = {"incoming": ("handled_at", "received_at"), "dead_letters": ("failed_at",), "sent": ("sent_at",)}
+_PARTITION_BY = {ArchiveKind.INCOMING: ("handled_at", "received_at"), ArchiveKind.DEAD_LETTERS: ("failed_at",),
+                 ArchiveKind.SENT: ("sent_at",)}
 
 
 def _pyarrow():
@@ -69,7 +70,7 @@ def _broken_pyarrow(exc: ImportError) -> ConfigurationError:
                               "pip install --upgrade 'celery-outbox[spark]'")
 
 
-def archive_schema(kind: str):
+def archive_schema(kind: ArchiveKind):
     """The arrow schema of one kind of archive file."""
     pa = _pyarrow()
     types = {"string": pa.string(), "int32": pa.int32(), "int64": pa.int64(),
@@ -103,9 +104,10 @@ class ParquetArchiver:
         _pyarrow()
         self.fs, self.root = _filesystem(path)
 
-    def archive(self, kind: str, rows: Sequence[Any]) -> None:
+    def archive(self, kind: ArchiveKind, rows: Sequence[Any]) -> None:
         if kind not in _COLUMNS:
-            raise ValueError(f"unknown archive kind {kind!r}; expected one of {', '.join(ARCHIVE_KINDS)}")
+            raise ValueError(f"unknown archive kind {kind!r}; {expected_member_of(ArchiveKind)}")
+        kind = ArchiveKind(kind)
         if not rows:
             return
         pa = _pyarrow()

@@ -9,17 +9,18 @@ but left to Spark, which checks that it is there and not empty (``Inputs``).
 
 from __future__ import annotations
 
-from celery_outbox.audit.archive import ARCHIVE_KINDS, archive_schema
+from celery_outbox.audit.archive import archive_schema
 from celery_outbox.audit.jdbc import jdbc_url_of
 from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.audit.session import jdbc_jar
+from celery_outbox.vocabulary import ArchiveKind
 
 __all__ = ["ArchiveFiles", "check_archive", "check_inputs", "empty_archive", "location_of", "missing_archive"]
 
 #: the Parquet files of each kind of the archive, as found before Spark starts; None for an archive
 #: on a filesystem only Spark reaches, which Spark lists itself
-ArchiveFiles = dict[str, list[str]] | None
+ArchiveFiles = dict[ArchiveKind, list[str]] | None
 
 
 def check_inputs(options: AuditOptions) -> ArchiveFiles:
@@ -35,7 +36,7 @@ def check_inputs(options: AuditOptions) -> ArchiveFiles:
         jdbc_url_of(options.jdbc_url)
     jdbc_jar(options)
     if not options.archive:
-        return {kind: [] for kind in ARCHIVE_KINDS}
+        return {kind: [] for kind in ArchiveKind}
     archive = location_of("--archive", options.archive)
     if archive.local is None:
         return None
@@ -53,7 +54,7 @@ def location_of(option: str, text: str) -> Location:
         raise AuditInputError(f"{option} {exc}") from None
 
 
-def check_archive(archive: Location) -> dict[str, list[str]]:
+def check_archive(archive: Location) -> dict[ArchiveKind, list[str]]:
     """The Parquet files of each kind in the local ``archive``; a clear error for a missing archive
     or a bad file."""
     import pyarrow.fs
@@ -62,8 +63,8 @@ def check_archive(archive: Location) -> dict[str, list[str]]:
     fs = pyarrow.fs.LocalFileSystem()
     if fs.get_file_info(archive.local).type == pyarrow.fs.FileType.NotFound:
         raise missing_archive(archive)
-    files: dict[str, list[str]] = {}
-    for kind in ARCHIVE_KINDS:
+    files: dict[ArchiveKind, list[str]] = {}
+    for kind in ArchiveKind:
         selector = pyarrow.fs.FileSelector(archive.child(kind).local, allow_not_found=True, recursive=True)
         found = sorted(info.path for info in fs.get_file_info(selector) if info.path.endswith(".parquet"))
         expected = archive_schema(kind)

@@ -15,27 +15,30 @@ from __future__ import annotations
 
 from functools import reduce
 
-from celery_outbox.audit.archive import _COLUMNS, ARCHIVE_KINDS
+from celery_outbox.audit.archive import _COLUMNS
 from celery_outbox.audit.checks import ArchiveFiles, empty_archive, missing_archive
 from celery_outbox.audit.hadoop import exists, parquet_files
 from celery_outbox.audit.jdbc import jdbc_url_of
 from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.store.engine import is_secret_name
-from celery_outbox.vocabulary import IncomingStatus
+from celery_outbox.vocabulary import ArchiveKind, IncomingStatus
 
 __all__ = ["KEPT_COLUMNS", "Inputs", "deduplicated"]
 
 
+#: the live outbox table, read beside the tables of the archive's kinds (its rows are not archived)
+_OUTGOING = "outgoing"
+
 #: the live tables, in the order they are read (see ``Inputs``)
-_LIVE_ORDER = ("sent", "outgoing", "dead_letters", "incoming")
+_LIVE_ORDER = (ArchiveKind.SENT, _OUTGOING, ArchiveKind.DEAD_LETTERS, ArchiveKind.INCOMING)
 
 #: the columns of each kind that the audit keeps after de-duplication (a carried message's)
 KEPT_COLUMNS = {
-    "sent": ("message_id", "destination", "sent_at", "task_name"),
-    "incoming": ("message_id", "destination", "status", "handled_at", "received_at", "task_name", "duplicates",
-                 "recoveries"),
-    "dead_letters": tuple(_COLUMNS["dead_letters"]),
+    ArchiveKind.SENT: ("message_id", "destination", "sent_at", "task_name"),
+    ArchiveKind.INCOMING: ("message_id", "destination", "status", "handled_at", "received_at", "task_name",
+                           "duplicates", "recoveries"),
+    ArchiveKind.DEAD_LETTERS: tuple(_COLUMNS[ArchiveKind.DEAD_LETTERS]),
 }
 
 
@@ -44,7 +47,7 @@ def _running(F):
     return F.col("status") == IncomingStatus.RUNNING.value
 
 
-def _spark_schema(kind: str):
+def _spark_schema(kind: ArchiveKind):
     from pyspark.sql import types as T
 
     types = {"string": T.StringType(), "int32": T.IntegerType(), "int64": T.LongType(),
@@ -52,7 +55,7 @@ def _spark_schema(kind: str):
     return T.StructType([T.StructField(name, types[type_name]) for name, type_name in _COLUMNS[kind].items()])
 
 
-def kept_schema(kind: str):
+def kept_schema(kind: ArchiveKind):
     """The Spark schema of a de-duplicated frame of ``kind``."""
     from pyspark.sql import types as T
 
@@ -66,19 +69,20 @@ def deduplicated(F, frames: dict) -> dict:
     per letter for ``dead_letters``. Applying it again to its own output with more rows gives what
     applying it once to all of them gives: a message whose rows came over several runs is counted
     as one whose rows came at once."""
-    incoming, sent, dead = (frames[kind].select(*KEPT_COLUMNS[kind]) for kind in ("incoming", "sent", "dead_letters"))
+    incoming, sent, dead = (frames[kind].select(*KEPT_COLUMNS[kind])
+                            for kind in (ArchiveKind.INCOMING, ArchiveKind.SENT, ArchiveKind.DEAD_LETTERS))
     # the latest state of each message: a running attempt (no end yet) outranks every ended one
     latest = F.struct(F.col("handled_at").isNull(), F.col("handled_at"))
     return {
-        "incoming": incoming.groupBy("message_id", "destination").agg(
+        ArchiveKind.INCOMING: incoming.groupBy("message_id", "destination").agg(
             F.max_by("status", latest).alias("status"), F.max("handled_at").alias("handled_at"),
             F.min("received_at").alias("received_at"), F.first("task_name").alias("task_name"),
             F.max("duplicates").alias("duplicates"), F.max("recoveries").alias("recoveries")),
-        "sent": sent.groupBy("message_id", "destination").agg(
+        ArchiveKind.SENT: sent.groupBy("message_id", "destination").agg(
             F.min("sent_at").alias("sent_at"), F.first("task_name").alias("task_name")),
         # a letter's id alone is no key: a table made again (another database, a new prefix)
         # numbers its letters from 1 again, while the archive keeps the old ones
-        "dead_letters": dead.dropDuplicates(["id", "message_id", "destination", "failed_at"]),
+        ArchiveKind.DEAD_LETTERS: dead.dropDuplicates(["id", "message_id", "destination", "failed_at"]),
     }
 
 
@@ -135,41 +139,43 @@ class Inputs:
         self.files_covered = sorted(path for paths in found.values() for path in paths)
         new = {kind: [uri for path, uri in paths.items() if path not in covered] for kind, paths in found.items()}
         self.files_read = sum(len(uris) for uris in new.values())
-        frames = {kind: self._archived(kind, new[kind]) for kind in ARCHIVE_KINDS}
+        frames = {kind: self._archived(kind, new[kind]) for kind in ArchiveKind}
         if self.archive is not None:
             self.archive_rows = {kind: frame.count() for kind, frame in frames.items()}
         if carried is not None:
             frames = {kind: frames[kind].select(*KEPT_COLUMNS[kind]).unionByName(carried.frame(self.spark, kind))
-                      for kind in ARCHIVE_KINDS}
+                      for kind in ArchiveKind}
         self.archived = deduplicated(F, frames)
         merged = self.archived
         if live:
-            self.outgoing, self.running = live["outgoing"], live["incoming"].where(_running(F))
+            self.outgoing, self.running = live[_OUTGOING], live[ArchiveKind.INCOMING].where(_running(F))
             sent_unacknowledged = self.outgoing.where(F.col("sent_at").isNotNull())
             merged = {kind: self.archived[kind].unionByName(live[kind].select(*KEPT_COLUMNS[kind]))
-                      for kind in ARCHIVE_KINDS}
-            merged["sent"] = merged["sent"].unionByName(sent_unacknowledged.select(*KEPT_COLUMNS["sent"]))
+                      for kind in ArchiveKind}
+            merged[ArchiveKind.SENT] = merged[ArchiveKind.SENT].unionByName(
+                sent_unacknowledged.select(*KEPT_COLUMNS[ArchiveKind.SENT]))
             merged = deduplicated(F, merged)
             self.live_ids = reduce(lambda a, b: a.unionByName(b),
                                    [frame.select("message_id") for frame in live.values()]).distinct()
-        self.incoming, self.sent, self.dead = merged["incoming"], merged["sent"], merged["dead_letters"]
+        self.incoming, self.sent, self.dead = (merged[ArchiveKind.INCOMING], merged[ArchiveKind.SENT],
+                                               merged[ArchiveKind.DEAD_LETTERS])
 
     def _files(self, files: ArchiveFiles) -> dict[str, dict[str, str]]:
         """Per kind, the archive's files: {path inside the archive: what Spark reads}. For an
         archive only Spark reaches, Spark lists them (its absence and emptiness are refused
         here, as the checks do locally)."""
         if self.archive is None:
-            return {kind: {} for kind in ARCHIVE_KINDS}
+            return {kind: {} for kind in ArchiveKind}
         if files is None:
             if not exists(self.spark, self.archive.uri):
                 raise missing_archive(self.archive)
-            files = {kind: parquet_files(self.spark, self.archive.child(kind).uri) for kind in ARCHIVE_KINDS}
+            files = {kind: parquet_files(self.spark, self.archive.child(kind).uri) for kind in ArchiveKind}
             if not any(files.values()) and not self.live:
                 raise empty_archive(self.archive)
         return {kind: {f"{kind}/{name.rsplit(f'/{kind}/', 1)[1]}": name for name in names}
                 for kind, names in files.items()}
 
-    def _archived(self, kind: str, uris: list[str]):
+    def _archived(self, kind: ArchiveKind, uris: list[str]):
         """The rows of ``kind`` in the archive files ``uris``."""
         schema = _spark_schema(kind)
         if not uris:
@@ -183,7 +189,7 @@ class Inputs:
     def _table(self, kind: str):
         """The live table of ``kind`` (an archive kind, with the archive's columns and types, or
         ``outgoing``), read now and cached, and its row count."""
-        schema = _spark_schema("sent" if kind == "outgoing" else kind)
+        schema = _spark_schema(ArchiveKind.SENT if kind == _OUTGOING else kind)
         table = self._table_name(kind)
         url, properties = jdbc_url_of(self.options.jdbc_url)
         try:

@@ -55,6 +55,7 @@ from celery_outbox.audit.session import (
     spark_session,
     starts_jvm,
 )
+from celery_outbox.vocabulary import ArchiveKind
 
 __all__ = ["AuditInputError", "AuditOptions", "Mode", "Stage", "main", "run_audit"]
 
@@ -119,7 +120,7 @@ def run_audit(options: AuditOptions, spark=None, progress: Progress = _quiet) ->
         inputs = Inputs(spark, options, files, ledger)
         frames = [inputs.incoming, inputs.sent, inputs.dead]
         if inputs.live:
-            frames += [inputs.archived[kind] for kind in ("incoming", "sent", "dead_letters")]
+            frames += [inputs.archived[kind] for kind in ArchiveKind]
         for frame in frames:
             cached.append(frame.cache())
             frame.count()  # read now, so that the next stage announced is the one running

@@ -38,15 +38,16 @@ import json
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import reduce
 from typing import Any
 
 from celery_outbox.audit.aggregates import FINAL_STATUSES, Aggregates, Tally, tally
-from celery_outbox.audit.archive import ARCHIVE_KINDS
 from celery_outbox.audit.hadoop import children, delete, read_text, write_text
 from celery_outbox.audit.inputs import Inputs, kept_schema
 from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditOptions
 from celery_outbox.audit.sketch import ACCURACY
+from celery_outbox.vocabulary import ArchiveKind
 
 __all__ = ["Ledger", "drop_replaced", "read_ledger", "record_ledger"]
 
@@ -69,7 +70,7 @@ class Ledger:
     watermark: datetime | None
     settled: Tally
 
-    def frame(self, spark, kind: str):
+    def frame(self, spark, kind: ArchiveKind):
         """The carried, de-duplicated rows of ``kind``."""
         return spark.read.schema(kept_schema(kind)).parquet(self.folder.child("carried", kind).uri)
 
@@ -125,7 +126,7 @@ def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, r
                     default=None)
     carried_per = _carried(F, archived, watermark, options.horizon_seconds, inputs.live_ids).cache()
     cached.append(carried_per)
-    carried = {kind: carried_per.select(F.explode(kind).alias("row")).select("row.*") for kind in ARCHIVE_KINDS}
+    carried = {kind: carried_per.select(F.explode(kind.value).alias("row")).select("row.*") for kind in ArchiveKind}
     unit = result.unit
     everything = result.total
     if inputs.live:
@@ -158,10 +159,17 @@ def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, r
 def _newest(F, archived: dict) -> list[datetime | None]:
     """The newest moment of each kind of archived row (naive UTC), in one Spark job: the three
     one-row aggregates side by side."""
-    newest = archived["sent"].agg(F.max("sent_at").alias("sent")) \
-        .crossJoin(archived["incoming"].agg(F.max(F.coalesce("handled_at", "received_at")).alias("incoming"))) \
-        .crossJoin(archived["dead_letters"].agg(F.max("failed_at").alias("dead_letters"))).first()
-    return [newest["sent"], newest["incoming"], newest["dead_letters"]]
+    moments = _moments(F)
+    newest = reduce(lambda a, b: a.crossJoin(b), [archived[kind].agg(F.max(moments[kind]).alias(kind.value))
+                                                 for kind in ArchiveKind]).first()
+    return [newest[kind.value] for kind in ArchiveKind]
+
+
+def _moments(F) -> dict:
+    """The moment of a row of each kind: when it was sent, when its attempt ended (or began), when it
+    failed."""
+    return {ArchiveKind.SENT: F.col("sent_at"), ArchiveKind.INCOMING: F.coalesce("handled_at", "received_at"),
+            ArchiveKind.DEAD_LETTERS: F.col("failed_at")}
 
 
 def _carried(F, archived: dict, watermark: datetime | None, horizon_seconds: float, live_ids):
@@ -170,25 +178,25 @@ def _carried(F, archived: dict, watermark: datetime | None, horizon_seconds: flo
     (or with no moment at all), an attempt not ended, a send not ended (no dead letter, no final
     inbox row keyed by id alone or by its destination: the rule ``open_sends`` applies), or a
     message the live tables hold (``live_ids``, None when they were not read)."""
-    moments = {"sent": F.col("sent_at"), "incoming": F.coalesce("handled_at", "received_at"),
-               "dead_letters": F.col("failed_at")}
+    moments = _moments(F)
     rows = None
-    for kind in ARCHIVE_KINDS:
+    for kind in ArchiveKind:
         frame = archived[kind]
-        status = F.col("status") if kind == "incoming" else F.lit(None).cast("string")
-        payloads = [(F.struct(*frame.columns) if other == kind else F.lit(None).cast(archived[other].schema))
-                    .alias(other) for other in ARCHIVE_KINDS]
+        status = F.col("status") if kind is ArchiveKind.INCOMING else F.lit(None).cast("string")
+        payloads = [(F.struct(*frame.columns) if other is kind else F.lit(None).cast(archived[other].schema))
+                    .alias(other.value) for other in ArchiveKind]
         projected = frame.select("message_id", "destination", moments[kind].alias("moment"),
-                                 F.lit(kind).alias("kind"), status.alias("status"), *payloads)
+                                 F.lit(kind.value).alias("kind"), status.alias("status"), *payloads)
         rows = projected if rows is None else rows.unionByName(projected)
     final = F.col("status").isin(*FINAL_STATUSES)
     per = rows.groupBy("message_id").agg(
         F.max("moment").alias("moment"), (F.count("moment") < F.count(F.lit(1))).alias("undated"),
-        F.collect_set(F.when(F.col("kind") == "sent", F.col("destination"))).alias("sent_to"),
-        F.collect_set(F.when((F.col("kind") == "incoming") & final, F.col("destination"))).alias("ended_at"),
-        F.max((F.col("kind") == "incoming") & ~final).alias("running"),
-        F.max(F.col("kind") == "dead_letters").alias("lettered"),
-        *[F.collect_list(kind).alias(kind) for kind in ARCHIVE_KINDS])
+        F.collect_set(F.when(F.col("kind") == ArchiveKind.SENT.value, F.col("destination"))).alias("sent_to"),
+        F.collect_set(F.when((F.col("kind") == ArchiveKind.INCOMING.value) & final, F.col("destination")))
+        .alias("ended_at"),
+        F.max((F.col("kind") == ArchiveKind.INCOMING.value) & ~final).alias("running"),
+        F.max(F.col("kind") == ArchiveKind.DEAD_LETTERS.value).alias("lettered"),
+        *[F.collect_list(kind.value).alias(kind.value) for kind in ArchiveKind])
     open_send = ((F.size("sent_to") > 0) & ~F.col("lettered") & ~F.array_contains("ended_at", "")
                  & (F.size(F.array_except("sent_to", "ended_at")) > 0))
     changing = F.col("undated") | F.col("running") | open_send
@@ -197,7 +205,7 @@ def _carried(F, archived: dict, watermark: datetime | None, horizon_seconds: flo
     if live_ids is not None:
         per = per.join(live_ids.withColumn("live", F.lit(True)), "message_id", "left")
         changing = changing | F.col("live").isNotNull()
-    return per.where(changing).select("message_id", *ARCHIVE_KINDS)
+    return per.where(changing).select("message_id", *ArchiveKind)
 
 
 def drop_replaced(spark, out: Location) -> None:

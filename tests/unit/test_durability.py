@@ -13,7 +13,7 @@ from sqlalchemy import select, update
 
 from celery_outbox.deadletters import DeadLetterFilter, purge, replay
 from celery_outbox.store import as_utc, utcnow
-from celery_outbox.vocabulary import SEND_HEADER
+from celery_outbox.vocabulary import SEND_HEADER, ArchiveKind
 
 from ..apps.factory import make_shop, strand
 from ..brokers import nothing_more, receive
@@ -188,14 +188,18 @@ def test_cleanup_deletes_expired_rows_and_hands_them_to_the_archiver_first(sqlit
             dict(message_id="old-letter", reason="failed", failed_at=now - timedelta(hours=2)),
             dict(message_id="new-letter", reason="failed", failed_at=now)])
     archived: list[tuple[str, str]] = []
+    kinds: list[object] = []
 
     class Recorder:
         def archive(self, kind, rows):
-            archived.extend((kind, row.message_id) for row in rows)
+            kinds.append(kind)
+            archived.extend((f"{kind}", row.message_id) for row in rows)  # as an archiver names a folder
 
     shop.outbox.archiver = Recorder()
     result = shop.outbox.cleanup()
     assert (result.incoming_deleted, result.dead_letters_deleted, result.archived) == (10, 1, 11)
+    assert set(kinds) == {ArchiveKind.INCOMING, ArchiveKind.DEAD_LETTERS}
+    assert all(isinstance(kind, ArchiveKind) for kind in kinds), "a kind is an ArchiveKind, formatted as its value"
     assert result.batches == 4, "10 rows in batches of 4, then one batch of dead letters"
     assert sorted(m for kind, m in archived if kind == "incoming") == sorted(f"old{n}" for n in range(10))
     assert [m for kind, m in archived if kind == "dead_letters"] == ["old-letter"]
@@ -344,3 +348,17 @@ def test_an_archive_without_a_working_pyarrow_says_which(monkeypatch, tmp_path, 
     monkeypatch.setattr(builtins, "__import__", failing_import)
     with pytest.raises(ConfigurationError, match=f"outbox_archive_path needs pyarrow, {said}"):
         ParquetArchiver(str(tmp_path / "archive"))
+
+
+def test_the_archive_refuses_a_kind_it_does_not_keep_naming_the_kinds(tmp_path):
+    """A kind outside ``ArchiveKind`` is an error that names the kinds; nothing is written."""
+    from celery_outbox.audit.archive import ParquetArchiver
+
+    archiver = ParquetArchiver(str(tmp_path / "archive"))
+    with pytest.raises(ValueError, match="^unknown archive kind 'outgoing'; expected one of 'incoming', "
+                                         "'dead_letters', 'sent'$"):
+        archiver.archive("outgoing", [SimpleNamespace(message_id="m1")])
+    assert not (tmp_path / "archive").exists()
+    archiver.archive("sent", [SimpleNamespace(message_id="m1", destination="", task_name="t", created_at=None,
+                                              sent_at=datetime(2026, 11, 22, 12, 0))])
+    assert [p.name for p in (tmp_path / "archive").iterdir()] == ["sent"], "a kind given as its string is kept"
