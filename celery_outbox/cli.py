@@ -24,6 +24,7 @@ from .errors import OutboxError
 from .health import Thresholds, failed_conditions, store_down
 from .outbox import Outbox, outbox_of
 from .store import as_utc, utcnow
+from .vocabulary import DeadLetterReason
 
 __all__ = ["outbox", "printable"]
 
@@ -135,7 +136,6 @@ def status(box: Outbox, as_json: bool) -> None:
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-DEAD_LETTER_REASONS = ["failed", "poison", "expired", "malformed", "unknown_task", "worker_lost"]
 
 
 class Age(click.ParamType):
@@ -274,7 +274,8 @@ def _filters(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--task", help="Only this task name."),
         click.option("--queue", help="Only this queue."),
         click.option("--exception", help="Only this exception type, e.g. ValueError."),
-        click.option("--reason", type=click.Choice(DEAD_LETTER_REASONS), help="Only this reason."),
+        click.option("--reason", type=click.Choice([reason.value for reason in DeadLetterReason]),
+                     help="Only this reason."),
         click.option("--since", type=Since(), help="Failed at or after: a duration back (2h) or an ISO time."),
     ]):
         command = option(command)

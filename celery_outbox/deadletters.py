@@ -29,7 +29,7 @@ from .routing import published_route
 from .runtime import Runtime
 from .store import utcnow
 from .unit_of_work import current_unit_of_work, transaction
-from .vocabulary import REPLAY_HEADER
+from .vocabulary import REPLAY_HEADER, DeadLetterReason
 
 __all__ = ["DeadLetterFilter", "Replayed", "purge", "replay"]
 
@@ -104,7 +104,7 @@ def _replay_message(row: Any, app: Any) -> OutgoingMessage | str:
     except ValueError as exc:  # headers or properties that are not JSON
         return f"the stored envelope cannot be read: {exc}"
     verdict = malformed_reason(message.headers, app.tasks)
-    if verdict is not None and verdict[0] != "unknown_task":
+    if verdict is not None and verdict[0] is not DeadLetterReason.UNKNOWN_TASK:
         return verdict[1]
     try:
         body = loads(message.body, message.content_type, message.content_encoding, accept=None)

@@ -3,7 +3,10 @@ durations checked; each run as a real ``celery -A ... outbox`` subprocess."""
 
 from __future__ import annotations
 
+import json
+
 from celery_outbox.store import Store, build_engine, utcnow
+from celery_outbox.vocabulary import DeadLetterReason
 
 from ..conftest import drop_store
 from ..services import free_port, require
@@ -94,5 +97,29 @@ def test_no_password_of_the_url_is_printed_when_the_database_is_up(table_prefix)
             outputs[" ".join(command)] = result.stdout
         shown = "postgresql+psycopg://postgres:***@127.0.0.1:5432/test?password=***&sslmode=prefer&sslpassword=***"
         assert f"store: {shown}" in outputs["migrate"] and f"store: {shown}" in outputs["status"]
+    finally:
+        drop_store(store)
+
+
+def test_every_dead_letter_reason_is_a_filter_that_finds_its_letters(sqlite_url, table_prefix):
+    """``--reason`` takes each ``DeadLetterReason`` and lists only its letters; any other is a
+    usage error naming the reasons."""
+    store = Store(build_engine(sqlite_url), table_prefix)
+    store.migrate()
+    try:
+        with store.begin() as conn:
+            store.insert_dead_letters(conn, [{"message_id": f"m-{reason.value}", "reason": reason.value,
+                                              "task_name": f"tasks.{reason.value}", "failed_at": utcnow()}
+                                             for reason in DeadLetterReason])
+        for reason in DeadLetterReason:
+            result = run("dead-letters", "list", "--json", "--reason", reason.value, url=sqlite_url,
+                         prefix=table_prefix)
+            assert result.returncode == 0, result.stderr
+            listed = [json.loads(line) for line in result.stdout.splitlines()]
+            assert [(letter["message_id"], letter["reason"]) for letter in listed] == \
+                [(f"m-{reason.value}", reason.value)]
+        refused = run("dead-letters", "list", "--reason", "lost", url=sqlite_url, prefix=table_prefix)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr
+        assert all(repr(reason.value) in refused.stderr for reason in DeadLetterReason), refused.stderr
     finally:
         drop_store(store)

@@ -56,6 +56,17 @@ def test_a_replay_goes_where_the_task_is_routed_now_not_where_it_was(shop):
     assert nothing_more(shop.app, "stale_queue"), "the stored route is stale"
 
 
+def test_a_letter_of_a_task_this_process_does_not_know_replays_along_its_stored_route(shop):
+    """An unknown task is no reason to refuse a replay (the replaying process, the CLI say, need not
+    register every task); with no route of its task here, the letter goes where it was sent."""
+    insert(shop, {**letter("gone-1", headers_of("gone-1", task="shop.gone")), "exchange": ""})
+    result = replay(shop.outbox.publisher, DeadLetterFilter())
+    assert (result.message_ids, result.refused) == (["gone-1"], [])
+    (message,) = receive(shop.app, "stale_queue", 1)
+    assert (message.task, message.id, message.args) == ("shop.gone", "gone-1", ["again"])
+    assert nothing_more(shop.app, shop.plain_queue)
+
+
 @pytest.mark.parametrize(
     "headers, body, reason",
     [
