@@ -69,7 +69,7 @@ class ClaimRelease(str, Enum):
 class ArchiveKind(str, Enum):
     """What the rows cleanup hands an archiver are: the table it moves them from, the folder of the
     archive they are written to, and one of the delivery audit's three inputs. ``str()`` and
-    formatting give the value, as the plain strings an ``Archiver`` received before did: a kind
+    formatting give the value, so that an archiver may take a kind for the plain string: a kind
     names its folder and its table as it is."""
 
     INCOMING = "incoming"  #: ended inbox rows (handled, retried, dead, revoked)

@@ -205,7 +205,7 @@ def _carried(F, archived: dict, watermark: datetime | None, horizon_seconds: flo
     if live_ids is not None:
         per = per.join(live_ids.withColumn("live", F.lit(True)), "message_id", "left")
         changing = changing | F.col("live").isNotNull()
-    return per.where(changing).select("message_id", *ArchiveKind)
+    return per.where(changing).select("message_id", *(kind.value for kind in ArchiveKind))
 
 
 def drop_replaced(spark, out: Location) -> None:
