@@ -105,9 +105,10 @@ class ParquetArchiver:
         self.fs, self.root = _filesystem(path)
 
     def archive(self, kind: ArchiveKind, rows: Sequence[Any]) -> None:
-        if kind not in _COLUMNS:
-            raise ValueError(f"unknown archive kind {kind!r}; {expected_member_of(ArchiveKind)}")
-        kind = ArchiveKind(kind)
+        try:
+            kind = ArchiveKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown archive kind {kind!r}; {expected_member_of(ArchiveKind)}") from None
         if not rows:
             return
         pa = _pyarrow()
