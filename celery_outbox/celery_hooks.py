@@ -168,9 +168,13 @@ def backend_ignores_producer(backend: Any) -> bool:
     known = _PRODUCERLESS_TASK_CALLS.get(call)
     if known is None:
         from celery.backends.base import BaseBackend
-        from celery.backends.redis import RedisBackend
 
-        known = _PRODUCERLESS_TASK_CALLS[call] = call in (BaseBackend.on_task_call, RedisBackend.on_task_call)
+        producerless = [BaseBackend.on_task_call]
+        # not imported unless a Redis backend exists: importing it needs the redis package
+        redis_backends = sys.modules.get("celery.backends.redis")
+        if redis_backends is not None:
+            producerless.append(redis_backends.RedisBackend.on_task_call)
+        known = _PRODUCERLESS_TASK_CALLS[call] = call in producerless
     return known
 
 
