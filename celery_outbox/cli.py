@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import click
 
+from .config import DATABASE_URL_VARIABLE
 from .deadletters import DeadLetterFilter, purge, replay
 from .errors import OutboxError
 from .health import Thresholds, failed_conditions, store_down
@@ -56,6 +57,9 @@ def _with_outbox(command: Callable[..., Any]) -> Callable[..., Any]:
                 box = outbox_of(app)
             except OutboxError:
                 box = Outbox(app)
+            database_url = ctx.find_root().meta.get(_DATABASE_URL)
+            if database_url:
+                box.runtime.use_database_url(database_url)
             return command(box, *args, **kwargs)
         except OutboxError as exc:
             raise click.ClickException(printable(exc, newlines=True)) from None
@@ -63,9 +67,17 @@ def _with_outbox(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+_DATABASE_URL = "celery_outbox.database_url"  # where the group's --database-url waits for the command
+
+
 @click.group(name="outbox")
-def outbox() -> None:
+@click.option("--database-url", envvar=DATABASE_URL_VARIABLE, default=None, metavar="URL",
+              help=f"SQLAlchemy URL of the message store, over the app's outbox_database_url "
+                   f"[env var: {DATABASE_URL_VARIABLE}].")
+@click.pass_context
+def outbox(ctx: click.Context, database_url: str | None) -> None:
     """celery-outbox: transactional outbox and idempotent inbox."""
+    ctx.find_root().meta[_DATABASE_URL] = database_url
 
 
 @outbox.command()

@@ -32,9 +32,10 @@ from .errors import ConfigurationError
 from .setting_values import invalid, shown
 from .vocabulary import IdempotencyStyle, MessageIdentity
 
-__all__ = ["OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
+__all__ = ["DATABASE_URL_VARIABLE", "OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
 
 DEFAULT_DATABASE_URL = "sqlite:///celery_outbox.sqlite3"
+DATABASE_URL_VARIABLE = "CELERY_OUTBOX_DATABASE_URL"  # the environment's store URL, read as CELERY_BROKER_URL is
 MISSPELT_CUTOFF = 0.8  # how close the rest of an "outbox" key must be to a setting name to be ours
 
 
@@ -290,10 +291,12 @@ def _unknown(key: str, name: str) -> ConfigurationError:
     return ConfigurationError(f"unknown setting {key}{hint} (known settings: {known})")
 
 
-def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overrides: Any) -> OutboxSettings:
+def read_settings(conf: Mapping[str, Any], namespace: str | None = None, environ: Mapping[str, str] | None = None,
+                  **overrides: Any) -> OutboxSettings:
     """Read and validate every ``outbox_*`` setting of a Celery ``app.conf``.
 
-    ``overrides`` (lowercase names without the ``outbox_`` prefix) win over ``conf``.
+    ``CELERY_OUTBOX_DATABASE_URL`` in ``environ`` wins over ``conf``, as ``CELERY_BROKER_URL`` does
+    for Celery's broker; ``overrides`` (lowercase names without the ``outbox_`` prefix) win over both.
     Raises ``ConfigurationError`` for an unknown key, a bad value, or one setting
     given twice with different values. A key that names one of our settings with a
     wrong prefix or case (``OUTBOX_DURABLE_QUEUES``, ``celery_outbox_durable_queues``)
@@ -319,6 +322,9 @@ def read_settings(conf: Mapping[str, Any], namespace: str | None = None, **overr
                 "disagree: give it once"
             )
         found[name] = (key, value)
+    from_environment = (environ or {}).get(DATABASE_URL_VARIABLE)
+    if from_environment:
+        found["database_url"] = (DATABASE_URL_VARIABLE, from_environment)
     for name, value in overrides.items():
         if name not in _BY_NAME:
             raise ConfigurationError(f"unknown setting {name!r} passed to Outbox()")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Callable, Protocol, Sequence
@@ -94,7 +95,7 @@ class Runtime:
             conf = self.app.conf  # may configure the app, which re-enters load via on_after_configure
             if self._settings is not None:
                 return
-            settings = read_settings(conf, namespace=self.app.namespace, **self.overrides)
+            settings = read_settings(conf, namespace=self.app.namespace, environ=os.environ, **self.overrides)
             if django_installed() and self.given_engine is None:
                 settings = self._with_django_database(settings)
             engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
@@ -123,6 +124,16 @@ class Runtime:
         except ConfigurationError:  # a Django database the outbox cannot use: not the outbox's store
             self._joins_django = False
         return settings
+
+    def use_database_url(self, url: str) -> None:
+        """Make ``url`` the store's URL, over ``app.conf`` and the environment (the CLI's
+        ``--database-url``); before the settings are read, or when they already name it."""
+        with self._lock:
+            if self._settings is not None and self._settings.database_url != url:
+                raise ConfigurationError(
+                    f"the outbox of app {self.app.main!r} already uses the store at {self.store.describe()}; "
+                    "a database URL must be given before the app's outbox is first used")
+            self.overrides["database_url"] = url
 
     @property
     def settings(self) -> OutboxSettings:

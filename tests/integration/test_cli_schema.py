@@ -92,3 +92,25 @@ def test_bad_prefix_is_one_clear_line(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "outbox_table_prefix = 'bad-prefix' is not valid" in result.stderr
+
+
+def test_the_store_url_comes_from_the_option_then_the_environment_then_the_app(tmp_path, table_prefix):
+    """``--database-url`` wins over ``CELERY_OUTBOX_DATABASE_URL``, which wins over the app's
+    ``outbox_database_url``, as Celery's ``--broker`` and ``CELERY_BROKER_URL`` do."""
+    app_url, environment_url, option_url = (f"sqlite:///{tmp_path / name}.sqlite3" for name in ("app", "env", "opt"))
+
+    def migrate(*args: str, environment: str | None = None) -> str:
+        env = dict(os.environ, TEST_DATABASE_URL=app_url, TEST_TABLE_PREFIX=table_prefix, PYTHONPATH=str(ROOT))
+        env.pop("CELERY_OUTBOX_DATABASE_URL", None)
+        if environment:
+            env["CELERY_OUTBOX_DATABASE_URL"] = environment
+        done = subprocess.run([sys.executable, "-m", "celery", "-A", "tests.apps.cli_app", "outbox", *args, "migrate"],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()[0]
+
+    assert migrate() == f"store: {app_url}"
+    assert migrate(environment=environment_url) == f"store: {environment_url}"
+    assert migrate("--database-url", option_url, environment=environment_url) == f"store: {option_url}"
+    for url in (app_url, environment_url, option_url):
+        assert Store(build_engine(url), table_prefix).missing_tables() == []

@@ -254,3 +254,17 @@ def test_errors_about_the_store_settings_print_no_secret(conf):
     message = str(error.value)
     assert "pw-" not in message
     assert "outbox_database_url" in message.lower() or "outbox_engine_options" in message.lower()
+
+
+def test_the_environments_database_url_wins_over_the_apps_and_an_override_over_both():
+    conf = {"outbox_database_url": "sqlite:///app.db"}
+    environ = {"CELERY_OUTBOX_DATABASE_URL": "sqlite:///env.db"}
+    assert read_settings(conf).database_url == "sqlite:///app.db"
+    assert read_settings(conf, environ=environ).database_url == "sqlite:///env.db"
+    assert read_settings(conf, environ={"CELERY_OUTBOX_DATABASE_URL": ""}).database_url == "sqlite:///app.db"
+    assert read_settings(conf, environ=environ, database_url="sqlite:///given.db").database_url == "sqlite:///given.db"
+
+
+def test_a_bad_database_url_in_the_environment_is_named_by_its_variable():
+    with pytest.raises(ConfigurationError, match="CELERY_OUTBOX_DATABASE_URL"):
+        read_settings({}, environ={"CELERY_OUTBOX_DATABASE_URL": "   "})
