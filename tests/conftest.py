@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 
 import pytest
@@ -12,10 +13,43 @@ from celery_outbox.store import Store, build_engine
 from .services import require
 
 
+def quick_memory_transport() -> None:
+    """Make the workers that tests start in a thread (``celery.contrib.testing.worker``) on kombu's
+    ``memory://`` transport take a message within milliseconds and stop at once. The virtual
+    transport polls an empty queue once a second, and Celery's loop for it (``synloop``) waits two
+    seconds in ``drain_events`` before it looks at a pending shutdown: each such worker cost a
+    test about four seconds of idling. Here a drain polls every 5 ms and gives up at once when
+    the worker is told to stop (``state.should_terminate``); its result is as before."""
+    import socket
+    import time
+
+    from celery.worker import state
+    from kombu.transport import memory
+
+    drain = memory.Transport.drain_events
+
+    def drain_events(self, connection, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+            try:
+                return drain(self, connection, timeout=step)
+            except socket.timeout:
+                if state.should_terminate is not None or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+
+    memory.Transport.drain_events = drain_events
+    memory.Transport.polling_interval = 0.005
+
+
 def pytest_configure(config) -> None:
     """Configure Django for the tests of ``tests/django`` (pytest-django) in this process only:
     ``settings.configure`` sets no ``DJANGO_SETTINGS_MODULE``, so the worker and beat processes
-    the other tests start run without Django, as a plain Celery project's do."""
+    the other tests start run without Django, as a plain Celery project's do. The fast layer's
+    environment (``tox -e unit``) has no Django."""
+    quick_memory_transport()
+    if importlib.util.find_spec("django") is None:
+        return
     from django.conf import settings
 
     if not settings.configured:
@@ -31,17 +65,53 @@ ONE_WORKER_LAYERS = {
     "audit": "its tests share one Spark session and one audit of the known archive (session fixtures)",
     "compat": "its tests share the compatibility harness's workers (a session fixture)",
     "demo": "the demos use the example shop's own table and queue names, as a user runs them",
+    "docs": "the docs' snippets use the names they give (the database shop, Redis database 0, payments)",
 }
+
+
+# What makes a test need a service or start a process: ``services``-marked, it is outside the fast
+# layer (``-m "not services"``, ``tox -e unit``). Every test outside ``tests/unit`` is; in it, a test
+# with one of these marks or fixtures, or run on PostgreSQL by the ``database_url`` fixture.
+FAST_LAYER = "unit"
+SERVICE_MARKS = {"postgres", "redis", "rabbitmq", "worker", "install", "compat"}
+SERVICE_FIXTURES = {"postgres_url", "redis_url", "rabbitmq_url"}
+
+
+def needs_services(item) -> bool:
+    if item.path.parent.name != FAST_LAYER:
+        return True
+    if SERVICE_MARKS & {mark.name for mark in item.iter_markers()}:
+        return True
+    if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("database_url") == "postgres"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Keep each layer of ``ONE_WORKER_LAYERS`` on one xdist worker (a no-op without pytest-xdist).
-    It runs before xdist's own hook, which reads the ``xdist_group`` marks to group the tests."""
+    """Mark the tests that need a service or start a process (``services``), and keep each layer of
+    ``ONE_WORKER_LAYERS`` on one xdist worker (a no-op without pytest-xdist). It runs before xdist's
+    own hook, which reads the ``xdist_group`` marks to group the tests."""
     for item in items:
+        if needs_services(item):
+            item.add_marker(pytest.mark.services)
         layer = item.path.parent.name
         if layer in ONE_WORKER_LAYERS:
             item.add_marker(pytest.mark.xdist_group(layer))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """While a test of the fast layer runs, asking for a service or starting a worker process fails
+    it, naming the mark it lacks (``services.fast_layer_test``)."""
+    from . import services
+
+    services.fast_layer_test = None if item.get_closest_marker("services") else item.nodeid
+    try:
+        yield
+    finally:
+        services.fast_layer_test = None
 
 
 def pytest_runtest_setup(item) -> None:

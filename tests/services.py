@@ -62,8 +62,20 @@ def _unreachable_reason(service: str) -> str | None:
     return None
 
 
+# The node id of the fast-layer test running now (not marked ``services``: tests/conftest.py), if any
+fast_layer_test: str | None = None
+
+
+def refuse_in_fast_layer(what: str) -> None:
+    """Fail a fast-layer test that asks for ``what``: the fast layer needs no service, starts no process."""
+    if fast_layer_test is not None:
+        pytest.fail(f"{fast_layer_test} {what} but is in the fast layer: give it a services mark "
+                    "(postgres, redis, rabbitmq or worker; tests/conftest.py)", pytrace=False)
+
+
 def require(service: str) -> str:
     """The service's URL, or skip (fail under CELERY_OUTBOX_REQUIRE_SERVICES=1) when it is down."""
+    refuse_in_fast_layer(f"needs {service}")
     reason = _unreachable_reason(service)
     if reason is not None:
         if services_required():

@@ -35,6 +35,9 @@ class WorkerProcess:
         return self.command[self.command.index("-n") + 1].replace("%h", socket.gethostname())
 
     def start(self) -> "WorkerProcess":
+        from .services import refuse_in_fast_layer
+
+        refuse_in_fast_layer(f"starts {self.command[3:6]}")
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)

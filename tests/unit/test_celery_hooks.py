@@ -162,6 +162,7 @@ def test_an_installed_send_task_takes_the_producer_offered_unless_the_caller_gav
     assert len(offered.calls) == 1 and acquired == [1], "nothing offered: Celery acquires as usual"
 
 
+@pytest.mark.redis
 def test_only_a_backend_that_declares_on_send_uses_the_producer(app):
     """``backend_ignores_producer``: the base backend's ``on_task_call`` does nothing and the Redis
     one subscribes on its own connection, so neither reads the producer (a producer with no
@@ -597,6 +598,7 @@ def test_virtual_publish_looks_exchange_bindings_up_through_get_table(monkeypatc
         channel.close()
 
 
+@pytest.mark.redis
 def test_producer_batch_defers_publishes_until_it_exits():
     """kombu 5.7: ``Producer.supports_batch_publish`` says whether ``Producer.batch(max_size=...)``
     defers publishes (Redis does, memory does not); a batch flushes at its exit and discards
@@ -627,6 +629,7 @@ def test_producer_batch_defers_publishes_until_it_exits():
             bound.delete()
 
 
+@pytest.mark.redis
 def test_redis_commands_make_a_client_each_and_a_kept_one_serves_them_all(monkeypatch):
     """kombu 5: the Redis channel's ``conn_or_acquire()`` makes a client through ``_create_client()``
     for every command (a publish makes at least one). ``keep_redis_client`` on a connected producer
