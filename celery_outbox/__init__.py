@@ -8,6 +8,7 @@ from .config import OutboxSettings
 from .errors import (
     ConfigurationError,
     IncompatibleSchema,
+    OutboxBypassed,
     OutboxError,
     StoreUnavailable,
     UndecidableRoute,
@@ -28,6 +29,7 @@ __all__ = [
     "IncompatibleSchema",
     "MessageIdentity",
     "Outbox",
+    "OutboxBypassed",
     "OutboxError",
     "OutboxSettings",
     "StoreUnavailable",

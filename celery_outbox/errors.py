@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["OutboxError", "ConfigurationError", "IncompatibleSchema", "StoreUnavailable", "UndecidableRoute",
-           "UnstorableMessage"]
+__all__ = ["OutboxError", "ConfigurationError", "IncompatibleSchema", "OutboxBypassed", "StoreUnavailable",
+           "UndecidableRoute", "UnstorableMessage"]
 
 
 class OutboxError(Exception):
@@ -40,3 +40,9 @@ class UndecidableRoute(OutboxError, ValueError):
     """A message is published through an exchange whose routing celery-outbox does not follow (a
     ``headers`` exchange), and a durable queue is bound to it: whether it is durable cannot be
     decided. Raised by the call that sends it, before anything is stored."""
+
+
+class OutboxBypassed(UserWarning):
+    """A task message is sent through a Celery app that has no ``Outbox`` (Celery's default app, or
+    one whose module this process never imported) in a process that uses celery-outbox: it is
+    published at once, outside every guarantee. Warned once per process."""

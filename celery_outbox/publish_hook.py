@@ -28,7 +28,7 @@ from .routing import durable_destination, published_route
 from .unit_of_work import current_unit_of_work
 from .vocabulary import SEND_HEADER
 
-__all__ = ["install_publish_hook", "resending", "stamp_send_id"]
+__all__ = ["install_publish_hook", "resending", "sending_through_outbox", "stamp_send_id"]
 
 
 def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,6 +39,13 @@ def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., 
         return durable_destination(amqp.queues, durable, exchange, routing_key) if durable else None
 
     def send_task_message(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        token = _through_outbox.set(True)
+        try:
+            return send(producer, name, message, **options)
+        finally:
+            _through_outbox.reset(token)
+
+    def send(producer: Any, name: str, message: Any, **options: Any) -> Any:
         continued = stamp_send_id(runtime.app, message.headers)
         tracing.inject(message.headers)
         uow = current_unit_of_work()
@@ -75,6 +82,13 @@ def _declare_also(message: OutgoingMessage, queue: Any) -> None:
 
 
 _resent_attempt: ContextVar[Any] = ContextVar("celery_outbox_resent_attempt", default=None)
+_through_outbox: ContextVar[bool] = ContextVar("celery_outbox_through_outbox", default=False)
+
+
+def sending_through_outbox() -> bool:
+    """Whether the task message being sent now passes through an outbox's publish hook (for a
+    ``before_task_publish`` receiver: Celery sends that signal for every app's messages)."""
+    return _through_outbox.get()
 
 
 @contextmanager
