@@ -1,0 +1,126 @@
+"""The install matrix's scenario, run by a fresh virtual environment's own interpreter: the docs'
+``migrate``, a worker and beat started with the docs' commands, a unit of work that commits and one
+that rolls back, a durable message consumed by an ``IdempotentTask`` and a copy of it discarded.
+Prints ``smoke: ok`` and exits 0 when every step holds; exits 1 naming the step that did not."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+BIN = os.path.dirname(sys.executable)
+
+
+def celery(*args: str) -> list[str]:
+    return [os.path.join(BIN, "celery"), "-A", "smoke_app", *args]
+
+
+def wait_for(what: str, condition, timeout: float = 60.0, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            sys.exit(f"smoke: timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def main() -> None:
+    directory = os.environ["SMOKE_DIR"]
+    os.makedirs(os.path.join(directory, "broker"), exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(celery("outbox", "migrate"), env=env, check=True)
+    print("smoke: migrate ok", flush=True)
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from smoke_app import DJANGO, MAINTENANCE_QUEUE, QUEUE, app, effects, outbox, record
+    from sqlalchemy import func, select
+
+    effects.create(outbox.engine, checkfirst=True)
+    logs = {name: open(os.path.join(directory, f"{name}.log"), "wb") for name in ("worker", "beat")}
+    processes = [
+        subprocess.Popen(celery("worker", "-Q", f"{QUEUE},{MAINTENANCE_QUEUE}", "-l", "INFO", "-c", "2"), env=env,
+                         stdout=logs["worker"], stderr=subprocess.STDOUT, start_new_session=True),
+        subprocess.Popen(celery("beat", "-l", "INFO", "--schedule", os.path.join(directory, "beat-schedule")),
+                         env=env, stdout=logs["beat"], stderr=subprocess.STDOUT, start_new_session=True),
+    ]
+    try:
+        run(directory, app, outbox, record, effects, func, select, DJANGO, QUEUE, env)
+    finally:
+        for process in processes:
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            process.wait(timeout=60)
+    print("smoke: ok", flush=True)
+
+
+def log(directory: str, name: str) -> str:
+    with open(os.path.join(directory, f"{name}.log"), errors="replace") as file:
+        return file.read()
+
+
+def run(directory, app, outbox, record, effects, func, select, django: bool, queue: str, env: dict) -> None:
+    wait_for("the worker to be ready", lambda: " ready." in log(directory, "worker"))
+    print("smoke: worker ok", flush=True)
+
+    if django:
+        from django.db import transaction
+
+        unit_of_work = transaction.atomic
+    else:
+        unit_of_work = outbox.transaction
+    with unit_of_work():
+        record.delay(1)
+    try:
+        with unit_of_work():
+            record.delay(2)
+            raise RuntimeError("rolled back")
+    except RuntimeError:
+        pass
+    message = app.amqp.as_task_v2("smoke-copy", "smoke.record", args=(3,))
+    with app.producer_or_acquire() as producer:
+        for _ in range(2):  # one message, delivered twice
+            producer.publish(message.body, routing_key=queue, headers=message.headers, serializer="json",
+                             declare=[app.amqp.queues[queue]], **message.properties)
+
+    def counts() -> dict[int, int]:
+        with outbox.engine.connect() as conn:
+            rows = conn.execute(select(effects.c.order_id, func.count()).group_by(effects.c.order_id)).all()
+        return dict(rows)
+
+    def status() -> dict:
+        out = subprocess.run(celery("outbox", "status", "--json"), capture_output=True, text=True, check=True,
+                             env=env)
+        return json.loads(out.stdout)
+
+    wait_for("the committed message and the copy's first delivery to run", lambda: counts() == {1: 1, 3: 1})
+    report = wait_for("the copy to be discarded", lambda: (found := status())["duplicates_discarded"] == 1 and found,
+                      interval=1.0)
+    assert counts() == {1: 1, 3: 1}, f"effects {counts()}: the rolled-back message ran, or a copy ran twice"
+    print(f"smoke: units of work and the copy ok: {json.dumps(report['incoming'])}", flush=True)
+
+    port = os.environ.get("SMOKE_METRICS_PORT")
+    if port:
+        body = wait_for("the worker's metrics", lambda: _get(f"http://127.0.0.1:{port}/metrics"))
+        assert "celery_outbox_" in body, body[:500]
+        print("smoke: metrics ok", flush=True)
+    wait_for("beat to send the recover task", lambda: "celery_outbox.recover" in log(directory, "beat"))
+    print("smoke: beat ok", flush=True)
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
