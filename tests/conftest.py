@@ -136,13 +136,31 @@ SUMMARY_LINE = "summary line"
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Print the summary lines the tests recorded, in the order they ended."""
+    """Print the summary lines the tests recorded, in the order they ended; then where the run's
+    time went: the test time (setup, call and teardown) of each layer and of the slowest files."""
     lines = [value for report in terminalreporter.getreports("passed") + terminalreporter.getreports("failed")
              if report.when == "call" for name, value in report.user_properties if name == SUMMARY_LINE]
     if lines:
         terminalreporter.write_sep("=", "fault drills")
         for line in lines:
             terminalreporter.write_line(line)
+    by_file: dict[str, float] = {}
+    for status in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.getreports(status):
+            path = report.nodeid.split("::", 1)[0]
+            by_file[path] = by_file.get(path, 0.0) + getattr(report, "duration", 0.0)
+    if not by_file:
+        return
+    by_layer: dict[str, float] = {}
+    for path, seconds in by_file.items():
+        layer = path.split("/")[1] if path.count("/") >= 2 else path
+        by_layer[layer] = by_layer.get(layer, 0.0) + seconds
+    terminalreporter.write_sep("=", "test time by layer (summed over the test processes)")
+    for layer, seconds in sorted(by_layer.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {layer}")
+    terminalreporter.write_sep("-", "the slowest files")
+    for path, seconds in sorted(by_file.items(), key=lambda item: -item[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
 
 
 def unique_prefix() -> str:
