@@ -58,7 +58,8 @@ def pytest_configure(config) -> None:
         settings.configure(**{name: getattr(project, name) for name in dir(project) if name.isupper()})
 
 
-# The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, tox.ini): each test has
+# The suite runs on four pytest-xdist workers (``-n 4 --dist loadgroup``, tox.ini; the tests wait on
+# services and processes far more than they compute, so four keep two cores busy): each test has
 # tables, queues and services of its own, except in these layers, whose tests run one after another
 # on one xdist worker:
 ONE_WORKER_LAYERS = {
@@ -67,6 +68,18 @@ ONE_WORKER_LAYERS = {
     "demo": "the demos use the example shop's own table and queue names, as a user runs them",
     "docs": "the docs' snippets use the names they give (the database shop, Redis database 0, payments)",
 }
+# Files of those layers that share nothing with the rest of their layer, run on a worker of their
+# own (with a Spark session of their own): the layer's tests would otherwise be the run's longest path
+OWN_GROUP_FILES = {"test_audit_cluster.py": "audit-cluster", "test_audit_benchmark.py": "audit-cluster",
+                   "test_audit_incremental.py": "audit-incremental"}
+
+
+def xdist_group_of(item) -> str | None:
+    """The xdist group a test must run in, or None (any worker)."""
+    layer = item.path.parent.name
+    if layer not in ONE_WORKER_LAYERS:
+        return None
+    return OWN_GROUP_FILES.get(item.path.name, layer)
 
 
 # What makes a test need a service or start a process: ``services``-marked, it is outside the fast
@@ -96,9 +109,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if needs_services(item):
             item.add_marker(pytest.mark.services)
-        layer = item.path.parent.name
-        if layer in ONE_WORKER_LAYERS:
-            item.add_marker(pytest.mark.xdist_group(layer))
+        group = xdist_group_of(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -119,12 +132,12 @@ def pytest_runtest_setup(item) -> None:
     xdist did not group, naming why: its layer's tests would run at once on two workers and
     share what they cannot share. pytest 9.2 keeps its node ids where pytest-xdist 3.8 writes the
     group (``item._nodeid``), so there xdist groups nothing."""
-    layer = item.path.parent.name
-    if layer in ONE_WORKER_LAYERS and getattr(item.config.option, "loadgroup", False) \
-            and not item.nodeid.endswith(f"@{layer}"):
+    group = xdist_group_of(item)
+    if group is not None and getattr(item.config.option, "loadgroup", False) \
+            and not item.nodeid.endswith(f"@{group}"):
         import xdist
 
-        pytest.fail(f"pytest-xdist did not keep the {layer!r} layer's tests on one worker: pytest "
+        pytest.fail(f"pytest-xdist did not keep the {group!r} group's tests on one worker: pytest "
                     f"{pytest.__version__} with pytest-xdist {xdist.__version__} ignores their xdist_group mark; "
                     "install the versions the test extra of setup.cfg allows", pytrace=False)
 

@@ -65,7 +65,7 @@ LINES = [
 
 def documented_lines() -> set[str]:
     """The extras of every ``pip install`` line in README.md and docs/, and every extra setup.cfg
-    names (each one is a line a user may install alone)."""
+    names (each one is a line a user may install alone) but the contributors' (unit, test, bench)."""
     found = set()
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for line in re.findall(r"pip install [^\n`]*", page.read_text()):
@@ -76,7 +76,7 @@ def documented_lines() -> set[str]:
             assert match, f"{page.name}: {line!r} does not install from a clone, as the README's Install says"
             found.add(match.group(1) or "")
     config = (ROOT / "setup.cfg").read_text().split("[options.extras_require]", 1)[1].split("\n[", 1)[0]
-    found |= {name for name in re.findall(r"^(\w+) =", config, re.M) if name not in ("test", "bench")}
+    found |= {name for name in re.findall(r"^(\w+) =", config, re.M) if name not in ("unit", "test", "bench")}
     return found
 
 
