@@ -80,6 +80,12 @@ def aggregates(out: Path) -> dict[str, list[dict]]:
     return {name: sorted(pq.read_table(out / "aggregates" / name).to_pylist(), key=repr) for name in AGGREGATES}
 
 
+# The days whose incremental run is compared with a full run of the same archive: the first
+# incremental run (on the first run's ledger) and the last (on a chain of incremental ledgers).
+# Day 0's run is a full run itself; day 2's comparison repeats day 3's.
+COMPARED_DAYS = (1, 3)
+
+
 def test_each_run_reads_only_the_new_files_and_reports_what_a_full_run_reports(spark, tmp_path):
     archive, out = tmp_path / "archive", tmp_path / "daily"
     archiver = ParquetArchiver(str(archive))
@@ -89,14 +95,14 @@ def test_each_run_reads_only_the_new_files_and_reports_what_a_full_run_reports(s
         now = T0 + day * DAY + timedelta(hours=2)
         files = count_files(archive)
         daily = audit(out, archive, spark, now)
-        full = audit(tmp_path / f"full-{day}", archive, spark, now)
-
-        assert comparable(daily) == comparable(full), f"day {day}"
-        assert aggregates(out) == aggregates(tmp_path / f"full-{day}"), f"day {day}"
+        if day in COMPARED_DAYS:
+            full = audit(tmp_path / f"full-{day}", archive, spark, now)
+            assert comparable(daily) == comparable(full), f"day {day}"
+            assert aggregates(out) == aggregates(tmp_path / f"full-{day}"), f"day {day}"
+            assert full["ledger"]["files_read"] == files
         ledger = daily["ledger"]
         assert ledger["mode"] == ("full" if day == 0 else "incremental")
         assert ledger["files_covered_before"] == covered and ledger["files_read"] == files - covered
-        assert full["ledger"]["files_read"] == files
         assert daily["inputs"]["archive"]["rows"]["sent"] == 10, "the new day's sends alone were read"
         covered = files
     # day 3: days 0 and 1 are settled (ended, a day older than the newest row); what is open is carried

@@ -37,9 +37,9 @@ class Shell:
         return path
 
     def stop(self) -> None:
-        for process in self.background:
+        for process in self.background:  # a warm shutdown, as Ctrl-C in its terminal asks for it
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+                process.send_signal(signal.SIGTERM)
         for process in self.background:
             try:
                 process.wait(timeout=30)

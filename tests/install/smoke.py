@@ -44,8 +44,9 @@ def main() -> None:
 
     effects.create(outbox.engine, checkfirst=True)
     logs = {name: open(os.path.join(directory, f"{name}.log"), "wb") for name in ("worker", "beat")}
-    processes = [
-        subprocess.Popen(celery("worker", "-Q", f"{QUEUE},{MAINTENANCE_QUEUE}", "-l", "INFO", "-c", "2"), env=env,
+    processes = [  # the worker with a node name of its own: RabbitMQ's pidbox queue of a name is exclusive
+        subprocess.Popen(celery("worker", "-Q", f"{QUEUE},{MAINTENANCE_QUEUE}", "-l", "INFO", "-c", "2",
+                                "-n", f"{QUEUE}@%h"), env=env,
                          stdout=logs["worker"], stderr=subprocess.STDOUT, start_new_session=True),
         subprocess.Popen(celery("beat", "-l", "INFO", "--schedule", os.path.join(directory, "beat-schedule")),
                          env=env, stdout=logs["beat"], stderr=subprocess.STDOUT, start_new_session=True),
@@ -53,10 +54,14 @@ def main() -> None:
     try:
         run(directory, app, outbox, record, effects, func, select, DJANGO, QUEUE, env)
     finally:
+        for process in processes:  # a warm shutdown, as a user's Ctrl-C or a service manager asks for it
+            process.send_signal(signal.SIGTERM)
         for process in processes:
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            process.wait(timeout=60)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                sys.exit(f"smoke: {process.args[3]} did not stop within 60 s of SIGTERM")
     print("smoke: ok", flush=True)
 
 

@@ -86,14 +86,26 @@ def test_every_documented_install_line_is_in_the_matrix():
 
 @pytest.fixture(scope="session")
 def wheelhouse(tmp_path_factory) -> Path:
-    """Wheels of celery-outbox's dependencies with every extra, and of its build requirements."""
-    folder = tmp_path_factory.mktemp("wheelhouse")
-    every = ",".join(sorted({line.extras for line in LINES if line.extras} | {"postgres", "redis"}))
-    pip = [sys.executable, "-m", "pip", "wheel", "-q", "-w", str(folder)]
-    also = sorted({package for line in LINES for package in line.also})
-    subprocess.run([*pip, f"{ROOT}[{every}]", *also, "setuptools>=64", "wheel"], check=True, timeout=900)
-    for built in folder.glob("celery_outbox-*"):
-        built.unlink()  # each line installs the checkout itself
+    """Wheels of celery-outbox's dependencies with every extra, and of its build requirements: built
+    once per run, by the first test process that needs them (pip builds the checkout in its tree,
+    which two builds at once would share), under a lock the others wait on."""
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one per run, whichever xdist worker asks
+    folder = shared / "wheelhouse"
+    with open(shared / "wheelhouse.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "complete").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            every = ",".join(sorted({extra for line in LINES for extra in line.extras.split(",") if extra}))
+            also = sorted({package for line in LINES for package in line.also})
+            pip = [sys.executable, "-m", "pip", "wheel", "-q", "-w", str(folder)]
+            subprocess.run([*pip, f"{ROOT}[{every}]", *also, "setuptools>=64", "wheel"], check=True, timeout=900)
+            for built in folder.glob("celery_outbox-*"):
+                built.unlink()  # each line installs the checkout itself
+            (folder / "complete").touch()
     return folder
 
 
