@@ -56,7 +56,8 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", DEFAULT_DATABASE_URL, parse.string,
             "SQLAlchemy URL of the message store. PostgreSQL (`postgresql+psycopg://...`) in production; "
-            "the SQLite default needs no server."),
+            "the SQLite default needs no server. `CELERY_OUTBOX_DATABASE_URL` in the environment wins over it, "
+            "as `CELERY_BROKER_URL` does over `broker_url`."),
     Setting("engine_options", None, parse.mapping,
             "Extra keyword arguments for `sqlalchemy.create_engine` (pool size, echo, ...). On PostgreSQL, "
             "`connect_args` adds to the library's connection options or overrides them: a 5 s connect timeout, "
