@@ -21,6 +21,7 @@ def celery(*args: str) -> list[str]:
 
 
 def wait_for(what: str, condition, timeout: float = 60.0, interval: float = 0.1):
+    """``tests.services.wait_until`` for a process that has neither pytest nor the tests package."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
