@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from .waiting import wait_until  # noqa: F401  (the tests import it from here with the services they wait on)
+
 
 def redis_database_of_this_worker(url: str) -> str:
     """``url`` with the Redis database of this pytest-xdist worker: the given one on the first
@@ -133,20 +135,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def wait_until(condition, timeout: float = 20.0, interval: float = 0.05, message: str = "condition"):
-    """Poll ``condition`` until it returns a truthy value; fail with ``message`` after ``timeout``."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
 
 
 class TcpProxy:

@@ -10,26 +10,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
+
+from waiting import wait_until  # copied next to this file, as the matrix runs it
+
+WAIT = 60.0  # seconds a step may take: a fresh environment's first imports are slow
 
 BIN = os.path.dirname(sys.executable)
 
 
 def celery(*args: str) -> list[str]:
     return [os.path.join(BIN, "celery"), "-A", "smoke_app", *args]
-
-
-def wait_for(what: str, condition, timeout: float = 60.0, interval: float = 0.1):
-    """``tests.services.wait_until`` for a process that has neither pytest nor the tests package."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            sys.exit(f"smoke: timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def log(directory: str, name: str) -> str:
 
 
 def run(directory, app, outbox, record, effects, func, select, django: bool, queue: str, env: dict) -> None:
-    wait_for("the worker to be ready", lambda: " ready." in log(directory, "worker"))
+    wait_until(lambda: " ready." in log(directory, "worker"), WAIT, message="the worker to be ready")
     print("smoke: worker ok", flush=True)
 
     if django:
@@ -105,18 +96,18 @@ def run(directory, app, outbox, record, effects, func, select, django: bool, que
                              env=env)
         return json.loads(out.stdout)
 
-    wait_for("the committed message and the copy's first delivery to run", lambda: counts() == {1: 1, 3: 1})
-    report = wait_for("the copy to be discarded", lambda: (found := status())["duplicates_discarded"] == 1 and found,
-                      interval=1.0)
+    wait_until(lambda: counts() == {1: 1, 3: 1}, WAIT, message="the committed message and the copy's first delivery")
+    report = wait_until(lambda: (found := status())["duplicates_discarded"] == 1 and found, WAIT, interval=1.0,
+                        message="the copy to be discarded")
     assert counts() == {1: 1, 3: 1}, f"effects {counts()}: the rolled-back message ran, or a copy ran twice"
     print(f"smoke: units of work and the copy ok: {json.dumps(report['incoming'])}", flush=True)
 
     port = os.environ.get("SMOKE_METRICS_PORT")
     if port:
-        body = wait_for("the worker's metrics", lambda: _get(f"http://127.0.0.1:{port}/metrics"))
+        body = wait_until(lambda: _get(f"http://127.0.0.1:{port}/metrics"), WAIT, message="the worker's metrics")
         assert "celery_outbox_" in body, body[:500]
         print("smoke: metrics ok", flush=True)
-    wait_for("beat to send the recover task", lambda: "celery_outbox.recover" in log(directory, "beat"))
+    wait_until(lambda: "celery_outbox.recover" in log(directory, "beat"), WAIT, message="beat to send the recover task")
     print("smoke: beat ok", flush=True)
 
 

@@ -141,8 +141,8 @@ def test_an_install_line_runs_a_worker_beat_and_the_inbox(line, wheelhouse, tmp_
         assert found == ("True" if module in line.imports else "False"), f"{line}: {module} installed is {found}"
     scenario = tmp_path / "scenario"
     scenario.mkdir()
-    for file in ("smoke.py", "smoke_app.py"):
-        shutil.copy(HERE / file, scenario / file)
+    for file in (HERE / "smoke.py", HERE / "smoke_app.py", HERE.parent / "waiting.py"):
+        shutil.copy(file, scenario / file.name)
     if line.broker == "shopfs":
         (scenario / "example_project").mkdir()
         (scenario / "example_project" / "__init__.py").write_text("")
