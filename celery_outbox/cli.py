@@ -71,9 +71,9 @@ _DATABASE_URL = "celery_outbox.database_url"  # where the group's --database-url
 
 
 @click.group(name="outbox")
-@click.option("--database-url", envvar=DATABASE_URL_VARIABLE, default=None, metavar="URL",
-              help=f"SQLAlchemy URL of the message store, over the app's outbox_database_url "
-                   f"[env var: {DATABASE_URL_VARIABLE}].")
+@click.option("--database-url", default=None, metavar="URL",
+              help=f"SQLAlchemy URL of the message store, for this command: over {DATABASE_URL_VARIABLE} "
+                   "in the environment, which is over the app's outbox_database_url.")
 @click.pass_context
 def outbox(ctx: click.Context, database_url: str | None) -> None:
     """celery-outbox: transactional outbox and idempotent inbox."""
