@@ -121,12 +121,19 @@ def _replay_message(row: Any, app: Any) -> OutgoingMessage | str:
     return message
 
 
+# the options of a task's own declaration (``@app.task(queue=...)``) that route its messages: its
+# ``apply_async`` hands them to the router, under those the call gives (a replay gives none)
+ROUTING_OPTIONS = ("queue", "exchange", "routing_key")
+
+
 def _route_now(message: OutgoingMessage, app: Any, body: Any) -> None:
-    """Give a message of a registered task the exchange, routing key and queue that the app's
-    routing (``task_routes``, routers, the default queue) gives its task now, as Celery's sender
-    resolves them (``routing.published_route``)."""
+    """Give a message of a registered task the exchange, routing key and queue that its
+    ``apply_async`` would give it now (the task's own routing options, ``task_routes``, routers,
+    the default queue), as Celery's sender resolves them (``routing.published_route``)."""
     args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and len(body) == 3 else ((), {})
-    route = app.amqp.router.route({}, message.task_name, args, kwargs)
+    task = app.tasks[message.task_name]
+    declared = {name: getattr(task, name) for name in ROUTING_OPTIONS if getattr(task, name, None) is not None}
+    route = app.amqp.router.route(declared, message.task_name, args, kwargs, task_type=task)
     message.exchange, message.routing_key = published_route(app.amqp, route)
     message.destination = route["queue"].name
     message.sending["declare"] = [route["queue"]]

@@ -56,6 +56,23 @@ def test_a_replay_goes_where_the_task_is_routed_now_not_where_it_was(shop):
     assert nothing_more(shop.app, "stale_queue"), "the stored route is stale"
 
 
+def test_a_replay_of_a_task_routed_by_its_declaration_goes_to_the_declared_queue(shop):
+    """``@app.task(queue=...)`` (README's payments task) routes a replay as the task's own
+    ``apply_async`` routes a send, not to the default queue."""
+    declared = f"declared_{shop.plain_queue}"
+
+    @shop.app.task(name="shop.declared", shared=False, queue=declared)
+    def declared_task(word):
+        return word
+
+    insert(shop, {**letter("declared-1", headers_of("declared-1", task="shop.declared")), "task_name": "shop.declared"})
+    result = replay(shop.outbox.publisher, DeadLetterFilter())
+    assert (result.message_ids, result.refused) == (["declared-1"], [])
+    (message,) = receive(shop.app, declared, 1)
+    assert (message.task, message.id, message.args) == ("shop.declared", "declared-1", ["again"])
+    assert nothing_more(shop.app, shop.plain_queue) and nothing_more(shop.app, "stale_queue")
+
+
 def test_a_letter_of_a_task_this_process_does_not_know_replays_along_its_stored_route(shop):
     """An unknown task is no reason to refuse a replay (the replaying process, the CLI say, need not
     register every task); with no route of its task here, the letter goes where it was sent."""
