@@ -31,17 +31,43 @@ class Block:
         return [line for line in lines if line and not line.startswith("#")]
 
 
-def blocks(page: str, section: str) -> list[Block]:
-    """The code blocks of ``section`` (a ``## `` heading) of ``page`` (a path from the root), in order."""
+def section_text(page: str, section: str) -> str:
+    """The text of ``section`` (a ``## `` heading) of ``page`` (a path from the root), to the next one."""
     text = (ROOT / page).read_text()
     heading = re.search(rf"^## {re.escape(section)}\n", text, re.M)
     if heading is None:
         raise LookupError(f"{page} has no section {section!r}")
     rest = text[heading.end():]
     following = re.search(r"^## ", rest, re.M)
-    if following is not None:
-        rest = rest[: following.start()]
-    return [Block(language, code) for language, code in _FENCE.findall(rest)]
+    return rest if following is None else rest[: following.start()]
+
+
+def blocks(page: str, section: str) -> list[Block]:
+    """The code blocks of ``section`` of ``page``, in order."""
+    return [Block(language, code) for language, code in _FENCE.findall(section_text(page, section))]
+
+
+def inline_commands(page: str, section: str, prefix: str) -> list[str]:
+    """The inline code spans of ``section`` of ``page`` (outside its blocks) that start with ``prefix``;
+    a span the page breaks over two lines is joined."""
+    prose = _FENCE.sub("", section_text(page, section))
+    spans = (" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose))
+    return [span for span in spans if span.startswith(prefix)]
+
+
+def synopsis(line: str, values: dict[str, str], options: bool) -> str:
+    """A synopsis line of the docs (``outbox dead-letters list [--task T] [filters]``) as a command:
+    its placeholder words replaced by ``values``; each ``[...]`` part dropped, or kept and filled
+    when ``options``; a repetition (``[ID ...]``) always dropped."""
+
+    def fill(text: str) -> str:
+        return " ".join(values.get(word, word) for word in text.split())
+
+    def optional(match: re.Match) -> str:
+        inner = match.group(1)
+        return "" if not options or inner.endswith("...") else " " + fill(inner)
+
+    return fill(re.sub(r"\s*\[([^\]]*)\]", optional, line))
 
 
 def titled(found: list[Block], title: str) -> Block:

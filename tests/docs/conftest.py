@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
+
+from ..services import require
+from .quickstart import QUEUES
 
 
 class Shell:
@@ -21,11 +25,11 @@ class Shell:
         self.env.pop("DJANGO_SETTINGS_MODULE", None)
         self.background: list[subprocess.Popen] = []
 
-    def run(self, command: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
-        """Run ``command``; fail with its output unless it exits 0; return its output."""
+    def run(self, command: str, timeout: float = 120, env: dict[str, str] | None = None, exits: int = 0) -> str:
+        """Run ``command``; fail with its output unless it exits with ``exits``; return its output."""
         done = subprocess.run(["bash", "-c", command], cwd=self.cwd, env={**self.env, **(env or {})},
                               capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == exits, f"{command!r} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
         return done.stdout + done.stderr
 
     def start(self, command: str, log: str) -> Path:
@@ -53,3 +57,23 @@ def shell(tmp_path):
     runner = Shell(tmp_path)
     yield runner
     runner.stop()
+
+
+@pytest.fixture
+def clean_services():
+    """No role or database ``shop`` (the Quickstart's) before or after, and no message in its queues."""
+    import psycopg
+
+    admin = require("postgres").replace("postgresql+psycopg", "postgresql")
+    require("redis")
+
+    def drop() -> None:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute("DROP DATABASE IF EXISTS shop WITH (FORCE)")
+            conn.execute("DROP ROLE IF EXISTS shop")
+        broker = redis.Redis.from_url("redis://localhost:6379/0")
+        broker.delete(*QUEUES, "unacked", "unacked_index")
+
+    drop()
+    yield
+    drop()
