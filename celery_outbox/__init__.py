@@ -11,6 +11,7 @@ from .errors import (
     OutboxBypassed,
     OutboxError,
     StoreUnavailable,
+    TransactionAborted,
     UndecidableRoute,
     UnstorableMessage,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "OutboxError",
     "OutboxSettings",
     "StoreUnavailable",
+    "TransactionAborted",
     "UndecidableRoute",
     "UnstorableMessage",
     "metadata",

@@ -42,6 +42,20 @@ class UndecidableRoute(OutboxError, ValueError):
     decided. Raised by the call that sends it, before anything is stored."""
 
 
+class TransactionAborted(OutboxError):
+    """The database aborted a unit of work's transaction before its commit: a statement in it
+    failed and the code caught the error without a savepoint, so the COMMIT would silently roll
+    back every write, message and inbox claim of it. Raised instead of that commit."""
+
+    def __init__(self, cause: str):
+        self.cause = cause
+        super().__init__(
+            f"the database aborted this transaction before its commit: a statement in it failed ({cause}) and the "
+            "error was caught without a savepoint, so committing would roll back every write of it; run a "
+            "statement that may fail in a savepoint (session.begin_nested(), connection.begin_nested(), or "
+            "transaction.atomic() inside the block on Django)")
+
+
 class OutboxBypassed(UserWarning):
     """A task message is sent through a Celery app that has no ``Outbox`` (Celery's default app, or
     one whose module this process never imported) in a process that uses celery-outbox: it is

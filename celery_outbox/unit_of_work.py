@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
-from .errors import OutboxError, StoreUnavailable
+from .errors import OutboxError, StoreUnavailable, TransactionAborted
 from .publishing import Publisher
 from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions, wait_for_commit
 from .store.outage import raise_as_driver_error
@@ -132,6 +132,7 @@ class UnitOfWork:
         if session.in_nested_transaction():
             return
         connection = session.connection()
+        self._refuse_if_aborted(connection)
         if self._stores_at_commit(session):
             wait_for_commit(connection, self)  # _at_connection_commit, unless the connection rolls back first
         else:
@@ -146,6 +147,13 @@ class UnitOfWork:
         store = self.publisher.runtime.store
         return (store.is_postgres and session.bind is store.engine and not session.twophase
                 and any(m.durable and m.row_id is None for m in self.pending))
+
+    def _refuse_if_aborted(self, connection: Connection) -> None:
+        """Raise ``TransactionAborted`` when the database aborted the transaction on
+        ``connection`` (its COMMIT would roll everything back): nothing is committed or published."""
+        cause = self.publisher.runtime.store.aborted_by(connection)
+        if cause is not None:
+            raise TransactionAborted(cause)
 
     def _at_connection_commit(self, connection: Connection) -> None:
         """The Session's connection is about to send its COMMIT, every flush done: the durable
@@ -260,6 +268,8 @@ class ConnectionUnitOfWork(UnitOfWork):
         with nothing committed, when ``last`` returns False: the caller rolls back."""
         if self._transaction is not None and not self._transaction.is_active:
             raise OutboxError(self.ended_inside)
+        if self._transaction is not None:
+            self._refuse_if_aborted(self._connection)
         if self._session is not None:
             self._session.flush()
         connection = self.connection

@@ -20,7 +20,9 @@ from typing import Any
 
 from sqlalchemy.engine import RootTransaction
 
+from ..errors import TransactionAborted
 from ..publishing import Publisher
+from ..store.pipeline import remember_failed_statement
 from ..unit_of_work import ConnectionUnitOfWork
 from .engine import django_engine
 
@@ -52,11 +54,32 @@ class DjangoAttempt(ConnectionUnitOfWork):
         return None
 
     def _begin(self) -> RootTransaction:
-        from django.db import transaction
+        from django.db import connections, transaction
 
         self._atomic = transaction.atomic(using=self._using)
         self._atomic.__enter__()
+        connections[self._using].execute_wrappers.append(self._remember_failure)
         return self._connection.begin()  # bookkeeping only: Django's block owns the transaction
+
+    def _remember_failure(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        """Django's execute wrapper while the block is open: the error of an ORM statement that
+        fails is kept, for ``_refuse_if_aborted`` to name if the body catches it."""
+        try:
+            return execute(sql, params, many, context)
+        except Exception as error:
+            remember_failed_statement(self._connection, error)
+            raise
+
+    def _refuse_if_aborted(self, connection: Any) -> None:
+        """Also when Django marked the block for rollback (an ORM statement failed inside it and
+        the body caught the error outside a nested ``atomic()``): Django would end the block with
+        a ROLLBACK, silently, on every database."""
+        from django.db import connections
+
+        if connections[self._using].needs_rollback:
+            raise TransactionAborted(self.publisher.runtime.store.failed_statement(connection)
+                                     or "Django marked the block for rollback")
+        super()._refuse_if_aborted(connection)
 
     def _commit(self) -> None:
         self._connection.commit()
@@ -66,10 +89,15 @@ class DjangoAttempt(ConnectionUnitOfWork):
     def close(self) -> None:
         """Close the attempt; a block still open (the attempt ended before its commit or rollback)
         is rolled back."""
+        from django.db import connections
+
         try:
             if self._atomic is not None:
                 self._rollback()
         finally:
+            wrappers = connections[self._using].execute_wrappers
+            if self._remember_failure in wrappers:
+                wrappers.remove(self._remember_failure)
             super().close()
 
     def _rollback(self) -> None:

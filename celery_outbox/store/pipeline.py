@@ -32,7 +32,7 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 
 from .base import StoreBase
 
-__all__ = ["OPEN_NOT_WAITING_FOR_FLUSH", "OneMessage"]
+__all__ = ["OPEN_NOT_WAITING_FOR_FLUSH", "OneMessage", "remember_failed_statement"]
 
 _T = TypeVar("_T")
 
@@ -44,6 +44,7 @@ _FATAL_ERROR = 7  # ExecStatus.FATAL_ERROR (an ERROR's result as well as a FATAL
 _PIPELINE_SYNC = 10  # ExecStatus.PIPELINE_SYNC
 _PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
 _PSYCOPG_INTRANS = 2  # TransactionStatus.INTRANS
+_PSYCOPG_INERROR = 3  # TransactionStatus.INERROR: a statement failed, the transaction can only roll back
 _PG_NO_SUCH_PREPARED = "26000"
 _PG_PREPARED_EXISTS = "42P05"
 # Seconds a claim interrupted by a signal waits for its cancelled query to end
@@ -53,6 +54,9 @@ CANCEL_WAIT = 5.0
 # connection, not the pool's record of it: an engine over a connection it does not own (Django's)
 # makes a new record each time it hands that connection out.
 _PREPARED_ON: weakref.WeakKeyDictionary[Any, tuple[set[str], dict[str, str] | None]] = weakref.WeakKeyDictionary()
+# The error of the last statement that failed on a connection, in its ``info`` (SQLAlchemy's
+# ``handle_error`` on the store's engine, and Django's execute wrapper, put it there)
+_FAILED_STATEMENT = "celery_outbox.failed_statement"
 # The start of a message that opens a transaction committing without waiting for the WAL flush,
 # as ``StoreBase.begin(durable=False)`` opens one
 OPEN_NOT_WAITING_FOR_FLUSH = (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF")
@@ -328,12 +332,56 @@ def _prepare_pending(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
         raise
 
 
+def remember_failed_statement(conn: Connection, error: BaseException) -> None:
+    """Keep ``error``, which a statement on ``conn`` raised, for ``aborted_by`` to name."""
+    with suppress(Exception):  # a connection already closed or invalidated keeps nothing
+        conn.info[_FAILED_STATEMENT] = error
+
+
+def _remember_failed_statements(engine: Engine) -> None:
+    """PostgreSQL with psycopg: the error of each statement that fails on ``engine`` is kept with
+    its connection (``remember_failed_statement``)."""
+    if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg" \
+            and not event.contains(engine, "handle_error", _on_statement_error):
+        event.listen(engine, "handle_error", _on_statement_error)
+
+
+def _on_statement_error(context: Any) -> None:
+    if context.connection is not None and not context.is_disconnect:
+        remember_failed_statement(context.connection, context.sqlalchemy_exception or context.original_exception)
+
+
 class OneMessage(StoreBase):
     """Statements sent in one network message on PostgreSQL with psycopg."""
 
     def __init__(self, engine: Engine, *args: Any, **kwargs: Any):
         super().__init__(engine, *args, **kwargs)
         _prepare_on_checkout(engine)
+        _remember_failed_statements(engine)
+
+    def aborted_by(self, conn: Connection) -> str | None:
+        """None while ``conn``'s transaction can commit. When PostgreSQL has aborted it (a
+        statement in it failed, and the caller caught the error without a savepoint: its COMMIT
+        would end as a ROLLBACK, psycopg raising nothing), the error of the statement that last
+        failed on ``conn`` (the one that aborted it, unless the caller ran it through the driver
+        itself), as its caller saw it. libpq knows the transaction's state: no round trip. Other
+        databases never abort a transaction this way."""
+        if conn.dialect.driver != "psycopg" or conn.closed or conn.invalidated:
+            return None
+        driver = conn.connection.driver_connection
+        if driver.pgconn.transaction_status != _PSYCOPG_INERROR:
+            return None
+        return self.failed_statement(conn) or "its error was not seen"
+
+    def failed_statement(self, conn: Connection) -> str | None:
+        """The error of the statement that last failed on ``conn`` (``remember_failed_statement``),
+        in one line: its type and the first line of its message; None if none failed."""
+        with suppress(Exception):
+            error = conn.info.get(_FAILED_STATEMENT)
+            if error is not None:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                return f"{type(error).__name__}: {first}" if first else type(error).__name__
+        return None
 
     def _in_one_message_alone(self, send: Callable[[Connection], _T], conn: Connection | None = None) -> _T | None:
         """PostgreSQL: ``send(conn)``, statements sent in one message that open their own

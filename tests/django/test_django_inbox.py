@@ -5,11 +5,12 @@ real worker (a thread pool in this process, so that it uses the test databases) 
 from __future__ import annotations
 
 import uuid
+from contextlib import nullcontext
 
 import pytest
 from celery.contrib.testing.worker import start_worker
 from celery.signals import task_postrun
-from django.db import close_old_connections, connections
+from django.db import IntegrityError, close_old_connections, connections, transaction
 
 from celery_outbox import IdempotentTask
 
@@ -34,9 +35,15 @@ def worker_shop(shop):
 
     cuts: list[str] = []
 
-    def place_order(number, fail=False, then_pay=False, cut=False):
+    def place_order(number, fail=False, then_pay=False, cut=False, swallow=False):
         runs.append(number)
         Order.objects.using(using).create(number=number)
+        if swallow:  # the same order again, its error caught: in a savepoint of its own, or not
+            try:
+                with transaction.atomic(using=using) if swallow == "in a savepoint" else nullcontext():
+                    Order.objects.using(using).create(number=number)
+            except IntegrityError:
+                pass
         if cut and number not in cuts:
             cuts.append(number)
             terminate(connections[using])
@@ -107,6 +114,31 @@ def test_a_failing_body_rolls_back_its_orm_write_with_its_claim(worker_shop, sty
     row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
     assert row.status == "dead" and orders(shop, number) == 0
     assert shop.outbox.store.count_dead_letters() == 1
+
+
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_body_that_swallows_a_database_error_fails_and_commits_nothing(worker_shop, style):
+    """An ORM error caught without ``transaction.atomic()`` around it: Django marks the block for
+    rollback (and PostgreSQL aborts its transaction), so its end would be a silent ROLLBACK. The
+    attempt fails instead, naming the caught error, and ends dead with nothing written."""
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    task = shop.place if style == "optimistic" else shop.place_eager
+    task.apply_async((number,), {"swallow": True}, task_id=f"place-{number}")
+    row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
+    assert row.status == "dead" and orders(shop, number) == 0
+    [letter] = shop.outbox.store.list_dead_letters(shop.outbox.store.dead_letter_filter())
+    assert letter.exception_type == "TransactionAborted", letter.exception_type
+    assert "IntegrityError: " in letter.exception_message, letter.exception_message
+
+
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_body_that_catches_a_database_error_in_its_own_atomic_block_commits_the_rest(worker_shop, style):
+    """The idiom docs/inbox.md gives: the statement that may fail in a nested ``atomic()``."""
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    task = shop.place if style == "optimistic" else shop.place_eager
+    task.apply_async((number,), {"swallow": "in a savepoint"}, task_id=f"place-{number}")
+    row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
+    assert row.status == "handled" and orders(shop, number) == 1
 
 
 @pytest.mark.parametrize("style", ["optimistic", "eager"])

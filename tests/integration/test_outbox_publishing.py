@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -132,6 +132,32 @@ def test_rollback_publishes_nothing(shop, unit_of_work):
     assert nothing_more(shop.app, shop.plain_queue)
     assert nothing_more(shop.app, shop.durable_queue)
     assert unsent_rows(shop.outbox.store) == 0
+
+
+def test_a_unit_whose_transaction_the_database_aborted_commits_and_publishes_nothing(shop, unit_of_work):
+    """A statement that fails in the block, caught without a savepoint: on PostgreSQL the
+    transaction is aborted and its COMMIT would be a ROLLBACK while the block's messages went out.
+    The block raises ``TransactionAborted`` naming the caught error; nothing is published. On
+    SQLite only the failed statement is undone, and the block commits."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    from celery_outbox.errors import TransactionAborted
+
+    aborts = shop.outbox.store.is_postgres
+    with pytest.raises(TransactionAborted, match="ProgrammingError.*no_such_table") if aborts else nullcontext():
+        with unit_of_work(shop) as unit:
+            plain, durable = shop.plain.delay(1), shop.durable.delay(2)
+            try:  # a Session or a Connection: both execute
+                unit.execute(text("SELECT * FROM no_such_table"))
+            except DBAPIError:
+                pass
+    if aborts:
+        assert nothing_more(shop.app, shop.plain_queue) and nothing_more(shop.app, shop.durable_queue)
+        assert outgoing_rows(shop.outbox.store) == (0, 0)
+    else:
+        assert [m.id for m in receive(shop.app, shop.plain_queue, 1)] == [plain.id]
+        assert [m.id for m in receive(shop.app, shop.durable_queue, 1)] == [durable.id]
 
 
 def test_commit_publishes_exactly_once(shop, unit_of_work):

@@ -15,6 +15,7 @@ import pytest
 from celery import Celery, Task, signals
 from celery.contrib.testing.worker import start_worker
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy.exc import IntegrityError
 
 from celery_outbox import IdempotencyStyle, IdempotentTask, Outbox
 from celery_outbox.errors import OutboxError
@@ -691,3 +692,57 @@ def test_an_optimistic_retry_from_a_durable_queue_runs_twice_and_leaves_nothing_
     assert (row.status, row.retries) == ("handled", 1)
     assert harness.outbox.store.count_outgoing() == 0, "both attempts' rows acknowledged"
     assert harness.effect_count() == 1, "the first attempt's write rolled back with its claim"
+
+
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_body_that_swallows_a_database_error_fails_and_commits_nothing(harness_on_each_store, style):
+    """``try: insert ... except IntegrityError: pass`` with no savepoint: on PostgreSQL the
+    transaction is aborted, so its COMMIT would end as a ROLLBACK. The attempt fails as the body's
+    own error would (a dead letter here: no retries), naming the swallowed error; on SQLite, where
+    the failed statement alone is undone, the body's other writes commit."""
+    harness = harness_on_each_store
+    on_postgres = harness.outbox.engine.dialect.name == "postgresql"
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.swallow", shared=False)
+    def swallow(self, note):
+        self.connection.execute(insert(harness.effects).values(id=1, note=note))
+        try:
+            self.connection.execute(insert(harness.effects).values(id=1, note="again"))
+        except IntegrityError:
+            pass
+        return note
+
+    swallow.idempotency = style
+    with harness.worker():
+        swallow.apply_async(("first",), task_id="swallow-1")
+        states = harness.wait_for_states("swallow-1", 1)
+    row = harness.outbox.store.get_incoming("swallow-1")
+    if on_postgres:
+        assert states == ["FAILURE"] and harness.effect_count() == 0
+        assert row is not None and row.status == "dead", row
+        [letter] = harness.outbox.store.list_dead_letters(harness.outbox.store.dead_letter_filter())
+        assert letter.message_id == "swallow-1" and "aborted" in letter.exception_message
+        assert "IntegrityError" in letter.exception_message, letter.exception_message
+    else:
+        assert states == ["SUCCESS"] and harness.effect_count() == 1 and row.status == "handled"
+
+
+def test_a_body_that_catches_a_database_error_in_a_savepoint_keeps_its_other_writes(harness_on_each_store):
+    """The idiom the docs give: the statement that may fail in ``begin_nested()``."""
+    harness = harness_on_each_store
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.nested", shared=False)
+    def nested(self, note):
+        self.session.execute(insert(harness.effects).values(id=1, note=note))
+        try:
+            with self.session.begin_nested():
+                self.session.execute(insert(harness.effects).values(id=1, note="again"))
+        except IntegrityError:
+            pass
+        return note
+
+    with harness.worker():
+        nested.apply_async(("first",), task_id="nested-1")
+        assert harness.wait_for_states("nested-1", 1) == ["SUCCESS"]
+    assert harness.effect_count() == 1
+    assert harness.outbox.store.get_incoming("nested-1").status == "handled"
