@@ -1,8 +1,8 @@
-"""docs/operations.md's dead-letter commands and docs/monitoring.md's snippets, run from their
-Markdown on README's Quickstart shop: a worker serving metrics and logging JSON as monitoring.md
-sets them up, a payment that fails for good, every ``dead-letters`` line as the page writes it
-(bare, and with each of its options), the health check, the metrics command and the tracer
-provider's setup."""
+"""docs/operations.md's commands and docs/monitoring.md's snippets, run from their Markdown on
+README's Quickstart shop: ``migrate`` again, a worker serving metrics and logging JSON as
+monitoring.md sets them up, a payment that fails for good, every ``dead-letters`` line as the page
+writes it (bare, and with each of its options), the health check, the metrics command and the
+tracer provider's setup."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .quickstart import make_shop
 
 pytestmark = [pytest.mark.worker, pytest.mark.postgres, pytest.mark.redis]
 
+[MIGRATE] = shell_blocks(blocks("docs/operations.md", "Creating the tables"))[0].commands()
 DEAD_LETTERS = shell_blocks(blocks("docs/operations.md", "Dead letters"))[0].commands()
 METRICS = blocks("docs/monitoring.md", "Metrics (Prometheus)")
 METRICS_COMMAND = inline_commands("docs/monitoring.md", "Metrics (Prometheus)", "celery -A proj outbox metrics")
@@ -53,6 +54,7 @@ def test_a_failed_payment_goes_through_the_documented_dead_letter_commands(shell
     setup = "\n" + python_block(METRICS, "app.conf.outbox_metrics_port") + "\n" + python_block(LOGS, "import logging")
     worker_command, _ = make_shop(shell.run, shell.cwd, shop_lines=setup)
     port = int(setup.split("outbox_metrics_port =")[1].split()[0])
+    assert "created tables: none" in shell.run(MIGRATE), "operations.md's migrate, again: idempotent"
     worker = shell.start(worker_command, "worker.log")
     wait_until(lambda: " ready." in worker.read_text(), timeout=60, message="the worker to be ready")
     shell.run("python pay.py")
