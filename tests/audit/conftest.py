@@ -26,6 +26,15 @@ AUDIT_TIMEOUT = 900
 # limit, so that a slow command fails with its output rather than stopping the test mid-call.
 COMMAND_TIMEOUT = AUDIT_TIMEOUT - 100
 
+# The tests' JVMs (the shared session's, each command's, spark-submit's, the cluster's daemons) live
+# for seconds on tens of rows: there the JIT's optimizing tier and the parallel collector's threads
+# only add CPU, about 40 % of an audit's on this suite's host, which every other test waits for.
+# spark-submit (SPARK_SUBMIT_OPTS) and spark-class (SPARK_DAEMON_JAVA_OPTS) read these when they
+# start a JVM; no answer of the job depends on them. A value set in the environment is kept.
+SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+for variable in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
+    os.environ.setdefault(variable, SHORT_LIVED_JVM)
+
 
 def pytest_collection_modifyitems(items) -> None:
     """Give the audit tests ``AUDIT_TIMEOUT`` instead of the suite's default."""
