@@ -14,8 +14,8 @@ and a node's stale check counts at most once per check period.
 Recover, in order:
 
 1. declare dead the nodes whose heartbeat is older than ``outbox_node_stale_after``
-   for ``outbox_node_stale_checks`` consecutive checks (on PostgreSQL also, at once,
-   a silent node whose process no longer holds its liveness lock);
+   for ``outbox_node_stale_checks`` consecutive checks, or silent, on the database's
+   clock; on PostgreSQL only once their process no longer holds its liveness lock;
 2. release the inbox claims of dead nodes (and of owner ids with no node row);
 3. release claims older than ``outbox_inbox_stale_time`` (opt-in);
 4. relay the due outgoing rows: unsent ones and durable scheduled messages whose
@@ -143,8 +143,8 @@ def recover(runtime: Runtime, max_batches: int | None = None) -> RecoverResult:
 def detect_dead_nodes(runtime: Runtime) -> list[int]:
     """Count one stale check per node and declare dead those that reached the threshold."""
     settings, store = runtime.settings, runtime.store
-    now = utcnow()
     with store.begin() as conn:
+        now = store.database_now(conn)  # the heartbeats' clock
         dead = store.check_nodes(
             conn, now,
             stale_before=now - timedelta(seconds=settings.node_stale_after),

@@ -7,12 +7,15 @@ Its name is ``hostname:pid:uuid``, unique per process start.
 Liveness, two ways:
 
 * a heartbeat thread (its own thread, not the consumer loop) updates
-  ``heartbeat_at`` every ``outbox_node_heartbeat_interval`` seconds; recovery
-  declares a node dead after ``outbox_node_stale_checks`` stale checks;
+  ``heartbeat_at``, on the database's clock, every ``outbox_node_heartbeat_interval``
+  seconds; on SQLite recovery declares a node dead after ``outbox_node_stale_checks``
+  stale checks;
 * on PostgreSQL the node also holds a session-level advisory lock on a dedicated
-  connection for its whole life. The database drops it the instant the process
-  dies, so recovery declares a killed process dead at its first pass after the
-  heartbeat falls silent (three intervals, at most ``outbox_node_stale_after``:
+  connection for its whole life, and a node is declared dead only once that lock
+  is free: a paused process keeps it. The database drops it the instant the process
+  dies (or, for a host that vanished, when its keepalive probes go unanswered), so
+  recovery declares a killed process dead at its first pass after the heartbeat
+  falls silent (three intervals, at most ``outbox_node_stale_after``:
   ``OutboxSettings.silent_before``), without waiting for the stale checks, even
   while its worker's parent process keeps heartbeating.
   A liveness connection that drops while the process lives (a failover, the

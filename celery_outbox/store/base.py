@@ -140,6 +140,20 @@ class StoreBase:
             return column == func.any(bindparam("ids", list(ids), type_=postgresql.ARRAY(BigInteger)))
         return column.in_(list(ids))
 
+    def database_now(self, conn: Connection) -> datetime:
+        """The one clock that heartbeats and the checks of them are read on: PostgreSQL's (its
+        transaction's start, one round trip), so that a node whose clock is skewed is neither
+        stale nor fresh for it; on SQLite, embedded in one host, this host's."""
+        if not self.is_postgres:
+            return utcnow()
+        return conn.execute(select(func.now())).scalar_one()
+
+    def _clock(self, now: datetime | None):
+        """``now``, or the database's clock as SQL (PostgreSQL's ``now()``; this host's on SQLite)."""
+        if now is not None:
+            return now
+        return func.now() if self.is_postgres else utcnow()
+
     def _silent_and_unlocked(self, silent, node_id_column):
         """SQL: ``silent`` and the node's liveness lock free, the lock tried only for a silent node
         (trying it takes it for the rest of the transaction)."""

@@ -21,7 +21,11 @@ from ..vocabulary import Attempt
 from .base import StoreBase, utcnow
 from .schema import UNOWNED, is_running
 
-__all__ = ["NodeStatements"]
+__all__ = ["LIVENESS_KEEPALIVES", "NodeStatements"]
+
+# The server's TCP keepalives on a node's liveness session (PostgreSQL): the first probe after 30 s
+# of silence, then every 10 s, the session ended after 9 unanswered ones (about two minutes)
+LIVENESS_KEEPALIVES = {"tcp_keepalives_idle": 30, "tcp_keepalives_interval": 10, "tcp_keepalives_count": 9}
 
 
 class NodeStatements(StoreBase):
@@ -35,33 +39,44 @@ class NodeStatements(StoreBase):
         and the node's session advisory lock is taken before the commit: no recover
         run can see the node without its liveness lock held.
         """
-        now = now or utcnow()
+        at = self._clock(now)
         table = self.tables.nodes
         statement = (
-            table.insert().values(name=name, hostname=hostname, pid=pid, started_at=now, heartbeat_at=now)
+            table.insert().values(name=name, hostname=hostname, pid=pid, started_at=at, heartbeat_at=at)
             .returning(table.c.id)
         )
         if conn is None:
             with self.begin() as own:
                 return own.execute(statement).scalar_one()
         with conn.begin():
+            self._watch_for_a_vanished_client(conn)
             node_id = conn.execute(statement).scalar_one()
             conn.execute(select(func.pg_advisory_lock(lock_key(node_id))))
         return node_id
 
     def heartbeat(self, node_id: int, now: datetime | None = None) -> bool:
-        """Record a heartbeat; False when the node is gone or was declared dead."""
+        """Record a heartbeat, at the database's clock (``database_now``) unless ``now`` is given;
+        False when the node is gone or was declared dead."""
         table = self.tables.nodes
         with self.begin() as conn:
             return conn.execute(
                 update(table).where(table.c.id == node_id, table.c.dead_at.is_(None))
-                .values(heartbeat_at=now or utcnow(), stale_checks=0, checked_at=None)
+                .values(heartbeat_at=self._clock(now), stale_checks=0, checked_at=None)
             ).rowcount == 1
+
+    def _watch_for_a_vanished_client(self, conn: Connection) -> None:
+        """PostgreSQL: the server probes the liveness session's client (``LIVENESS_KEEPALIVES``), so
+        that a host that vanished loses its liveness lock within about two minutes. A process that
+        is only paused (SIGSTOP, a cgroup freeze, a body holding the GIL) keeps it: its kernel
+        answers the probes."""
+        for name, value in LIVENESS_KEEPALIVES.items():
+            conn.execute(select(func.set_config(name, str(value), False)))
 
     def hold_liveness_lock(self, conn: Connection, lock_key: int) -> bool:
         """Take the node's session-level liveness lock on ``conn`` (PostgreSQL), outside any
         transaction; False when another session holds it now."""
         with conn.begin():
+            self._watch_for_a_vanished_client(conn)
             return bool(conn.execute(select(func.pg_try_advisory_lock(lock_key))).scalar_one())
 
     def ping_liveness(self, conn: Connection) -> None:
@@ -81,15 +96,17 @@ class NodeStatements(StoreBase):
 
     def check_nodes(self, conn: Connection, now: datetime, stale_before: datetime, checks_needed: int,
                     counted_before: datetime, silent_before: datetime | None = None) -> list[int]:
-        """One stale check of every live node; returns the ids it declared dead.
+        """One stale check of every live node; returns the ids it declared dead. The instants
+        are of the database's clock (``database_now``), as the heartbeats are.
 
         A node whose heartbeat is older than ``stale_before`` gets one more stale check,
         at most one per check period (a check counted before ``counted_before``), so
         two recover runs at once do not count twice. A node is declared dead when it
-        reaches ``checks_needed`` consecutive checks or, on PostgreSQL, as soon as it is
-        silent (no heartbeat since ``silent_before``) and its process no longer holds its
-        liveness lock. A heartbeat resets the count. A node whose liveness connection
-        dropped keeps heartbeating and is never declared dead for the lock alone.
+        reaches ``checks_needed`` consecutive checks or as soon as it is silent (no heartbeat
+        since ``silent_before``), and, on PostgreSQL, only once its process no longer holds its
+        liveness lock: a paused process keeps its lock and is never declared dead. A heartbeat
+        resets the count. A node whose liveness connection dropped keeps heartbeating and is
+        never declared dead for the lock alone.
         """
         table = self.tables.nodes
         conn.execute(
@@ -99,8 +116,10 @@ class NodeStatements(StoreBase):
             .values(stale_checks=table.c.stale_checks + 1, checked_at=now)
         )
         dead = table.c.stale_checks >= checks_needed
-        if self.is_postgres and silent_before is not None:
-            dead = dead | self._silent_and_unlocked(table.c.heartbeat_at < silent_before, table.c.id)
+        if self.is_postgres:
+            if silent_before is not None:
+                dead = dead | (table.c.heartbeat_at < silent_before)
+            dead = self._silent_and_unlocked(dead, table.c.id)
         candidates = select(table.c.id).where(table.c.dead_at.is_(None)).where(dead)
         if self.is_postgres:
             candidates = candidates.with_for_update(skip_locked=True)

@@ -30,6 +30,7 @@ class StatusStatements(StoreBase):
         """Counts per table by status and destination, the oldest pending rows' age, the rows
         waiting longer than ``stuck_after`` seconds, the dead letters of the last ``recent``
         seconds, the nodes."""
+        given = now
         now = now or utcnow()
         t = self.tables
         stuck_before = now - timedelta(seconds=stuck_after)
@@ -63,13 +64,14 @@ class StatusStatements(StoreBase):
                 select(func.count()).select_from(t.dead_letters)
                 .where(t.dead_letters.c.failed_at >= now - timedelta(seconds=recent))
             ).scalar()
+            beats_now = self.database_now(conn) if given is None else now  # the heartbeats' clock
             nodes = [
                 {
                     "id": row.id,
                     "name": row.name,
                     "hostname": row.hostname,
                     "pid": row.pid,
-                    "heartbeat_age_seconds": _age(now, as_utc(row.heartbeat_at)),
+                    "heartbeat_age_seconds": _age(beats_now, as_utc(row.heartbeat_at)),
                     "stale_checks": row.stale_checks,
                 }
                 for row in conn.execute(select(t.nodes).order_by(t.nodes.c.id))

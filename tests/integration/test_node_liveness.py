@@ -71,3 +71,29 @@ def test_a_node_whose_process_is_gone_is_declared_dead_once_silent(postgres_url,
     finally:
         drop_store(outbox.store)
         outbox.engine.dispose()
+
+
+def test_the_server_probes_the_liveness_session_so_a_vanished_host_loses_its_lock(postgres_url, table_prefix):
+    """The server's own TCP keepalives on the liveness session (``LIVENESS_KEEPALIVES``): a host that
+    vanished, whose kernel answers no probe, loses its session and its lock within about two minutes,
+    where the operating system's default would wait two hours. A paused process's kernel answers."""
+    from celery_outbox.store.nodes import LIVENESS_KEEPALIVES
+
+    app = Celery("liveness_probes", broker="memory://", set_as_current=False)
+    app.conf.update(outbox_database_url=postgres_url, outbox_table_prefix=table_prefix)
+    outbox = Outbox(app).ready()
+    try:
+        node_id = outbox.node.id
+        wait_until(lambda: lock_holder(outbox, node_id), message="the node holding its lock")
+        liveness = outbox.node._liveness_connection
+        with liveness.begin():
+            settings = {name: int(liveness.execute(text(f"SHOW {name}")).scalar_one())
+                        for name in LIVENESS_KEEPALIVES}
+        assert settings == LIVENESS_KEEPALIVES
+        idle, interval, count = (LIVENESS_KEEPALIVES[name] for name in
+                                 ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count"))
+        assert idle + interval * count <= 150, "a vanished host loses its lock within two and a half minutes"
+    finally:
+        outbox.node.deregister()
+        drop_store(outbox.store)
+        outbox.engine.dispose()

@@ -24,11 +24,13 @@ def dead_letter(n: int, **extra):
     return row
 
 
-def check(store: Store, now, stale_after=30, checks=3, period=0, silent_after=3):
+def check(store: Store, now, stale_after=30, checks=3, period=0, silent_after: float | None = 3):
+    """One check of the nodes; ``silent_after=None`` counts stale checks alone (on PostgreSQL a node
+    silent that long whose lock is free is dead at once, whatever its count)."""
     with store.begin() as conn:
         return store.check_nodes(conn, now, stale_before=now - timedelta(seconds=stale_after),
                                  checks_needed=checks, counted_before=now - timedelta(seconds=period),
-                                 silent_before=now - timedelta(seconds=silent_after))
+                                 silent_before=None if silent_after is None else now - timedelta(seconds=silent_after))
 
 
 class LiveNode:
@@ -57,14 +59,15 @@ def test_a_node_is_dead_after_n_consecutive_stale_checks(store: Store):
     node = LiveNode(store, "stale")
     fresh = LiveNode(store, "fresh")
     try:
+        node.die()  # its process gone: on PostgreSQL its lock is free
         now = utcnow()
         set_heartbeat(store, node.id, now - timedelta(seconds=60))
         for n in range(1, 3):
-            assert check(store, now + timedelta(seconds=n)) == [], f"check {n} of 3 declares nothing"
-        assert check(store, now + timedelta(seconds=3)) == [node.id]
+            assert check(store, now + timedelta(seconds=n), silent_after=None) == [], f"check {n} of 3 declares nothing"
+        assert check(store, now + timedelta(seconds=3), silent_after=None) == [node.id]
         assert store.heartbeat(node.id) is False, "a node declared dead cannot heartbeat back to life"
         assert store.heartbeat(fresh.id) is True
-        assert check(store, now + timedelta(seconds=4)) == []
+        assert check(store, now + timedelta(seconds=4), silent_after=None) == []
     finally:
         node.die()
         fresh.die()
@@ -73,14 +76,15 @@ def test_a_node_is_dead_after_n_consecutive_stale_checks(store: Store):
 def test_a_heartbeat_resets_the_stale_checks(store: Store):
     node = LiveNode(store, "flapping")
     try:
+        node.die()
         now = utcnow()
         set_heartbeat(store, node.id, now - timedelta(seconds=60))
-        check(store, now)
-        check(store, now + timedelta(seconds=1))
+        check(store, now, silent_after=None)
+        check(store, now + timedelta(seconds=1), silent_after=None)
         assert store.heartbeat(node.id, now - timedelta(seconds=60)) is True  # an old heartbeat, but a heartbeat
-        assert check(store, now + timedelta(seconds=2)) == []
-        assert check(store, now + timedelta(seconds=3)) == []
-        assert check(store, now + timedelta(seconds=4)) == [node.id]
+        assert check(store, now + timedelta(seconds=2), silent_after=None) == []
+        assert check(store, now + timedelta(seconds=3), silent_after=None) == []
+        assert check(store, now + timedelta(seconds=4), silent_after=None) == [node.id]
     finally:
         node.die()
 
@@ -88,11 +92,12 @@ def test_a_heartbeat_resets_the_stale_checks(store: Store):
 def test_two_checks_in_one_period_count_once(store: Store):
     node = LiveNode(store, "doubly-checked")
     try:
+        node.die()
         now = utcnow()
         set_heartbeat(store, node.id, now - timedelta(seconds=60))
         for _ in range(5):  # five recover runs within one check period of 10 s
-            assert check(store, now, checks=2, period=10) == []
-        assert check(store, now + timedelta(seconds=11), checks=2, period=10) == [node.id]
+            assert check(store, now, checks=2, period=10, silent_after=None) == []
+        assert check(store, now + timedelta(seconds=11), checks=2, period=10, silent_after=None) == [node.id]
     finally:
         node.die()
 
@@ -117,6 +122,24 @@ def test_postgres_declares_a_node_dead_once_silent_when_its_process_is_gone(stor
         alive.die()
 
 
+def test_postgres_never_declares_dead_a_node_whose_process_holds_its_lock(store: Store):
+    """Stale and silent for ten minutes by the heartbeats (a paused process, a clock set back):
+    while its session holds the liveness lock the node is alive, however many checks count."""
+    if not store.is_postgres:
+        pytest.skip("the liveness lock is PostgreSQL's; SQLite nodes die by stale heartbeats only")
+    node = LiveNode(store, "paused")
+    try:
+        now = utcnow()
+        set_heartbeat(store, node.id, now - timedelta(minutes=10))
+        for n in range(5):
+            assert check(store, now + timedelta(seconds=n), checks=1) == [], f"check {n}"
+        assert [row.id for row in store.live_nodes() if row.dead_at is None] == [node.id]
+        node.die()
+        assert check(store, now + timedelta(seconds=5), checks=1) == [node.id], "its lock free: dead at once"
+    finally:
+        node.die()
+
+
 def test_dead_nodes_claims_are_released_and_the_node_forgotten(store: Store):
     dead, alive = LiveNode(store, "dead"), LiveNode(store, "alive")
     try:
@@ -127,6 +150,7 @@ def test_dead_nodes_claims_are_released_and_the_node_forgotten(store: Store):
             store.insert_incoming(conn, incoming_row("alive", owner=alive.id, claimed_at=now))
             store.insert_incoming(conn, incoming_row("orphan", owner=dead.id + alive.id + 100, claimed_at=now))
         set_heartbeat(store, dead.id, now - timedelta(seconds=60))
+        dead.die()
         assert check(store, now, checks=1) == [dead.id]
         with store.begin() as conn:
             owners = store.dead_owners(conn)
