@@ -43,6 +43,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from celery_outbox import IdempotentTask, Outbox
 
 from ..brokers import fast_redelivery
+from . import skewed_clock
 
 ORDER_ID = "order-{}"
 
@@ -58,11 +59,10 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
         outbox_table_prefix=prefix,
         outbox_durable_queues=[queue],
         outbox_maintenance_queue=maintenance_queue,
-        outbox_node_heartbeat_interval=0.5,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options=fast_redelivery(visibility_timeout),
-        **{"worker_prefetch_multiplier": 1, **conf},
+        **{"worker_prefetch_multiplier": 1, "outbox_node_heartbeat_interval": 0.5, **conf},
     )
     outbox = Outbox(app)
     metadata = MetaData()
@@ -72,6 +72,10 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
                     Column("pid", Integer, nullable=False))
 
     tricked = Table(f"{prefix}tricked", metadata, Column("order_id", String(64), primary_key=True))
+    # each start of an eager payment's body, committed on its own before the body's writes: the side
+    # effect outside the task's transaction that the eager style exists for (at most once but for a crash)
+    bodies = Table(f"{prefix}bodies", metadata, Column("id", Integer, primary_key=True, autoincrement=True),
+                   Column("order_id", String(64), nullable=False), Column("pid", Integer, nullable=False))
     enabled_tricks = {name for name in tricks.split(",") if name}
 
     def first_trick(order_id: str, trick: str) -> bool:
@@ -99,6 +103,9 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
 
     def pay_body(task, order_id: str) -> None:
         play_tricks(order_id)
+        if task.idempotency == "eager":
+            with outbox.engine.begin() as conn:
+                conn.execute(insert(bodies).values(order_id=order_id, pid=os.getpid()))
         task.session.execute(insert(effects).values(order_id=order_id, kind="payment", pid=os.getpid()))
         take_a_while()
         receipt.apply_async((order_id,), task_id=f"receipt-{order_id}")
@@ -142,7 +149,7 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
             return set(conn.execute(select(orders.c.id)).scalars())
 
     return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, orders=orders, effects=effects,
-                           place=place, placed=placed)
+                           bodies=bodies, place=place, placed=placed)
 
 
 def produce(shop: SimpleNamespace, count: int, pace: float, patience: float = 120.0) -> None:
@@ -176,6 +183,9 @@ def _wait_or_give_up(deadline: float) -> None:
         raise SystemExit("fault producer: the database stayed unavailable")
     time.sleep(0.2)
 
+
+if "FAULT_CLOCK_OFFSET" in os.environ:  # this process's clock runs off the host's (tests/faults)
+    skewed_clock.shift(float(os.environ["FAULT_CLOCK_OFFSET"]))
 
 if "FAULT_BROKER_URL" in os.environ:
     shop = create(os.environ["FAULT_BROKER_URL"], os.environ["FAULT_DATABASE_URL"], os.environ["FAULT_PREFIX"],

@@ -97,11 +97,13 @@ class Outcome:
     pending: dict[str, int] = field(default_factory=dict)
     copies_sent: int = 0
     copies_uncounted: int = 0
+    bodies_run_twice: int = 0  # eager payment bodies started again after a first start (a crash may do it)
+    nodes_declared_dead: int = 0
 
     def line(self) -> str:
         return (f"fault scenario {self.scenario}: messages {self.messages}, faults {self.kills}, lost {self.lost}, "
-                f"duplicate effects {self.duplicate_effects}, discarded {self.discarded}, recovered {self.recovered}, "
-                f"seconds {self.seconds:.1f}")
+                f"duplicate effects {self.duplicate_effects}, bodies run twice {self.bodies_run_twice}, "
+                f"discarded {self.discarded}, recovered {self.recovered}, seconds {self.seconds:.1f}")
 
 
 class Supervised:
@@ -168,10 +170,12 @@ class FaultRun:
     def __init__(self, scenario: str, tmp_path: Path, broker_url: str, database_url: str, *, orders: int = 150,
                  crashpoint: str | None = None, pace: float = 0.01, visibility_timeout: float = 3,
                  body_seconds: float = 0.0, producer_broker_url: str | None = None, copies: int = 15,
-                 pool: str = "prefork", tricks: str = "", plain_receipts: bool = False, **conf):
+                 pool: str = "prefork", tricks: str = "", plain_receipts: bool = False,
+                 consumer_clock: float | None = None, **conf):
         suffix = uuid.uuid4().hex[:8]
         self.scenario, self.tmp_path, self.orders, self.pace, self.copies = scenario, tmp_path, orders, pace, copies
         self.pool = pool
+        self.consumer_clock = consumer_clock
         self.prefix = f"f{suffix}_"
         settings = {**FAST_MAINTENANCE, **conf}
         self.env = {
@@ -230,6 +234,8 @@ class FaultRun:
     def _worker(self, name: str, queue: str, concurrency: int, pool: str = "prefork") -> Callable[[], subprocess.Popen]:
         def start() -> subprocess.Popen:
             env = dict(self.env, PGAPPNAME=self.application_name(name))
+            if name == "consumer" and self.consumer_clock is not None:
+                env["FAULT_CLOCK_OFFSET"] = str(self.consumer_clock)  # tests/apps/skewed_clock.py
             worker = WorkerProcess("tests.apps.fault_app", env, pool=pool, concurrency=concurrency, queues=[queue],
                                    log_path=self._log(name)).start()
             return worker.process
@@ -277,6 +283,28 @@ class FaultRun:
         wait_until(caught, timeout=timeout, interval=0.02,
                    message=f"{bodies} attempts running in the consuming worker at once")
         self.kill_consumer()
+
+    def pause_consumer_in_flight(self, seconds: float, bodies: int = 1, timeout: float = 30.0) -> None:
+        """Stop the consuming worker (SIGSTOP, its whole process group) at a moment when at least
+        ``bodies`` eager attempts run in it, for ``seconds`` (past the nodes' stale window: a VM
+        paused, a cgroup frozen, a body holding the GIL), then let it go on (SIGCONT). Its
+        database sessions live on, and with them its nodes' liveness locks."""
+        group = self.processes["consumer"].process.pid
+
+        def caught() -> bool:
+            os.killpg(group, signal.SIGSTOP)
+            if self._safely(self._envelopes_in_flight, 0) >= bodies:
+                return True
+            os.killpg(group, signal.SIGCONT)
+            return False
+
+        wait_until(caught, timeout=timeout, interval=0.02,
+                   message=f"{bodies} attempts running in the consuming worker at once")
+        try:
+            time.sleep(seconds)  # the pause is the fault: there is no condition to wait for
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        self.external_kills += 1
 
     def _envelopes_in_flight(self) -> int:
         """Stored envelopes of attempts running now: not finished, not yet due for recovery."""
@@ -472,6 +500,9 @@ class FaultRun:
                 "tasks of crashed pool processes not yet re-sent": self._lost_tasks_unanswered(),
             }
             dead_letters = store.count_dead_letters(conn)
+            bodies = shop.bodies
+            bodies_run_twice = sum(count - 1 for count in conn.execute(
+                select(func.count()).select_from(bodies).group_by(bodies.c.order_id)).scalars() if count > 1)
         if not self.processes.get("producer") or not self.processes["producer"].finished:
             pending["producer still placing orders"] = 1
         sends = [(order_id, kind) for order_id in placed for kind in ("payment", "receipt")]
@@ -490,6 +521,9 @@ class FaultRun:
             copies_sent=len(self._copied),
             copies_uncounted=sum(1 for message_id, needed in self._copied.items()
                                  if duplicates_of.get(message_id, 0) < needed),
+            bodies_run_twice=bodies_run_twice,
+            nodes_declared_dead=sum(self._log_text(name).count("declared dead; its claims are released")
+                                    for name in ("maintenance", "consumer")),
         )
 
     def kills(self) -> int:
