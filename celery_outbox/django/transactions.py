@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ..crashpoints import crashpoint
 from ..envelope import OutgoingMessage
-from ..errors import StoreUnavailable
+from ..errors import OutboxError, StoreUnavailable, TransactionAborted
 from ..publishing import Publisher
 from ..store import Store
 from .engine import django_engine
@@ -80,6 +80,7 @@ class DjangoTransaction:
         if batch is None:
             batch = self._batches[level] = _Batch(self)
             transaction.on_commit(batch, using=self.using, robust=True)
+            _ahead_of_the_projects_callbacks(connection)
             _store_at_commit(connection)
         batch.messages.extend(joined)
 
@@ -114,6 +115,19 @@ class DjangoTransaction:
             _raise_as_django_error(exc, connection)
 
 
+def _ahead_of_the_projects_callbacks(connection: Any) -> None:
+    """Move the ``on_commit`` callback just registered (a batch) ahead of the project's own, behind
+    the batches before it: Django stops a block's callbacks at the first one that raises and is not
+    robust, and a project's cache invalidation that fails must not keep the block's messages from
+    going out. The batches keep their order, and so the messages theirs."""
+    hooks = connection.run_on_commit
+    entry = hooks.pop()
+    ahead = 0
+    while ahead < len(hooks) and isinstance(hooks[ahead][1], _Batch):
+        ahead += 1
+    hooks.insert(ahead, entry)
+
+
 # the Django connections whose commit stores the joined transactions' durable messages first
 _storing: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -133,7 +147,8 @@ def _store_at_commit(connection: Any) -> None:
 
     def store_then_commit() -> Any:
         batches = [callback for _, callback, _ in connection.run_on_commit if isinstance(callback, _Batch)]
-        if batches:
+        if batches and connection.vendor == "postgresql":
+            _refuse_if_aborted(connection, batches[0].owner.store)
             crashpoint("before_commit")
             owners = list(dict.fromkeys(batch.owner for batch in batches))  # each outbox's, in order
             try:
@@ -149,6 +164,20 @@ def _store_at_commit(connection: Any) -> None:
 
     connection._commit = store_then_commit
     _storing.add(connection)
+
+
+def _refuse_if_aborted(connection: Any, store: Store) -> None:
+    """Before Django's COMMIT of a block that sent messages: when the database aborted its
+    transaction (a statement failed and the view caught the error outside a nested ``atomic()``),
+    that COMMIT would end as a ROLLBACK, raising nothing, and the messages would go out for
+    writes that never happened. Raise ``TransactionAborted`` as a ``DatabaseError``, which makes
+    Django roll the block back and drop its callbacks: nothing is published."""
+    from django.db import DatabaseError
+
+    with store.engine.connect() as conn:  # Django's connection
+        cause = store.aborted_by(conn)
+    if cause is not None:
+        raise DatabaseError(str(TransactionAborted(cause))) from TransactionAborted(cause)
 
 
 def _raise_as_django_error(exc: StoreUnavailable | DBAPIError, connection: Any) -> None:
@@ -178,6 +207,12 @@ def joined_transaction(publisher: Publisher) -> DjangoTransaction | None:
     using = settings.django_database
     connection = connections[using]
     if not connection.in_atomic_block:
+        if connection.connection is not None and not connection.autocommit:
+            raise OutboxError(
+                f"a message was sent inside a transaction of Django's database {using!r} opened with "
+                "transaction.set_autocommit(False): the outbox cannot know whether it commits (Django's own "
+                "on_commit() refuses it too), so the message would go out even if it rolls back; open the "
+                "transaction with transaction.atomic() instead")
         return None
     of_connection = _joined.setdefault(connection, {})
     joined = of_connection.get(id(publisher))

@@ -82,8 +82,15 @@ class DjangoAttempt(ConnectionUnitOfWork):
         super()._refuse_if_aborted(connection)
 
     def _commit(self) -> None:
+        """Commit the block. The project's ``on_commit`` callbacks run after the COMMIT, each made
+        robust for it: one that raises is logged by Django, and the handled attempt stays handled
+        (its writes and claim are committed, its messages go out)."""
+        from django.db import connections
+
         self._connection.commit()
         atomic, self._atomic = self._atomic, None
+        django_connection = connections[self._using]
+        django_connection.run_on_commit = [(sids, func, True) for sids, func, _ in django_connection.run_on_commit]
         atomic.__exit__(None, None, None)
 
     def close(self) -> None:

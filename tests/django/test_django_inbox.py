@@ -35,9 +35,15 @@ def worker_shop(shop):
 
     cuts: list[str] = []
 
-    def place_order(number, fail=False, then_pay=False, cut=False, swallow=False):
+    def place_order(number, fail=False, then_pay=False, cut=False, swallow=False, failing_hook=False,
+                    durable_block=False):
         runs.append(number)
+        if durable_block:
+            with transaction.atomic(using=using, durable=True):
+                Order.objects.using(using).create(number=f"{number}-durable")
         Order.objects.using(using).create(number=number)
+        if failing_hook:  # the project's own callback, which fails after the commit
+            transaction.on_commit(lambda: 1 / 0, using=using)
         if swallow:  # the same order again, its error caught: in a savepoint of its own, or not
             try:
                 with transaction.atomic(using=using) if swallow == "in a savepoint" else nullcontext():
@@ -139,6 +145,31 @@ def test_a_body_that_catches_a_database_error_in_its_own_atomic_block_commits_th
     task.apply_async((number,), {"swallow": "in a savepoint"}, task_id=f"place-{number}")
     row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
     assert row.status == "handled" and orders(shop, number) == 1
+
+
+@pytest.mark.parametrize("style", ["optimistic", "eager"])
+def test_a_projects_on_commit_callback_failing_after_the_commit_leaves_the_attempt_handled(worker_shop, style):
+    """The body's own ``on_commit`` callback raises once the block has committed: Django logs it
+    (the attempt runs the project's callbacks as robust), the attempt is handled, not failed, and
+    the message the body sent goes out."""
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    task = shop.place if style == "optimistic" else shop.place_eager
+    task.apply_async((number,), {"failing_hook": True, "then_pay": True}, task_id=f"place-{number}")
+    row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
+    assert row.status == "handled" and orders(shop, number) == 1
+    assert shop.outbox.store.count_dead_letters() == 0
+    assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{number}"]
+
+
+def test_a_durable_atomic_block_in_a_body_ends_as_a_dead_letter_naming_djangos_reason(worker_shop):
+    """docs/django.md: Django refuses ``atomic(durable=True)`` inside the attempt's block."""
+    shop, number = worker_shop, f"order-{uuid.uuid4().hex[:8]}"
+    shop.place.apply_async((number,), {"durable_block": True}, task_id=f"place-{number}")
+    row = wait_until(lambda: handled(shop, f"place-{number}"), message="the attempt ended")
+    assert row.status == "dead" and orders(shop, number) == 0 and orders(shop, f"{number}-durable") == 0
+    [letter] = shop.outbox.store.list_dead_letters(shop.outbox.store.dead_letter_filter())
+    assert (letter.reason, letter.exception_type) == ("failed", "RuntimeError")
+    assert "durable atomic block cannot be nested" in letter.exception_message, letter.exception_message
 
 
 @pytest.mark.parametrize("style", ["optimistic", "eager"])

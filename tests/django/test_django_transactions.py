@@ -6,7 +6,7 @@ outside an atomic block, behaviour is that of the SQLAlchemy side."""
 from __future__ import annotations
 
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import pytest
@@ -73,6 +73,66 @@ def test_a_rolled_back_block_publishes_nothing_and_keeps_no_row(shop):
     assert outgoing_rows(shop) == []
     assert not Order.objects.using(shop.using).filter(number=number).exists()
     assert nothing_more(shop.app, shop.durable) and nothing_more(shop.app, shop.plain)
+
+
+def test_a_projects_failing_on_commit_callback_does_not_keep_the_messages_from_going_out(shop):
+    """A view registers its own ``on_commit`` (a cache invalidation, not robust) before it sends:
+    Django stops the block's callbacks at the first that raises, and raises its error to the view,
+    but the outbox's callbacks run ahead of the project's."""
+    number = order_id()
+
+    def invalidate_cache() -> None:
+        raise ConnectionError("the cache is down")
+
+    with pytest.raises(ConnectionError, match="the cache is down"):
+        with transaction.atomic(using=shop.using):
+            Order.objects.using(shop.using).create(number=number)
+            transaction.on_commit(invalidate_cache, using=shop.using)
+            shop.email.delay(number)
+            shop.pay.apply_async((number,), task_id=f"pay-{number}")
+    assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{number}"]
+    assert [m.args for m in receive(shop.app, shop.plain, 1)] == [[number]]
+
+
+def test_a_block_whose_transaction_the_database_aborted_publishes_nothing(shop):
+    """A view catches an error of a raw statement outside a nested ``atomic()``: on PostgreSQL
+    the transaction is aborted, and Django's COMMIT would be a silent ROLLBACK. The block raises
+    ``DatabaseError`` naming the caught error instead; nothing is published. On SQLite only the
+    statement is undone, and the block commits."""
+    number = order_id()
+    aborts = connections[shop.using].vendor == "postgresql"
+    with pytest.raises(DatabaseError, match="aborted this transaction") if aborts else nullcontext():
+        with transaction.atomic(using=shop.using):
+            Order.objects.using(shop.using).create(number=number)
+            shop.email.delay(number)
+            shop.pay.apply_async((number,), task_id=f"pay-{number}")
+            try:
+                with connections[shop.using].cursor() as cursor:
+                    cursor.execute("SELECT * FROM no_such_table")
+            except DatabaseError:
+                pass
+    if aborts:
+        assert nothing_more(shop.app, shop.durable) and nothing_more(shop.app, shop.plain)
+        assert outgoing_rows(shop) == [] and not Order.objects.using(shop.using).filter(number=number).exists()
+    else:
+        assert [m.id for m in receive(shop.app, shop.durable, 1)] == [f"pay-{number}"]
+
+
+def test_a_send_in_a_manual_transaction_is_refused_with_the_reason(shop):
+    """``transaction.set_autocommit(False)``: the outbox cannot see the transaction's end (Django's
+    ``on_commit`` refuses it as well), so a send there raises instead of going out at once."""
+    from celery_outbox.errors import OutboxError
+
+    number = order_id()
+    transaction.set_autocommit(False, using=shop.using)
+    try:
+        Order.objects.using(shop.using).create(number=number)
+        with pytest.raises(OutboxError, match=r"set_autocommit\(False\).*transaction.atomic\(\)"):
+            shop.pay.apply_async((number,), task_id=f"pay-{number}")
+        transaction.rollback(using=shop.using)
+    finally:
+        transaction.set_autocommit(True, using=shop.using)
+    assert nothing_more(shop.app, shop.durable) and outgoing_rows(shop) == []
 
 
 def test_a_rolled_back_savepoint_takes_back_only_its_own_messages(shop):
