@@ -26,7 +26,8 @@ def celery(*args: str) -> list[str]:
 def main() -> None:
     directory = os.environ["SMOKE_DIR"]
     os.makedirs(os.path.join(directory, "broker"), exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONFAULTHANDLER="1",  # a process that hangs shows where (SIGABRT, below)
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     subprocess.run(celery("outbox", "migrate"), env=env, check=True)
     print("smoke: migrate ok", flush=True)
 
@@ -52,8 +53,13 @@ def main() -> None:
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack into its log
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
                 os.killpg(process.pid, signal.SIGKILL)
-                sys.exit(f"smoke: {process.args[3]} did not stop within 60 s of SIGTERM")
+                sys.exit(f"smoke: {process.args[3]} did not stop within 60 s of SIGTERM (its stacks end its log)")
     print("smoke: ok", flush=True)
 
 
