@@ -36,6 +36,9 @@ from .vocabulary import REPLAY_HEADER, SEND_HEADER, Attempt
 __all__ = ["SEND_HEADER", "CapturingProducer", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text",
            "new_send_id", "send_id_of"]
 
+# the arguments ``OutgoingMessage.publish`` gives kombu's ``Producer.publish`` itself
+_PUBLISH_ARGUMENTS = frozenset({"body", "content_type", "content_encoding", "exchange", "routing_key", "headers"})
+
 
 #: ``kombu.utils.json.dumps`` (the same text: datetimes, UUIDs and decimals kept) with one encoder
 #: for every call instead of a new one per call, as ``json.dumps`` does for its default arguments
@@ -89,6 +92,10 @@ class OutgoingMessage:
             options["retry"] = retry
         if entities is not None and options.get("declare"):
             options["declare"] = entities.bind(options["declare"])
+        # a stored envelope's properties (a dead letter's, a row another writer made) never override
+        # what the message says of itself, nor clash with the publish's own arguments
+        properties = {key: value for key, value in self.properties.items()
+                      if key not in _PUBLISH_ARGUMENTS and key not in options}
         producer.publish(
             self.body,
             content_type=self.content_type,
@@ -97,7 +104,7 @@ class OutgoingMessage:
             routing_key=self.routing_key,
             headers=dict(self.headers),
             **options,
-            **self.properties,
+            **properties,
         )
 
     def to_row(self, now: datetime) -> dict[str, Any]:

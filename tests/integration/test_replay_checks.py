@@ -73,6 +73,18 @@ def test_a_replay_of_a_task_routed_by_its_declaration_goes_to_the_declared_queue
     assert nothing_more(shop.app, shop.plain_queue) and nothing_more(shop.app, "stale_queue")
 
 
+def test_a_letter_whose_stored_properties_name_publish_arguments_replays(shop):
+    """Properties stored with a letter (by another writer, or an older release) that name what the
+    publish passes itself (content type, routing key, headers) neither clash with it nor override it."""
+    clashing = json.dumps({"correlation_id": "clash-1", "content_type": "text/plain", "routing_key": "elsewhere",
+                           "headers": {"x": 1}, "retry": True})
+    insert(shop, {**letter("clash-1", headers_of("clash-1")), "properties": clashing})
+    result = replay(shop.outbox.publisher, DeadLetterFilter())
+    assert (result.message_ids, result.refused) == (["clash-1"], [])
+    (message,) = receive(shop.app, shop.plain_queue, 1)
+    assert (message.id, message.args) == ("clash-1", ["again"])
+
+
 def test_a_letter_of_a_task_this_process_does_not_know_replays_along_its_stored_route(shop):
     """An unknown task is no reason to refuse a replay (the replaying process, the CLI say, need not
     register every task); with no route of its task here, the letter goes where it was sent."""
