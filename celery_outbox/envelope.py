@@ -199,7 +199,7 @@ def header_count(value: Any) -> int:
     """A counter header (retries, nesting, replay number) as a whole number; 0 when absent or garbage."""
     try:
         return max(int(value or 0), 0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
         return 0
 
 

@@ -54,7 +54,7 @@ from .routing import queue_of
 from .runtime import Runtime, runtime_of
 from .signals import announce_dead_letters
 from .store import is_content_error, utcnow
-from .vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, Attempt, DeadLetterReason
+from .vocabulary import BUSY_ROW_WAIT, REDELIVERY_HEADER, REPLAY_HEADER, REQUEUE_BACKOFF, Attempt, DeadLetterReason
 
 __all__ = ["MessageGuard", "body_reason", "dead_letter_row_of", "malformed_reason", "sound_envelope",
            "store_limits_reason", "tolerate_any_envelope"]
@@ -63,8 +63,10 @@ logger = logging.getLogger("celery_outbox.guard")
 
 _OPTIONAL_STRINGS = ("root_id", "parent_id", "group", "eta", "expires", "shadow", "argsrepr", "kwargsrepr",
                      "origin", "lang")
-_OPTIONAL_INTEGERS = ("retries", "replaced_task_nesting", "group_index")
-_STORED_INTEGER_MAX = 2**31 - 1  # the store's attempt columns (retries, nesting)
+# the counters celery-outbox reads besides Celery's: a dead-letter replay's number, delivery tracking's
+_COUNTER_HEADERS = (REPLAY_HEADER, REDELIVERY_HEADER)
+_OPTIONAL_INTEGERS = ("retries", "replaced_task_nesting", "group_index", *_COUNTER_HEADERS)
+_STORED_INTEGER_MAX = 2**31 - 1  # the store's attempt columns (retries, nesting, replays)
 _MALFORMED = DeadLetterReason.MALFORMED
 
 
@@ -105,7 +107,7 @@ def store_limits_reason(headers: dict[str, Any]) -> tuple[DeadLetterReason, str]
             return _MALFORMED, f"header {name!r} is {len(value)} characters, the store holds at most {ID_SIZE}"
         if not is_storable_id(value):
             return _MALFORMED, f"header {name!r} is {_shown(value)}: NUL bytes and lone surrogates cannot be stored"
-    for name in ("retries", "replaced_task_nesting"):
+    for name in ("retries", "replaced_task_nesting", *_COUNTER_HEADERS):
         value = headers.get(name)
         if value is not None and value > _STORED_INTEGER_MAX:
             return _MALFORMED, f"header {name!r} is {value}: the store holds at most {_STORED_INTEGER_MAX}"

@@ -156,12 +156,22 @@ def test_stored_text_escapes_what_a_database_rejects_and_cuts_to_the_size():
     ({"id": "bad\x00id"}, "header 'id' is 'bad\\x00id': NUL bytes"),
     ({"id": "\udcff"}, "lone surrogates"),
     ({"retries": 2**31}, "header 'retries' is 2147483648"),
+    ({"celery_outbox_replay": 2**40}, "header 'celery_outbox_replay' is 1099511627776"),
+    ({"celery_outbox_redelivery": 2**40}, "header 'celery_outbox_redelivery' is 1099511627776"),
 ])
 def test_ids_and_counts_the_store_cannot_hold_are_named(change, words):
     headers = {"task": "t.add", "id": "abc", **change}
     assert malformed_reason(headers, KNOWN) is None, "plain Celery could run it"
     reason, description = store_limits_reason(headers)
     assert reason == "malformed" and words in description
+
+
+@pytest.mark.parametrize("name", ["celery_outbox_replay", "celery_outbox_redelivery"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1, 1.5, "3", True])
+def test_the_outboxs_own_counters_out_of_range_are_malformed(name, value):
+    """A replay number or a redelivery count the outbox did not write (JSON allows Infinity)."""
+    reason, description = malformed_reason({"task": "t.add", "id": "abc", name: value}, KNOWN)
+    assert reason == "malformed" and f"header {name!r} is" in description and "whole number" in description
 
 
 def test_an_id_of_255_characters_is_held():
