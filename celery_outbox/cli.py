@@ -22,7 +22,7 @@ import click
 from .config import DATABASE_URL_VARIABLE
 from .deadletters import DeadLetterFilter, purge, replay
 from .errors import OutboxError
-from .health import Thresholds, failed_conditions, store_down
+from .health import Failure, Thresholds, failed_conditions, store_down
 from .outbox import Outbox, outbox_of
 from .store import as_utc, utcnow
 from .vocabulary import DeadLetterReason
@@ -202,10 +202,13 @@ class Since(click.ParamType):
               help="Fail for a node without a heartbeat for longer [default: outbox_node_stale_after].")
 @click.option("--min-nodes", type=click.IntRange(min=0), default=0, show_default=True,
               help="Fail when fewer nodes than this beat.")
+@click.option("--timeout", type=Age(), default="10s", show_default=True,
+              help="Fail when the store does not answer within this (a locked table: VACUUM FULL, a migration).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
 @_with_outbox
 def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window: timedelta, stuck_after: timedelta,
-          max_stuck: int, node_stale_after: timedelta | None, min_nodes: int, as_json: bool) -> None:
+          max_stuck: int, node_stale_after: timedelta | None, min_nodes: int, timeout: timedelta,
+          as_json: bool) -> None:
     """Exit 1, with one line per failed condition, when the outbox needs a human: for a probe or a cron alert."""
     thresholds = Thresholds(
         max_pending_age=max_pending_age.total_seconds(), max_dead_letters=max_dead_letters, max_stuck=max_stuck,
@@ -213,11 +216,10 @@ def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window
                           else box.settings.node_stale_after),
         min_nodes=min_nodes,
     )
-    try:
-        failures = failed_conditions(box.status(stuck_after=stuck_after.total_seconds(),
-                                                recent=window.total_seconds()), thresholds)
-    except Exception as exc:  # noqa: BLE001 - a store that does not answer is the first failed condition
-        failures = [store_down(exc)]
+    seconds = timeout.total_seconds()
+    failures = _within(seconds, lambda: failed_conditions(
+        box.status(stuck_after=stuck_after.total_seconds(), recent=window.total_seconds(), timeout=seconds),
+        thresholds))
     if as_json:
         click.echo(json.dumps({"ok": not failures, "failures": [f.as_dict() for f in failures]}, indent=2))
     else:
@@ -227,6 +229,25 @@ def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window
             click.echo("OK")
     if failures:
         raise SystemExit(1)
+
+
+def _within(seconds: float, read: Callable[[], list[Failure]]) -> list[Failure]:
+    """``read()``'s failures, or the store's failure when it raises or has not answered within
+    ``seconds`` (connecting, getting ready, reading: whatever waits). It runs in a daemon thread,
+    which a process that exits leaves behind; the status query itself gives up within the same
+    time on the server (``Store.status(timeout=...)``)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(read())
+        except Exception as exc:  # noqa: BLE001 - a store that does not answer is the first failed condition
+            outcome.append([store_down(exc, seconds)])
+
+    reader = threading.Thread(target=run, name="celery-outbox-check", daemon=True)
+    reader.start()
+    reader.join(seconds + 1)  # the server's own timeout first, when the status query is what waits
+    return outcome[0] if outcome else [store_down(TimeoutError(f"no answer within {seconds:g} s"), seconds)]
 
 
 @outbox.command()

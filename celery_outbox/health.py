@@ -49,9 +49,32 @@ class Failure:
         return {**asdict(self), "condition": self.condition.value}
 
 
-def store_down(error: BaseException) -> Failure:
-    """The failure of a check whose status query raised."""
+def store_down(error: BaseException, timeout: float | None = None) -> Failure:
+    """The failure of a check whose status query raised: within ``timeout`` seconds when the
+    database gave up waiting for a locked table or cancelled a statement that ran past it."""
+    if timeout is not None and _timed_out(error):
+        return Failure(Condition.STORE, None, timeout,
+                       f"the message store did not answer within {timeout:g} s: a table of it is locked (VACUUM "
+                       f"FULL, a migration, LOCK TABLE) or the database is overloaded ({_first_line(error)})")
     return Failure(Condition.STORE, None, None, f"the message store did not answer: {error}")
+
+
+def _timed_out(error: BaseException) -> bool:
+    """PostgreSQL's lock_timeout (55P03) or statement_timeout (57014) cut the status query short."""
+    from .store import is_lock_timeout
+
+    if isinstance(error, TimeoutError):
+        return True
+    for cause in (error, error.__cause__):  # the driver's error, or the one StoreUnavailable names
+        if cause is not None and (is_lock_timeout(cause)
+                                  or getattr(getattr(cause, "orig", cause), "sqlstate", None) == "57014"):
+            return True
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def failed_conditions(report: dict[str, Any], thresholds: Thresholds) -> list[Failure]:

@@ -255,11 +255,13 @@ class Outbox:
         """Create or upgrade the tables (what ``celery -A proj outbox migrate`` runs)."""
         return self.runtime.migrate()
 
-    def status(self, stuck_after: float = DEFAULT_STUCK_AFTER, recent: float = DEFAULT_RECENT) -> dict[str, Any]:
+    def status(self, stuck_after: float = DEFAULT_STUCK_AFTER, recent: float = DEFAULT_RECENT,
+               timeout: float | None = None) -> dict[str, Any]:
         """Counts, ages, rows waiting longer than ``stuck_after`` seconds, dead letters of the last
         ``recent`` seconds, and nodes (what ``celery -A proj outbox status`` prints, and what
-        ``check`` and the metrics' gauges read). One read-only transaction."""
-        return self.runtime.ready().store.status(stuck_after=stuck_after, recent=recent)
+        ``check`` and the metrics' gauges read). One read-only transaction; with ``timeout``
+        (seconds), it raises rather than wait longer on PostgreSQL for a locked table."""
+        return self.runtime.ready().store.status(stuck_after=stuck_after, recent=recent, timeout=timeout)
 
 
 def threaded_concurrency(worker: Any) -> int | None:

@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sqlalchemy import Connection, func, inspect, select, update
+from sqlalchemy import Connection, func, inspect, select, text, update
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from ..errors import IncompatibleSchema
@@ -81,12 +81,23 @@ class SchemaStatements(StoreBase):
         the catalog: no lock on the tables)."""
         if self._missing_tables(conn) or self._recorded_version(conn) != SCHEMA_VERSION:
             return False
-        inspector = inspect(conn)
         for table in self.tables.all():
-            found = {index["name"] for index in inspector.get_indexes(table.name)}
-            if not {index.name for index in table.indexes} <= found:
+            if not {index.name for index in table.indexes} <= self._index_names(conn, table.name):
                 return False
         return True
+
+    def _index_names(self, conn: Connection, table: str) -> set[str]:
+        """The names of ``table``'s indexes. On PostgreSQL from ``pg_index`` and ``pg_class`` alone:
+        SQLAlchemy's reflection calls ``pg_get_indexdef``, which waits for a lock on the table, so a
+        process getting ready would hang while a ``VACUUM FULL`` or a migration holds it."""
+        if not self.is_postgres:
+            return {index["name"] for index in inspect(conn).get_indexes(table)}
+        return set(conn.execute(text(
+            "SELECT i.relname FROM pg_catalog.pg_index x"
+            " JOIN pg_catalog.pg_class t ON t.oid = x.indrelid"
+            " JOIN pg_catalog.pg_class i ON i.oid = x.indexrelid"
+            " WHERE t.relname = :table AND t.relnamespace = to_regnamespace(current_schema())"
+        ), {"table": table}).scalars())
 
     def schema_version(self) -> int | None:
         """The version ``migrate`` recorded, or None when the tables do not exist."""

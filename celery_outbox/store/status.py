@@ -26,15 +26,20 @@ class StatusStatements(StoreBase):
     """The status report of the store."""
 
     def status(self, now: datetime | None = None, stuck_after: float = DEFAULT_STUCK_AFTER,
-               recent: float = DEFAULT_RECENT) -> dict[str, Any]:
+               recent: float = DEFAULT_RECENT, timeout: float | None = None) -> dict[str, Any]:
         """Counts per table by status and destination, the oldest pending rows' age, the rows
         waiting longer than ``stuck_after`` seconds, the dead letters of the last ``recent``
-        seconds, the nodes."""
+        seconds, the nodes. With ``timeout`` (seconds), no statement waits longer for a lock
+        another transaction holds (a ``VACUUM FULL``, a migration, ``LOCK TABLE``), nor runs
+        longer, on PostgreSQL: past it the read raises (``is_lock_timeout`` or a cancelled
+        statement); on SQLite, which readers never wait for, it changes nothing."""
         given = now
         now = now or utcnow()
         t = self.tables
         stuck_before = now - timedelta(seconds=stuck_after)
-        with self.begin() as conn:
+        with self.begin(lock_wait=timeout if self.is_postgres else None) as conn:
+            if timeout is not None and self.is_postgres:
+                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {max(1, int(timeout * 1000))}")
             incoming = _grouped_counts(conn, t.incoming.c.status, t.incoming.c.queue, ("status", "queue"))
             outgoing = _grouped_counts(conn, _outgoing_state(t.outgoing, now), t.outgoing.c.destination,
                                        ("status", "destination"))

@@ -71,3 +71,22 @@ def test_a_store_that_does_not_answer_is_one_failed_condition(table_prefix):
         assert result.returncode == 1, result.stderr
         assert expected in result.stdout
         assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_locked_table_is_a_failed_condition_within_the_timeout(postgres_url, table_prefix):
+    """``VACUUM FULL``, a migration or ``LOCK TABLE`` holds an outbox table: the check answers
+    within ``--timeout``, exit 1 and one line saying why, instead of hanging past a probe's limit."""
+    import psycopg
+
+    store = Store(build_engine(postgres_url), table_prefix)
+    store.migrate()
+    try:
+        for table in (store.tables.outgoing.name, store.tables.schema.name):
+            with psycopg.connect(postgres_url.replace("postgresql+psycopg", "postgresql")) as holder:
+                holder.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+                result = run("check", "--timeout", "2s", url=postgres_url, prefix=table_prefix)
+            assert result.returncode == 1, result.stderr
+            assert "FAIL store: the message store did not answer within 2 s: a table of it is locked" \
+                in result.stdout, (table, result.stdout, result.stderr)
+    finally:
+        drop_store(store)
