@@ -9,6 +9,8 @@ but left to Spark, which checks that it is there and not empty (``Inputs``).
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from celery_outbox.audit.archive import archive_schema
 from celery_outbox.audit.jdbc import jdbc_url_of
 from celery_outbox.audit.location import Location
@@ -16,7 +18,8 @@ from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.audit.session import jdbc_jar
 from celery_outbox.vocabulary import ArchiveKind
 
-__all__ = ["ArchiveFiles", "check_archive", "check_inputs", "empty_archive", "location_of", "missing_archive"]
+__all__ = ["EARLIEST_MOMENT", "ArchiveFiles", "check_archive", "check_inputs", "check_moments", "empty_archive",
+           "location_of", "missing_archive"]
 
 #: the Parquet files of each kind of the archive, as found before Spark starts; None for an archive
 #: on a filesystem only Spark reaches, which Spark lists itself
@@ -82,8 +85,48 @@ def check_archive(archive: Location) -> dict[ArchiveKind, list[str]]:
                                                    and str(column.type).startswith("timestamp")):
                     raise AuditInputError(f"archive file {file_path} has a bad schema: column {column.name!r} is "
                                           f"{actual}, expected {column.type}")
+            check_moments(file_path, fs, [c.name for c in expected if str(c.type).startswith("timestamp")])
         files[kind] = found
     return files
+
+
+#: no node of a deployment stamped a row before this (the Unix epoch): an earlier moment, year 1
+#: say, is a corrupted or forged row, which Spark reads but Python cannot turn into local time
+EARLIEST_MOMENT = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def check_moments(file_path: str, fs, columns: list[str]) -> None:
+    """Refuse a file whose timestamp ``columns`` hold a moment before ``EARLIEST_MOMENT``, naming
+    the file, the row and the column. Reads the footer's statistics; a column is read only when
+    they show such a moment."""
+    import pyarrow.parquet as pq
+
+    metadata = pq.ParquetFile(file_path, filesystem=fs).metadata
+    names = [metadata.schema.column(i).name for i in range(metadata.num_columns)]
+    for name in columns:
+        if name not in names:
+            continue
+        index = names.index(name)
+        earliest = None
+        for group in range(metadata.num_row_groups):
+            statistics = metadata.row_group(group).column(index).statistics
+            if statistics is None or not statistics.has_min_max:
+                earliest = None  # no statistics: read the column
+                break
+            low = _aware(statistics.min)
+            earliest = low if earliest is None or low < earliest else earliest
+        if earliest is not None and earliest >= EARLIEST_MOMENT:
+            continue
+        values = pq.read_table(file_path, columns=[name], filesystem=fs).column(name).to_pylist()
+        for row, value in enumerate(values):
+            if value is not None and _aware(value) < EARLIEST_MOMENT:
+                raise AuditInputError(f"archive file {file_path}, row {row}: column {name!r} is "
+                                      f"{value.isoformat()}, before {EARLIEST_MOMENT.date()}: a corrupted or "
+                                      "forged row (no node's clock gave it)")
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
 def missing_archive(archive: Location) -> AuditInputError:

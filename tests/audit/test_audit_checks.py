@@ -13,9 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import celery_outbox.audit.job as job
-from celery_outbox.audit.archive import ParquetArchiver
+from celery_outbox.audit.archive import ParquetArchiver, archive_schema
 from celery_outbox.audit.checks import check_inputs
 from celery_outbox.audit.job import EXIT_BAD_INPUT, AuditOptions, main, run_audit
+from celery_outbox.vocabulary import ArchiveKind
 
 from .conftest import T0, sent
 
@@ -76,6 +77,24 @@ def test_a_partition_with_a_bad_schema_is_named_and_no_spark(archive, tmp_path, 
     pq.write_table(pa.table({"message_id": [1, 2], "status": ["handled", "handled"]}), bad / "part-bad.parquet")
     line = refused(["--archive", archive, "--out", str(tmp_path / "out")], capsys)
     assert f"archive file {bad / 'part-bad.parquet'} has a bad schema" in line
+    assert sessions == []
+
+
+def test_a_moment_before_1970_is_named_by_file_and_row_and_no_spark(archive, tmp_path, capsys, sessions):
+    """A row stamped in year 1 (corrupted, or forged): Spark would read it, and the job would crash
+    turning it into local time, with the exit code that means a message was lost."""
+    from datetime import datetime, timezone
+
+    folder = Path(archive) / "sent" / "date=2026-11-02"
+    folder.mkdir(parents=True)
+    schema = archive_schema(ArchiveKind.SENT)
+    moments = [T0, datetime(1, 1, 1, tzinfo=timezone.utc), T0]
+    rows = [{name: getattr(sent(n, at), name, None) for name in schema.names} for n, at in enumerate(moments)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), folder / "part-year-one.parquet")
+    line = refused(["--archive", archive, "--out", str(tmp_path / "out")], capsys)
+    assert line == (f"celery-outbox audit: archive file {folder / 'part-year-one.parquet'}, row 1: column "
+                    "'created_at' is 0001-01-01T00:00:00+00:00, before 1970-01-01: a corrupted or forged row "
+                    "(no node's clock gave it)"), line
     assert sessions == []
 
 
