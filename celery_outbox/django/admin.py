@@ -66,6 +66,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
+#: the bytes of a dead letter's body its page shows (and reads from the database)
+SHOWN_BODY = 4000
+
+
 @admin.register(DeadLetter)
 class DeadLetterAdmin(ReadOnlyAdmin):
     list_display = ("id", "failed_at", "task_name", "queue", "reason", "exception_type", "replay_count")
@@ -77,6 +81,15 @@ class DeadLetterAdmin(ReadOnlyAdmin):
               "shown_body")
     readonly_fields = fields
     actions = ["replay_selected", "purge_selected"]
+
+    def get_queryset(self, request: HttpRequest) -> Any:
+        """The letters without their bodies: a page reads at most ``SHOWN_BODY`` bytes of each (and
+        its size), whatever the bodies weigh. The other columns a letter's page shows are read
+        when it shows them."""
+        from django.db.models.functions import Length, Substr
+
+        return super().get_queryset(request).defer("body", "traceback", "headers", "properties").annotate(
+            body_prefix=Substr("body", 1, SHOWN_BODY + 1), body_size=Length("body"))
 
     @admin.display(description="traceback")
     def shown_traceback(self, letter: DeadLetter) -> str:
@@ -92,8 +105,11 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
     @admin.display(description="body")
     def shown_body(self, letter: DeadLetter) -> str:
-        body = bytes(letter.body or b"")
-        return format_html("<pre>{}</pre>", body.decode("utf-8", "backslashreplace")[:4000])
+        prefix = bytes(getattr(letter, "body_prefix", None) or b"")
+        size = getattr(letter, "body_size", None) or 0
+        shown = prefix[:SHOWN_BODY].decode("utf-8", "backslashreplace")
+        more = f"\n… {size - SHOWN_BODY:,} more bytes ({size:,} in all)" if size > SHOWN_BODY else ""
+        return format_html("<pre>{}{}</pre>", shown, more)
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("celery_outbox.replay_deadletter")
