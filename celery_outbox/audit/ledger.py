@@ -122,8 +122,12 @@ def record_ledger(spark, out: Location, options: AuditOptions, inputs: Inputs, r
     tables read, ``result.total`` holds their rows too, and the archive's own part is tallied."""
     F = inputs.F
     archived = inputs.archived
-    watermark = max((m for m in (*_newest(F, archived), previous.watermark if previous else None) if m),
-                    default=None)
+    newest = max((m for m in (*_newest(F, archived), previous.watermark if previous else None) if m), default=None)
+    # never past the run's own clock: one row stamped ahead (a node's clock running fast) would
+    # otherwise carry the watermark, kept across runs, into the future and settle at once every
+    # message: their rows archived again later (cleanup archives at least once) would count twice
+    ceiling = options.now.astimezone(timezone.utc).replace(tzinfo=None)
+    watermark = None if newest is None else min(newest, ceiling)
     carried_per = _carried(F, archived, watermark, options.horizon_seconds, inputs.live_ids).cache()
     cached.append(carried_per)
     carried = {kind: carried_per.select(F.explode(kind.value).alias("row")).select("row.*") for kind in ArchiveKind}

@@ -188,3 +188,25 @@ def test_a_one_off_audit_keeps_no_ledger_and_reports_the_same(spark, tmp_path):
     assert one_off["ledger"] == {"mode": "full", "why_full": "--no-ledger", "recorded": False}
     assert not (tmp_path / "one-off" / "ledger").exists()
     assert comparable(one_off) == comparable(audit(tmp_path / "kept", archive, spark, now))
+
+
+def test_a_row_stamped_ahead_of_the_runs_clock_does_not_move_the_watermark_past_it(spark, tmp_path):
+    """A node whose clock runs 30 days fast archives one row; then cleanup's at-least-once archive
+    repeats five handled rows. The incremental run still reports what a full run reports: the
+    watermark is bounded by the run's own clock, so the repeated messages were still carried."""
+    archive, out = tmp_path / "archive", tmp_path / "daily"
+    archiver = ParquetArchiver(str(archive))
+    write_day(archiver, 0)
+    ahead = incoming(3, "handled", T0 + 30 * DAY)
+    ahead.message_id = "ahead-3"
+    archiver.archive("incoming", [ahead])
+    first = audit(out, archive, spark, T0 + timedelta(hours=2))
+    assert first["ledger"]["watermark"] <= (T0 + timedelta(hours=2)).replace(tzinfo=None).isoformat()
+    repeats = [incoming(n, "handled", T0 + timedelta(minutes=n, seconds=1)) for n in range(5)]
+    for n, row in enumerate(repeats):
+        row.message_id = f"d0-{n}"
+    archiver.archive("incoming", repeats)
+    now = T0 + timedelta(hours=3)
+    daily = audit(out, archive, spark, now)
+    assert daily["ledger"]["mode"] == "incremental"
+    assert comparable(daily) == comparable(audit(tmp_path / "full", archive, spark, now))
