@@ -261,7 +261,7 @@ class Outbox:
         ``recent`` seconds, and nodes (what ``celery -A proj outbox status`` prints, and what
         ``check`` and the metrics' gauges read). One read-only transaction; with ``timeout``
         (seconds), it raises rather than wait longer on PostgreSQL for a locked table."""
-        return self.runtime.ready().store.status(stuck_after=stuck_after, recent=recent, timeout=timeout)
+        return self.runtime.status(stuck_after=stuck_after, recent=recent, timeout=timeout)
 
 
 def threaded_concurrency(worker: Any) -> int | None:

@@ -188,6 +188,11 @@ class Runtime:
             self._ready = True
         return self
 
+    def status(self, **options: Any) -> dict[str, Any]:
+        """The store's status report (``Store.status``), the dead letters of task names this app
+        does not register counted as one group."""
+        return self.ready().store.status(known_tasks=tuple(self.app.tasks.keys()), **options)
+
     def migrate(self) -> Any:
         """Create or upgrade the tables; the store is ready after it."""
         result = self.store.migrate()

@@ -27,6 +27,7 @@ from django.utils.html import format_html
 from ..deadletters import DeadLetterFilter, purge, replay
 from ..errors import OutboxError
 from ..runtime import Runtime, installed_runtimes
+from ..store.status import OTHER_TASKS
 from .models import DeadLetter, IncomingMessage, OutgoingMessage
 from .settings import outbox_settings
 
@@ -66,6 +67,31 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
+class RegisteredTaskFilter(admin.SimpleListFilter):
+    """By task name: each task the app registers that has rows, and ``other`` for the rest (names
+    come from messages: a sender of hostile ones must not make the filter list them all)."""
+
+    title = "task name"
+    parameter_name = "task"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        registered = _registered_tasks()
+        present = model_admin.get_queryset(request).filter(task_name__in=registered).order_by("task_name") \
+            .values_list("task_name", flat=True).distinct()
+        return [(name, name) for name in present] + [(OTHER_TASKS, OTHER_TASKS)]
+
+    def queryset(self, request: HttpRequest, queryset: Any) -> Any:
+        if self.value() is None:
+            return queryset
+        if self.value() == OTHER_TASKS:
+            return queryset.exclude(task_name__in=_registered_tasks())
+        return queryset.filter(task_name=self.value())
+
+
+def _registered_tasks() -> list[str]:
+    return sorted(installed_runtime().app.tasks.keys())
+
+
 #: the bytes of a dead letter's body its page shows (and reads from the database)
 SHOWN_BODY = 4000
 
@@ -73,7 +99,7 @@ SHOWN_BODY = 4000
 @admin.register(DeadLetter)
 class DeadLetterAdmin(ReadOnlyAdmin):
     list_display = ("id", "failed_at", "task_name", "queue", "reason", "exception_type", "replay_count")
-    list_filter = ("reason", "task_name", "queue", "exception_type")
+    list_filter = ("reason", RegisteredTaskFilter, "queue", "exception_type")
     search_fields = ("message_id", "task_name", "exception_message")
     fields = ("message_id", "task_name", "queue", "destination", "reason", "exception_type", "exception_message",
               "failed_at", "retries", "nesting", "replays", "replay_count", "replayed_at", "exchange", "routing_key",
@@ -140,7 +166,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
             from django.core.exceptions import PermissionDenied
 
             raise PermissionDenied
-        status = installed_runtime().ready().store.status()
+        status = installed_runtime().status()
         context = {**self.admin_site.each_context(request), "title": "celery-outbox status", "status": status,
                    "opts": self.model._meta}
         return TemplateResponse(request, "celery_outbox/status.html", context)
@@ -150,7 +176,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 class OutgoingMessageAdmin(ReadOnlyAdmin):
     list_display = ("id", "created_at", "message_id", "task_name", "destination", "sent_at", "redeliveries", "attempts",
                     "deliver_at")
-    list_filter = ("destination", "task_name")
+    list_filter = ("destination", RegisteredTaskFilter)
     search_fields = ("message_id", "task_name")
 
 
@@ -158,7 +184,7 @@ class OutgoingMessageAdmin(ReadOnlyAdmin):
 class IncomingMessageAdmin(ReadOnlyAdmin):
     list_display = ("message_id", "received_at", "task_name", "queue", "status", "duplicates", "recoveries",
                     "handled_at")
-    list_filter = ("status", "queue", "task_name")
+    list_filter = ("status", "queue", RegisteredTaskFilter)
     search_fields = ("message_id", "task_name")
     list_display_links = None  # the key has three columns: a row has no page of its own
 

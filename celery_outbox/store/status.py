@@ -7,32 +7,40 @@ pending rows, the nodes (``Outbox.status`` and the ``status`` command).
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Collection
 
-from sqlalchemy import Connection, case, func, select
+from sqlalchemy import Connection, case, func, literal, select
 
 from .base import StoreBase, as_utc, utcnow
 from .schema import is_running
 
-__all__ = ["DEFAULT_RECENT", "DEFAULT_STUCK_AFTER", "StatusStatements"]
+__all__ = ["DEFAULT_RECENT", "DEFAULT_STUCK_AFTER", "OTHER_TASKS", "StatusStatements"]
 
 #: Seconds a row may wait (an unsent due outgoing row, a running claim) before the status calls it stuck
 DEFAULT_STUCK_AFTER = 3600.0
 #: The window, in seconds, of the status's count of recent dead letters
 DEFAULT_RECENT = 3600.0
+#: Where the status counts the dead letters of task names the app does not register
+OTHER_TASKS = "other"
 
 
 class StatusStatements(StoreBase):
     """The status report of the store."""
 
     def status(self, now: datetime | None = None, stuck_after: float = DEFAULT_STUCK_AFTER,
-               recent: float = DEFAULT_RECENT, timeout: float | None = None) -> dict[str, Any]:
+               recent: float = DEFAULT_RECENT, timeout: float | None = None,
+               known_tasks: Collection[str] | None = None) -> dict[str, Any]:
         """Counts per table by status and destination, the oldest pending rows' age, the rows
         waiting longer than ``stuck_after`` seconds, the dead letters of the last ``recent``
-        seconds, the nodes. With ``timeout`` (seconds), no statement waits longer for a lock
-        another transaction holds (a ``VACUUM FULL``, a migration, ``LOCK TABLE``), nor runs
-        longer, on PostgreSQL: past it the read raises (``is_lock_timeout`` or a cancelled
-        statement); on SQLite, which readers never wait for, it changes nothing."""
+        seconds, the nodes.
+
+        With ``known_tasks`` (the app's registered task names), the dead letters of any other task
+        name count under ``OTHER_TASKS``: names come from messages, and a sender of hostile ones
+        must not make one row (one metric series) each. With ``timeout`` (seconds), no statement
+        waits longer for a lock another transaction holds (a ``VACUUM FULL``, a migration,
+        ``LOCK TABLE``), nor runs longer, on PostgreSQL: past it the read raises
+        (``is_lock_timeout`` or a cancelled statement); on SQLite, which readers never wait for,
+        it changes nothing."""
         given = now
         now = now or utcnow()
         t = self.tables
@@ -43,8 +51,10 @@ class StatusStatements(StoreBase):
             incoming = _grouped_counts(conn, t.incoming.c.status, t.incoming.c.queue, ("status", "queue"))
             outgoing = _grouped_counts(conn, _outgoing_state(t.outgoing, now), t.outgoing.c.destination,
                                        ("status", "destination"))
-            dead_letters = _grouped_counts(conn, t.dead_letters.c.reason, t.dead_letters.c.task_name,
-                                           ("reason", "task"))
+            task = t.dead_letters.c.task_name
+            if known_tasks is not None:
+                task = case((task.in_(sorted(known_tasks) or [""]), task), else_=literal(OTHER_TASKS)).label("task")
+            dead_letters = _grouped_counts(conn, t.dead_letters.c.reason, task, ("reason", "task"))
             oldest_outgoing = as_utc(conn.execute(
                 select(func.min(t.outgoing.c.created_at)).where(t.outgoing.c.sent_at.is_(None))
                 .where((t.outgoing.c.deliver_at.is_(None)) | (t.outgoing.c.deliver_at <= now))

@@ -48,3 +48,35 @@ def test_a_multiprocess_folder_that_does_not_exist_is_a_clear_error(monkeypatch,
     monkeypatch.setenv(metrics.MULTIPROCESS_DIR_VARIABLE, str(tmp_path / "missing"))
     with pytest.raises(ConfigurationError, match="PROMETHEUS_MULTIPROC_DIR=.*missing.* is not a folder"):
         metrics.use_multiprocess_dir()
+
+
+def test_the_gauges_and_the_status_group_dead_letters_of_unregistered_task_names(sqlite_url, table_prefix):
+    """200 letters, each of a task name of its own that the app does not register (failed, as a
+    registered task's are not): ``status`` has one row for them and one for the registered task,
+    and the dead-letter gauge two series, not 201."""
+    from celery import Celery
+
+    from celery_outbox import Outbox
+    from celery_outbox.dead_letter_rows import dead_letter_row
+    from celery_outbox.store import utcnow
+
+    app = Celery("hostile_names", broker="memory://", set_as_current=False)
+    app.conf.update(outbox_database_url=sqlite_url, outbox_table_prefix=table_prefix)
+    outbox = Outbox(app)
+
+    @app.task(name="shop.pay", shared=False)
+    def pay():
+        return None
+
+    store = outbox.ready().store
+    names = ["shop.pay", "shop.pay", *(f"evil.{n}" for n in range(200))]
+    with store.begin() as conn:
+        store.insert_dead_letters(conn, [dead_letter_row(reason=DeadLetterReason.FAILED, failed_at=utcnow(),
+                                                         message_id=f"m{n}", task_name=name)
+                                         for n, name in enumerate(names)])
+    assert [(row["task"], row["count"]) for row in outbox.status()["dead_letters"]] == [("other", 200),
+                                                                                        ("shop.pay", 2)]
+    registry = CollectorRegistry()
+    registry.register(metrics.StoreCollector(outbox.status))
+    assert samples(registry, "celery_outbox_dead_letter_messages") == {
+        (("reason", "failed"), ("task", "other")): 200, (("reason", "failed"), ("task", "shop.pay")): 2}

@@ -1,5 +1,6 @@
-"""The admin's dead-letter pages read a bounded prefix of each body, never the bodies themselves,
-on SQLite and PostgreSQL (Django's test client: what the pages read, not how they look)."""
+"""What the admin's pages read and offer whatever messages hold, on SQLite and PostgreSQL (Django's
+test client: what the pages read, not how they look): a bounded prefix of each dead letter's body,
+never the bodies themselves; a task filter of the app's registered tasks and one ``other``."""
 
 from __future__ import annotations
 
@@ -51,3 +52,22 @@ def test_the_list_and_a_letters_page_read_at_most_a_prefix_of_each_body(shop, se
     text = detail.content.decode()
     assert "x" * SHOWN_BODY in text and "x" * (SHOWN_BODY + 1) not in text
     assert f"{BODY_SIZE - SHOWN_BODY:,} more bytes ({BODY_SIZE:,} in all)" in text
+
+
+def test_the_task_filter_lists_registered_tasks_and_one_other(shop, settings, django_user_model, client):
+    """300 letters naming 300 tasks the app does not register, beside its own task's: the filter
+    offers that task and ``other``, and ``other`` finds the 300."""
+    settings.CELERY_OUTBOX_DJANGO_DATABASE = shop.using
+    store = shop.outbox.store
+    names = [shop.pay.name, *(f"evil.{n}" for n in range(300))]
+    with store.begin() as conn:
+        store.insert_dead_letters(conn, [dead_letter_row(reason=DeadLetterReason.UNKNOWN_TASK, failed_at=utcnow(),
+                                                         message_id=f"named-{n}", task_name=name)
+                                         for n, name in enumerate(names)])
+    django_user_model.objects.create_superuser("admin", password="celery-outbox")
+    client.login(username="admin", password="celery-outbox")
+    page = client.get("/admin/celery_outbox/deadletter/").content.decode()
+    offered = sorted(set(re.findall(r'href="\?task=([^"&]+)"', page)))
+    assert offered == sorted([shop.pay.name, "other"]), offered
+    others = client.get("/admin/celery_outbox/deadletter/?task=other&all=")
+    assert others.status_code == 200 and "300 dead letters" in others.content.decode()
