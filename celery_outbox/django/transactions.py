@@ -147,8 +147,9 @@ def _store_at_commit(connection: Any) -> None:
 
     def store_then_commit() -> Any:
         batches = [callback for _, callback, _ in connection.run_on_commit if isinstance(callback, _Batch)]
-        if batches and connection.vendor == "postgresql":
-            _refuse_if_aborted(connection, batches[0].owner.store)
+        if batches:
+            if connection.vendor == "postgresql":  # only PostgreSQL aborts a transaction for a failed statement
+                _refuse_if_aborted(connection, batches[0].owner.store)
             crashpoint("before_commit")
             owners = list(dict.fromkeys(batch.owner for batch in batches))  # each outbox's, in order
             try:
