@@ -95,7 +95,7 @@ SETTINGS: tuple[Setting, ...] = (
             "(an eager claim, or an optimistic attempt whose message no tracked outgoing row holds)."),
     Setting("node_stale_checks", 3, parse.positive_int,
             "Consecutive recover passes a node must be found stale before it is declared dead "
-            "and its rows are released."),
+            "and its rows are released; on PostgreSQL also only once its liveness lock is free."),
     Setting("inbox_stale_time", None, parse.optional_seconds,
             "Opt-in: an inbox claim older than this many seconds (from claim time), not yet handled, is "
             "released for recovery even if its node is alive (a hung task). Off by default."),
