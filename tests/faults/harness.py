@@ -97,7 +97,7 @@ class Outcome:
     pending: dict[str, int] = field(default_factory=dict)
     copies_sent: int = 0
     copies_uncounted: int = 0
-    bodies_run_twice: int = 0  # eager payment bodies started again after a first start (a crash may do it)
+    bodies_run_twice: int = 0  # eager payment bodies started again (a kill or a lost connection may do it)
     nodes_declared_dead: int = 0
 
     def line(self) -> str:

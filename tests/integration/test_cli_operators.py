@@ -42,7 +42,8 @@ def test_message_text_is_escaped_in_every_listing(sqlite_url, table_prefix):
                         ["dead-letters", "list", "--json"], ["status", "--json"]):
             result = run(*command, url=sqlite_url, prefix=table_prefix)
             assert result.returncode == 0, result.stderr
-            assert "tasks.evil" in result.stdout
+            # status groups the dead letters of task names the app does not register as "other"
+            assert ("other" if command[0] == "status" else "tasks.evil") in result.stdout, result.stdout
             assert_no_control_characters(result.stdout + result.stderr)
         shown = run("dead-letters", "show", letter_id, url=sqlite_url, prefix=table_prefix).stdout
         assert "tasks.evil\\x1b[2J\\rfake\\x00" in shown
