@@ -118,10 +118,15 @@ def _rounds(outbox: Outbox, rows: int, rounds: int, window: float, durable: bool
         claims.close()
     during, without = _pooled(samples, "during"), _pooled(samples, "without")
     _progress(f"  claims ({'durable' if durable else 'not waiting for the WAL flush'}) p99 "
-              f"{percentile(during, 0.99) * 1000:.2f} ms during cleanup ({len(during)}), "
-              f"{percentile(without, 0.99) * 1000:.2f} ms without ({len(without)}); p50 "
-              f"{percentile(during, 0.5) * 1000:.2f} / {percentile(without, 0.5) * 1000:.2f} ms")
+              f"{_ms(during, 0.99)} during cleanup ({len(during)}), {_ms(without, 0.99)} without "
+              f"({len(without)}); p50 {_ms(during, 0.5)} / {_ms(without, 0.5)}")
     return rates, samples, written
+
+
+def _ms(latencies: list[float], share: float) -> str:
+    """A percentile of claim latencies in milliseconds; a cleanup quicker than every claim of
+    its window leaves none ("none ended")."""
+    return f"{percentile(latencies, share) * 1000:.2f} ms" if latencies else "none ended"
 
 
 @contextmanager
