@@ -271,17 +271,7 @@ class FaultRun:
         broker or delivery tracking holds (an optimistic attempt commits nothing before its body).
         Give the run bodies that take a while (``body_seconds``) and mostly eager attempts
         (``plain_receipts``), or two at once may never be caught."""
-        group = self.processes["consumer"].process.pid
-
-        def caught() -> bool:
-            os.killpg(group, signal.SIGSTOP)
-            if self._safely(self._envelopes_in_flight, 0) >= bodies:
-                return True
-            os.killpg(group, signal.SIGCONT)
-            return False
-
-        wait_until(caught, timeout=timeout, interval=0.02,
-                   message=f"{bodies} attempts running in the consuming worker at once")
+        self._stop_consumer_with_bodies_in_flight(bodies, timeout)
         self.kill_consumer()
 
     def pause_consumer_in_flight(self, seconds: float, bodies: int = 1, timeout: float = 30.0) -> None:
@@ -289,6 +279,16 @@ class FaultRun:
         ``bodies`` eager attempts run in it, for ``seconds`` (past the nodes' stale window: a VM
         paused, a cgroup frozen, a body holding the GIL), then let it go on (SIGCONT). Its
         database sessions live on, and with them its nodes' liveness locks."""
+        group = self._stop_consumer_with_bodies_in_flight(bodies, timeout)
+        try:
+            time.sleep(seconds)  # the pause is the fault: there is no condition to wait for
+        finally:
+            os.killpg(group, signal.SIGCONT)
+        self.external_kills += 1
+
+    def _stop_consumer_with_bodies_in_flight(self, bodies: int, timeout: float) -> int:
+        """Stop the consuming worker's process group (SIGSTOP), letting it go on and trying again
+        until at least ``bodies`` eager attempts run in it; the group, left stopped."""
         group = self.processes["consumer"].process.pid
 
         def caught() -> bool:
@@ -300,11 +300,7 @@ class FaultRun:
 
         wait_until(caught, timeout=timeout, interval=0.02,
                    message=f"{bodies} attempts running in the consuming worker at once")
-        try:
-            time.sleep(seconds)  # the pause is the fault: there is no condition to wait for
-        finally:
-            os.killpg(group, signal.SIGCONT)
-        self.external_kills += 1
+        return group
 
     def _envelopes_in_flight(self) -> int:
         """Stored envelopes of attempts running now: not finished, not yet due for recovery."""
