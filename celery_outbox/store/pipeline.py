@@ -333,9 +333,13 @@ def _prepare_pending(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
 
 
 def remember_failed_statement(conn: Connection, error: BaseException) -> None:
-    """Keep ``error``, which a statement on ``conn`` raised, for ``aborted_by`` to name."""
+    """Keep ``error``, which a statement on ``conn`` raised, for ``aborted_by`` to name: in one line,
+    its type and the first line of its message (not the error itself, whose traceback would keep
+    its frames alive for as long as the pooled connection lives)."""
+    text = str(error).strip()
+    line = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
     with suppress(Exception):  # a connection already closed or invalidated keeps nothing
-        conn.info[_FAILED_STATEMENT] = error
+        conn.info[_FAILED_STATEMENT] = line
 
 
 def _remember_failed_statements(engine: Engine) -> None:
@@ -377,10 +381,7 @@ class OneMessage(StoreBase):
         """The error of the statement that last failed on ``conn`` (``remember_failed_statement``),
         in one line: its type and the first line of its message; None if none failed."""
         with suppress(Exception):
-            error = conn.info.get(_FAILED_STATEMENT)
-            if error is not None:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                return f"{type(error).__name__}: {first}" if first else type(error).__name__
+            return conn.info.get(_FAILED_STATEMENT)
         return None
 
     def _in_one_message_alone(self, send: Callable[[Connection], _T], conn: Connection | None = None) -> _T | None:
