@@ -61,15 +61,12 @@ def store_down(error: BaseException, timeout: float | None = None) -> Failure:
 
 def _timed_out(error: BaseException) -> bool:
     """PostgreSQL's lock_timeout (55P03) or statement_timeout (57014) cut the status query short."""
-    from .store import is_lock_timeout
+    from .store import is_lock_timeout, is_statement_timeout
 
     if isinstance(error, TimeoutError):
         return True
-    for cause in (error, error.__cause__):  # the driver's error, or the one StoreUnavailable names
-        if cause is not None and (is_lock_timeout(cause)
-                                  or getattr(getattr(cause, "orig", cause), "sqlstate", None) == "57014"):
-            return True
-    return False
+    causes = (error, error.__cause__)  # the driver's error, or the one StoreUnavailable names
+    return any(cause is not None and (is_lock_timeout(cause) or is_statement_timeout(cause)) for cause in causes)
 
 
 def _first_line(error: BaseException) -> str:

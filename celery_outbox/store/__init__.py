@@ -1,6 +1,14 @@
 """The message store: tables (one MetaData per prefix) and the only SQL of celery-outbox."""
 
-from .base import as_utc, is_content_error, is_lock_timeout, is_unique_violation, node_lock_key, utcnow
+from .base import (
+    as_utc,
+    is_content_error,
+    is_lock_timeout,
+    is_statement_timeout,
+    is_unique_violation,
+    node_lock_key,
+    utcnow,
+)
 from .engine import build_engine, masked_options, redact, safe_url
 from .migration import MigrationResult
 from .schema import (
@@ -25,6 +33,7 @@ __all__ = [
     "build_tables",
     "is_content_error",
     "is_lock_timeout",
+    "is_statement_timeout",
     "is_unique_violation",
     "masked_options",
     "node_lock_key",

@@ -28,10 +28,12 @@ from .engine import SQLITE_BUSY_TIMEOUT_MS, redact, safe_url
 from .schema import UNOWNED, Tables, _incoming_key, build_tables, is_running
 from .sqlite_codes import SqliteCode, sqlite_code
 
-__all__ = ["StoreBase", "as_utc", "is_content_error", "is_lock_timeout", "is_unique_violation", "utcnow"]
+__all__ = ["StoreBase", "as_utc", "is_content_error", "is_lock_timeout", "is_statement_timeout", "is_unique_violation",
+           "utcnow"]
 
 PG_UNIQUE_VIOLATION = "23505"
 PG_LOCK_NOT_AVAILABLE = "55P03"
+PG_QUERY_CANCELED = "57014"
 
 
 def utcnow() -> datetime:
@@ -62,6 +64,11 @@ def is_lock_timeout(exc: BaseException) -> bool:
         return True
     code = sqlite_code(orig)
     return code is not None and code & 0xFF == SqliteCode.BUSY  # SQLITE_BUSY and its extended codes
+
+
+def is_statement_timeout(exc: BaseException) -> bool:
+    """True when PostgreSQL cancelled a statement that ran past its ``statement_timeout``."""
+    return getattr(getattr(exc, "orig", exc), "sqlstate", None) == PG_QUERY_CANCELED
 
 
 def is_content_error(exc: BaseException) -> bool:
