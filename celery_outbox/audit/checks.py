@@ -4,7 +4,8 @@ clear line, not Spark's start-up and its log.
 Checked here: the options' locations, the archive when it is local (there, holding files, each
 readable Parquet with the columns of its kind: pyarrow reads the footers), the JDBC URL's form and
 the JDBC driver's jar. An archive on a filesystem only Spark reaches (``s3a://``, ``hdfs://``...) is not refused
-but left to Spark, which checks that it is there and not empty (``Inputs``).
+but left to Spark, which checks that it is there, not empty and stamped by clocks (``Inputs``), as
+it checks the live tables.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from celery_outbox.audit.options import AuditInputError, AuditOptions
 from celery_outbox.audit.session import jdbc_jar
 from celery_outbox.vocabulary import ArchiveKind
 
-__all__ = ["EARLIEST_MOMENT", "ArchiveFiles", "check_archive", "check_inputs", "check_moments", "empty_archive",
-           "location_of", "missing_archive"]
+__all__ = ["EARLIEST_MOMENT", "ArchiveFiles", "check_archive", "check_inputs", "check_moments", "early_moment",
+           "empty_archive", "location_of", "missing_archive"]
 
 #: the Parquet files of each kind of the archive, as found before Spark starts; None for an archive
 #: on a filesystem only Spark reaches, which Spark lists itself
@@ -120,9 +121,14 @@ def check_moments(file_path: str, fs, columns: list[str]) -> None:
         values = pq.read_table(file_path, columns=[name], filesystem=fs).column(name).to_pylist()
         for row, value in enumerate(values):
             if value is not None and _aware(value) < EARLIEST_MOMENT:
-                raise AuditInputError(f"archive file {file_path}, row {row}: column {name!r} is "
-                                      f"{value.isoformat()}, before {EARLIEST_MOMENT.date()}: a corrupted or "
-                                      "forged row (no node's clock gave it)")
+                raise early_moment(f"archive file {file_path}, row {row}", name, value.isoformat())
+
+
+def early_moment(where: str, column: str, shown: str) -> AuditInputError:
+    """The error for a row, named by ``where``, whose ``column`` holds ``shown``, a moment before
+    ``EARLIEST_MOMENT``."""
+    return AuditInputError(f"{where}: column {column!r} is {shown}, before {EARLIEST_MOMENT.date()}: a corrupted "
+                           "or forged row (no node's clock gave it)")
 
 
 def _aware(moment: datetime) -> datetime:

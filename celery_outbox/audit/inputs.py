@@ -4,7 +4,9 @@
 Archived rows may repeat (archiving is at least once), and a row may be both archived and still
 in its live table: every input is de-duplicated by its key (``Inputs``). An archive only Spark
 reaches that is missing or empty, or a live table that cannot be read, is an ``AuditInputError``
-saying what and where, with any password masked.
+saying what and where, with any password masked; so is a row of either stamped before
+``EARLIEST_MOMENT`` (the checks refuse it in a local archive before Spark starts), named by its
+file or table and its message id.
 
 An incremental run (``ledger``) reads only the archive files the last run did not, and adds to
 them the messages that run carried over: de-duplication is the same whether a message's rows
@@ -14,9 +16,11 @@ came in one run or over several.
 from __future__ import annotations
 
 from functools import reduce
+from operator import or_
+from urllib.parse import unquote
 
 from celery_outbox.audit.archive import _COLUMNS
-from celery_outbox.audit.checks import ArchiveFiles, empty_archive, missing_archive
+from celery_outbox.audit.checks import EARLIEST_MOMENT, ArchiveFiles, early_moment, empty_archive, missing_archive
 from celery_outbox.audit.hadoop import exists, parquet_files
 from celery_outbox.audit.jdbc import jdbc_url_of
 from celery_outbox.audit.location import Location
@@ -29,6 +33,9 @@ __all__ = ["KEPT_COLUMNS", "Inputs", "deduplicated"]
 
 #: the live outbox table, read beside the tables of the archive's kinds (its rows are not archived)
 _OUTGOING = "outgoing"
+
+#: the columns the check of early moments adds: an archive row's file, a column's verdict (suffix)
+_FILE, _EARLY = "celery_outbox_file", "_is_early"
 
 #: the live tables, in the order they are read (see ``Inputs``)
 _LIVE_ORDER = (ArchiveKind.SENT, _OUTGOING, ArchiveKind.DEAD_LETTERS, ArchiveKind.INCOMING)
@@ -140,6 +147,9 @@ class Inputs:
         new = {kind: [uri for path, uri in paths.items() if path not in covered] for kind, paths in found.items()}
         self.files_read = sum(len(uris) for uris in new.values())
         frames = {kind: self._archived(kind, new[kind]) for kind in ArchiveKind}
+        if files is None and self.archive is not None:  # no check before Spark could read these
+            for frame in frames.values():
+                self._refuse_early_moments(frame.withColumn(_FILE, F.input_file_name()), "archive file")
         if self.archive is not None:
             self.archive_rows = {kind: frame.count() for kind, frame in frames.items()}
         if carried is not None:
@@ -196,7 +206,7 @@ class Inputs:
             frame = self.spark.read.jdbc(url, table, properties=properties).select(
                 *[self.F.col(f.name).cast(f.dataType) for f in schema]).cache()
             self.cached.append(frame)
-            return frame, frame.count()
+            rows = frame.count()
         except Exception as exc:  # noqa: BLE001 - Spark wraps the driver's error; its first line says it
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             reason = reason.split("on the operation: ")[-1].split(" SQLSTATE")[0]
@@ -204,3 +214,29 @@ class Inputs:
                 reason = reason.replace(secret, "***")
             raise AuditInputError(f"cannot read the live table {table} at {url.split('?')[0]}: {reason[:300]}") \
                 from None
+        self._refuse_early_moments(frame, f"live table {table}")
+        return frame, rows
+
+    def _refuse_early_moments(self, frame, where: str) -> None:
+        """Refuse ``frame``'s rows if one holds a moment before ``EARLIEST_MOMENT`` (Spark reads
+        it, but Python cannot take it from Spark): the error names it by ``where`` (a live table,
+        or ``"archive file"`` and the file in the frame's ``_FILE`` column), its message id and the
+        column. One query, which stops at the first such row: Parquet's statistics spare it the
+        row groups that hold none, and a live table's rows are read from its cache."""
+        from pyspark.sql import types as T
+
+        F = self.F
+        columns = [f.name for f in frame.schema if isinstance(f.dataType, T.TimestampType)]
+        if not columns:
+            return
+        earliest = F.lit(EARLIEST_MOMENT)
+        shown = [F.date_format(F.col(name), "yyyy-MM-dd'T'HH:mm:ssxxx").alias(name) for name in columns]
+        found = frame.where(reduce(or_, [F.col(name) < earliest for name in columns])).select(
+            *([F.col(_FILE)] if _FILE in frame.columns else []), F.col("message_id"),
+            *[(F.col(name) < earliest).alias(f"{name}{_EARLY}") for name in columns], *shown).limit(1).collect()
+        if not found:
+            return
+        row = found[0].asDict()
+        name = next(name for name in columns if row[f"{name}{_EARLY}"])
+        place = f"{where} {unquote(row[_FILE])}" if _FILE in row else where  # Spark gives it as a URI
+        raise early_moment(f"{place}, message {row['message_id']!r}", name, row[name])

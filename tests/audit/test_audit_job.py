@@ -165,6 +165,32 @@ def test_spark_lists_an_archive_the_checks_could_not(spark, known_archive, tmp_p
         Inputs(spark, AuditOptions(out=str(tmp_path / "out"), archive=f"file://{tmp_path / 'nowhere'}"), None)
 
 
+def test_a_moment_before_1970_in_an_archive_only_spark_reaches_is_named_by_file_and_message(
+        spark, known_archive, tmp_path):
+    """An archive the checks could not read before Spark (``files`` None: ``s3a://`` and the like):
+    a row stamped in year 1 is the input error the checks give for a local one, naming its file
+    and its message, not a crash when Python takes the moment from Spark."""
+    from datetime import datetime, timezone
+
+    from celery_outbox.audit.archive import ParquetArchiver
+    from celery_outbox.audit.inputs import Inputs
+    from celery_outbox.vocabulary import ArchiveKind
+
+    from .conftest import T0, sent
+
+    forged = sent(20, T0)
+    forged.sent_at = datetime(1, 1, 1, tzinfo=timezone.utc)
+    ParquetArchiver(known_archive).archive(ArchiveKind.SENT, [forged])
+    with pytest.raises(AuditInputError) as error:
+        Inputs(spark, AuditOptions(out=str(tmp_path / "out"), archive=f"file://{known_archive}"), None)
+    written = [path for path in (Path(known_archive) / "sent").rglob("*.parquet")
+               if "m20" in pq.read_table(path).column("message_id").to_pylist()]
+    assert len(written) == 1
+    assert str(error.value) == (f"archive file file://{written[0]}, message 'm20': column 'sent_at' is "
+                                "0001-01-01T00:00:00+00:00, before 1970-01-01: a corrupted or forged row "
+                                "(no node's clock gave it)")
+
+
 def test_file_uris_with_spaces_are_read_and_written_where_they_name(spark, known_archive, tmp_path, monkeypatch,
                                                                     capsys):
     """Not into a folder named ``file:`` under the current one; the report line names the real file."""

@@ -110,6 +110,26 @@ def test_live_dead_letters_and_pending_rows_count_as_archived_ones(spark, known_
     assert "still holding 1 unsent, 1 sent and unacknowledged, 1 running" in report
 
 
+def test_a_live_row_stamped_before_1970_is_an_input_error_naming_table_and_message(
+        spark, live_store, postgres_url, table_prefix, tmp_path, capsys):
+    """A live outgoing row created in year 1 (a forged or corrupted row; PostgreSQL keeps it): the
+    audit exits 2 naming the table, the message and the column, as it does for an archive file,
+    instead of crashing when Python takes the moment from Spark (exit 1 would say a message was lost)."""
+    from datetime import datetime, timezone
+
+    from celery_outbox.audit.job import EXIT_BAD_INPUT, main
+
+    with live_store.begin() as conn:
+        year_one = datetime(1, 1, 1, tzinfo=timezone.utc)
+        live_store.insert_outgoing(conn, [outgoing("fine", T0), outgoing("forged", year_one)])
+    assert main(["--jdbc-url", postgres_url, "--jdbc-jar", JDBC_JAR, "--table-prefix", table_prefix,
+                 "--out", str(tmp_path / "out"), "--now", NOW.isoformat()], spark) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"celery-outbox audit: live table {table_prefix}outgoing, message 'forged': column 'created_at' is "
+        "0001-01-01T00:00:00+00:00, before 1970-01-01: a corrupted or forged row (no node's clock gave it)")
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
 def test_without_the_live_tables_the_summary_says_so(known_audit):
     summary = known_audit.summary
     assert summary["inputs"]["live"] is None
