@@ -113,7 +113,7 @@ class Node:
         name = f"{hostname}:{pid}:{uuid.uuid4().hex[:12]}"
         self._pending_releases = {}
         if store.is_postgres:
-            self._liveness_connection = store.engine.connect()
+            self._liveness_connection = store.connect_outside_pool()
             node_id = store.register_node(name, hostname, pid, conn=self._liveness_connection,
                                           lock_key=lambda new_id: node_lock_key(new_id, store.prefix))
             self._lock_key = node_lock_key(node_id, store.prefix)
@@ -164,7 +164,7 @@ class Node:
             if self._id == node_id:
                 self._drop_liveness()
         try:
-            connection = store.engine.connect()
+            connection = store.connect_outside_pool()
         except Exception as exc:  # noqa: BLE001 - the database is away: the next beat tries again
             logger.warning("celery-outbox: node %d cannot reconnect its liveness connection: %s", node_id, exc)
             return

@@ -45,8 +45,9 @@ logger = logging.getLogger("celery_outbox")
 
 # Pools whose tasks share one process, and so one engine
 THREADED_POOL_MODULES = ("celery.concurrency.thread", "celery.concurrency.gevent", "celery.concurrency.eventlet")
-# Connections a node holds beside its tasks': the heartbeat's, and the liveness lock's (PostgreSQL)
-NODE_CONNECTIONS = 2
+# Connections of the pool a node takes beside its tasks': the heartbeat's (the liveness lock's
+# connection, on PostgreSQL, is outside the pool)
+NODE_CONNECTIONS = 1
 
 
 class Outbox:
@@ -144,8 +145,8 @@ class Outbox:
         """A worker whose pool runs its tasks in threads or greenlets of one process (threads,
         gevent, eventlet) shares one engine among them: size its pool from the concurrency, so
         that every task can hold its attempt's connection (one at a time) beside the node's
-        heartbeat and liveness connections, with as many again in overflow for whatever else in
-        the process uses the engine at the same moment. An engine given to
+        heartbeat's (its liveness connection is outside the pool), with as many again in overflow
+        for whatever else in the process uses the engine at the same moment. An engine given to
         ``Outbox(app, engine=...)`` or a ``pool_size`` in ``outbox_engine_options`` is the user's:
         a warning says when it is smaller."""
         concurrency = threaded_concurrency(worker)

@@ -24,7 +24,7 @@ from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 
 from ..errors import StoreUnavailable
 from ..vocabulary import Attempt
-from .engine import SQLITE_BUSY_TIMEOUT_MS, redact, safe_url
+from .engine import SQLITE_BUSY_TIMEOUT_MS, redact, safe_url, unpooled_sibling
 from .schema import UNOWNED, Tables, _incoming_key, build_tables, is_running
 from .sqlite_codes import SqliteCode, sqlite_code
 
@@ -102,11 +102,19 @@ class StoreBase:
         self.prefix = table_prefix
         self.dialect = engine.dialect.name
         self.is_postgres = self.dialect == "postgresql"
+        self._unpooled: Engine | None = None
 
     # -- connections ---------------------------------------------------------------------------
 
     def describe(self) -> str:
         return safe_url(self.engine.url)
+
+    def connect_outside_pool(self) -> Connection:
+        """A new connection of the store's database, outside the engine's pool, closed when it
+        is closed (``unpooled_sibling``): for one held for the process's life."""
+        if self._unpooled is None:
+            self._unpooled = unpooled_sibling(self.engine)
+        return self._unpooled.connect()
 
     def unavailable(self, exc: BaseException) -> StoreUnavailable:
         """A ``StoreUnavailable`` naming the store and the driver's reason, with no password in it."""

@@ -29,7 +29,8 @@ from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 
 from ..errors import ConfigurationError
 
-__all__ = ["POSTGRES_CONNECT_ARGS", "build_engine", "is_secret_name", "masked_options", "safe_url", "redact"]
+__all__ = ["POSTGRES_CONNECT_ARGS", "build_engine", "is_secret_name", "masked_options", "safe_url", "redact",
+           "unpooled_sibling"]
 
 MASK = "***"
 _QUOTED_MASK = "%2A%2A%2A"  # the mask as a URL's query renders it
@@ -182,6 +183,17 @@ def _lost_connection(engine: Engine, exc: BaseException, dbapi_connection: Any) 
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def unpooled_sibling(engine: Engine) -> Engine:
+    """An engine whose every connection is a new one of ``engine``'s database (its dialect and
+    the function its pool connects with: the same URL, connect arguments and driver), outside
+    ``engine``'s pool, closed when it is closed, with none of ``engine``'s event listeners. For a
+    connection held for a process's life (a node's liveness session): it takes no slot that a
+    unit of work waits for, however small the pool."""
+    from sqlalchemy.pool import NullPool
+
+    return Engine(NullPool(engine.pool._creator, dialect=engine.dialect), engine.dialect, engine.url)
 
 
 def build_engine(database_url: str, options: Mapping[str, Any] | None = None) -> Engine:

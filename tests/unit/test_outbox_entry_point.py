@@ -121,14 +121,15 @@ def test_auto_create_schema_off_names_the_migrate_command(sqlite_url):
 @pytest.mark.parametrize("pool", ["threads", "celery.concurrency.thread:TaskPool", "gevent", "eventlet"])
 def test_a_worker_running_tasks_in_one_process_sizes_the_engine_pool_from_its_concurrency(sqlite_url, pool):
     """Threads, gevent and eventlet share one engine among the worker's tasks: at worker start its
-    pool holds a connection per task beside the node's two, and each task may take one more."""
+    pool holds a connection per task beside the node's heartbeat's (its liveness connection is
+    outside the pool), and each task may take one more."""
     from types import SimpleNamespace
 
     app = make_app(outbox_database_url=sqlite_url)
     outbox = Outbox(app)
     assert outbox.engine.pool.size() == 5, "SQLAlchemy's default before the worker starts"
     outbox._on_worker_init(sender=SimpleNamespace(app=app, pool_cls=pool, concurrency=20))
-    assert (outbox.engine.pool.size(), outbox.engine.pool._max_overflow) == (22, 20)
+    assert (outbox.engine.pool.size(), outbox.engine.pool._max_overflow) == (21, 20)
     assert outbox.ready().store.missing_tables() == []
 
 
@@ -149,4 +150,4 @@ def test_a_pool_size_the_user_gave_is_kept_with_a_warning_when_too_small(sqlite_
     with caplog.at_level("WARNING", logger="celery_outbox"):
         outbox._on_worker_init(sender=SimpleNamespace(app=app, pool_cls="threads", concurrency=8))
     assert outbox.engine.pool.size() == 3
-    assert "give it pool_size=10 or more" in caplog.text
+    assert "give it pool_size=9 or more" in caplog.text
