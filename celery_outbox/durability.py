@@ -16,7 +16,9 @@ Recover, in order:
 1. declare dead the nodes whose heartbeat is older than ``outbox_node_stale_after``
    for ``outbox_node_stale_checks`` consecutive checks, or silent, on the database's
    clock; on PostgreSQL only once their process no longer holds its liveness lock;
-2. release the inbox claims of dead nodes (and of owner ids with no node row);
+2. make the sent rows that dead nodes stored due for redelivery now (a sender that died between
+   its commit and its publish), and release the inbox claims of dead nodes (and of owner ids
+   with no node row);
 3. release claims older than ``outbox_inbox_stale_time`` (opt-in);
 4. relay the due outgoing rows: unsent ones and durable scheduled messages whose
    time has come; expired ones go to dead letters (reason ``expired``);
@@ -68,6 +70,7 @@ class RecoverResult:
     nodes_declared_dead: list[int] = field(default_factory=list)
     claims_released: int = 0
     stale_claims_released: int = 0
+    sends_of_dead_nodes: int = 0
     relay: RelayResult = field(default_factory=RelayResult)
     redelivered: int = 0
     envelopes_republished: int = 0
@@ -79,6 +82,7 @@ class RecoverResult:
             "nodes_declared_dead": self.nodes_declared_dead,
             "claims_released": self.claims_released,
             "stale_claims_released": self.stale_claims_released,
+            "sends_of_dead_nodes": self.sends_of_dead_nodes,
             "published": self.relay.published,
             "publish_failures": self.relay.failed,
             "expired": self.relay.expired,
@@ -93,6 +97,7 @@ class RecoverResult:
         lines = [
             f"nodes declared dead: {dead}",
             f"claims released: {self.claims_released} of dead nodes, {self.stale_claims_released} stale",
+            f"sends of dead nodes due for redelivery now: {self.sends_of_dead_nodes}",
             str(self.relay),
             f"sent messages redelivered (no inbox acknowledged them): {self.redelivered}",
             f"envelopes re-published: {self.envelopes_republished}, "
@@ -127,6 +132,7 @@ def recover(runtime: Runtime, max_batches: int | None = None) -> RecoverResult:
     runtime.ready()
     result = RecoverResult()
     result.nodes_declared_dead = detect_dead_nodes(runtime)
+    result.sends_of_dead_nodes = redeliver_sends_of_dead_nodes(runtime, max_batches)
     result.claims_released = release_dead_claims(runtime, max_batches)
     result.stale_claims_released = release_stale_claims(runtime, max_batches)
     result.relay = relay(runtime, max_batches)
@@ -134,7 +140,8 @@ def recover(runtime: Runtime, max_batches: int | None = None) -> RecoverResult:
         result.redelivered, result.broker_error = redeliver(runtime, max_batches)
     if not result.broker_error and not result.relay.broker_error:
         republish_stranded_envelopes(runtime, result, max_batches)
-    if result.nodes_declared_dead or result.claims_released or result.stale_claims_released \
+    if result.nodes_declared_dead or result.sends_of_dead_nodes or result.claims_released \
+            or result.stale_claims_released \
             or result.redelivered or result.envelopes_republished or result.envelopes_dead_lettered:
         logger.info("celery-outbox recover: %s", "; ".join(str(result).splitlines()))
     return result
@@ -155,6 +162,23 @@ def detect_dead_nodes(runtime: Runtime) -> list[int]:
     for node_id in dead:
         logger.warning("celery-outbox: node %d declared dead; its claims are released", node_id)
     return dead
+
+
+def redeliver_sends_of_dead_nodes(runtime: Runtime, max_batches: int | None = None) -> int:
+    """Make the sent rows the dead nodes stored (marked sent, to publish after their commit) due
+    for redelivery now, in batches: a sender killed between its commit and its publish has its
+    messages published by this pass's redelivery, not ``outbox_redeliver_after`` later. Returns
+    how many rows."""
+    settings, store = runtime.settings, runtime.store
+
+    def hand_over(conn: Any) -> int:
+        return store.redeliver_rows_of_senders(conn, store.dead_nodes(conn), utcnow(), settings.recover_batch_size)
+
+    handed, _ = _in_batches(runtime, settings.recover_batch_size, max_batches, hand_over, durable=False)
+    if handed:
+        logger.warning("celery-outbox: %d sent messages of dead nodes are due for redelivery now (their publish "
+                       "after the commit may not have happened)", handed)
+    return handed
 
 
 def _in_batches(runtime: Runtime, batch_size: int, max_batches: int | None,

@@ -405,6 +405,7 @@ class Inbox:
     def _new_attempt(self, unit_of_work: bool) -> ConnectionUnitOfWork:
         """The attempt's unit of work: on the outbox's engine, or, for an ``IdempotentTask`` with
         ``celery_outbox.django`` installed, inside Django's transaction on its connection."""
+        self.publisher.prepare_sender()
         if unit_of_work and self.runtime.joins_django:
             return DjangoAttempt(self.publisher, self.runtime.settings.django_database)
         return ConnectionUnitOfWork(self.publisher)

@@ -23,6 +23,17 @@ Liveness, two ways:
   the heartbeat thread and the lock taken again; the heartbeat goes on meanwhile,
   so the node is never declared dead for the lock alone.
 
+A node is also the sender of the durable messages this process stores marked sent, to publish
+them after their commit (``sender_id``): when recovery declares it dead, those of its rows no
+inbox acknowledged yet are due for redelivery at once, so a process killed between its commit
+and its publish delays its messages by the time its death takes to notice (about 20 s with the
+default settings on PostgreSQL), not by ``outbox_redeliver_after``. On PostgreSQL a sender
+registers before its first unit of work begins (``prepare``), or in the background from its
+first send inside a transaction opened elsewhere (a Django atomic block); a row stored before
+that registration ended names no sender and is left to delivery tracking. On SQLite a row names
+a sender only in a process that is a node for its eager claims. A process that exits normally deregisters its node
+(``atexit``): its sends were published, so none is redelivered.
+
 The heartbeat thread also releases the claims an attempt could not release itself
 because the database was unreachable (``release_later``): until then a copy of
 their message meets a running claim and goes back to the broker.
@@ -30,10 +41,12 @@ their message meets a running claim and goes back to the broker.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +95,10 @@ class Node:
         self._liveness_connection: Any = None
         self._lock_key: int | None = None
         self._pending_releases: dict[PendingRelease, int] = {}  # the claim -> the node id that owns it
+        self._prepare_again_at = 0.0  # monotonic: after a registration failed, when ``prepare`` tries again
+        self._registering: tuple[int, threading.Thread] | None = None  # (pid, thread) of a background one
+        self._registering_lock = threading.Lock()
+        self._exit_hook = False
 
     @property
     def id(self) -> int:
@@ -100,6 +117,37 @@ class Node:
 
     def registered(self) -> bool:
         return self._id is not None and self._pid == os.getpid()
+
+    def prepare(self) -> None:
+        """Register this node now unless it is, outside any transaction (a unit of work about to
+        begin, that may store messages marked sent). Never raises: a failure is logged and tried
+        again no sooner than a heartbeat interval later; meanwhile rows name no sender."""
+        if self.registered() or time.monotonic() < self._prepare_again_at:
+            return
+        try:
+            _ = self.id
+        except Exception as exc:  # noqa: BLE001 - the unit of work meets the database's error itself
+            self._prepare_again_at = time.monotonic() + self.runtime.settings.node_heartbeat_interval
+            logger.warning("celery-outbox: cannot register this process's node yet (its sends stored marked sent "
+                           "are left to delivery tracking): %s", exc)
+
+    def sender_id(self) -> int | None:
+        """The id a row stored marked sent names as its sender: this node's, or None while it is
+        not registered. On PostgreSQL ``prepare`` then runs in a thread of its own (the caller's
+        transaction is open, and registering beside it in this thread could wait for that
+        transaction's own locks); on SQLite a node registers only for eager claims
+        (``Publisher.prepare_sender`` says why)."""
+        if self.registered():
+            return self._id
+        if not self.runtime.store.is_postgres:
+            return None
+        with self._registering_lock:  # not ``_lock``: a registration holds it while it waits for the database
+            registering = self._registering
+            if registering is None or registering[0] != os.getpid() or not registering[1].is_alive():
+                thread = threading.Thread(target=self.prepare, name="celery-outbox-register", daemon=True)
+                self._registering = (os.getpid(), thread)
+                thread.start()
+        return None
 
     def _register(self) -> None:
         if self._pid == os.getpid():
@@ -125,7 +173,17 @@ class Node:
         self._thread = threading.Thread(target=self._beat, args=(node_id, interval, self._stop),
                                         name="celery-outbox-heartbeat", daemon=True)
         self._thread.start()
+        if not self._exit_hook:
+            atexit.register(self._deregister_at_exit)
+            self._exit_hook = True
         logger.info("celery-outbox: node %s registered as %d", name, node_id)
+
+    def _deregister_at_exit(self) -> None:
+        """A normal exit: every send this process committed was published, or given back."""
+        try:
+            self.deregister()
+        except Exception as exc:  # noqa: BLE001 - recovery declares the node dead instead
+            logger.warning("celery-outbox: could not deregister node at exit: %s", exc)
 
     def _beat(self, node_id: int, interval: float, stop: threading.Event) -> None:
         store = self.runtime.store

@@ -80,8 +80,8 @@ class Outbox:
             return
         self.app = app
         self.runtime = Runtime(app, self, engine, overrides)
-        self.publisher = Publisher(self.runtime)
         self.node = Node(self.runtime)
+        self.publisher = Publisher(self.runtime, self.node)
         self.inbox = Inbox(self.runtime, self.publisher, self.node)
         self.inbox.install()
         install_publish_hook(self.publisher)

@@ -5,8 +5,9 @@ Transaction boundary: a durable message the commit publishes at once is stored m
 the unit of work's transaction; after the commit, every captured message is published in call
 order with one producer (``broker.Outlet``), with no round trip to the store unless a publish
 failed (its row is then unmarked, for the relay). The consuming inbox deletes a sent row when it
-has the message; redelivery publishes it again if it never does, which also covers a process
-that died between the commit and the publish. With an archive, the rows are instead taken
+has the message; redelivery publishes it again if it never does. A row stored marked sent names
+this process's node as its sender: a process that died between the commit and the publish is
+declared dead by recovery, which makes its rows due for redelivery at once. With an archive, the rows are instead taken
 (locked and marked sent) after the commit by one UPDATE that opens a transaction of its own, and
 the marks commit with the records of the sends; with delivery tracking off, one DELETE takes
 them. Outside a unit of work, a durable message is stored in a transaction of its own (on
@@ -30,6 +31,7 @@ from . import log_fields, tracing
 from .broker import BoundQueues, Outlet, connection_errors, outlet
 from .crashpoints import crashpoint
 from .envelope import OutgoingMessage
+from .node import Node
 from .runtime import Runtime
 from .signals import message_published, messages_stored, publish_failed
 from .store import is_lock_timeout, utcnow
@@ -41,10 +43,26 @@ logger = logging.getLogger("celery_outbox.publishing")
 
 
 class Publisher:
-    """Publishes committed messages; the one place that talks to the broker on commit."""
+    """Publishes committed messages; the one place that talks to the broker on commit. The rows
+    it stores marked sent name ``node`` as their sender (``Node.sender_id``)."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Runtime, node: Node):
         self.runtime = runtime
+        self.node = node
+
+    @property
+    def marks_sent(self) -> bool:
+        """Whether a due durable message is stored marked sent: delivery tracking on, no archive."""
+        return self.runtime.archiver is None and self.runtime.settings.redeliver_after is not None
+
+    def prepare_sender(self) -> None:
+        """Before a unit of work begins: register this process's node, the sender its rows stored
+        marked sent name, when there are durable queues to store them for (``Node.prepare``), on
+        PostgreSQL. On SQLite a process is a node only for its eager claims: a heartbeat writing to
+        the file every few seconds beside a web process's own transactions could make them fail
+        (a deferred transaction's lock upgrade meets it: "database is locked")."""
+        if self.runtime.settings.durable_queues and self.marks_sent and self.runtime.store.is_postgres:
+            self.node.prepare()
 
     def store_durable(self, conn: Any, messages: list[OutgoingMessage], commit: bool = False) -> None:
         """Insert durable messages in ``conn``'s transaction (one statement) and note their row ids;
@@ -60,16 +78,18 @@ class Publisher:
         it twice."""
         settings = self.runtime.settings
         now = utcnow()
-        marking = self.runtime.archiver is None and settings.redeliver_after is not None
+        marking = self.marks_sent
         release_before = settings.release_before(now) if marking else now
+        sender = self.node.sender_id() if marking else None
         rows = []
         for message in messages:
             row = message.to_row(now)
             message.marked_sent = marking and message.is_due(release_before)
             if message.marked_sent:  # every row's columns in the same order: one prepared INSERT
                 row["sent_at"], row["redeliver_at"] = now, settings.first_redelivery(now, message.deliver_at)
+                row["sender"] = sender
             else:
-                row["sent_at"] = row["redeliver_at"] = None
+                row["sent_at"] = row["redeliver_at"] = row["sender"] = None
             rows.append(row)
         store = self.runtime.store
         with tracing.messages_span(tracing.STORE, messages):
@@ -85,6 +105,7 @@ class Publisher:
         durable = [m for m in messages if m.durable]
         if durable:
             store = self.runtime.ready().store
+            self.prepare_sender()
             with store.begin() as conn:  # on PostgreSQL, BEGIN, the INSERT and the COMMIT in one round trip
                 self.store_durable(conn, durable, commit=True)
             crashpoint("after_commit")

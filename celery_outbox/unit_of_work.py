@@ -360,6 +360,7 @@ def begin(publisher: Publisher) -> Iterator[Connection]:
     if outer is not None:
         yield outer.connection
         return
+    publisher.prepare_sender()
     uow = _BlockUnitOfWork(publisher)
     try:
         token = _current.set(uow)  # as uow.opened(), without a context manager of its own
@@ -385,10 +386,11 @@ def transaction(publisher: Publisher, session: Session | None = None) -> Iterato
         yield outer.session
         return
     publisher.runtime.ready()
-    if session is not None:
+    if session is not None:  # its transaction may be open already: no registering beside it
         with UnitOfWork.of(publisher, session).opened():
             yield session
         return
+    publisher.prepare_sender()
     with publisher.runtime.new_session() as own:
         with UnitOfWork.of(publisher, own).opened(), own.begin():
             yield own

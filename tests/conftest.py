@@ -180,8 +180,34 @@ def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}_"
 
 
+def stop_nodes(table_prefix: str | None = None) -> None:
+    """Deregister the node of every outbox of this process (of ``table_prefix`` only, when given):
+    a test's outbox that sent to a durable queue registered one, whose heartbeat thread and
+    liveness connection would otherwise outlive the test. Its tables may be gone: the node stops
+    all the same."""
+    from celery_outbox.runtime import installed_runtimes
+
+    for runtime in installed_runtimes():
+        node = getattr(runtime.owner, "node", None)
+        if node is None or not node.registered():
+            continue
+        if table_prefix is not None and runtime.settings.table_prefix != table_prefix:
+            continue
+        try:
+            node.deregister()
+        except Exception:  # noqa: BLE001 - its tables were dropped: the thread and connection stop anyway
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _no_node_outlives_its_test():
+    yield
+    stop_nodes()
+
+
 def drop_store(store: Store) -> None:
-    """Drop the store's tables that exist."""
+    """Drop the store's tables that exist, once the nodes of outboxes on them are deregistered."""
+    stop_nodes(store.prefix)
     with store.engine.begin() as conn:
         existing = set(inspect(conn).get_table_names())
         for table in reversed(store.tables.all()):

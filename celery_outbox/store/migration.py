@@ -174,5 +174,15 @@ def _upgrade_to_4(store: StoreBase, conn: Connection) -> None:
         conn.execute(CreateIndex(index))
 
 
+def _upgrade_to_5(store: StoreBase, conn: Connection) -> None:
+    """Version 5: the sender node on outgoing rows (``sender``; existing rows get NULL: delivery
+    tracking alone redelivers them, as before). A nullable column without a default: PostgreSQL
+    adds it without rewriting the table."""
+    outgoing = store.tables.outgoing
+    if "sender" not in {c["name"] for c in inspect(conn).get_columns(outgoing.name)}:
+        conn.exec_driver_sql(f'ALTER TABLE "{outgoing.name}" ADD COLUMN sender INTEGER')
+
+
 # version -> the step that brings the tables from the version before it to that one
-_UPGRADES: dict[int, Callable[[StoreBase, Connection], None]] = {2: _upgrade_to_2, 3: _upgrade_to_3, 4: _upgrade_to_4}
+_UPGRADES: dict[int, Callable[[StoreBase, Connection], None]] = {2: _upgrade_to_2, 3: _upgrade_to_3, 4: _upgrade_to_4,
+                                                                 5: _upgrade_to_5}

@@ -4,7 +4,7 @@
 (``register_node`` given a ``conn`` begins and commits one on it). ``hold_liveness_lock`` and
 ``ping_liveness`` run on the node's liveness connection in a transaction of their own; the
 advisory lock they take or check is the session's and outlives it. ``check_nodes``,
-``dead_owners`` and ``forget_released_nodes`` run inside the caller's transaction (a recover run)
+``dead_nodes``, ``dead_owners`` and ``forget_released_nodes`` run inside the caller's transaction (a recover run)
 and never commit, and so do ``release_owned``, ``release_claim`` and ``release_claim_of_process``,
 which release the inbox claims of a node (dead, giving one claim up, or a process seen dying).
 """
@@ -128,11 +128,16 @@ class NodeStatements(StoreBase):
             conn.execute(update(table).where(self._id_predicate(table.c.id, ids)).values(dead_at=now))
         return ids
 
+    def dead_nodes(self, conn: Connection) -> list[int]:
+        """The nodes declared dead and not forgotten yet."""
+        table = self.tables.nodes
+        return sorted(conn.execute(select(table.c.id).where(table.c.dead_at.is_not(None))).scalars())
+
     def dead_owners(self, conn: Connection) -> list[int]:
         """Owners whose rows must be released: nodes declared dead, and owner ids with no node
         row at all (orphans). Computed first, so the release runs ``WHERE owner IN (...)``."""
         t = self.tables
-        declared = set(conn.execute(select(t.nodes.c.id).where(t.nodes.c.dead_at.is_not(None))).scalars())
+        declared = set(self.dead_nodes(conn))
         incoming = t.incoming
         no_node = ~select(t.nodes.c.id).where(t.nodes.c.id == incoming.c.owner).correlate(incoming).exists()
         declared.update(conn.execute(
@@ -179,8 +184,11 @@ class NodeStatements(StoreBase):
         return column.in_(list(owners))
 
     def forget_released_nodes(self, conn: Connection) -> int:
-        """Delete dead node rows that own nothing any more."""
+        """Delete dead node rows that own nothing any more: no running inbox claim, no outgoing row
+        they stored marked sent (``redeliver_rows_of_senders`` hands those to redelivery)."""
         t = self.tables
         owns = (select(t.incoming.c.owner).where(is_running(t.incoming), t.incoming.c.owner == t.nodes.c.id)
                 .correlate(t.nodes).exists())
-        return conn.execute(delete(t.nodes).where(t.nodes.c.dead_at.is_not(None)).where(~owns)).rowcount
+        sends = (select(t.outgoing.c.id).where(t.outgoing.c.sender == t.nodes.c.id, t.outgoing.c.sent_at.is_not(None))
+                 .correlate(t.nodes).exists())
+        return conn.execute(delete(t.nodes).where(t.nodes.c.dead_at.is_not(None)).where(~owns, ~sends)).rowcount

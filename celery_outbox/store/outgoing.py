@@ -29,6 +29,7 @@ from sqlalchemy import (
     delete,
     func,
     literal_column,
+    null,
     select,
     update,
 )
@@ -239,7 +240,7 @@ class OutgoingStatements(OneMessage):
             unsent = unsent.with_for_update(skip_locked=True)
         return (update(table).where(table.c.id.in_(unsent))
                 .values(sent_at=bindparam("taken_at", type_=table.c.sent_at.type),
-                        redeliver_at=bindparam("redeliver_to", type_=table.c.redeliver_at.type))
+                        redeliver_at=bindparam("redeliver_to", type_=table.c.redeliver_at.type), sender=null())
                 .returning(table.c.id))
 
     def take_outgoing_to_delete(self, conn: Connection, ids: Sequence[int], record: bool = False) -> list[Row]:
@@ -269,7 +270,7 @@ class OutgoingStatements(OneMessage):
         if ids:
             table = self.tables.outgoing
             conn.execute(update(table).where(self._id_predicate(table.c.id, ids))
-                         .values(sent_at=None, redeliver_at=None))
+                         .values(sent_at=None, redeliver_at=None, sender=null()))
 
     def acknowledge_outgoing(self, conn: Connection, message_id: str, destination: str | None,
                              attempt: Attempt, send_id: str = "") -> int:
@@ -313,9 +314,26 @@ class OutgoingStatements(OneMessage):
             table = self.tables.outgoing
             conn.execute(
                 update(table).where(table.c.id == bindparam("row_id"))
-                .values(redeliveries=table.c.redeliveries + 1, redeliver_at=bindparam("next_redelivery")),
+                .values(redeliveries=table.c.redeliveries + 1, redeliver_at=bindparam("next_redelivery"),
+                        sender=null()),
                 [{"row_id": r["id"], "next_redelivery": r["redeliver_at"]} for r in rows],
             )
+
+    def redeliver_rows_of_senders(self, conn: Connection, senders: Sequence[int], now: datetime, limit: int) -> int:
+        """Make up to ``limit`` sent rows stored by the nodes ``senders`` (declared dead) due for
+        redelivery at ``now``, no longer naming a sender: their publish after the commit may
+        never have happened. Returns how many. Rows a transaction holds (an acknowledging
+        consumer's, a redelivery's) are skipped, for the next batch. A row its sender did publish
+        is published again: the consuming inbox discards the copy."""
+        if not senders:
+            return 0
+        table = self.tables.outgoing
+        theirs = select(table.c.id).where(self._id_predicate(table.c.sender, senders),
+                                          table.c.sent_at.is_not(None)).limit(limit)
+        if self.is_postgres:
+            theirs = theirs.with_for_update(skip_locked=True)
+        return conn.execute(update(table).where(table.c.id.in_(theirs))
+                            .values(redeliver_at=now, sender=null())).rowcount
 
     def _unsent_unlocked(self, ids: Sequence[int]):
         """SELECT the ids among ``ids`` of rows that exist and are unsent, locking them, skipping

@@ -50,7 +50,7 @@ __all__ = ["SCHEMA_VERSION", "SEND_ID_SIZE", "Tables", "build_tables", "UNOWNED"
 # 2: the outgoing table's redelivery and scheduling indexes are partial; 3: so are the inbox's
 # indexes of claims (owner, claimed_at, recover_after): they hold running rows only; 4: the
 # publish identity (``send_id``), in the inbox's primary key and on outgoing rows
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: the size of a publish identity (a UUID's 32 hex digits, with room to spare)
 SEND_ID_SIZE = 64
 UNOWNED = 0
@@ -203,6 +203,9 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         _timestamp("sent_at", nullable=True),  # first publish; NULL while pending
         _timestamp("redeliver_at", nullable=True),  # publish again if still unacknowledged by then
         Column("redeliveries", Integer, nullable=False, server_default="0"),
+        # the node that stored the row marked sent and publishes it after the commit; NULL once
+        # a relay or redelivery has it: when recovery declares that node dead, its rows are due
+        Column("sender", Integer, nullable=True),
         Index(f"ix_{p}outgoing_sent", "sent_at", "id"),  # the relay: unsent rows first, by id
         Index(f"ix_{p}outgoing_message", "message_id"),
     )

@@ -13,8 +13,8 @@ from celery_outbox import Outbox
 
 def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: str, tracking: str = "on",
          unit: str = "session") -> None:
-    """``tracking`` "off": delivery tracking off (``outbox_redeliver_after = None``), else on,
-    redelivery after one second; ``unit``
+    """``tracking`` "off": delivery tracking off (``outbox_redeliver_after = None``), "default":
+    on with the default redelivery (ten minutes), else on, redelivery after one second; ``unit``
     "connection": the unit of work is ``outbox.begin()``, else ``outbox.transaction()``."""
     app = Celery("crashing_writer", broker=broker_url, set_as_current=False)
     app.conf.update(
@@ -23,7 +23,8 @@ def main(broker_url: str, database_url: str, table_prefix: str, durable_queue: s
         outbox_durable_queues=[durable_queue],
         task_routes={"shop.durable": {"queue": durable_queue}},
     )
-    app.conf.outbox_redeliver_after = None if tracking == "off" else 1.0
+    if tracking != "default":
+        app.conf.outbox_redeliver_after = None if tracking == "off" else 1.0
     outbox = Outbox(app)
     outbox.ready()
     task_id = "crash-" + __import__("uuid").uuid4().hex

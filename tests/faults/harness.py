@@ -99,11 +99,13 @@ class Outcome:
     copies_uncounted: int = 0
     bodies_run_twice: int = 0  # eager payment bodies started again (a kill or a lost connection may do it)
     nodes_declared_dead: int = 0
+    longest_delay: float | None = None  # seconds from a fault to the broker having the message, when measured
 
     def line(self) -> str:
+        delay = "" if self.longest_delay is None else f", longest delay {self.longest_delay:.1f} s"
         return (f"fault scenario {self.scenario}: messages {self.messages}, faults {self.kills}, lost {self.lost}, "
                 f"duplicate effects {self.duplicate_effects}, bodies run twice {self.bodies_run_twice}, "
-                f"discarded {self.discarded}, recovered {self.recovered}, seconds {self.seconds:.1f}")
+                f"discarded {self.discarded}, recovered {self.recovered}, seconds {self.seconds:.1f}{delay}")
 
 
 class Supervised:

@@ -9,13 +9,24 @@ Each prints one line: messages, kills, lost, duplicate effects, discarded, secon
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pytest
 from sqlalchemy import insert
 
+from celery_outbox.crashpoints import EXIT_CODE
 from celery_outbox.store import utcnow
 
+from ..apps.factory import make_shop
+from ..brokers import nothing_more, purge, receive
+from ..conftest import SUMMARY_LINE, drop_store
 from ..services import free_port, require
-from .harness import FaultRun, assert_invariants, play
+from .harness import FaultRun, Outcome, assert_invariants, play
 
 
 @pytest.fixture
@@ -99,3 +110,66 @@ def test_worker_sigkilled_repeatedly(services, tmp_path, record_property):
     assert outcome.kills == 4
     assert outcome.recovered > 0, f"{outcome.line()}: the kills stranded nothing"
     assert_invariants(outcome)
+
+
+SENDERS = 3
+
+
+def test_senders_killed_after_their_commit_have_their_messages_sent_within_about_30_seconds(
+        services, table_prefix, record_property):
+    """Three writer processes commit a durable message each and die at ``after_commit``, nothing
+    published, with every setting at its default (delivery tracking would wait ten minutes).
+    Recovery runs every ``outbox_recover_interval``, as beat runs it: it declares each writer's
+    node dead once its heartbeat falls silent and its liveness lock is free, and makes the rows
+    it stored due for redelivery at once. The line gives the longest delay from a writer's death
+    to the broker having its message; the bound is the silence window, two recover intervals
+    and a few seconds for the processes."""
+    redis_url, postgres_url = services
+    root = Path(__file__).parents[2]
+    shop = make_shop(redis_url, postgres_url, table_prefix)
+    shop.outbox.ready()
+    settings = shop.outbox.settings
+    bound = 3 * settings.node_heartbeat_interval + 2 * settings.recover_interval + 5
+    outcome = Outcome(f"{SENDERS} senders killed after their commit, default settings")
+    started = time.monotonic()
+    stop, passes = threading.Event(), []
+    try:
+        env = dict(os.environ, PYTHONPATH=str(root), CELERY_OUTBOX_CRASHPOINT="after_commit")
+        writers = [subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tests.apps.crashing_writer import main; main(*sys.argv[1:])",
+             redis_url, postgres_url, table_prefix, shop.durable_queue, "default"],
+            env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(SENDERS)]
+        died: dict[str, float] = {}
+        for writer in writers:
+            out, err = writer.communicate(timeout=60)
+            died[out.strip().splitlines()[-1]] = time.monotonic()
+            assert writer.returncode == EXIT_CODE, err
+        outcome.kills = outcome.messages = len(died)
+
+        def beat() -> None:  # what beat runs, at its interval
+            while not stop.is_set():
+                passes.append(shop.outbox.recover())
+                stop.wait(settings.recover_interval)
+
+        recovering = threading.Thread(target=beat, name="recover-every-interval", daemon=True)
+        recovering.start()
+        arrived: dict[str, float] = {}
+        for message in receive(shop.app, shop.durable_queue, SENDERS, timeout=bound + 30):
+            arrived.setdefault(message.id, time.monotonic())
+        assert nothing_more(shop.app, shop.durable_queue), "each message was published once"
+        outcome.lost = len(set(died) - set(arrived))
+        outcome.recovered = sum(result.sends_of_dead_nodes for result in passes)
+        outcome.nodes_declared_dead = sum(len(result.nodes_declared_dead) for result in passes)
+        outcome.longest_delay = max(arrived[message_id] - died[message_id] for message_id in arrived)
+        outcome.seconds = time.monotonic() - started
+    finally:
+        stop.set()
+        record_property(SUMMARY_LINE, outcome.line())
+        purge(shop.app, shop.durable_queue)
+        drop_store(shop.outbox.store)
+        shop.outbox.engine.dispose()
+    line = outcome.line()
+    assert outcome.lost == 0, line
+    assert outcome.nodes_declared_dead == SENDERS and outcome.recovered == SENDERS, line
+    assert all(result.redelivered <= SENDERS for result in passes) and sum(r.redelivered for r in passes) == SENDERS
+    assert outcome.longest_delay <= bound, f"{line}: longer than {bound:.0f} s"

@@ -62,9 +62,12 @@ def interrupted_exchange(driver, send):
 
 
 def pool_of_one_shop(broker_url, database_url, table_prefix):
-    """``own_shop`` whose store pool holds one connection: every unit of work runs on the same one."""
+    """``own_shop`` whose store pool holds one connection: every unit of work runs on the same one
+    (its node's liveness connection is outside the pool, and its heartbeat, which takes a pooled
+    one, waits past the test)."""
     return own_shop(broker_url, database_url, table_prefix,
-                    outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5})
+                    outbox_engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5},
+                    outbox_node_heartbeat_interval=3600)
 
 
 def unit_opened_by_a_statement(shop, n: int) -> int:
@@ -403,6 +406,25 @@ def test_with_delivery_tracking_off_a_failed_publish_keeps_only_its_row(broker_u
         purge(shop.app, shop.plain_queue, shop.durable_queue)
         drop_store(shop.outbox.store)
         shop.outbox.engine.dispose()
+
+
+def test_a_row_stored_marked_sent_names_this_processs_node_as_its_sender(shop, unit_of_work):
+    """On PostgreSQL the unit of work registers this process's node before it begins, and its row,
+    stored marked sent, names that node: recovery redelivers it at once if the node dies. On
+    SQLite a sender registers no node (a heartbeat beside a web process's own transactions could
+    make them fail) and the row names none: delivery tracking alone redelivers it."""
+    with unit_of_work(shop):
+        shop.durable.delay(1)
+    outgoing = shop.outbox.store.tables.outgoing
+    with shop.outbox.store.begin() as conn:
+        (row,) = conn.execute(select(outgoing.c.sent_at, outgoing.c.sender)).all()
+    assert row.sent_at is not None, "stored marked sent"
+    if shop.outbox.store.is_postgres:
+        assert shop.outbox.node.registered()
+        assert row.sender == shop.outbox.node.id
+    else:
+        assert not shop.outbox.node.registered()
+        assert row.sender is None
 
 
 def test_begin_sends_its_commit_with_the_messages_insert(broker_url, database_url, table_prefix):

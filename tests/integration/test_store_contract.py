@@ -104,6 +104,26 @@ def test_migrate_upgrades_version_3_to_the_publish_identity_in_the_inbox_key(sto
     assert store.migrate().version_before == SCHEMA_VERSION
 
 
+def test_migrate_upgrades_version_4_to_outgoing_rows_naming_their_sender(store: Store):
+    """A store of version 4 (no ``sender``) gets the column; its rows stay and name no sender, so
+    delivery tracking alone redelivers them, as before."""
+    outgoing = store.tables.outgoing
+    with store.begin() as conn:
+        conn.exec_driver_sql(f'ALTER TABLE "{outgoing.name}" DROP COLUMN sender')
+        conn.exec_driver_sql(f"INSERT INTO \"{outgoing.name}\" (message_id, destination, body, created_at) "
+                             "VALUES ('before', 'q', X'00', CURRENT_TIMESTAMP)" if not store.is_postgres else
+                             f"INSERT INTO \"{outgoing.name}\" (message_id, destination, body, created_at) "
+                             "VALUES ('before', 'q', '\\x00', now())")
+        conn.execute(store.tables.schema.update().values(version=4))
+
+    result = store.migrate()
+
+    assert (result.version_before, result.version_after) == (4, SCHEMA_VERSION)
+    with store.begin() as conn:
+        assert conn.execute(select(outgoing.c.message_id, outgoing.c.sender)).all() == [("before", None)]
+    assert store.migrate().version_before == SCHEMA_VERSION
+
+
 def test_migrate_upgrades_version_1_outgoing_indexes_to_partial_ones(store: Store):
     """A store made by version 1 (full indexes of redeliver_at and deliver_at) gets the partial
     indexes in their place, and its rows stay where the pollers find them."""
@@ -713,6 +733,42 @@ def test_nodes_register_and_heartbeat(store: Store):
     assert store.heartbeat(node) is True
     assert [n.name for n in store.live_nodes()] == ["host:abc"]
     assert store.heartbeat(node + 1000) is False
+
+
+def test_the_sends_a_dead_node_stored_marked_sent_are_due_for_redelivery_at_once(store: Store):
+    """``redeliver_rows_of_senders``: the sent rows naming a dead node as their sender are due now
+    and name no sender any more; another node's, and an unsent row, stay as they were. The dead
+    node is forgotten only once no row names it; a relay's take and a redelivery clear the sender
+    too (the row is theirs from then on)."""
+    dead, alive = store.register_node("host:10:a", "host", 10), store.register_node("host:11:b", "host", 11)
+    now = utcnow()
+    later = now + timedelta(minutes=10)
+    with store.begin() as conn:
+        ids = store.insert_outgoing(conn, [
+            outgoing_row(1, sent_at=now, redeliver_at=later, sender=dead),
+            outgoing_row(2, sent_at=now, redeliver_at=later, sender=dead),
+            outgoing_row(3, sent_at=now, redeliver_at=later, sender=alive),
+            outgoing_row(4, sent_at=None, redeliver_at=None, sender=dead),  # as a publisher never stores one
+        ])
+    with store.begin() as conn:
+        assert store.check_nodes(conn, store.database_now(conn), stale_before=later, checks_needed=1,
+                                 counted_before=later, silent_before=later) == [dead, alive]
+        conn.execute(store.tables.nodes.update().where(store.tables.nodes.c.id == alive).values(dead_at=None))
+        assert store.dead_nodes(conn) == [dead]
+        assert store.forget_released_nodes(conn) == 0, "rows still name it"
+        assert store.redeliver_rows_of_senders(conn, [dead], now, limit=1) == 1
+        assert store.redeliver_rows_of_senders(conn, [dead], now, limit=10) == 1
+        assert store.forget_released_nodes(conn) == 1
+    outgoing = store.tables.outgoing
+    with store.begin() as conn:
+        rows = {r.message_id: (as_utc(r.redeliver_at) if r.redeliver_at else None, r.sender)
+                for r in conn.execute(select(outgoing))}
+    assert rows == {"m1": (now, None), "m2": (now, None), "m3": (later, alive), "m4": (None, dead)}
+    with store.begin() as conn:
+        assert store.take_outgoing(conn, [ids[3]], now, later) == [ids[3]]
+        store.mark_redelivered(conn, [{"id": ids[2], "redeliver_at": later}])
+        assert dict(conn.execute(select(outgoing.c.message_id, outgoing.c.sender)).all()) == {
+            "m1": None, "m2": None, "m3": None, "m4": None}
 
 
 def test_a_process_seen_dying_releases_only_its_running_claim_of_the_attempt(store: Store):
