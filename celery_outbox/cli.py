@@ -22,7 +22,7 @@ import click
 from .config import DATABASE_URL_VARIABLE
 from .deadletters import DeadLetterFilter, purge, replay
 from .errors import OutboxError
-from .health import Failure, Thresholds, failed_conditions, store_down
+from .health import CheckExit, Failure, Thresholds, failed_conditions, store_down
 from .outbox import Outbox, outbox_of
 from .store import as_utc, utcnow
 from .vocabulary import DeadLetterReason
@@ -204,12 +204,15 @@ class Since(click.ParamType):
               help="Fail when fewer nodes than this beat.")
 @click.option("--timeout", type=Age(), default="10s", show_default=True,
               help="Fail when the store does not answer within this (a locked table: VACUUM FULL, a migration).")
+@click.option("--liveness", is_flag=True,
+              help="Only whether this process reaches the store (a liveness probe): no threshold, no table read.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
 @_with_outbox
 def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window: timedelta, stuck_after: timedelta,
           max_stuck: int, node_stale_after: timedelta | None, min_nodes: int, timeout: timedelta,
-          as_json: bool) -> None:
-    """Exit 1, with one line per failed condition, when the outbox needs a human: for a probe or a cron alert."""
+          liveness: bool, as_json: bool) -> None:
+    """One line per failed condition, when the outbox needs a human: for a probe or a cron alert.
+    Exit 0 when all hold, 1 when a threshold is crossed, 2 when the store does not answer."""
     thresholds = Thresholds(
         max_pending_age=max_pending_age.total_seconds(), max_dead_letters=max_dead_letters, max_stuck=max_stuck,
         node_stale_after=(node_stale_after.total_seconds() if node_stale_after is not None
@@ -217,9 +220,12 @@ def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window
         min_nodes=min_nodes,
     )
     seconds = timeout.total_seconds()
-    failures = _within(seconds, lambda: failed_conditions(
-        box.status(stuck_after=stuck_after.total_seconds(), recent=window.total_seconds(), timeout=seconds),
-        thresholds))
+    if liveness:
+        failures = _within(seconds, lambda: _reached(box))
+    else:
+        failures = _within(seconds, lambda: failed_conditions(
+            box.status(stuck_after=stuck_after.total_seconds(), recent=window.total_seconds(), timeout=seconds),
+            thresholds))
     if as_json:
         click.echo(json.dumps({"ok": not failures, "failures": [f.as_dict() for f in failures]}, indent=2))
     else:
@@ -228,7 +234,14 @@ def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window
         if not failures:
             click.echo("OK")
     if failures:
-        raise SystemExit(1)
+        raise SystemExit(CheckExit.of(failures))
+
+
+def _reached(box: Outbox) -> list[Failure]:
+    """No failure once the store answered a statement that reads no table: a table locked by
+    ``VACUUM FULL`` or a migration is no reason to restart the process."""
+    box.runtime.store.ping()
+    return []
 
 
 def _within(seconds: float, read: Callable[[], list[Failure]]) -> list[Failure]:

@@ -2,16 +2,18 @@
 
 ``failed_conditions`` reads a report of ``Store.status`` and returns one ``Failure`` per
 condition that does not hold; an empty list is healthy. It reads, never writes: a probe may run
-it as often as it likes, on any process that reaches the store.
+it as often as it likes, on any process that reaches the store. ``CheckExit`` says what a
+check's failures mean to whatever runs it: the store unreachable (a liveness probe's one
+condition) is told apart from thresholds crossed (an alert's, a readiness probe's).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from enum import Enum
-from typing import Any
+from enum import Enum, IntEnum
+from typing import Any, Sequence
 
-__all__ = ["Condition", "Failure", "Thresholds", "failed_conditions"]
+__all__ = ["CheckExit", "Condition", "Failure", "Thresholds", "failed_conditions"]
 
 
 class Condition(str, Enum):
@@ -23,6 +25,21 @@ class Condition(str, Enum):
     STUCK = "stuck"  #: few enough rows waiting longer than the stuck threshold
     NODE_SILENT = "node_silent"  #: every registered node beats
     NODES = "nodes"  #: enough live nodes
+
+
+class CheckExit(IntEnum):
+    """The exit codes of ``celery outbox check``, as monitoring plugins number them."""
+
+    OK = 0  #: every condition holds
+    THRESHOLDS = 1  #: the store answers, and a threshold is crossed (backlog, dead letters, nodes)
+    STORE_DOWN = 2  #: the store does not answer (within the check's timeout)
+
+    @classmethod
+    def of(cls, failures: Sequence["Failure"]) -> "CheckExit":
+        """The code of a check that found ``failures``."""
+        if any(failure.condition is Condition.STORE for failure in failures):
+            return cls.STORE_DOWN
+        return cls.THRESHOLDS if failures else cls.OK
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ tracer provider's setup."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import urllib.request
 
 import pytest
@@ -40,6 +42,14 @@ def python_block(found, starting: str) -> str:
     code = [block.code for block in found if block.language == "python" and block.code.startswith(starting)]
     assert len(code) == 1, f"expected one python block starting {starting!r}, found {len(code)}"
     return code[0]
+
+
+def probe_commands(found) -> dict[str, str]:
+    """The exec command of each Kubernetes probe in ``found``'s yaml block, by probe (the commands
+    are YAML flow sequences, which JSON reads), as one shell line."""
+    (block,) = [block for block in found if block.language == "yaml"]
+    return {name: shlex.join(json.loads(command)) for name, command
+            in re.findall(r"(\w+Probe):\s*exec:\s*command:\s*(\[.*?\])", block.code, re.S)}
 
 
 def metrics(port: int) -> str | None:
@@ -87,6 +97,11 @@ def test_a_failed_payment_goes_through_the_documented_dead_letter_commands(shell
     check_line = HEALTH[0].code.splitlines()[0].removeprefix("$ ")
     failed = shell.run(check_line, exits=1)
     assert "FAIL dead_letters: 1 dead letter(s) in the last 3600 s" in failed, failed
+    # monitoring.md's Kubernetes probes: neither fails for one dead letter
+    probes = probe_commands(HEALTH)
+    assert set(probes) == {"livenessProbe", "readinessProbe"}, probes
+    for command in probes.values():
+        assert shell.run(command.replace(" -A proj ", " -A shop ")).strip() == "OK"
 
     # the operator removes the cause (payment 1), then replays the letter: order 1 is charged anew
     psql = "psql -h localhost -U shop shop -At -c"

@@ -23,7 +23,8 @@ def outgoing_row(message_id: str, created_at) -> dict:
 
 def test_a_healthy_store_passes_and_each_failed_condition_has_its_line(database_url, table_prefix):
     """Empty: OK, exit 0. Then an outgoing message pending for two hours, two dead letters of half an
-    hour ago and a node silent for ten minutes: exit 1, one line per condition, and the same in JSON."""
+    hour ago and a node silent for ten minutes: exit 1 (thresholds crossed), one line per condition,
+    and the same in JSON. The liveness probe passes all along: the store answers."""
     store = Store(build_engine(database_url), table_prefix)
     store.migrate()
     try:
@@ -40,6 +41,8 @@ def test_a_healthy_store_passes_and_each_failed_condition_has_its_line(database_
 
         failed = run("check", "--min-nodes", "1", url=database_url, prefix=table_prefix)
         assert failed.returncode == 1, failed.stderr
+        alive = run("check", "--liveness", "--min-nodes", "1", url=database_url, prefix=table_prefix)
+        assert (alive.returncode, alive.stdout.strip()) == (0, "OK"), alive.stdout + alive.stderr
         lines = failed.stdout.splitlines()
         assert [line.split(":")[0] for line in lines] == [
             "FAIL pending_age", "FAIL dead_letters", "FAIL stuck", "FAIL node_silent", "FAIL nodes"], lines
@@ -64,18 +67,21 @@ def test_a_healthy_store_passes_and_each_failed_condition_has_its_line(database_
 
 
 def test_a_store_that_does_not_answer_is_one_failed_condition(table_prefix):
-    """A database nobody listens on: exit 1 and one line that names the store, no traceback."""
+    """A database nobody listens on: exit 2 (not the 1 of a crossed threshold), for the liveness
+    probe too, and one line that names the store, no traceback."""
     url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test?connect_timeout=2"
-    for arguments, expected in ((["check"], "FAIL store: "), (["check", "--json"], '"condition": "store"')):
+    for arguments, expected in ((["check"], "FAIL store: "), (["check", "--json"], '"condition": "store"'),
+                                (["check", "--liveness"], "FAIL store: ")):
         result = run(*arguments, url=url, prefix=table_prefix)
-        assert result.returncode == 1, result.stderr
+        assert result.returncode == 2, result.stderr
         assert expected in result.stdout
         assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_a_locked_table_is_a_failed_condition_within_the_timeout(postgres_url, table_prefix):
     """``VACUUM FULL``, a migration or ``LOCK TABLE`` holds an outbox table: the check answers
-    within ``--timeout``, exit 1 and one line saying why, instead of hanging past a probe's limit."""
+    within ``--timeout``, exit 2 and one line saying why, instead of hanging past a probe's limit;
+    the liveness probe, which reads no table, passes (no restart for a maintenance lock)."""
     import psycopg
 
     store = Store(build_engine(postgres_url), table_prefix)
@@ -85,7 +91,9 @@ def test_a_locked_table_is_a_failed_condition_within_the_timeout(postgres_url, t
             with psycopg.connect(postgres_url.replace("postgresql+psycopg", "postgresql")) as holder:
                 holder.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
                 result = run("check", "--timeout", "2s", url=postgres_url, prefix=table_prefix)
-            assert result.returncode == 1, result.stderr
+                alive = run("check", "--liveness", "--timeout", "2s", url=postgres_url, prefix=table_prefix)
+            assert (alive.returncode, alive.stdout.strip()) == (0, "OK"), (table, alive.stdout, alive.stderr)
+            assert result.returncode == 2, result.stderr
             assert "FAIL store: the message store did not answer within 2 s: a table of it is locked" \
                 in result.stdout, (table, result.stdout, result.stderr)
     finally:
