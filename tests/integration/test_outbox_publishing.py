@@ -764,7 +764,7 @@ def test_a_retry_surviving_a_rolled_back_block_is_stored_once_the_block_gave_its
 
         app.conf.result_backend = "cache+memory://"
         with start_worker(app, pool="solo", queues=[shop.durable_queue], perform_ping_check=False,
-                          shutdown_timeout=10):
+                          shutdown_timeout=30):
             result = flaky.delay()
             assert result.get(timeout=20) == "done"
         assert attempts == [0, 1]
