@@ -31,8 +31,8 @@ default settings on PostgreSQL), not by ``outbox_redeliver_after``. On PostgreSQ
 registers before its first unit of work begins (``prepare``), or in the background from its
 first send inside a transaction opened elsewhere (a Django atomic block); a row stored before
 that registration ended names no sender and is left to delivery tracking. On SQLite a row names
-a sender only in a process that is a node for its eager claims. A process that exits normally deregisters its node
-(``atexit``): its sends were published, so none is redelivered.
+a sender only in a process that is a node for its eager claims. A process that exits normally
+deregisters its node (``atexit``): its sends were published, so none is redelivered.
 
 The heartbeat thread also releases the claims an attempt could not release itself
 because the database was unreachable (``release_later``): until then a copy of

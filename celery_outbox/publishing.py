@@ -7,11 +7,12 @@ order with one producer (``broker.Outlet``), with no round trip to the store unl
 failed (its row is then unmarked, for the relay). The consuming inbox deletes a sent row when it
 has the message; redelivery publishes it again if it never does. A row stored marked sent names
 this process's node as its sender: a process that died between the commit and the publish is
-declared dead by recovery, which makes its rows due for redelivery at once. With an archive, the rows are instead taken
-(locked and marked sent) after the commit by one UPDATE that opens a transaction of its own, and
-the marks commit with the records of the sends; with delivery tracking off, one DELETE takes
-them. Outside a unit of work, a durable message is stored in a transaction of its own (on
-PostgreSQL its BEGIN, INSERT and COMMIT in one round trip), then published.
+declared dead by recovery, which makes its rows due for redelivery at once. With an archive, the
+rows are instead taken (locked and marked sent) after the commit by one UPDATE that opens a
+transaction of its own, and the marks commit with the records of the sends; with delivery
+tracking off, one DELETE takes them. Outside a unit of work, a durable message is stored in a
+transaction of its own (on PostgreSQL its BEGIN, INSERT and COMMIT in one round trip), then
+published.
 
 Guarantee: never raises for a broker error once the commit happened; a durable message whose
 publish fails stays in the outgoing table for the relay, and one whose publish never happened

@@ -2,9 +2,9 @@
 
 ``register_node``, ``heartbeat`` and ``deregister_node`` each run in a transaction of their own
 (``register_node`` given a ``conn`` begins and commits one on it). ``hold_liveness_lock`` and
-``ping_liveness`` run on the node's liveness connection in a transaction of their own; the
-advisory lock they take or check is the session's and outlives it. ``check_nodes``,
-``dead_nodes``, ``dead_owners`` and ``forget_released_nodes`` run inside the caller's transaction (a recover run)
+``ping_liveness`` run on the node's liveness connection in a transaction of their own; the advisory
+lock they take or check is the session's and outlives it. ``check_nodes``, ``dead_nodes``,
+``dead_owners`` and ``forget_released_nodes`` run inside the caller's transaction (a recover run)
 and never commit, and so do ``release_owned``, ``release_claim`` and ``release_claim_of_process``,
 which release the inbox claims of a node (dead, giving one claim up, or a process seen dying).
 """
