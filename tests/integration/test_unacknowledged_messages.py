@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import select
 
-from celery_outbox.store import utcnow
+from celery_outbox.store import as_utc, utcnow
 from celery_outbox.vocabulary import IncomingStatus
 
 from ..apps import unacked_app
@@ -110,8 +110,17 @@ class Setup:
         assert result.relay.published == 0, result
 
     def recover_after_redelivery_time(self, sent_at: datetime):
-        wait_until(lambda: utcnow() >= sent_at + timedelta(seconds=REDELIVER_AFTER), timeout=10,
-                   message="the redelivery time to pass")
+        """One recover pass once the redelivery time of a send at ``sent_at`` has passed, and that
+        of every outgoing row still stored (its own ``redeliver_at``: the send stamps it a moment
+        after the caller's ``sent_at``, later still when it first registers its node)."""
+        due = sent_at + timedelta(seconds=REDELIVER_AFTER)
+        if self.with_outbox:
+            store = self.shop.outbox.store
+            table = store.tables.outgoing
+            with store.begin() as conn:
+                stamped = conn.execute(select(table.c.redeliver_at).where(table.c.redeliver_at.is_not(None))).scalars()
+                due = max([due, *(as_utc(moment) for moment in stamped)])
+        wait_until(lambda: utcnow() >= due, timeout=10, message="the redelivery time to pass")
         return self.shop.outbox.recover()
 
     def close(self) -> None:
