@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,7 +116,12 @@ def run(directory, app, outbox, record, effects, func, select, django: bool, que
         body = wait_until(lambda: _get(f"http://127.0.0.1:{port}/metrics"), WAIT, message="the worker's metrics")
         assert "celery_outbox_" in body, body[:500]
         print("smoke: metrics ok", flush=True)
-    wait_until(lambda: "celery_outbox.recover" in log(directory, "beat"), WAIT, message="beat to send the recover task")
+    # beat logs "Sending due task" before it publishes; the worker's "received" says the publish ended.
+    # Celery beat's SIGTERM handler closes the broker connection from inside the signal handler: sent
+    # during a publish, on py-amqp, it re-enters the frame writer's lock (or a frame half read) and hangs.
+    wait_until(lambda: "celery_outbox.recover" in log(directory, "beat")
+               and re.search(r"Task celery_outbox\.recover\[[^]]+\] received", log(directory, "worker")), WAIT,
+               message="beat to send the recover task and the worker to receive it")
     print("smoke: beat ok", flush=True)
 
 

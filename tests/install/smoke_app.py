@@ -6,7 +6,6 @@ line under test provides: celery-outbox, Celery, SQLAlchemy and the line's extra
 from __future__ import annotations
 
 import os
-import sys
 
 from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, Table, insert
@@ -44,12 +43,6 @@ app.conf.update(
                               "data_folder_out": os.path.join(DIR, "broker")},
     broker_connection_retry_on_startup=True,
 )
-if BROKER_URL.startswith("amqp") and "beat" in sys.argv:
-    # Under CI's load RabbitMQ has twice left beat's first exchange.declare unanswered, and py-amqp
-    # waits for an answer with no timeout: beat sent nothing more and ignored SIGTERM (its sync
-    # handler waits on the same socket). With a read timeout kombu reconnects and declares again.
-    app.conf.broker_transport_options = {**app.conf.broker_transport_options, "read_timeout": 10,
-                                         "write_timeout": 10}
 if not DJANGO:
     app.conf.outbox_database_url = os.environ["SMOKE_DATABASE_URL"]
 if os.environ.get("SMOKE_METRICS_PORT"):

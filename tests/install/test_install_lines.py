@@ -109,6 +109,13 @@ def wheelhouse(tmp_path_factory) -> Path:
     return folder
 
 
+def excerpt(log: str) -> str:
+    """A log's end, or, where faulthandler wrote the stacks of a process that hung, the stacks from
+    their innermost frames on (the frames a hang is in)."""
+    stacks = log.find("Fatal Python error")
+    return log[-3000:] if stacks < 0 else log[stacks:stacks + 12000]
+
+
 def service_urls(line: Line, name: str) -> dict[str, str]:
     env = {}
     if line.store == "postgres":
@@ -152,7 +159,7 @@ def test_an_install_line_runs_a_worker_beat_and_the_inbox(line, wheelhouse, tmp_
                              text=True, timeout=240)
     finally:
         forget(line, name, env)
-    logs = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in tmp_path.glob("*.log"))
+    logs = "\n".join(f"--- {log.name}\n{excerpt(log.read_text(errors='replace'))}" for log in tmp_path.glob("*.log"))
     assert ran.returncode == 0 and "smoke: ok" in ran.stdout, f"{line}:\n{ran.stdout}\n{ran.stderr}\n{logs}"
 
 
