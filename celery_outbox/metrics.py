@@ -39,7 +39,7 @@ from .signals import (
     publish_failed,
 )
 from .store import utcnow
-from .vocabulary import DeadLetterReason
+from .vocabulary import ClaimRelease, DeadLetterReason, RedeliveryReason
 
 __all__ = ["MULTIPROCESS_DIR_VARIABLE", "OutboxMetrics", "StoreCollector", "install", "serve", "serve_from_worker"]
 
@@ -66,7 +66,9 @@ class OutboxMetrics:
     """The counters and histograms of one process, fed by the signals of one outbox.
 
     ``connect(sender)`` listens to the signals ``sender`` (an ``Outbox``) sends; every receiver
-    only adds to a metric: it never raises into the path of a message."""
+    only adds to a metric: it never raises into the path of a message. ``start_at_zero`` makes the
+    series of every known label set exist at 0 before its first event, so that ``increase()`` and
+    ``rate()`` see that event."""
 
     def __init__(self, registry: Any = None) -> None:
         client = _prometheus()
@@ -107,6 +109,26 @@ class OutboxMetrics:
         ):
             signal.connect(receiver, sender=sender, weak=False)
             self._receivers.append((signal, receiver))
+        return self
+
+    def start_at_zero(self, tasks: Iterable[str], durable_queues: Iterable[str]) -> "OutboxMetrics":
+        """Create at 0 the series of every known label set: dead letters of each reason for each of
+        ``tasks`` (or with no task, for the reasons counted without one), claims taken over for each
+        reason, and, for each of ``durable_queues``, the messages stored, published, relayed,
+        redelivered (for each reason) and failed to publish. Series of other label values (a plain
+        queue, a task sent by name only) still appear at their first event."""
+        tasks, durable_queues = sorted(set(tasks)), sorted(set(durable_queues))
+        for reason in DeadLetterReason:
+            for task in ([""] if reason in UNREGISTERED_TASK_REASONS else tasks):
+                self.dead_letters.labels(reason.value, task)
+        for release in ClaimRelease:
+            self.claims_taken_over.labels(release.value)
+        for queue in durable_queues:
+            for counter in (self.stored, self.published, self.relayed):
+                counter.labels(queue)
+            self.publish_failures.labels(queue, "true")
+            for redelivery in RedeliveryReason:
+                self.redelivered.labels(queue, redelivery.value)
         return self
 
     def disconnect(self) -> None:
@@ -152,11 +174,22 @@ _installed: dict[tuple[int, int], OutboxMetrics] = {}
 def install(outbox: Any, registry: Any = None) -> OutboxMetrics:
     """Count ``outbox``'s signals in this process, into ``registry`` (prometheus-client's default
     one unless given), for an application that serves its own ``/metrics`` (a web process that
-    sends messages). Calling it again returns the same metrics."""
+    sends messages), every known series starting at 0 (``known_tasks``, the durable queues).
+    Calling it again returns the same metrics."""
     key = (id(outbox), id(registry))
     if key not in _installed:
-        _installed[key] = OutboxMetrics(registry).connect(outbox)
+        _installed[key] = OutboxMetrics(registry).connect(outbox).start_at_zero(
+            known_tasks(outbox.app), outbox.settings.durable_queues)
     return _installed[key]
+
+
+def known_tasks(app: Any) -> list[str]:
+    """The task names ``app`` registers, Celery's own (``celery.``) aside, once the app is finalized
+    (a worker's is before it serves metrics); before that none, so that counting never finalizes an
+    app early."""
+    if not app.finalized:
+        return []
+    return sorted(name for name in app.tasks if not name.startswith("celery."))
 
 
 class StoreCollector:

@@ -61,7 +61,16 @@ def test_a_prefork_worker_serves_the_counts_of_its_pool_and_the_stores_gauges(po
     try:
         shop, plain, durable = scenario.shop, scenario.env["TEST_QUEUE"], scenario.env["TEST_OTHER_QUEUE"]
         scenario.worker(queues=[plain, durable], concurrency=2)
-        assert value(scrape(port), "celery_outbox_store_up") == 1
+        before = scrape(port)
+        assert value(before, "celery_outbox_store_up") == 1
+        # every known series exists at 0 before its first event, so that increase() sees that event
+        started = before["celery_outbox_dead_letters_total"]
+        assert started[(("reason", "failed"), ("task", "inbox.fragile"))] == 0
+        assert started[(("reason", "malformed"), ("task", ""))] == 0
+        assert not any(dict(key)["task"].startswith("celery.") for key in started), "Celery's own tasks"
+        assert set(before["celery_outbox_claims_taken_over_total"]) == {(("reason", "dead_node"),),
+                                                                         (("reason", "stale"),)}
+        assert before["celery_outbox_messages_redelivered_total"][(("queue", durable), ("reason", "worker_lost"))] == 0
         with shop.outbox.transaction():
             for n in range(5):
                 shop.pay.apply_async((f"durable-{n}",), task_id=f"durable-{n}", queue=durable)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from celery_outbox import metrics
 from celery_outbox.errors import ConfigurationError
 from celery_outbox.signals import announce_dead_letters
-from celery_outbox.vocabulary import DeadLetterReason
+from celery_outbox.vocabulary import ClaimRelease, DeadLetterReason, RedeliveryReason
 
 
 def samples(registry: CollectorRegistry, name: str) -> dict[tuple, float]:
@@ -36,6 +36,49 @@ def test_dead_letters_of_unregistered_task_names_share_one_series():
     assert samples(registry, "celery_outbox_dead_letters_total") == {
         (("reason", "malformed"), ("task", "")): 50, (("reason", "unknown_task"), ("task", "")): 50,
         (("reason", "failed"), ("task", "shop.pay")): 1}
+
+
+def test_installed_metrics_start_every_known_series_at_zero():
+    """The series of the reasons, of the registered tasks (Celery's own aside) and of the durable
+    queues exist at 0 before their first event; an app not finalized yet is not finalized for it."""
+    from celery import Celery
+
+    from celery_outbox import Outbox
+
+    app = Celery("metrics-zero", broker="memory://", set_as_current=False)
+    app.conf.update(outbox_database_url="sqlite://", outbox_durable_queues=["payments"])
+    outbox = Outbox(app)
+
+    @app.task(name="shop.pay", shared=False)
+    def pay():
+        return None
+
+    registry = CollectorRegistry()
+    counted = metrics.install(outbox, registry)
+    try:
+        assert not app.finalized
+        assert set(samples(registry, "celery_outbox_dead_letters_total")) == {
+            (("reason", "malformed"), ("task", "")), (("reason", "unknown_task"), ("task", ""))}
+    finally:
+        counted.disconnect()
+    app.finalize()
+    registry = CollectorRegistry()
+    counted = metrics.install(outbox, registry)
+    try:
+        dead = samples(registry, "celery_outbox_dead_letters_total")
+        assert dead[(("reason", "failed"), ("task", "shop.pay"))] == 0
+        assert dead[(("reason", "worker_lost"), ("task", "celery_outbox.recover"))] == 0
+        assert not any(dict(key)["task"].startswith("celery.") for key in dead)
+        assert set(dead.values()) == {0}
+        assert samples(registry, "celery_outbox_claims_taken_over_total") == {
+            (("reason", release.value),): 0 for release in ClaimRelease}
+        assert samples(registry, "celery_outbox_messages_stored_total") == {(("queue", "payments"),): 0}
+        assert samples(registry, "celery_outbox_publish_failures_total") == {
+            (("durable", "true"), ("queue", "payments")): 0}
+        assert set(samples(registry, "celery_outbox_messages_redelivered_total")) == {
+            (("queue", "payments"), ("reason", reason.value)) for reason in RedeliveryReason}
+    finally:
+        counted.disconnect()
 
 
 def test_without_prometheus_client_the_error_names_the_extra(monkeypatch):
