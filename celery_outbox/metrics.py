@@ -239,19 +239,26 @@ def _store_gauges(report: dict[str, Any], gauge: Callable[..., Any]) -> Iterator
                   "outgoing rows, and running claims", ["table"])
     for table in ("outgoing", "incoming"):
         stuck.add_metric([table], report["stuck"][table])
-    recent = gauge("recent_dead_letters", f"Dead letters of the last {report['recent_dead_letters']['seconds']:g} s")
-    recent.add_metric([], report["recent_dead_letters"]["count"])
-    oldest_pending = gauge("oldest_pending_age_seconds", "Age of the oldest due outgoing row not sent yet (0: none)")
-    oldest_pending.add_metric([], report["oldest_pending_outgoing_age_seconds"] or 0)
-    oldest_running = gauge("oldest_running_age_seconds", "Age of the oldest running inbox claim (0: none)")
-    oldest_running.add_metric([], report["oldest_running_incoming_age_seconds"] or 0)
-    heartbeat = gauge("node_heartbeat_age_seconds", "Seconds since each registered node's last heartbeat",
-                      ["node", "hostname", "pid"])
+    moments = report["timestamps"]
+    when = {name: gauge(f"{name}_timestamp_seconds", documentation) for name, documentation in (
+        ("oldest_pending_outgoing", "When the oldest due outgoing row not sent yet was committed (Unix seconds; "
+                                    "absent: none)"),
+        ("oldest_running_incoming", "When the oldest running inbox claim's message was received (absent: none)"),
+        ("newest_dead_letter", "When the newest dead letter kept failed (absent: none)"))}
+    for name, family in when.items():
+        if moments[name] is not None:
+            family.add_metric([], moments[name])
+    hosts: dict[str, list[float]] = {}
     for node in report["nodes"]:
-        age = node["heartbeat_age_seconds"]
-        heartbeat.add_metric([str(node["id"]), node["hostname"] or "", str(node["pid"] or "")],
-                             age if age is not None else float("nan"))
-    yield from (outgoing, incoming, dead_letters, stuck, recent, oldest_pending, oldest_running, heartbeat)
+        if node["heartbeat_at"] is not None:
+            hosts.setdefault(node["hostname"] or "", []).append(node["heartbeat_at"])
+    nodes = gauge("nodes", "Registered nodes (worker and sender processes) by host", ["hostname"])
+    stalest = gauge("stalest_heartbeat_timestamp_seconds", "The least recent heartbeat of a host's registered nodes "
+                    "(Unix seconds, the database's clock)", ["hostname"])
+    for hostname, beats in sorted(hosts.items()):
+        nodes.add_metric([hostname], len(beats))
+        stalest.add_metric([hostname], min(beats))
+    yield from (outgoing, incoming, dead_letters, stuck, *when.values(), nodes, stalest)
 
 
 def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0.0.1") -> Any:

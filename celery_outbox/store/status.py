@@ -75,10 +75,11 @@ class StatusStatements(StoreBase):
                 select(func.count()).select_from(t.incoming).where(is_running(t.incoming))
                 .where(t.incoming.c.received_at <= stuck_before)
             ).scalar()
-            recent_dead_letters = conn.execute(
-                select(func.count()).select_from(t.dead_letters)
-                .where(t.dead_letters.c.failed_at >= now - timedelta(seconds=recent))
-            ).scalar()
+            recent_dead_letters, newest_dead_letter = conn.execute(
+                select(func.coalesce(func.sum(case((t.dead_letters.c.failed_at >= now - timedelta(seconds=recent), 1),
+                                                   else_=0)), 0),
+                       func.max(t.dead_letters.c.failed_at))
+            ).one()
             beats_now = self.database_now(conn) if given is None else now  # the heartbeats' clock
             nodes = [
                 {
@@ -87,6 +88,7 @@ class StatusStatements(StoreBase):
                     "hostname": row.hostname,
                     "pid": row.pid,
                     "heartbeat_age_seconds": _age(beats_now, as_utc(row.heartbeat_at)),
+                    "heartbeat_at": _timestamp(row.heartbeat_at),
                     "stale_checks": row.stale_checks,
                 }
                 for row in conn.execute(select(t.nodes).order_by(t.nodes.c.id))
@@ -102,6 +104,10 @@ class StatusStatements(StoreBase):
             "oldest_running_incoming_age_seconds": _age(now, oldest_incoming),
             "stuck": {"after_seconds": stuck_after, "outgoing": int(stuck_outgoing), "incoming": int(stuck_incoming)},
             "recent_dead_letters": {"seconds": recent, "count": int(recent_dead_letters)},
+            # Unix seconds (None: there is none), for the metrics' gauges: Prometheus takes ages in PromQL
+            "timestamps": {"oldest_pending_outgoing": _timestamp(oldest_outgoing),
+                           "oldest_running_incoming": _timestamp(oldest_incoming),
+                           "newest_dead_letter": _timestamp(newest_dead_letter)},
             "nodes": nodes,
         }
 
@@ -124,3 +130,7 @@ def _outgoing_state(table, now: datetime):
 
 def _age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else round((now - then).total_seconds(), 3)
+
+
+def _timestamp(moment: datetime | None) -> float | None:
+    return None if moment is None else round(as_utc(moment).timestamp(), 3)

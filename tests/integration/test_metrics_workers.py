@@ -12,10 +12,13 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import func, select
 
 from celery_outbox import metrics
+from celery_outbox.store.base import as_utc
 
 from ..apps.factory import make_shop, strand
 from ..brokers import copy_options, purge
@@ -99,11 +102,24 @@ def test_a_prefork_worker_serves_the_counts_of_its_pool_and_the_stores_gauges(po
         assert value(samples, "celery_outbox_dead_letter_messages", reason="failed", task="inbox.fragile") == 1
         assert value(samples, "celery_outbox_incoming_messages", status="handled", queue=durable) == 6
         assert value(samples, "celery_outbox_incoming_messages", status="dead", queue=durable) == 1
-        assert value(samples, "celery_outbox_recent_dead_letters") == 1
+        store = shop.outbox.store
+        with store.begin() as conn:
+            failed_at = conn.execute(select(func.max(store.tables.dead_letters.c.failed_at))).scalar()
+        assert value(samples, "celery_outbox_newest_dead_letter_timestamp_seconds") == pytest.approx(
+            as_utc(failed_at).timestamp(), abs=0.001)
         assert value(samples, "celery_outbox_outgoing_messages", status="pending") == 0
+        assert "celery_outbox_oldest_pending_outgoing_timestamp_seconds" not in samples, "none pending: no sample"
         assert value(samples, "celery_outbox_stuck_messages") == 0
-        nodes = {dict(labels)["node"] for labels in samples["celery_outbox_node_heartbeat_age_seconds"]}
-        assert nodes == {str(node.id) for node in shop.outbox.store.live_nodes()} != set()
+        # the nodes by host, not by id and pid: a pool restart adds no series
+        beats: dict[str, list[float]] = defaultdict(list)
+        for node in store.live_nodes():
+            beats[node.hostname].append(as_utc(node.heartbeat_at).timestamp())
+        assert beats, "the worker's nodes"
+        assert samples["celery_outbox_nodes"] == {(("hostname", host),): len(found) for host, found in beats.items()}
+        for host, found in beats.items():
+            # a heartbeat between the scrape and this read may move the least recent one on
+            assert value(samples, "celery_outbox_stalest_heartbeat_timestamp_seconds", hostname=host) \
+                <= min(found) + 0.001  # rounded to the millisecond
         # the sender: seven durable messages stored and the unit of work's ten sends published at its
         # commit (the two copies, sent outside a unit of work to a plain queue, are Celery's own sends)
         assert registry_value(sender_registry, "celery_outbox_messages_stored_total", queue=durable) == 7
@@ -190,7 +206,11 @@ def test_the_metrics_command_serves_the_stores_gauges_and_says_when_the_store_is
         samples = wait_until(lambda: _scrape_or_none(port), timeout=60, message="the metrics command to serve")
         assert value(samples, "celery_outbox_store_up") == 1
         assert value(samples, "celery_outbox_outgoing_messages", status="pending", queue=shop.durable_queue) == 3
-        assert value(samples, "celery_outbox_oldest_pending_age_seconds") > 0
+        outgoing = shop.outbox.store.tables.outgoing
+        with shop.outbox.store.begin() as conn:
+            oldest = conn.execute(select(func.min(outgoing.c.created_at)).where(outgoing.c.sent_at.is_(None))).scalar()
+        assert value(samples, "celery_outbox_oldest_pending_outgoing_timestamp_seconds") == pytest.approx(
+            as_utc(oldest).timestamp(), abs=0.001)
         drop_store(shop.outbox.store)
         samples = scrape(port)
         assert value(samples, "celery_outbox_store_up") == 0
