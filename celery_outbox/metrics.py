@@ -5,7 +5,8 @@ Two kinds, as the numbers come from two places:
 * **Counters and histograms** (``OutboxMetrics``) count what happens in a process, fed by the
   library's signals (``celery_outbox.signals``): messages stored, published at commit, relayed,
   redelivered; publish failures; duplicates discarded; dead letters by reason; claims taken over
-  after a node died; the delay from commit to publish and from claim to handled. Each process
+  after a node died; the delay from commit to publish and from claim to handled; and, from
+  Celery's ``task_prerun``/``task_postrun``, each task's run time. Each process
   counts its own; a prefork worker's pool shares them through Prometheus' multiprocess mode
   (``PROMETHEUS_MULTIPROC_DIR``), which ``serve_from_worker`` turns on before the pool forks.
 * **Gauges** (``StoreCollector``) are read from the store when scraped, with the one status query
@@ -25,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 from .errors import ConfigurationError
@@ -97,6 +99,9 @@ class OutboxMetrics:
                                            "accepting it (at commit, or by the relay)", ["via"])
         self.claim_to_handled = histogram("claim_to_handled_seconds", "From an attempt's inbox claim to its "
                                           "handled commit", ["task"])
+        self.task_runtime = histogram("task_runtime_seconds", "A task's run in the worker, Celery's task_prerun to "
+                                      "its task_postrun (an IdempotentTask's claim and commit included)", ["task"])
+        self._started: dict[str, float] = {}  # task id -> monotonic moment of its prerun, until its postrun
         self._receivers: list[tuple[Any, Callable[..., None]]] = []
 
     def connect(self, sender: Any) -> "OutboxMetrics":
@@ -109,18 +114,36 @@ class OutboxMetrics:
         ):
             signal.connect(receiver, sender=sender, weak=False)
             self._receivers.append((signal, receiver))
+        app = getattr(sender, "app", None)
+        if app is not None:  # the runs of this app's tasks (Celery's signals name the task, not the app)
+            from celery.signals import task_postrun, task_prerun
+
+            def prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+                if task_id is not None and getattr(task, "app", None) is app:
+                    self._started[task_id] = time.monotonic()
+
+            def postrun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+                started = self._started.pop(task_id, None) if task_id is not None else None
+                if started is not None:
+                    self.task_runtime.labels(task.name).observe(time.monotonic() - started)
+
+            for signal, receiver in ((task_prerun, prerun), (task_postrun, postrun)):
+                signal.connect(receiver, weak=False)
+                self._receivers.append((signal, receiver))
         return self
 
     def start_at_zero(self, tasks: Iterable[str], durable_queues: Iterable[str]) -> "OutboxMetrics":
         """Create at 0 the series of every known label set: dead letters of each reason for each of
-        ``tasks`` (or with no task, for the reasons counted without one), claims taken over for each
-        reason, and, for each of ``durable_queues``, the messages stored, published, relayed,
-        redelivered (for each reason) and failed to publish. Series of other label values (a plain
+        ``tasks`` (or with no task, for the reasons counted without one), each task's run time,
+        claims taken over for each reason, and, for each of ``durable_queues``, the messages stored,
+        published, relayed, redelivered (for each reason) and failed to publish. Series of other label values (a plain
         queue, a task sent by name only) still appear at their first event."""
         tasks, durable_queues = sorted(set(tasks)), sorted(set(durable_queues))
         for reason in DeadLetterReason:
             for task in ([""] if reason in UNREGISTERED_TASK_REASONS else tasks):
                 self.dead_letters.labels(reason.value, task)
+        for task in tasks:
+            self.task_runtime.labels(task)
         for release in ClaimRelease:
             self.claims_taken_over.labels(release.value)
         for queue in durable_queues:
@@ -261,11 +284,11 @@ def _store_gauges(report: dict[str, Any], gauge: Callable[..., Any]) -> Iterator
     yield from (outgoing, incoming, dead_letters, stuck, *when.values(), nodes, stalest)
 
 
-def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0.0.1") -> Any:
+def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0.0.1", announce: bool = True) -> Any:
     """Serve ``/metrics`` over HTTP on ``address:port`` from a thread: the store's gauges, and the
-    counters of every process that counts into ``PROMETHEUS_MULTIPROC_DIR`` when it is set.
-    Returns the server (``shutdown()`` stops it). Raises ``ConfigurationError`` when the address
-    cannot be bound."""
+    counters of every process that counts into ``PROMETHEUS_MULTIPROC_DIR`` when it is set; logs
+    where (unless not to ``announce``). Returns the server (``shutdown()`` stops it). Raises
+    ``ConfigurationError`` when the address cannot be bound."""
     client = _prometheus()
     registry = client.CollectorRegistry()
     if os.environ.get(MULTIPROCESS_DIR_VARIABLE):
@@ -277,8 +300,13 @@ def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0
         server, _ = client.start_http_server(port, address, registry)
     except OSError as exc:
         raise ConfigurationError(f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}") from None
-    logger.info("celery-outbox: metrics on http://%s:%d/metrics", address, port)
+    if announce:
+        _announce(address, port)
     return server
+
+
+def _announce(address: str, port: int) -> None:
+    logger.info("celery-outbox: metrics on http://%s:%d/metrics", address, port)
 
 
 def use_multiprocess_dir() -> str:
@@ -303,9 +331,20 @@ def use_multiprocess_dir() -> str:
 
 def serve_from_worker(outbox: Any, port: int, address: str) -> Any:
     """A worker's metrics: counted by the main process and every pool process it forks (one
-    multiprocess folder), and served with the store's gauges on ``address:port``."""
+    multiprocess folder), and served with the store's gauges on ``address:port``. Called at the
+    worker's start, before Celery sets up its logging: where they are served is logged once the
+    worker is ready."""
+    from celery.signals import worker_ready
+
     _prometheus()
     use_multiprocess_dir()
     install(outbox)
-    return serve(outbox.status, port, address)
+    server = serve(outbox.status, port, address, announce=False)
+
+    def announce(**_: Any) -> None:
+        worker_ready.disconnect(announce)
+        _announce(address, port)
+
+    worker_ready.connect(announce, weak=False)
+    return server
 

@@ -63,7 +63,8 @@ def test_a_prefork_worker_serves_the_counts_of_its_pool_and_the_stores_gauges(po
     sent = metrics.OutboxMetrics(sender_registry).connect(scenario.shop.outbox)
     try:
         shop, plain, durable = scenario.shop, scenario.env["TEST_QUEUE"], scenario.env["TEST_OTHER_QUEUE"]
-        scenario.worker(queues=[plain, durable], concurrency=2)
+        worker = scenario.worker(queues=[plain, durable], concurrency=2)
+        assert f"celery-outbox: metrics on http://127.0.0.1:{port}/metrics" in worker.log()
         before = scrape(port)
         assert value(before, "celery_outbox_store_up") == 1
         # every known series exists at 0 before its first event, so that increase() sees that event
@@ -74,6 +75,7 @@ def test_a_prefork_worker_serves_the_counts_of_its_pool_and_the_stores_gauges(po
         assert set(before["celery_outbox_claims_taken_over_total"]) == {(("reason", "dead_node"),),
                                                                          (("reason", "stale"),)}
         assert before["celery_outbox_messages_redelivered_total"][(("queue", durable), ("reason", "worker_lost"))] == 0
+        assert before["celery_outbox_task_runtime_seconds_count"][(("task", "inbox.fragile"),)] == 0
         with shop.outbox.transaction():
             for n in range(5):
                 shop.pay.apply_async((f"durable-{n}",), task_id=f"durable-{n}", queue=durable)
@@ -95,6 +97,11 @@ def test_a_prefork_worker_serves_the_counts_of_its_pool_and_the_stores_gauges(po
         samples = wait_until(settled, timeout=60, message=f"the worker's metrics to count the run (logs in {tmp_path})")
         assert value(samples, "celery_outbox_claim_to_handled_seconds_count", task="inbox.pay") == 9
         assert value(samples, "celery_outbox_claim_to_handled_seconds_count", task="inbox.pay_eager") == 1
+        # every run of a task in the pool, whatever it ended in: the failure and the discarded copy too
+        assert value(samples, "celery_outbox_task_runtime_seconds_count", task="inbox.fragile") == 1
+        assert value(samples, "celery_outbox_task_runtime_seconds_count", task="inbox.pay_eager") == 1
+        assert value(samples, "celery_outbox_task_runtime_seconds_count", task="inbox.pay") == 10
+        assert value(samples, "celery_outbox_task_runtime_seconds_sum", task="inbox.pay") > 0
         assert value(samples, "celery_outbox_duplicates_discarded_total", task="inbox.pay", queue=plain) == 1
         assert value(samples, "celery_outbox_dead_letters_total", reason="failed", task="inbox.fragile") == 1
         assert value(samples, "celery_outbox_dead_letters_total") == 1
