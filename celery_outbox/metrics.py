@@ -136,8 +136,8 @@ class OutboxMetrics:
         """Create at 0 the series of every known label set: dead letters of each reason for each of
         ``tasks`` (or with no task, for the reasons counted without one), each task's run time,
         claims taken over for each reason, and, for each of ``durable_queues``, the messages stored,
-        published, relayed, redelivered (for each reason) and failed to publish. Series of other label values (a plain
-        queue, a task sent by name only) still appear at their first event."""
+        published, relayed, redelivered (for each reason) and failed to publish. Series of other
+        label values (a plain queue, a task sent by name only) still appear at their first event."""
         tasks, durable_queues = sorted(set(tasks)), sorted(set(durable_queues))
         for reason in DeadLetterReason:
             for task in ([""] if reason in UNREGISTERED_TASK_REASONS else tasks):
@@ -284,10 +284,10 @@ def _store_gauges(report: dict[str, Any], gauge: Callable[..., Any]) -> Iterator
     yield from (outgoing, incoming, dead_letters, stuck, *when.values(), nodes, stalest)
 
 
-def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0.0.1", announce: bool = True) -> Any:
+def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0.0.1") -> Any:
     """Serve ``/metrics`` over HTTP on ``address:port`` from a thread: the store's gauges, and the
-    counters of every process that counts into ``PROMETHEUS_MULTIPROC_DIR`` when it is set; logs
-    where (unless not to ``announce``). Returns the server (``shutdown()`` stops it). Raises
+    counters of every process that counts into ``PROMETHEUS_MULTIPROC_DIR`` when it is set.
+    Returns the server (``shutdown()`` stops it); the caller says where it serves. Raises
     ``ConfigurationError`` when the address cannot be bound."""
     client = _prometheus()
     registry = client.CollectorRegistry()
@@ -300,13 +300,7 @@ def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0
         server, _ = client.start_http_server(port, address, registry)
     except OSError as exc:
         raise ConfigurationError(f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}") from None
-    if announce:
-        _announce(address, port)
     return server
-
-
-def _announce(address: str, port: int) -> None:
-    logger.info("celery-outbox: metrics on http://%s:%d/metrics", address, port)
 
 
 def use_multiprocess_dir() -> str:
@@ -339,11 +333,11 @@ def serve_from_worker(outbox: Any, port: int, address: str) -> Any:
     _prometheus()
     use_multiprocess_dir()
     install(outbox)
-    server = serve(outbox.status, port, address, announce=False)
+    server = serve(outbox.status, port, address)
 
     def announce(**_: Any) -> None:
         worker_ready.disconnect(announce)
-        _announce(address, port)
+        logger.info("celery-outbox: metrics on http://%s:%d/metrics", address, port)
 
     worker_ready.connect(announce, weak=False)
     return server
