@@ -127,6 +127,22 @@ def pytest_runtest_protocol(item, nextitem):
         services.fast_layer_test = None
 
 
+# Greenlet libraries the suite uses only in subprocesses: eventlet's import alone re-imports
+# ``threading`` and ``_thread`` as second copies inside the process, beside the threads the suite's
+# nodes run (a pytest process that had done so once died of a segfault in such a thread).
+SUBPROCESS_ONLY_MODULES = ("eventlet", "gevent")
+
+
+def pytest_runtest_teardown(item) -> None:
+    """Fail the test after which a module of ``SUBPROCESS_ONLY_MODULES`` is in this process."""
+    import sys
+
+    imported = [name for name in SUBPROCESS_ONLY_MODULES if name in sys.modules]
+    if imported:
+        pytest.fail(f"{item.nodeid} imported {', '.join(imported)} into the pytest process: the suite runs "
+                    "greenlet libraries in subprocesses only (check for them with importlib.util.find_spec)")
+
+
 def pytest_runtest_setup(item) -> None:
     """Under ``--dist loadgroup`` (on an xdist worker), fail a test of ``ONE_WORKER_LAYERS`` that
     xdist did not group, naming why: its layer's tests would run at once on two workers and

@@ -10,6 +10,7 @@ with plain Celery (PostgreSQL store, Redis broker).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -186,11 +187,19 @@ GREEN_RUNS += [("eventlet-wait_select", mode) for mode in ("outside", "transacti
 PSYCOPG_WAIT = {"gevent": "wait_poll", "eventlet": "wait_c", "eventlet-wait_select": "wait_select"}
 
 
+def skip_without(library: str) -> None:
+    """Skip when the greenlet library is not installed, without importing it here: importing
+    eventlet re-imports ``threading`` and ``_thread`` as second copies inside this process (its
+    ``__original_module_*``), beside the threads the suite's nodes run."""
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is in the test extra")
+
+
 def _green_env(library: str, **extra: str) -> tuple[str, dict[str, str]]:
     """The greenlet library and the environment of a script run under it (``eventlet-wait_select``:
     eventlet with ``PSYCOPG_WAIT_FUNC=wait_select``)."""
     name, _, wait_func = library.partition("-")
-    pytest.importorskip(name, reason=f"{name} is in the test extra")
+    skip_without(name)
     env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
     env.pop("PSYCOPG_WAIT_FUNC", None)
     if wait_func:
@@ -266,7 +275,7 @@ def test_worker_tasks_publishing_from_their_bodies_never_block(pool, concurrency
     after the inbox's commit, each on a producer taken when the thread holds none; plain Celery side
     by side. Every task's two messages arrive."""
     if pool == "gevent":
-        pytest.importorskip("gevent", reason="gevent is in the test extra")
+        skip_without("gevent")
     tasks = 40
     database_url, broker_url = require("postgres"), require("redis")
     suffix = uuid.uuid4().hex[:8]
