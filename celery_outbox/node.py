@@ -1,8 +1,12 @@
 """The node: this process's identity in the store, with a heartbeat and a liveness lock.
 
-A node is registered lazily, the first time this process needs an owner id (an
-eager inbox claim), once per process: a forked prefork child registers its own.
-Its name is ``hostname:pid:uuid``, unique per process start.
+A worker's main process registers its node when the worker is ready (``serve_as_worker``),
+whatever its pool and its tasks' style, and keeps it registered while it runs: status, the
+admin and ``outbox check --min-nodes`` count the workers that live. It deregisters at the
+worker's warm shutdown, after its pool has drained. Any other process registers lazily, the
+first time it needs an owner id (an eager inbox claim) or a sender id, once per process: a
+prefork pool process registers its own, and a process forked from a node does not inherit its
+node (``forget_after_fork``). Its name is ``hostname:pid:uuid``, unique per process start.
 
 Liveness, two ways:
 
@@ -56,7 +60,7 @@ from .runtime import Runtime
 from .store import node_lock_key, utcnow
 from .vocabulary import Attempt
 
-__all__ = ["Node", "node_lock_key", "this_host"]
+__all__ = ["Node", "release_inherited_socket", "node_lock_key", "this_host"]
 
 logger = logging.getLogger("celery_outbox.node")
 
@@ -64,6 +68,31 @@ logger = logging.getLogger("celery_outbox.node")
 def this_host() -> str:
     """The host name a node of this machine is registered under (with its process id)."""
     return socket.gethostname()
+
+
+_INHERITED: list[Any] = []  # a parent's connections, held for this process's life: never finalized here
+
+
+def release_inherited_socket(connection: Any) -> None:
+    """Let go of this process's copy of the socket of ``connection`` (a SQLAlchemy connection made
+    by the parent of this forked process) and leave the parent's session alone: the descriptor
+    is replaced by ``/dev/null`` (its number stays taken, so nothing the driver might still do
+    with it reaches another file or socket), and the connection object is held, never used and
+    never finalized here (a finalizer would roll back or end the parent's session)."""
+    _INHERITED.append(connection)
+    try:
+        fd = connection.connection.dbapi_connection.pgconn.socket
+    except Exception as exc:  # noqa: BLE001 - not psycopg, or the session is gone already: nothing to release
+        logger.debug("celery-outbox: no inherited liveness socket to release: %s", exc)
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+    except OSError as exc:
+        logger.debug("celery-outbox: releasing the inherited liveness socket: %s", exc)
 
 
 @dataclass(frozen=True)
@@ -99,6 +128,7 @@ class Node:
         self._registering: tuple[int, threading.Thread] | None = None  # (pid, thread) of a background one
         self._registering_lock = threading.Lock()
         self._exit_hook = False
+        self._serving = False  # a worker's node: kept registered (``serve_as_worker``)
 
     @property
     def id(self) -> int:
@@ -130,6 +160,50 @@ class Node:
             self._prepare_again_at = time.monotonic() + self.runtime.settings.node_heartbeat_interval
             logger.warning("celery-outbox: cannot register this process's node yet (its sends stored marked sent "
                            "are left to delivery tracking): %s", exc)
+
+    def serve_as_worker(self) -> None:
+        """A worker is ready: register its node now and keep it registered while the process runs
+        (a node recovery declared dead, after the database was out of reach for long, registers
+        again at its next heartbeat). Never raises: a failure is logged, and the node registers at
+        the next unit of work, eager claim or heartbeat."""
+        self._serving = True
+        self._register_until_done()
+
+    def _register_until_done(self) -> None:
+        """Register a serving node now, or, when the database does not answer, in a thread of its
+        own that tries again every heartbeat interval until it is."""
+        self.prepare()
+        if self.registered() or not self._serving:
+            return
+        pid, interval = os.getpid(), self.runtime.settings.node_heartbeat_interval
+
+        def keep_trying() -> None:
+            while self._serving and os.getpid() == pid and not self.registered():
+                time.sleep(interval)
+                self._prepare_again_at = 0.0
+                self.prepare()
+
+        threading.Thread(target=keep_trying, name="celery-outbox-register", daemon=True).start()
+
+    def stop_serving(self) -> None:
+        """The worker shuts down: deregister its node (its pool has drained) and register no more."""
+        self._serving = False
+        self.deregister()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's node, its heartbeat thread and its locks are not this
+        process's. The child lets go of its copy of the liveness connection's socket
+        (``release_inherited_socket``), so that the parent's liveness session (and its lock) ends
+        when the parent dies, not when its last child does."""
+        self._lock = threading.Lock()
+        self._registering_lock = threading.Lock()
+        self._registering = None
+        self._thread = None
+        self._serving = False
+        self._pending_releases = {}
+        connection, self._liveness_connection = self._liveness_connection, None
+        if connection is not None:
+            release_inherited_socket(connection)
 
     def sender_id(self) -> int | None:
         """The id a row stored marked sent names as its sender: this node's, or None while it is
@@ -191,10 +265,13 @@ class Node:
             try:
                 if not store.heartbeat(node_id):
                     logger.error("celery-outbox: node %d was declared dead by recovery (no heartbeat for "
-                                 "too long); the next claim registers a new node", node_id)
+                                 "too long); %s", node_id,
+                                 "it registers again" if self._serving else "the next claim registers a new node")
                     with self._lock:
                         if self._id == node_id:
                             self._id = None
+                    if self._serving:
+                        self._register_until_done()
                     return
             except Exception as exc:  # noqa: BLE001 - the heartbeat thread must outlive a database blip
                 logger.warning("celery-outbox: heartbeat of node %d failed: %s", node_id, exc)

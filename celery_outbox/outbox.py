@@ -88,12 +88,13 @@ class Outbox:
         _install_task_base(app)
         if MessageGuard not in app.steps["consumer"]:
             app.steps["consumer"].add(MessageGuard)
-        os.register_at_fork(after_in_child=self.runtime.after_fork_in_child)
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
         signals.worker_init.connect(self._on_worker_init, weak=False)
         signals.beat_init.connect(self._on_worker_init, weak=False)
         # warm shutdown: the pool has drained; release what this process's node owns
         signals.worker_process_shutdown.connect(self._on_process_shutdown, weak=False)
-        signals.worker_shutdown.connect(self._on_process_shutdown, weak=False)
+        signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)
+        signals.worker_ready.connect(self._on_worker_ready, weak=False)
         register_beat_tasks(self.runtime)
         self.runtime.when_loaded(lambda: schedule_beat_tasks(self.runtime))
         if app.configured:
@@ -105,6 +106,24 @@ class Outbox:
         return f"<Outbox app={self.app.main!r}>"
 
     # -- worker and beat start-up and shutdown -----------------------------------------------------
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a prefork pool process) has its own connections and its own node."""
+        self.runtime.after_fork_in_child()
+        self.node.forget_after_fork()
+
+    def _on_worker_ready(self, sender: Any = None, **_: Any) -> None:
+        """The worker consumes: its main process is a node while it runs (``Node.serve_as_worker``)."""
+        if getattr(sender, "app", None) is self.app:
+            self.node.serve_as_worker()
+
+    def _on_worker_shutdown(self, sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", self.app) is not self.app:
+            return
+        try:
+            self.node.stop_serving()
+        except Exception as exc:  # noqa: BLE001 - recovery releases the rows of a node that did not
+            logger.warning("celery-outbox: could not deregister node at shutdown: %s", exc)
 
     def _on_process_shutdown(self, sender: Any = None, **_: Any) -> None:
         try:
