@@ -187,7 +187,7 @@ class Outlet:
         return connect_quickly(self.producer.connection)
 
     def publish_each(self, pairs: Sequence[tuple[T, OutgoingMessage]], crash_point: str | None = None,
-                     step: str = tracing.PUBLISH) -> PublishPass[T]:
+                     step: tracing.Step = tracing.Step.PUBLISH) -> PublishPass[T]:
         """Publish each pair's message in order, without retries, batched where the transport can
         (``PublishBatch``). A publish that fails for a reason of its own (the message) is
         ``failed`` and the loop goes on; a broker error stops it: that message and the rest are

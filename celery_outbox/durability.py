@@ -266,7 +266,7 @@ def republish_stranded_envelopes(runtime: Runtime, result: RecoverResult, max_ba
                 result.envelopes_dead_lettered += len(exhausted)
                 done = out.publish_each([(row, from_row(row, out.queues)) for row in rows
                                          if row.recoveries < settings.relay_max_attempts], crash_point="during_recover",
-                                         step=tracing.RECOVER)
+                                         step=tracing.Step.RECOVER)
                 for row, _, exc in done.failed:  # counted as a recovery; it dies after the cap
                     logger.error("celery-outbox recover: cannot re-publish %s[%s]: %r",
                                  row.task_name, row.message_id, exc, **log_fields.of_row(row))

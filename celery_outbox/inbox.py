@@ -132,17 +132,22 @@ class Inbox:
         """Make this the inbox the app's tasks run through (``inbox_of``)."""
         setattr(self.runtime.app, _APP_ATTRIBUTE, self)
 
-    @tracing.in_delivery_context
     def run(self, task: Any, args: tuple, kwargs: dict, body: Callable[[], Any], style: IdempotencyStyle,
             unit_of_work: bool, queue: str | None = None) -> Any:
         """Run ``body`` once per delivery of ``task``'s current request (from ``queue``, when the caller
-        resolved it already)."""
-        settings = self.runtime.settings
+        resolved it already), in the delivery's consumer span (``tracing.delivery_context``)."""
         request = task.request
         if request.called_directly or request.is_eager or not request.id:
             return self._without_claim(body, unit_of_work)  # no message, nothing to deduplicate
-        delivery = Delivery.from_request(task, settings, queue)
-        durable = settings.is_durable(delivery.queue)
+        delivery = Delivery.from_request(task, self.runtime.settings, queue)
+        with tracing.delivery_context(delivery, request):
+            return self._run_delivery(task, delivery, args, kwargs, body, style, unit_of_work)
+
+    def _run_delivery(self, task: Any, delivery: Delivery, args: tuple, kwargs: dict, body: Callable[[], Any],
+                      style: IdempotencyStyle, unit_of_work: bool) -> Any:
+        """Claim ``delivery``, run ``body`` in the style given, and turn each outcome into the
+        answer the worker gives the broker."""
+        durable = self.runtime.settings.is_durable(delivery.queue)
         envelope = envelope_of(task, args, kwargs) if durable else {}
         claimed = time.monotonic()
         try:
@@ -262,7 +267,7 @@ class Inbox:
         outcome: BaseException | None = None
         with self._attempt(task, delivery, unit_of_work=True) as uow:
             now = utcnow()
-            with _store_errors(), tracing.delivery_span(tracing.CLAIM, delivery):
+            with _store_errors(), tracing.delivery_span(tracing.Step.CLAIM, delivery):
                 row = self._claim_row(delivery, IncomingStatus.HANDLED, UNOWNED, now)
                 if envelope:
                     row.update(recoveries=delivery.redelivered, recover_after=None, **envelope)
@@ -349,7 +354,7 @@ class Inbox:
                            envelope: dict[str, Any], node_id: int) -> Any:
         store = self.runtime.store
         if envelope:  # a durable queue: the envelope is stored already claimed, in one transaction
-            with tracing.delivery_span(tracing.CLAIM, delivery):
+            with tracing.delivery_span(tracing.Step.CLAIM, delivery):
                 self._store_envelope(delivery, envelope, owner=node_id)
 
         def finish(connection: Connection, commit: bool) -> bool:  # False: another node took the claim over
@@ -364,7 +369,7 @@ class Inbox:
                 now = utcnow()
                 # committed without waiting for the disk (the body's commit makes it durable), on the
                 # attempt's connection: the body's transaction begins in the same round trip
-                with _store_errors(), tracing.delivery_span(tracing.CLAIM, delivery):
+                with _store_errors(), tracing.delivery_span(tracing.Step.CLAIM, delivery):
                     row = self._claim_row(delivery, IncomingStatus.RUNNING, node_id, now)
                     claimed = store.claim_incoming_alone(row, self._stale_before(now), uow.connection_before_begin,
                                                          self.runtime.settings.silent_before(now))
@@ -603,7 +608,7 @@ class Inbox:
         on any other store error the discard stands uncounted (a copy whose row cannot be
         counted must not circle for ever)."""
         try:
-            with _store_errors(), tracing.delivery_span(tracing.DISCARD, delivery), \
+            with _store_errors(), tracing.delivery_span(tracing.Step.DISCARD, delivery), \
                     self.runtime.store.begin(durable=False) as conn:
                 self.runtime.store.count_duplicate(conn, delivery.message_id, delivery.destination, delivery.send_id)
                 self._acknowledge_if_durable(conn, delivery)  # the inbox has this attempt: stop redelivering it

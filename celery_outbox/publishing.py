@@ -93,7 +93,7 @@ class Publisher:
                 row["sent_at"] = row["redeliver_at"] = row["sender"] = None
             rows.append(row)
         store = self.runtime.store
-        with tracing.messages_span(tracing.STORE, messages):
+        with tracing.messages_span(tracing.Step.STORE, messages):
             ids = store.insert_outgoing(conn, rows, commit=commit)
         for message, row_id in zip(messages, ids, strict=True):
             message.row_id = row_id
@@ -261,7 +261,7 @@ class Publisher:
         (nothing stored it). Returns whether the broker is known to be down."""
         for message in messages:
             try:
-                with tracing.publish_span(tracing.PUBLISH, message):
+                with tracing.publish_span(tracing.Step.PUBLISH, message):
                     message.publish(producer, entities=entities)
             except Exception as exc:  # noqa: BLE001 - reported: a plain message is lost
                 broker_down = broker_down or isinstance(exc, connection_errors(producer.connection))
@@ -285,8 +285,10 @@ class Publisher:
         """One batch of consecutive durable messages; a failed one keeps its row for the relay."""
         run = [message for message in run if message.row_id in owned]  # the others, a relay took
         if broker_down:
+            error = KombuOperationalError("the broker did not answer")
+            tracing.publish_failed(tracing.Step.PUBLISH, run, error)
             for message in run:
-                self._failed(message, KombuOperationalError("the broker did not answer"))
+                self._failed(message, error)
             return [], True
         done = out.publish_each([(message, message) for message in run])
         for message, _, exc in done.failed:

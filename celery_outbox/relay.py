@@ -88,7 +88,7 @@ def relay(runtime: Runtime, max_batches: int | None = None) -> RelayResult:
                 last_id = rows[-1].id
                 expired, live = _split_expired(rows, now)
                 done = out.publish_each([(row, with_eta(from_row(row, out.queues))) for row in live],
-                                        crash_point="during_relay", step=tracing.RELAY)
+                                        crash_point="during_relay", step=tracing.Step.RELAY)
                 poisoned: list[tuple[Any, BaseException]] = []
                 for row, message, exc in done.failed:
                     result.failed += 1
@@ -160,7 +160,7 @@ def redeliver(runtime: Runtime, max_batches: int | None = None) -> tuple[int, st
                     store.insert_dead_letters(conn, dead_letters)
                     store.delete_outgoing(conn, [row.id for row in expired])
                 done = out.publish_each([(row, _redelivery(row, out.queues)) for row in live],
-                                        crash_point="during_relay", step=tracing.REDELIVER)
+                                        crash_point="during_relay", step=tracing.Step.REDELIVER)
                 for row, _, exc in done.failed:  # it waits for its next redelivery
                     logger.error("celery-outbox: cannot redeliver %s[%s]: %r", row.task_name, row.message_id, exc,
                                  **log_fields.of_row(row))

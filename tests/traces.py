@@ -12,6 +12,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from celery_outbox.tracing import Step
+
 from .services import wait_until
 
 
@@ -49,15 +51,18 @@ class Spans:
     def all(self) -> list[ReadableSpan]:
         return list(self.exporter.get_finished_spans())
 
-    def named(self, name: str) -> list[ReadableSpan]:
+    def named(self, name: str | Step) -> list[ReadableSpan]:
+        """The spans called ``name``, or those of the outbox's step ``name`` (``celery_outbox.step``)."""
+        if isinstance(name, Step):
+            return [span for span in self.all() if (span.attributes or {}).get("celery_outbox.step") == name.value]
         return [span for span in self.all() if span.name == name]
 
-    def wait_for(self, name: str, count: int = 1, timeout: float = 20.0) -> list[ReadableSpan]:
-        """The spans called ``name`` once ``count`` of them ended."""
+    def wait_for(self, name: str | Step, count: int = 1, timeout: float = 20.0) -> list[ReadableSpan]:
+        """The spans ``named(name)`` once ``count`` of them ended."""
         return wait_until(lambda: len(self.named(name)) >= count and self.named(name), timeout=timeout,
                           message=f"{count} span(s) {name!r}; ended: {[s.name for s in self.all()]}")
 
-    def one(self, name: str) -> ReadableSpan:
+    def one(self, name: str | Step) -> ReadableSpan:
         (span,) = self.named(name)
         return span
 

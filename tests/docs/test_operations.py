@@ -151,4 +151,4 @@ def test_the_documented_tracer_provider_traces_a_payment_sent_from_a_unit_of_wor
     (shell.cwd / "traced.py").write_text(TRACED_PAYMENT.format(setup=setup, pay=pay))
     names = shell.run("python traced.py").strip().splitlines()[-1]
     # monitoring.md's spans of a durable send: stored in the commit, published after it
-    assert names == "['celery_outbox.publish', 'celery_outbox.store']", names
+    assert names == "['publish payments', 'store payments']", names
