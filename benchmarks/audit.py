@@ -254,7 +254,8 @@ def generate(path: str, n: int, seed: int = 20261102, start: datetime = START, d
         sent_us = pc.add(pc.add(pc.multiply(index, step), start), _below(uniform(), step))
         created_us = pc.subtract(sent_us, _below(uniform(), 50_000))  # committed, then published within 50 ms
         sent = pa.table({"message_id": ids, "destination": queue, "task_name": task_name,
-                         "created_at": _timestamps(created_us), "sent_at": _timestamps(sent_us)})
+                         "created_at": _timestamps(created_us), "sent_at": _timestamps(sent_us),
+                         "deliver_at": pa.nulls(len(ids), pa.timestamp("us", tz="UTC"))})  # sent at once
 
         late = pc.less(uniform(), LATE_SHARE)
         transit_s = pc.if_else(late, pc.add(pc.multiply(uniform(), 600.0), 61.0),

@@ -2,11 +2,15 @@
 
 Lost messages: sent longer than the grace period ago, never handled, dead-lettered nor revoked,
 and not still held by the live tables. Also the duplicates discarded, late deliveries, stuck rows
-(live tables only), the latency from sent to handled (p50, p95, p99, max; per task and per hour,
-and as a histogram), throughput over time (per second, minute or hour, by the window's length) and
+(live tables only), the latency to handled (p50, p95, p99, max; per task and per hour, and as a
+histogram), throughput over time (per second, minute or hour, by the window's length) and
 dead letters by task and exception, and what the inputs held and cover (``inputs``). A sent
 message and its inbox rows are matched by id, and by destination too when the inbox keyed by id and
 queue.
+
+Latency is kept apart by ``Timing``: a message sent at once counts from its send, a scheduled one
+(sent with countdown/eta) from its due time, or its send when that came later, so a countdown never
+reads as delay; the latency figures are per timing, and "late" counts either kind from its start.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from celery_outbox.audit.options import AuditOptions
 from celery_outbox.audit.sketch import bucket_of, quantile_columns
 from celery_outbox.vocabulary import ArchiveKind, IncomingStatus
 
-__all__ = ["COUNTS", "FINAL_STATUSES", "LATENCY_BUCKETS", "Aggregates", "Tally", "Tracking", "aggregate", "iso",
-           "merged_window", "open_sends", "quantiles", "sends_of", "tally"]
+__all__ = ["COUNTS", "FINAL_STATUSES", "LATENCY_BUCKETS", "TIMINGS", "Aggregates", "Tally", "Timing", "Tracking",
+           "aggregate", "filled_buckets", "iso", "latencies", "merged_window", "open_sends", "quantiles", "sends_of",
+           "tally"]
 
 LATENCY_BUCKETS = [0.0, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
                    3600.0, 86400.0]
@@ -40,6 +45,15 @@ class Tracking(str, Enum):
     INBOX_ONLY = "inbox_only"  #: inbox rows alone: handled, duplicates and dead letters count; a loss cannot show
 
 
+class Timing(str, Enum):
+    """When a message was meant to run, which says where its latency starts (the ``timing`` column)."""
+
+    IMMEDIATE = "immediate"  #: sent without countdown or eta: latency from its send
+    SCHEDULED = "scheduled"  #: sent with countdown or eta: latency from its due time (or its send, if later)
+
+
+TIMINGS = tuple(timing.value for timing in Timing)
+
 #: the counts a ``Tally`` adds up
 COUNTS = ("sent", "handled", "dead_lettered", "duplicates_discarded", "late", "inbox_only")
 
@@ -51,14 +65,15 @@ class Tally:
     the tally of the messages it has settled.
 
     ``counts`` (``COUNTS``), the sent window (first and last ``sent_at``, naive UTC, or None), the
-    latency ``histogram`` (a count per ``LATENCY_BUCKETS`` bucket), and DataFrames: ``latency``
-    (``task_name``, ``hour``, ``bucket``, ``count``, ``max``: the ``sketch``), ``throughput``
+    latency ``histogram`` per ``Timing`` value (a count per ``LATENCY_BUCKETS`` bucket), and
+    DataFrames: ``latency`` (``task_name``, ``timing``, ``hour``, ``bucket``, ``count``, ``max``:
+    the ``sketch``), ``throughput``
     (``period``, ``sent``, ``handled``, per ``unit``) and ``dead_letters`` (``task_name``,
     ``exception``, ``count``)."""
 
     counts: dict[str, int]
     window: tuple[Any, Any]
-    histogram: list[int]
+    histogram: dict[str, list[int]]
     latency: Any
     throughput: Any
     dead_letters: Any
@@ -75,7 +90,8 @@ class Tally:
             F.sum("count").alias("count"))
         return Tally({key: self.counts[key] + other.counts[key] for key in COUNTS},
                      merged_window(self.window, other.window),
-                     [a + b for a, b in zip(self.histogram, other.histogram, strict=True)],
+                     {t: [a + b for a, b in zip(self.histogram[t], other.histogram[t], strict=True)]
+                      for t in TIMINGS},
                      self.latency.unionByName(other.latency), periods, letters)
 
     def minus(self, part: "Tally", unit: str) -> "Tally":
@@ -90,25 +106,27 @@ class Tally:
                 *[F.sum(m).alias(m) for m in measures])
             return summed.where(reduce(lambda a, b: a | b, [F.col(m) != 0 for m in measures]))
 
-        keys = ["task_name", "hour", "bucket"]
+        keys = ["task_name", "timing", "hour", "bucket"]
         latency = less(self.latency, part.latency, keys, ["count"]).join(
             self.latency.groupBy(*keys).agg(F.max("max").alias("max")), keys)
         periods = self.throughput.select(F.date_trunc(unit, "period").alias("period"), "sent", "handled")
         return Tally({key: self.counts[key] - part.counts[key] for key in COUNTS}, self.window,
-                     [a - b for a, b in zip(self.histogram, part.histogram, strict=True)], latency,
+                     {t: [a - b for a, b in zip(self.histogram[t], part.histogram[t], strict=True)]
+                      for t in TIMINGS}, latency,
                      less(periods, part.throughput, ["period"], ["sent", "handled"]),
                      less(self.dead_letters, part.dead_letters, ["task_name", "exception"], ["count"]))
 
 
 @dataclass
 class Aggregates:
-    """What the audit computed: the summary (plain data, ``summary.json``), the latency histogram,
-    and the DataFrames the outputs write (latency per task and per hour with their quantiles in
-    a ``q`` array, throughput per period, dead letters by task and exception, the lost messages);
+    """What the audit computed: the summary (plain data, ``summary.json``), the latency histogram
+    per ``Timing`` value (its buckets from the first filled to the last: low, high, count), and the
+    DataFrames the outputs write (latency per task and per hour, each per timing, with their
+    quantiles in a ``q`` array, throughput per period, dead letters by task and exception, the lost messages);
     ``unit`` is the throughput's period, ``total`` the tally of every message, settled or read."""
 
     summary: dict[str, Any]
-    histogram: list[tuple[float, float, int]]
+    histogram: dict[str, list[tuple[float, float, int]]]
     by_task: Any
     by_hour: Any
     throughput: Any
@@ -143,11 +161,9 @@ def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any],
 
     incoming, sent, dead = frames[ArchiveKind.INCOMING], frames[ArchiveKind.SENT], frames[ArchiveKind.DEAD_LETTERS]
     handled = incoming.where(F.col("status") == IncomingStatus.HANDLED.value)
-    latency = _matched(handled, sent).withColumn(
-        "latency", F.col("handled_at").cast("double") - F.col("sent_at").cast("double"))
-    latency = latency.where(F.col("latency").isNotNull()).cache()
+    latency = latencies(F, _matched(handled, sent)).cache()
     cached.append(latency)
-    sketch = latency.groupBy("task_name", F.date_trunc("hour", "sent_at").alias("hour"),
+    sketch = latency.groupBy("task_name", "timing", F.date_trunc("hour", "sent_at").alias("hour"),
                              bucket_of(F, F.col("latency")).alias("bucket")).agg(
         F.count(F.lit(1)).alias("count"), F.max("latency").alias("max"))
     throughput = (sent.groupBy(F.date_trunc(unit, "sent_at").alias("period")).agg(F.count(F.lit(1)).alias("sent"))
@@ -166,6 +182,16 @@ def tally(frames: dict, options: AuditOptions, unit: str, cached: list[Any],
     small = [frame.cache() for frame in (sketch, throughput, letters)]  # read again by every figure that adds them
     cached.extend(small)
     return Tally(counts, window, histogram, *small)
+
+
+def latencies(F, matched):
+    """Spark: the rows of ``matched`` (handled rows with their sends: ``handled_at``, ``sent_at``,
+    ``deliver_at``) that have a latency, with their ``timing`` (a ``Timing`` value) and, in
+    seconds, their ``latency``: from the send, or from the due time (``deliver_at``) when later."""
+    start = F.greatest(F.col("sent_at"), F.coalesce(F.col("deliver_at"), F.col("sent_at")))
+    timing = F.when(F.col("deliver_at").isNull(), F.lit(Timing.IMMEDIATE.value)).otherwise(Timing.SCHEDULED.value)
+    return matched.withColumn("latency", F.col("handled_at").cast("double") - start.cast("double")).withColumn(
+        "timing", timing).where(F.col("latency").isNotNull())
 
 
 def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: dict[str, Any],
@@ -200,16 +226,13 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
     total = tally(frames, options, unit, cached, sends)
     if settled is not None:
         total = settled.plus(total, unit)
-    overall = quantile_columns(F, total.latency, []).first()
-    by_task = quantile_columns(F, total.latency, ["task_name"]).orderBy("task_name")
-    by_hour = quantile_columns(F, total.latency, ["hour"]).orderBy("hour")
+    overall = {row.timing: row for row in quantile_columns(F, total.latency, ["timing"]).collect()}
+    by_task = quantile_columns(F, total.latency, ["task_name", "timing"]).orderBy("task_name", "timing")
+    by_hour = quantile_columns(F, total.latency, ["hour", "timing"]).orderBy("hour", "timing")
     throughput = total.throughput.orderBy("period")
     dead_by_task = total.dead_letters.orderBy(F.desc("count"), "task_name", "exception")
     counts = total.counts
-    edges = LATENCY_BUCKETS + [float("inf")]
-    filled = [i for i, count in enumerate(total.histogram) if count]
-    histogram = [(edges[i], edges[i + 1], total.histogram[i]) for i in range(filled[0], filled[-1] + 1)] \
-        if filled else []
+    histogram = {timing: filled_buckets(counts) for timing, counts in total.histogram.items()}
 
     lost_rows = lost.orderBy("sent_at", "message_id").limit(20).collect()
     summary = {
@@ -223,7 +246,8 @@ def aggregate(inputs: Inputs, options: AuditOptions, cached: list[Any], ran_on: 
         "late": counts["late"],
         "late_threshold_seconds": options.late_after_seconds,
         "stuck": stuck,
-        "latency_seconds": quantiles(overall),
+        "latency_seconds": quantiles(overall.get(Timing.IMMEDIATE.value)),
+        "scheduled_latency_seconds": quantiles(overall.get(Timing.SCHEDULED.value)),
         "throughput_unit": unit,
         "lost_examples": [{"message_id": r.message_id, "task_name": r.task_name, "destination": r.destination,
                            "sent_at": iso(r.sent_at)} for r in lost_rows],
@@ -288,15 +312,23 @@ def _throughput_unit(first, last) -> str:
     return "second" if span <= 600 else "minute" if span <= 2 * 86400 else "hour"
 
 
-def _histogram(latency, F, late_after: float) -> tuple[list[int], int]:
-    """The count of latencies in each ``LATENCY_BUCKETS`` bucket (the last one open-ended), and
-    how many are over ``late_after`` seconds: one pass."""
+def _histogram(latency, F, late_after: float) -> tuple[dict[str, list[int]], int]:
+    """Per ``Timing`` value, the count of latencies in each ``LATENCY_BUCKETS`` bucket (the last one
+    open-ended), and how many are over ``late_after`` seconds: one pass."""
     bucket = reduce(lambda expr, i: expr.when(F.col("latency") < LATENCY_BUCKETS[i + 1], i),
                     range(len(LATENCY_BUCKETS) - 1), F).otherwise(len(LATENCY_BUCKETS) - 1)
-    rows = latency.groupBy(bucket.alias("bucket")).agg(F.count(F.lit(1)), F.count_if(F.col("latency") > late_after))
-    counts = {row[0]: (row[1], row[2]) for row in rows.collect()}
-    return [int(counts.get(i, (0, 0))[0]) for i in range(len(LATENCY_BUCKETS))], sum(int(late) for _, late in
-                                                                                   counts.values())
+    rows = latency.groupBy("timing", bucket.alias("bucket")).agg(F.count(F.lit(1)),
+                                                                 F.count_if(F.col("latency") > late_after))
+    counts = {(row[0], row[1]): (int(row[2]), int(row[3])) for row in rows.collect()}
+    histogram = {t: [counts.get((t, i), (0, 0))[0] for i in range(len(LATENCY_BUCKETS))] for t in TIMINGS}
+    return histogram, sum(late for _, late in counts.values())
+
+
+def filled_buckets(counts: list[int]) -> list[tuple[float, float, int]]:
+    """A histogram's buckets (low, high, count), from its first filled one to its last; [] if none is."""
+    edges = LATENCY_BUCKETS + [float("inf")]
+    filled = [i for i, count in enumerate(counts) if count]
+    return [(edges[i], edges[i + 1], counts[i]) for i in range(filled[0], filled[-1] + 1)] if filled else []
 
 
 def quantiles(row) -> dict[str, float | None]:

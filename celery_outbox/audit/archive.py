@@ -6,7 +6,8 @@ Layout under ``outbox_archive_path`` (a local path, a ``file:`` URI, or any URI 
 
     incoming/date=2026-11-22/part-<time>-<uuid>.parquet      handled, retried and dead inbox rows
     dead_letters/date=2026-11-22/part-....parquet            dead letters past their retention
-    sent/date=2026-11-22/part-....parquet                    first publish of every durable message
+    sent/date=2026-11-22/part-....parquet                    first publish of every durable message, with
+                                                             its eta (``deliver_at``) when it was scheduled
 
 Transaction boundary: ``archive`` runs inside cleanup's deleting transaction and
 raises if it cannot write, so the batch is not deleted and the next cleanup writes
@@ -25,7 +26,7 @@ from ..setting_values import expected_member_of
 from ..vocabulary import ArchiveKind
 from .location import Location
 
-__all__ = ["ParquetArchiver", "archive_schema"]
+__all__ = ["ADDED_COLUMNS", "ParquetArchiver", "archive_schema"]
 
 # column -> arrow type name, per kind; the audit checks every file against these
 _COLUMNS: dict[ArchiveKind, dict[str, str]] = {
@@ -42,9 +43,11 @@ _COLUMNS: dict[ArchiveKind, dict[str, str]] = {
     },
     ArchiveKind.SENT: {
         "message_id": "string", "destination": "string", "task_name": "string", "created_at": "timestamp",
-        "sent_at": "timestamp",
+        "sent_at": "timestamp", "deliver_at": "timestamp",
     },
 }
+#: columns added after files without them were written: such a file is read with the column NULL
+ADDED_COLUMNS: dict[ArchiveKind, frozenset[str]] = {ArchiveKind.SENT: frozenset({"deliver_at"})}
 _PARTITION_BY = {ArchiveKind.INCOMING: ("handled_at", "received_at"), ArchiveKind.DEAD_LETTERS: ("failed_at",),
                  ArchiveKind.SENT: ("sent_at",)}
 

@@ -2,17 +2,17 @@
 clear line, not Spark's start-up and its log.
 
 Checked here: the options' locations, the archive when it is local (there, holding files, each
-readable Parquet with the columns of its kind: pyarrow reads the footers), the JDBC URL's form and
-the JDBC driver's jar. An archive on a filesystem only Spark reaches (``s3a://``, ``hdfs://``...) is not refused
-but left to Spark, which checks that it is there, not empty and stamped by clocks (``Inputs``), as
-it checks the live tables.
+readable Parquet with the columns of its kind, or of an older release's: pyarrow reads the footers),
+the JDBC URL's form and the JDBC driver's jar. An archive on a filesystem only Spark reaches
+(``s3a://``, ``hdfs://``...) is not refused but left to Spark, which checks that it is there, not
+empty and stamped by clocks (``Inputs``), as it checks the live tables.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from celery_outbox.audit.archive import archive_schema
+from celery_outbox.audit.archive import ADDED_COLUMNS, archive_schema
 from celery_outbox.audit.jdbc import jdbc_url_of
 from celery_outbox.audit.location import Location
 from celery_outbox.audit.options import AuditInputError, AuditOptions
@@ -78,6 +78,8 @@ def check_archive(archive: Location) -> dict[ArchiveKind, list[str]]:
             except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
                 raise AuditInputError(f"archive file {file_path} is not readable Parquet: {exc}") from None
             for column in expected:
+                if column.name not in schema.names and column.name in ADDED_COLUMNS.get(kind, ()):
+                    continue  # written before the column was
                 if column.name not in schema.names:
                     raise AuditInputError(f"archive file {file_path} has a bad schema: no column {column.name!r} "
                                           f"(a {kind} file needs {', '.join(expected.names)})")

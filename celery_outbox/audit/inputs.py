@@ -19,7 +19,7 @@ from functools import reduce
 from operator import or_
 from urllib.parse import unquote
 
-from celery_outbox.audit.archive import _COLUMNS
+from celery_outbox.audit.archive import _COLUMNS, ADDED_COLUMNS
 from celery_outbox.audit.checks import EARLIEST_MOMENT, ArchiveFiles, early_moment, empty_archive, missing_archive
 from celery_outbox.audit.hadoop import exists, parquet_files
 from celery_outbox.audit.jdbc import jdbc_url_of
@@ -42,7 +42,7 @@ _LIVE_ORDER = (ArchiveKind.SENT, _OUTGOING, ArchiveKind.DEAD_LETTERS, ArchiveKin
 
 #: the columns of each kind that the audit keeps after de-duplication (a carried message's)
 KEPT_COLUMNS = {
-    ArchiveKind.SENT: ("message_id", "destination", "sent_at", "task_name"),
+    ArchiveKind.SENT: ("message_id", "destination", "sent_at", "task_name", "deliver_at"),
     ArchiveKind.INCOMING: ("message_id", "destination", "status", "handled_at", "received_at", "task_name",
                            "duplicates", "recoveries"),
     ArchiveKind.DEAD_LETTERS: tuple(_COLUMNS[ArchiveKind.DEAD_LETTERS]),
@@ -86,7 +86,8 @@ def deduplicated(F, frames: dict) -> dict:
             F.min("received_at").alias("received_at"), F.first("task_name").alias("task_name"),
             F.max("duplicates").alias("duplicates"), F.max("recoveries").alias("recoveries")),
         ArchiveKind.SENT: sent.groupBy("message_id", "destination").agg(
-            F.min("sent_at").alias("sent_at"), F.first("task_name").alias("task_name")),
+            F.min("sent_at").alias("sent_at"), F.first("task_name").alias("task_name"),
+            F.min_by("deliver_at", "sent_at").alias("deliver_at")),
         # a letter's id alone is no key: a table made again (another database, a new prefix)
         # numbers its letters from 1 again, while the archive keeps the old ones
         ArchiveKind.DEAD_LETTERS: dead.dropDuplicates(["id", "message_id", "destination", "failed_at"]),
@@ -198,13 +199,16 @@ class Inputs:
 
     def _table(self, kind: str):
         """The live table of ``kind`` (an archive kind, with the archive's columns and types, or
-        ``outgoing``), read now and cached, and its row count."""
+        ``outgoing``), read now and cached, and its row count. A column added since (``ADDED_COLUMNS``)
+        that a table not migrated yet lacks is read as NULL."""
         schema = _spark_schema(ArchiveKind.SENT if kind == _OUTGOING else kind)
         table = self._table_name(kind)
         url, properties = jdbc_url_of(self.options.jdbc_url)
         try:
-            frame = self.spark.read.jdbc(url, table, properties=properties).select(
-                *[self.F.col(f.name).cast(f.dataType) for f in schema]).cache()
+            read = self.spark.read.jdbc(url, table, properties=properties)
+            added = ADDED_COLUMNS.get(ArchiveKind.SENT if kind == _OUTGOING else kind, frozenset())
+            frame = read.select(*[(self.F.col(f.name) if f.name in read.columns or f.name not in added
+                                   else self.F.lit(None)).cast(f.dataType).alias(f.name) for f in schema]).cache()
             self.cached.append(frame)
             rows = frame.count()
         except Exception as exc:  # noqa: BLE001 - Spark wraps the driver's error; its first line says it

@@ -51,10 +51,10 @@ from celery_outbox.vocabulary import ArchiveKind
 
 __all__ = ["Ledger", "drop_replaced", "read_ledger", "record_ledger"]
 
-FORMAT = 1
+FORMAT = 2  # 2: the latency sketch and histogram kept per timing (immediate, scheduled)
 FOLDER = "ledger"
 _SETTLED_SCHEMAS = {
-    "latency": "task_name string, hour timestamp, bucket int, count long, max double",
+    "latency": "task_name string, timing string, hour timestamp, bucket int, count long, max double",
     "throughput": "period timestamp, sent long, handled long",
     "dead_letters": "task_name string, exception string, count long",
 }

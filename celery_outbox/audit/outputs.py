@@ -1,7 +1,8 @@
 """The delivery audit's outputs under ``--out``: ``summary.json``, the Parquet aggregates under
-``aggregates/`` (latency by task and by hour, throughput, dead letters, the lost messages) and the
-self-contained ``report.html``. Each is written whole, overwriting the last run's, through Spark's
-Hadoop filesystem layer, so ``--out`` may be any location Spark can write (``Location``).
+``aggregates/`` (latency by task and by hour, each per timing: immediate or scheduled; throughput,
+dead letters, the lost messages) and the self-contained ``report.html``. Each is written whole,
+overwriting the last run's, through Spark's Hadoop filesystem layer, so ``--out`` may be any
+location Spark can write (``Location``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def write_outputs(spark, out: Location, result: Aggregates) -> None:
         result.summary, result.histogram,
         [(iso(r.period), int(r.sent), int(r.handled)) for r in result.throughput.collect()],
         [(r.task_name, r.exception or "", int(r["count"])) for r in result.dead_by_task.collect()],
-        [{"task_name": r.task_name, "count": r["count"], **quantiles(r)} for r in result.by_task.collect()],
+        [{"task_name": r.task_name, "timing": r.timing, "count": r["count"], **quantiles(r)}
+         for r in result.by_task.collect()],
     ))
 
 

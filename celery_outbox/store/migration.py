@@ -183,6 +183,15 @@ def _upgrade_to_5(store: StoreBase, conn: Connection) -> None:
         conn.exec_driver_sql(f'ALTER TABLE "{outgoing.name}" ADD COLUMN sender INTEGER')
 
 
+def _upgrade_to_6(store: StoreBase, conn: Connection) -> None:
+    """Version 6: the eta of a scheduled message on its record of sends (``deliver_at``; existing
+    records get NULL: counted as sent at once). A nullable column without a default."""
+    sent = store.tables.sent
+    if "deliver_at" not in {c["name"] for c in inspect(conn).get_columns(sent.name)}:
+        kind = sent.c.deliver_at.type.compile(dialect=conn.dialect)
+        conn.exec_driver_sql(f'ALTER TABLE "{sent.name}" ADD COLUMN deliver_at {kind}')
+
+
 # version -> the step that brings the tables from the version before it to that one
 _UPGRADES: dict[int, Callable[[StoreBase, Connection], None]] = {2: _upgrade_to_2, 3: _upgrade_to_3, 4: _upgrade_to_4,
-                                                                 5: _upgrade_to_5}
+                                                                 5: _upgrade_to_5, 6: _upgrade_to_6}

@@ -45,7 +45,7 @@ __all__ = ["INSERT_CHUNK", "RECORD_COLUMNS", "OutgoingStatements"]
 # Rows per INSERT statement: keeps every statement under both databases' parameter limits.
 INSERT_CHUNK = 1000
 # The columns of an outgoing row a record of its send (the ``sent`` table) keeps.
-RECORD_COLUMNS = ("message_id", "destination", "task_name", "created_at")
+RECORD_COLUMNS = ("message_id", "destination", "task_name", "created_at", "deliver_at")
 
 
 @functools.lru_cache(maxsize=64)

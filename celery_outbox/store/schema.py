@@ -49,8 +49,9 @@ __all__ = ["SCHEMA_VERSION", "SEND_ID_SIZE", "Tables", "build_tables", "UNOWNED"
 
 # 2: the outgoing table's redelivery and scheduling indexes are partial; 3: so are the inbox's
 # indexes of claims (owner, claimed_at, recover_after): they hold running rows only; 4: the
-# publish identity (``send_id``), in the inbox's primary key and on outgoing rows
-SCHEMA_VERSION = 5
+# publish identity (``send_id``), in the inbox's primary key and on outgoing rows; 5: the sender
+# node on outgoing rows; 6: the eta of a scheduled message on its record of sends (``deliver_at``)
+SCHEMA_VERSION = 6
 #: the size of a publish identity (a UUID's 32 hex digits, with room to spare)
 SEND_ID_SIZE = 64
 UNOWNED = 0
@@ -248,6 +249,7 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("task_name", String(255), nullable=False, server_default=""),
         _timestamp("created_at", nullable=False),
         _timestamp("sent_at", nullable=False),
+        _timestamp("deliver_at", nullable=True),  # the eta of a message sent with countdown/eta
     )
 
     nodes = Table(

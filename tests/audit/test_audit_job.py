@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -256,3 +258,49 @@ def test_verbose_leaves_sparks_output_on_the_console(spark, known_archive, tmp_p
     assert ours[0] == "celery-outbox audit: starting Spark (local[1])"
     assert len(process.stderr.splitlines()) > len(ours), "the JVM's own lines are on the console"
     assert not (out / "spark.log").exists()
+
+
+def test_scheduled_messages_count_their_latency_from_their_due_time_apart_from_immediate_ones(spark, tmp_path):
+    """Four messages sent at once (their sends in a file of the archive's older format, without
+    ``deliver_at``) and five sent with a ten-minute countdown, one of them published after its eta:
+    the countdown is no latency, nor lateness, and the immediate figures hold the immediate messages
+    alone."""
+    import pyarrow as pa
+
+    from celery_outbox.audit.archive import ParquetArchiver, archive_schema
+    from celery_outbox.vocabulary import ArchiveKind
+
+    from .conftest import T0, incoming
+
+    folder = tmp_path / "archive"
+    archiver = ParquetArchiver(str(folder))
+    at_once = [SimpleNamespace(message_id=f"m{n}", destination="payments", task_name="shop.pay",
+                               created_at=T0 + timedelta(minutes=n), sent_at=T0 + timedelta(minutes=n))
+               for n in range(4)]
+    older = pa.schema([field for field in archive_schema(ArchiveKind.SENT) if field.name != "deliver_at"])
+    (folder / "sent" / "date=2026-11-01").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([vars(row) for row in at_once], schema=older),
+                   folder / "sent" / "date=2026-11-01" / "part-older.parquet")
+    due = [T0 + timedelta(minutes=10 + n) for n in range(5)]
+    sent_at = [moment - timedelta(minutes=10) for moment in due[:4]] + [due[4] + timedelta(seconds=5)]
+    scheduled = [SimpleNamespace(message_id=f"m{4 + n}", destination="payments", task_name="shop.pay",
+                                 created_at=sent_at[n], sent_at=sent_at[n], deliver_at=due[n]) for n in range(5)]
+    archiver.archive(ArchiveKind.SENT, scheduled)
+    handled = [incoming(n, "handled", row.sent_at + timedelta(seconds=0.1 * (n + 1))) for n, row in enumerate(at_once)]
+    handled += [incoming(4 + n, "handled", max(due[n], sent_at[n]) + timedelta(seconds=0.1 * (n + 2)))
+                for n in range(5)]
+    archiver.archive(ArchiveKind.INCOMING, handled)
+
+    out = tmp_path / "out"
+    summary = run_audit(AuditOptions(out=str(out), archive=str(folder), now=NOW, ledger=False), spark)
+
+    assert summary["handled"] == 9 and summary["lost"] == 0 and summary["late"] == 0
+    immediate, later = summary["latency_seconds"], summary["scheduled_latency_seconds"]
+    assert immediate["p50"] == pytest.approx(0.2, rel=0.01) and immediate["max"] == pytest.approx(0.4, abs=1e-3)
+    assert later["p50"] == pytest.approx(0.4, rel=0.01) and later["max"] == pytest.approx(0.6, abs=1e-3)
+    rows = pq.read_table(out / "aggregates" / "latency_by_task").to_pylist()
+    assert {(row["task_name"], row["timing"]): row["count"] for row in rows} == {  # the inbox's names
+        ("shop.pay", "immediate"): 2, ("shop.ship", "immediate"): 2, ("shop.pay", "scheduled"): 3,
+        ("shop.ship", "scheduled"): 2}
+    html = (out / "report.html").read_text()
+    assert '<figure id="latency-plot">' in html and '<figure id="scheduled-latency-plot">' in html
