@@ -1,12 +1,15 @@
 """The Django admin as the outbox's dashboard.
 
-Dead letters: filtered by reason, task, queue and exception, each with its envelope and
-traceback; replayed (``deadletters.replay``, through the outbox) or purged
-(``deadletters.purge``) by admin actions that need their own permissions
-(``celery_outbox.replay_deadletter``, ``celery_outbox.purge_deadletter``): a user with view
-rights alone changes nothing. Outgoing and incoming messages are read-only lists. A status
-page (``admin/celery_outbox/deadletter/status/``) shows the counts by state, the oldest
-pending message and the nodes, as ``celery outbox status`` does.
+Dead letters: listed in columns that fit a 1,280-pixel window, by failure date, filtered by
+reason, task, queue and exception; each shown with its arguments decoded from its body, its
+traceback from the user's first frame, and its envelope. They are replayed
+(``deadletters.replay``, through the outbox) or purged (``deadletters.purge``) by list actions,
+or by the Replay and Purge buttons of a letter's page (which ask to confirm, and act only on a
+POST with Django's CSRF token), all through the same two methods; each needs its own
+permission (``celery_outbox.replay_deadletter``, ``celery_outbox.purge_deadletter``): a user
+with view rights alone changes nothing. Outgoing and incoming messages are read-only lists. The
+status page (``admin/celery_outbox/status/``, listed in the admin's index) shows the counts by
+state, the oldest pending message and the nodes, as ``celery outbox status`` does.
 
 The pages read the Django database that holds the outbox's tables
 (``CELERY_OUTBOX_DJANGO_DATABASE``, ``"default"`` unless set), and the actions and the status
@@ -15,23 +18,41 @@ page use the outbox whose store it is (the project's ``celery.py``).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django.contrib import admin, messages
-from django.http import HttpRequest
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import path
+from django.urls import path, reverse
 from django.utils.html import format_html
+from django.utils.translation import ngettext
 
 from ..deadletters import DeadLetterFilter, purge, replay
 from ..errors import OutboxError
 from ..runtime import Runtime, installed_runtimes
 from ..store.status import OTHER_TASKS
-from .models import DeadLetter, IncomingMessage, OutgoingMessage
+from .letter_html import (
+    DECODED_BODY,
+    SHOWN_BODY,
+    arguments_html,
+    body_html,
+    id_html,
+    moment_html,
+    name_html,
+    pretty_json,
+    replayed_html,
+    traceback_html,
+)
+from .models import DeadLetter, IncomingMessage, OutgoingMessage, Status
 from .settings import outbox_settings
 
-__all__ = ["DeadLetterAdmin", "IncomingMessageAdmin", "OutgoingMessageAdmin", "admin_database", "installed_runtime"]
+__all__ = ["SHOWN_BODY", "DeadLetterAdmin", "IncomingMessageAdmin", "OutgoingMessageAdmin", "StatusAdmin",
+           "admin_database", "installed_runtime"]
+
+#: the columns of a dead letter that the list never reads (its page reads them, and a prefix of the body)
+LARGE_COLUMNS = ("body", "traceback", "headers", "properties")
 
 
 def admin_database() -> str:
@@ -92,50 +113,93 @@ def _registered_tasks() -> list[str]:
     return sorted(installed_runtime().app.tasks.keys())
 
 
-#: the bytes of a dead letter's body its page shows (and reads from the database)
-SHOWN_BODY = 4000
-
-
 @admin.register(DeadLetter)
 class DeadLetterAdmin(ReadOnlyAdmin):
-    list_display = ("id", "failed_at", "task_name", "queue", "reason", "exception_type", "replay_count")
+    list_display = ("id", "shown_failed_at", "shown_task_name", "shown_task_id", "shown_reason", "shown_exception",
+                    "shown_replayed_at")
+    ordering = ("-failed_at",)  # the list adds the key, for a stable order: one sort mark
     list_filter = ("reason", RegisteredTaskFilter, "queue", "exception_type")
     search_fields = ("message_id", "task_name", "exception_message")
-    fields = ("message_id", "task_name", "queue", "destination", "reason", "exception_type", "exception_message",
-              "failed_at", "retries", "nesting", "replays", "replay_count", "replayed_at", "exchange", "routing_key",
-              "shown_traceback", "shown_headers", "shown_properties", "content_type", "content_encoding",
-              "shown_body")
-    readonly_fields = fields
+    date_hierarchy = "failed_at"
+    fieldsets = (
+        ("Task", {"fields": ("task_id", "task_name", "shown_arguments")}),
+        ("Failure", {"fields": ("reason", "exception_type", "exception_message", "failed_at", "shown_traceback")}),
+        ("Delivery", {"fields": ("queue", "destination", "exchange", "routing_key", "retries", "nesting", "replays",
+                                 "replay_count", "replayed_at")}),
+        ("Envelope", {"classes": ("collapse",), "fields": ("shown_headers", "shown_properties", "content_type",
+                                                            "content_encoding", "shown_body")}),
+    )
+    readonly_fields = tuple(name for _, options in fieldsets for name in options["fields"])
     actions = ["replay_selected", "purge_selected"]
+    change_list_template = "celery_outbox/deadletter_change_list.html"
+    change_form_template = "celery_outbox/deadletter_change_form.html"
 
     def get_queryset(self, request: HttpRequest) -> Any:
-        """The letters without their bodies: a page reads at most ``SHOWN_BODY`` bytes of each (and
-        its size), whatever the bodies weigh. The other columns a letter's page shows are read
-        when it shows them."""
+        """The letters without their bodies, tracebacks, headers and properties: the list shows none."""
+        return super().get_queryset(request).defer(*LARGE_COLUMNS)
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: str | None = None) -> DeadLetter | None:
+        """One letter, with at most ``DECODED_BODY`` bytes of its body (and its size) whatever the body
+        weighs; None if there is no such letter."""
+        from django.core.exceptions import ValidationError
         from django.db.models.functions import Length, Substr
 
-        return super().get_queryset(request).defer("body", "traceback", "headers", "properties").annotate(
-            body_prefix=Substr("body", 1, SHOWN_BODY + 1), body_size=Length("body"))
+        letters = self.get_queryset(request).defer(None).defer("body").annotate(
+            body_prefix=Substr("body", 1, DECODED_BODY + 1), body_size=Length("body"))
+        key = self.opts.pk if from_field is None else self.opts.get_field(from_field)
+        try:
+            return letters.get(**{key.name: key.to_python(object_id)})
+        except (DeadLetter.DoesNotExist, ValidationError, ValueError):
+            return None
+
+    @admin.display(description="failed", ordering="failed_at")
+    def shown_failed_at(self, letter: DeadLetter) -> str:
+        return moment_html(letter.failed_at, self.get_empty_value_display())
+
+    @admin.display(description="task id", ordering="message_id")
+    def shown_task_id(self, letter: DeadLetter) -> str:
+        return id_html(letter.message_id)
+
+    @admin.display(description="task id")
+    def task_id(self, letter: DeadLetter) -> str:
+        return letter.message_id
+
+    @admin.display(description="task", ordering="task_name")
+    def shown_task_name(self, letter: DeadLetter) -> str:
+        return name_html(letter.task_name)
+
+    @admin.display(description="reason", ordering="reason")
+    def shown_reason(self, letter: DeadLetter) -> str:
+        return name_html(letter.reason)
+
+    @admin.display(description="exception", ordering="exception_type")
+    def shown_exception(self, letter: DeadLetter) -> str:
+        return name_html(letter.exception_type) if letter.exception_type else self.get_empty_value_display()
+
+    @admin.display(description="replayed", ordering="replayed_at")
+    def shown_replayed_at(self, letter: DeadLetter) -> str:
+        return replayed_html(letter.replayed_at, letter.replay_count, self.get_empty_value_display())
+
+    @admin.display(description="arguments")
+    def shown_arguments(self, letter: DeadLetter) -> str:
+        return arguments_html(_prefix(letter), _size(letter), letter.content_type, letter.content_encoding,
+                              letter.headers)
 
     @admin.display(description="traceback")
     def shown_traceback(self, letter: DeadLetter) -> str:
-        return format_html("<pre>{}</pre>", letter.traceback or "")
+        return traceback_html(letter.traceback)
 
     @admin.display(description="headers")
     def shown_headers(self, letter: DeadLetter) -> str:
-        return format_html("<pre>{}</pre>", _pretty(letter.headers))
+        return format_html("<pre>{}</pre>", pretty_json(letter.headers))
 
     @admin.display(description="properties")
     def shown_properties(self, letter: DeadLetter) -> str:
-        return format_html("<pre>{}</pre>", _pretty(letter.properties))
+        return format_html("<pre>{}</pre>", pretty_json(letter.properties))
 
-    @admin.display(description="body")
+    @admin.display(description="body (raw)")
     def shown_body(self, letter: DeadLetter) -> str:
-        prefix = bytes(getattr(letter, "body_prefix", None) or b"")
-        size = getattr(letter, "body_size", None) or 0
-        shown = prefix[:SHOWN_BODY].decode("utf-8", "backslashreplace")
-        more = f"\n… {size - SHOWN_BODY:,} more bytes ({size:,} in all)" if size > SHOWN_BODY else ""
-        return format_html("<pre>{}{}</pre>", shown, more)
+        return body_html(_prefix(letter), _size(letter))
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("celery_outbox.replay_deadletter")
@@ -145,31 +209,117 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
     @admin.action(permissions=["replay"], description="Replay the selected dead letters")
     def replay_selected(self, request: HttpRequest, queryset: Any) -> None:
-        runtime = installed_runtime()
-        replayed = replay(runtime.owner.publisher, DeadLetterFilter(ids=tuple(queryset.values_list("id", flat=True))))
-        self.message_user(request, f"replayed {len(replayed.message_ids)} dead letter(s)", messages.SUCCESS)
-        for letter_id, reason in replayed.refused:
-            self.message_user(request, f"dead letter {letter_id} not replayed: {reason}", messages.WARNING)
+        self.replay_letters(request, tuple(queryset.values_list("id", flat=True)))
 
     @admin.action(permissions=["purge"], description="Purge the selected dead letters")
     def purge_selected(self, request: HttpRequest, queryset: Any) -> None:
-        deleted = purge(installed_runtime(), DeadLetterFilter(ids=tuple(queryset.values_list("id", flat=True))))
-        self.message_user(request, f"purged {deleted} dead letter(s)", messages.SUCCESS)
+        self.purge_letters(request, tuple(queryset.values_list("id", flat=True)))
+
+    def replay_letters(self, request: HttpRequest, ids: tuple[int, ...]) -> None:
+        """Replay the letters ``ids`` through the outbox (``deadletters.replay``) and tell the user
+        how many were replayed, and why each refused one was."""
+        replayed = replay(installed_runtime().owner.publisher, DeadLetterFilter(ids=ids))
+        count = len(replayed.message_ids)
+        self.message_user(request, ngettext("Replayed %(count)d dead letter", "Replayed %(count)d dead letters",
+                                            count) % {"count": count}, messages.SUCCESS)
+        for letter_id, reason in replayed.refused:
+            self.message_user(request, f"Dead letter {letter_id} not replayed: {reason}", messages.WARNING)
+
+    def purge_letters(self, request: HttpRequest, ids: tuple[int, ...]) -> None:
+        """Delete the letters ``ids`` (``deadletters.purge``) and tell the user how many were."""
+        count = purge(installed_runtime(), DeadLetterFilter(ids=ids))
+        self.message_user(request, ngettext("Purged %(count)d dead letter", "Purged %(count)d dead letters",
+                                            count) % {"count": count}, messages.SUCCESS)
+
+    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "",
+                    extra_context: dict[str, Any] | None = None) -> Any:
+        """A letter's page, with a Replay and a Purge button for the users who may use them."""
+        context = {**(extra_context or {}), "has_replay_permission": self.has_replay_permission(request),
+                   "has_purge_permission": self.has_purge_permission(request)}
+        return super().change_view(request, object_id, form_url, context)
 
     def get_urls(self) -> list[Any]:
-        status = path("status/", self.admin_site.admin_view(self.status_view), name="celery_outbox_status")
-        return [status, *super().get_urls()]
+        name = f"{self.opts.app_label}_{self.opts.model_name}"
+        own = [path("<path:object_id>/replay/", self.admin_site.admin_view(self.replay_view), name=f"{name}_replay"),
+               path("<path:object_id>/purge/", self.admin_site.admin_view(self.purge_view), name=f"{name}_purge")]
+        return [*own, *super().get_urls()]
+
+    def replay_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """GET asks to confirm; POST (with Django's CSRF token) replays the letter, as the list's
+        action does, and returns to its page. Without the replay permission: 403, nothing done."""
+        letter = self._letter(request, object_id, self.has_replay_permission(request))
+        if request.method != "POST":
+            return self._confirmation(request, letter, "Replay", "Yes, replay it", (
+                "Its message is sent again through the outbox, as a new attempt of the same task id, routed "
+                "by its task's current route; the letter stays here, its replay counted."))
+        self.replay_letters(request, (letter.id,))
+        return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
+                                            args=(quote(letter.pk),), current_app=self.admin_site.name))
+
+    def purge_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """GET asks to confirm; POST (with Django's CSRF token) deletes the letter, as the list's
+        action does, and returns to the list. Without the purge permission: 403, nothing done."""
+        letter = self._letter(request, object_id, self.has_purge_permission(request))
+        if request.method != "POST":
+            return self._confirmation(request, letter, "Purge", "Yes, purge it", (
+                "The letter is deleted, with its envelope: it cannot be replayed afterwards."))
+        self.purge_letters(request, (letter.id,))
+        return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
+                                            current_app=self.admin_site.name))
+
+    def _letter(self, request: HttpRequest, object_id: str, permitted: bool) -> DeadLetter:
+        if not permitted:
+            raise PermissionDenied
+        letter = self.get_object(request, unquote(object_id))
+        if letter is None:
+            raise Http404(f"no dead letter with id {object_id}")
+        return letter
+
+    def _confirmation(self, request: HttpRequest, letter: DeadLetter, verb: str, confirm: str,
+                      consequence: str) -> TemplateResponse:
+        context = {**self.admin_site.each_context(request), "title": f"{verb} dead letter {letter.pk}?",
+                   "opts": self.opts, "original": letter, "verb": verb, "confirm": confirm,
+                   "consequence": consequence}
+        return TemplateResponse(request, "celery_outbox/deadletter_confirm.html", context)
+
+
+@admin.register(Status)
+class StatusAdmin(admin.ModelAdmin):
+    """The status page, listed in the admin's index beside the tables; seen by the users who may
+    view dead letters."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.has_perm("celery_outbox.view_deadletter")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[Any]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
+        return [path("", self.admin_site.admin_view(self.status_view), name=name)]
 
     def status_view(self, request: HttpRequest) -> TemplateResponse:
         """Counts by state, the oldest pending message and the nodes (``celery outbox status``)."""
         if not self.has_view_permission(request):
-            from django.core.exceptions import PermissionDenied
-
             raise PermissionDenied
         status = installed_runtime().status()
         context = {**self.admin_site.each_context(request), "title": "celery-outbox status", "status": status,
-                   "opts": self.model._meta}
+                   "opts": self.opts}
         return TemplateResponse(request, "celery_outbox/status.html", context)
+
+
+def _prefix(letter: DeadLetter) -> bytes:
+    return bytes(getattr(letter, "body_prefix", None) or b"")
+
+
+def _size(letter: DeadLetter) -> int:
+    return getattr(letter, "body_size", None) or 0
 
 
 @admin.register(OutgoingMessage)
@@ -191,9 +341,3 @@ class IncomingMessageAdmin(ReadOnlyAdmin):
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return obj is None and super().has_view_permission(request)
 
-
-def _pretty(text: str | None) -> str:
-    try:
-        return json.dumps(json.loads(text), indent=2, sort_keys=True) if text else ""
-    except ValueError:
-        return text or ""

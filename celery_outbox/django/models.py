@@ -3,7 +3,8 @@
 The tables are the store's (``manage.py migrate`` creates them with the store's own
 migration): these models are unmanaged, their ``db_table`` follows
 ``CELERY_OUTBOX_TABLE_PREFIX``. The inbox table's key has three columns; Django's admin needs
-one, so its model names ``message_id`` as the key and its admin only lists rows.
+one, so its model names ``message_id`` as the key and its admin only lists rows. ``Status`` is
+no table: it gives the status page its entry in the admin's index.
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ class DeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.task_name}[{self.message_id}] ({self.reason})"
+
+
+class Status(DeadLetter):
+    """The status page's entry in the admin's index: a proxy with no rows and no permissions of its own
+    (the page is seen by the users who may view dead letters)."""
+
+    class Meta:
+        proxy = True
+        default_permissions = ()
+        verbose_name = verbose_name_plural = "status"
 
 
 class OutgoingMessage(models.Model):

@@ -127,3 +127,9 @@ def test_the_outbox_engine_connects_with_the_libpq_options_of_django(using, monk
             assert conn.execute(text("SHOW transaction_isolation")).scalar_one() == "read committed"
     finally:
         outbox.engine.dispose()
+
+
+def test_the_apps_migrations_hold_every_model_it_has():
+    """``makemigrations --check`` finds nothing to make: the admin's models (and the status page's
+    proxy) are in the app's migrations."""
+    call_command("makemigrations", "celery_outbox", check=True, dry_run=True, verbosity=0)  # SystemExit(1) if not
