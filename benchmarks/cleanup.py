@@ -188,7 +188,12 @@ def _p99(case: str, samples: dict[tuple[str, int], list[float]], window: float,
     """Each round's p99 of the claims during cleanup (and during the floor's, where it ran) against
     that of its claims without it (right before and after each): the medians, and the median of the
     rounds' ratios; ``extra`` ends the note."""
-    rounds = sorted(n for kind, n in samples if kind == "during" and samples.get(("without", n)))
+    rounds = sorted(n for kind, n in samples if kind == "during" and samples[kind, n] and samples.get(("without", n)))
+    if not rounds:  # every cleanup ended before a claim it could slow began (a quick run on a busy host)
+        return Result("cleanup", case, "ms", float("nan"),
+                      note=f"no round had claims both during its cleanup and right before and after it: nothing to "
+                           f"compare ({len(_pooled(samples, 'during'))} claims during, "
+                           f"{len(_pooled(samples, 'without'))} without)")
     p99s = [(_p99_ms(samples, "during", n), _p99_ms(samples, "without", n), _p99_ms(samples, "floor", n))
             for n in rounds]
     each = ", ".join(f"{during / without:.2f}" for during, without, _ in p99s)

@@ -22,6 +22,11 @@ The durable-queue task is consumed from another queue, and a worker draining two
 interleaves them: it is measured in rounds of its own, each a worker draining the durable
 queue and then one draining the plain task's messages.
 
+What it costs that every worker is a node (its main process registers when ready and heartbeats
+until it stops) is measured the same way: rounds of two workers of their own draining the same
+number of optimistic ``IdempotentTask`` messages, one a node and one not (``BENCH_WITHOUT_NODE``),
+in turn.
+
 Each block also counts the CPU time it took, per task, of the worker's main process, of its pool, of
 PostgreSQL and of the broker (``benchmarks.cpu``, read by the marks): on a machine whose cores
 all these share, it says where a variant's time goes.
@@ -39,6 +44,7 @@ import time
 import uuid
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -62,6 +68,11 @@ WARM_UP = 200
 # Rounds of the durable-queue task, each two workers of their own
 DURABLE_ROUNDS = 5
 DURABLE_MESSAGES = 2000
+# Rounds of the node's cost (a worker that is a node vs one that is not), each two workers of their own
+NODE_ROUNDS = 6
+NODE_MESSAGES = 2000
+# a worker that is a node against one that is not: no more than 1% of throughput
+NODE_TARGET = 0.99
 # (variant, task, target ratio against the plain task, its floor)
 PLAIN = "plain task"
 OPTIMISTIC_FLOOR = "floor: plain task writing its inbox row in its transaction"
@@ -80,6 +91,8 @@ DURABLE_FLOOR = "floor: plain task storing its envelope and acknowledging first"
 DURABLE_OPTIMISTIC = "IdempotentTask optimistic on a durable queue"
 # the durable-queue task against the optimistic IdempotentTask with the same body, in the same rounds
 DURABLE_VS_OPTIMISTIC = 0.95
+NODE = "IdempotentTask optimistic, the worker a node"
+WITHOUT_NODE = "IdempotentTask optimistic, the worker no node"
 
 Block = dict[str, float | dict[str, float]]  # a block's throughput ("rate") and CPU seconds per task ("cpu")
 
@@ -154,6 +167,18 @@ class Run:
             measured[name] = marked_block(self.marks, key, messages)
         return measured
 
+    def node_round(self, number: int, messages: int) -> dict[str, Block]:
+        """The optimistic ``IdempotentTask`` drained from the plain queue by a worker that is a node
+        (as every worker is) and by one that is not, each a worker of its own, in turn."""
+        measured = {}
+        for name in in_turn((NODE, WITHOUT_NODE), number):
+            key = f"{self.marks_key}:{uuid.uuid4().hex}"
+            self._fill(self.env["BENCH_QUEUE"], key, "bench.optimistic", messages)
+            self._drain(self.env["BENCH_QUEUE"], f"{key}:end", messages,
+                        {"BENCH_WITHOUT_NODE": "1"} if name == WITHOUT_NODE else {})
+            measured[name] = marked_block(self.marks, key, messages)
+        return measured
+
     def _fill(self, queue: str, key: str, task: str, messages: int) -> None:
         """Send a block: the start mark ``key:start``, ``messages`` messages of ``task``, the end mark."""
         send = self.app.send_task
@@ -162,13 +187,14 @@ class Run:
             send(task, (n,), queue=queue)
         send("bench.mark", (f"{key}:end",), queue=queue)
 
-    def _drain(self, queue: str, last_mark: str, messages: int) -> None:
-        """Start a worker on ``queue`` and stop it once it has recorded ``last_mark``."""
+    def _drain(self, queue: str, last_mark: str, messages: int, env: dict[str, str] | None = None) -> None:
+        """Start a worker on ``queue`` (with ``env`` added to the run's environment) and stop it once
+        it has recorded ``last_mark``."""
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "benchmarks.worker_app", "worker", "-P", "prefork",
              "-c", str(CONCURRENCY), "-Q", queue, "--without-heartbeat", "--without-gossip", "--without-mingle",
              "-l", "WARNING", "-n", f"bench-{uuid.uuid4().hex[:8]}@%h"],
-            env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env), cwd=ROOT, stdout=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env, **(env or {})), cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, start_new_session=True)
         try:
             limit = 60 + messages / 20  # twenty tasks a second: far slower than any variant
@@ -203,12 +229,16 @@ def mean_cpu(blocks: list[Block]) -> dict[str, float]:
 def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
     rounds, block = options.size(ROUNDS, 2), options.units(BLOCK[broker], 20)
     durable_rounds, durable_messages = options.size(DURABLE_ROUNDS, 1), options.units(DURABLE_MESSAGES, 100)
+    node_rounds, node_messages = options.size(NODE_ROUNDS, 2), options.units(NODE_MESSAGES, 100)
     results = []
     for body, label in (("noop", "no-op body"), ("write", "one DB write")):
         run = Run(broker_url, body)
         try:
             measured = run.blocks([task for _, task, _, _ in VARIANTS], rounds, block, options.units(WARM_UP, 10))
             durable = [run.durable_round(durable_messages) for _ in range(durable_rounds)]
+            # the node's cost is the same whatever the body: measured where it weighs most, the no-op's
+            nodes = [run.node_round(number, node_messages) for number in range(node_rounds)] if body == "noop" else []
+            heartbeat = heartbeat_cost(run.outbox) if nodes else (0.0, 0.0, 0.0)
         finally:
             run.close()
         names = {task: name for name, task, _, _ in VARIANTS}
@@ -232,7 +262,40 @@ def measure(broker: str, broker_url: str, options: Options) -> list[Result]:
             versus=OPTIMISTIC,
             note=cpu_note(mean_cpu([each[DURABLE_OPTIMISTIC] for each in durable]),
                           mean_cpu([each[OPTIMISTIC] for each in durable])).replace("vs plain", "vs optimistic")))
+        if nodes:
+            spent = mean_cpu([each[NODE] for each in nodes])
+            results.append(Result.of_rounds(
+                "worker", f"{broker}, the worker a node vs not, IdempotentTask optimistic, {label}", "tasks/s",
+                [(each[NODE]["rate"], each[WITHOUT_NODE]["rate"], None) for each in nodes],
+                target=(">=", NODE_TARGET), versus=WITHOUT_NODE,
+                note="; ".join((cpu_note(spent, mean_cpu([each[WITHOUT_NODE] for each in nodes])).replace(
+                    "vs plain", "vs no node"), heartbeat_note(heartbeat, statistics.median(
+                        each[NODE]["rate"] for each in nodes), sum(spent.values()))))))
     return results
+
+
+def heartbeat_cost(outbox: Any, beats: int = 200) -> tuple[float, float, float]:
+    """What one heartbeat of a node costs, measured in this process on a node it registers: the
+    CPU seconds of this process and the wall seconds per heartbeat, and the interval between two."""
+    node = outbox.node
+    node.prepare()
+    try:
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(beats):
+            outbox.store.heartbeat(node.id)
+        return ((time.process_time() - cpu) / beats, (time.perf_counter() - wall) / beats,
+                outbox.settings.node_heartbeat_interval)
+    finally:
+        node.deregister()
+
+
+def heartbeat_note(heartbeat: tuple[float, float, float], rate: float, cpu_per_task: float) -> str:
+    """The node's running cost against the worker's: one heartbeat's CPU every interval, as a share of
+    the CPU the worker spends on the tasks it runs in that interval at ``rate``."""
+    cpu, wall, interval = heartbeat
+    share = cpu / (interval * rate * cpu_per_task) if rate and cpu_per_task else 0.0
+    return (f"one heartbeat: {cpu * 1e6:.0f} µs of the worker's CPU ({wall * 1e3:.2f} ms) every {interval:g} s, "
+            f"{share:.4%} of the CPU its {interval * rate:,.0f} tasks of that time take")
 
 
 def _row(broker: str, label: str, name: str, rounds: list[dict[str, Block]], target: float | None,

@@ -9,7 +9,7 @@ consumed from a durable queue.
 the claim's transaction, in an ``IdempotentTask``; in its own transaction on a plain
 SQLAlchemy engine otherwise, as a Celery user without celery-outbox would write it).
 ``bench.mark`` records in Redis when a block of messages began and ended, and the CPU spent by
-then.
+then. With ``BENCH_WITHOUT_NODE=1`` the worker is no node (the node's cost is measured against it).
 """
 
 from __future__ import annotations
@@ -235,3 +235,7 @@ if "BENCH_BROKER_URL" in os.environ:
         os.environ["BENCH_BROKER_URL"], os.environ["BENCH_DATABASE_URL"], os.environ["BENCH_PREFIX"],
         os.environ["BENCH_QUEUE"], os.environ["BENCH_DURABLE_QUEUE"], os.environ["BENCH_BODY"],
         os.environ["BENCH_MARKS_URL"])
+    if os.environ.get("BENCH_WITHOUT_NODE") == "1":  # the node's cost, measured against a worker that is none
+        from celery.signals import worker_ready
+
+        worker_ready.disconnect(outbox._on_worker_ready)

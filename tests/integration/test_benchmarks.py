@@ -371,6 +371,27 @@ def test_worker_benchmark_measures_the_durable_queue_beside_the_plain_one():
     assert written == 5 * 15, "each block's messages ran once each"
 
 
+def test_worker_benchmark_measures_a_worker_that_is_a_node_beside_one_that_is_not():
+    """A node round: the optimistic IdempotentTask's messages drained by a worker that is a node and
+    by one that is not (``BENCH_WITHOUT_NODE``), each a worker of its own; each message runs once."""
+    require("postgres")
+    require("redis")
+    from benchmarks.common import REDIS_URL
+    from benchmarks.worker import NODE, WITHOUT_NODE, Run
+
+    run = Run(REDIS_URL, "write")
+    try:
+        measured = run.node_round(1, 15)
+        effects = run.metadata.tables[f"{run.env['BENCH_PREFIX']}effects"]
+        with run.outbox.engine.connect() as conn:
+            written = conn.execute(select(func.count()).select_from(effects)).scalar_one()
+    finally:
+        run.close()
+    assert set(measured) == {NODE, WITHOUT_NODE}
+    assert all(block["rate"] > 0 for block in measured.values())
+    assert written == 2 * 15, "each block's messages ran once each"
+
+
 @pytest.mark.parametrize("style", ["optimistic", "eager"])
 def test_worker_benchmark_floor_runs_a_redelivered_message_no_second_time(style):
     """A floor is an inbox too: a second delivery of a message finds its row and runs no body."""
