@@ -220,7 +220,9 @@ def delete_queues(app: Any, names: Any) -> None:
 
 
 def drop_store(outbox: Any) -> None:
-    """Drop the outbox's tables (those that exist) and close its engine."""
+    """Drop the outbox's tables (those that exist), once this process's node (a sender's) is
+    deregistered, and close its engine."""
+    outbox.node.deregister()
     store = outbox.store
     with store.begin() as conn:
         for table in reversed(store.tables.all()):
