@@ -64,7 +64,6 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from . import dead_letter_rows, log_fields, tracing
 from .crashpoints import crashpoint
 from .delivery import Delivery, dead_letter_row, envelope_of
-from .django.unit_of_work import DjangoAttempt
 from .errors import OutboxError
 from .node import Node
 from .publishing import Publisher
@@ -408,11 +407,12 @@ class Inbox:
                 raise
 
     def _new_attempt(self, unit_of_work: bool) -> ConnectionUnitOfWork:
-        """The attempt's unit of work: on the outbox's engine, or, for an ``IdempotentTask`` with
-        ``celery_outbox.django`` installed, inside Django's transaction on its connection."""
+        """The attempt's unit of work: on the outbox's engine, or, for an ``IdempotentTask`` of an
+        outbox that joins a framework's transactions (Django's), in that framework's transaction."""
         self.publisher.prepare_sender()
-        if unit_of_work and self.runtime.joins_django:
-            return DjangoAttempt(self.publisher, self.runtime.settings.django_database)
+        joined = self.runtime.joined
+        if unit_of_work and joined is not None:
+            return joined.attempt(self.publisher, self.runtime.settings)
         return ConnectionUnitOfWork(self.publisher)
 
     @contextmanager

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from .celery_hooks import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
 from .config import OutboxSettings
+from .django.integration import DjangoIntegration
 from .durability import CleanupResult, RecoverResult, cleanup, recover
 from .errors import ConfigurationError, OutboxError
 from .guard import MessageGuard
@@ -79,7 +80,8 @@ class Outbox:
         if runtime is not None and runtime.owner is self:
             return
         self.app = app
-        self.runtime = Runtime(app, self, engine, overrides)
+        self.runtime = Runtime(app, self, engine, overrides, integrations=(DjangoIntegration(),),
+                               archiver_for=_parquet_archiver)
         self.node = Node(self.runtime)
         self.publisher = Publisher(self.runtime, self.node)
         self.inbox = Inbox(self.runtime, self.publisher, self.node)
@@ -290,6 +292,14 @@ def threaded_concurrency(worker: Any) -> int | None:
     if pool_module(worker) not in THREADED_POOL_MODULES:
         return None
     return worker_concurrency(worker)
+
+
+def _parquet_archiver(path: str) -> Archiver:
+    """The delivery audit's archive at ``path`` (``outbox_archive_path``): Parquet files, written
+    with pyarrow (the ``spark`` extra), imported only when an archive is set."""
+    from .audit.archive import ParquetArchiver
+
+    return ParquetArchiver(path)
 
 
 def _install_task_base(app: Celery) -> None:

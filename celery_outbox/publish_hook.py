@@ -21,7 +21,6 @@ from .celery_hooks import (
     install_send_task_producer,
     install_task_sender,
 )
-from .django.transactions import joined_transaction
 from .envelope import CapturingProducer, OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
 from .publishing import Publisher
 from .routing import durable_destination, published_route
@@ -49,8 +48,8 @@ def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., 
         continued = stamp_send_id(runtime.app, message.headers)
         tracing.inject(message.headers)
         uow = current_unit_of_work()
-        if uow is None and runtime.joins_django:
-            uow = joined_transaction(publisher)
+        if uow is None and (joined := runtime.joined) is not None:
+            uow = joined.joined_transaction(publisher)
         if uow is None and durable_queue(*published_route(amqp, options)) is None:
             return celery_sender(producer, name, message, **options)
         captured = capture(celery_sender, producer, name, message, options, lambda: default_event_dispatcher(amqp))

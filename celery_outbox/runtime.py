@@ -12,7 +12,6 @@ that cannot be reached stops them with one clear error.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -24,11 +23,9 @@ from celery import Celery
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from .config import DEFAULT_DATABASE_URL, OutboxSettings, read_settings
-from .django.settings import database_url as django_database_url
-from .django.settings import installed as django_installed
-from .django.settings import same_database
+from .config import OutboxSettings, read_settings
 from .errors import ConfigurationError
+from .integration import Integration
 from .sessions import listen_to_sessions, session_info
 from .store import Store, build_engine
 from .vocabulary import ArchiveKind
@@ -54,26 +51,30 @@ class Archiver(Protocol):
 class Runtime:
     """The app, its settings, the store, the sessions and the archiver of one installed outbox.
 
-    With ``celery_outbox.django`` installed, the store is Django's database
-    ``outbox_django_database`` unless ``outbox_database_url`` or an engine is given.
-
-    ``owner`` is the object the library's signals name as their sender (the ``Outbox``).
+    ``integrations`` are the frameworks the outbox may join (``Integration``): the first active
+    one gives the store its database, unless ``outbox_database_url`` or an engine is given, and
+    its transactions and attempts when the store is its database. ``archiver_for`` builds the
+    archiver of ``outbox_archive_path``. ``owner`` is the object the library's signals name as
+    their sender (the ``Outbox``).
     """
 
     def __init__(self, app: Celery, owner: Any, engine: Engine | None = None,
-                 overrides: dict[str, Any] | None = None):
+                 overrides: dict[str, Any] | None = None, integrations: Sequence[Integration] = (),
+                 archiver_for: Callable[[str], Archiver] | None = None):
         self.app = app
         self.owner = owner
         self.given_engine = engine
         self.overrides = dict(overrides or {})
+        self.integrations = tuple(integrations)
+        self.archiver_for = archiver_for
         self.archiver: Archiver | None = None  # the delivery audit's archive (outbox_archive_path)
+        self.integration: Integration | None = None  # the framework whose transactions the outbox joins
         self._lock = threading.RLock()
         self._settings: OutboxSettings | None = None
         self._store: Store | None = None
         self._sessions: sessionmaker | None = None
         self._ready = False
         self._when_loaded: list[Callable[[], None]] = []
-        self._joins_django = False
         setattr(app, _APP_ATTRIBUTE, self)
         _runtimes[next(_installed)] = self
 
@@ -96,34 +97,23 @@ class Runtime:
             if self._settings is not None:
                 return
             settings = read_settings(conf, namespace=self.app.namespace, environ=os.environ, **self.overrides)
-            if django_installed() and self.given_engine is None:
-                settings = self._with_django_database(settings)
+            active = next((each for each in self.integrations if each.active()), None)
+            if active is not None and self.given_engine is None:
+                settings, joins = active.store_settings(settings)
+                self.integration = active if joins else None
             engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
             self._store = Store(engine, settings.table_prefix)
             self._sessions = sessionmaker(engine, expire_on_commit=False, info=session_info())
             listen_to_sessions(self._sessions)
             if settings.archive_path and self.archiver is None:
-                from .audit.archive import ParquetArchiver
-
-                self.archiver = ParquetArchiver(settings.archive_path)
+                if self.archiver_for is None:
+                    raise ConfigurationError("outbox_archive_path is set, and this outbox has no archiver to write "
+                                             "it with")
+                self.archiver = self.archiver_for(settings.archive_path)
             self._settings = settings
             callbacks, self._when_loaded = self._when_loaded, []
         for callback in callbacks:
             callback()
-
-    def _with_django_database(self, settings: OutboxSettings) -> OutboxSettings:
-        """With ``celery_outbox.django`` installed: the store is Django's database
-        ``outbox_django_database`` unless ``outbox_database_url`` names another; the outbox joins
-        Django's transactions when its store is that database."""
-        if settings.database_url == DEFAULT_DATABASE_URL:
-            settings = dataclasses.replace(settings, database_url=django_database_url(settings.django_database))
-            self._joins_django = True
-            return settings
-        try:
-            self._joins_django = same_database(settings.database_url, django_database_url(settings.django_database))
-        except ConfigurationError:  # a Django database the outbox cannot use: not the outbox's store
-            self._joins_django = False
-        return settings
 
     def use_database_url(self, url: str) -> None:
         """Make ``url`` the store's URL, over ``app.conf`` and the environment (the CLI's
@@ -152,12 +142,12 @@ class Runtime:
         return self._store
 
     @property
-    def joins_django(self) -> bool:
-        """Whether ``celery_outbox.django`` is installed: publishes inside Django's atomic blocks on
-        ``outbox_django_database`` join Django's transaction."""
+    def joined(self) -> Integration | None:
+        """The framework whose transactions the outbox joins (its store is the framework's
+        database: Django's ``outbox_django_database``), or None."""
         if self._settings is None:
             self.load()
-        return self._joins_django
+        return self.integration
 
     @property
     def engine(self) -> Engine:

@@ -66,7 +66,7 @@ def installed_runtime(using: str | None = None) -> Runtime:
     admin reads); the latest installed, if several are."""
     using = using or admin_database()
     for runtime in reversed(installed_runtimes()):
-        if runtime.joins_django and runtime.settings.django_database == using:
+        if runtime.joined is not None and runtime.joined.name == "django" and runtime.settings.django_database == using:
             return runtime
     raise OutboxError(f"no Outbox stores its messages in Django's database {using!r}: call Outbox(app) in your "
                       "project's celery.py, imported by the project (its __init__.py)")

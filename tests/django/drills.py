@@ -129,7 +129,7 @@ class Shop:
 
         styles = [style] * len(numbers) if isinstance(style, str) else style
         for number, each in zip(numbers, styles, strict=True):
-            block = (transaction.atomic(using=self.project.using) if self.outbox.runtime.joins_django
+            block = (transaction.atomic(using=self.project.using) if self.outbox.runtime.joined
                      else self.outbox.transaction())
             with block:
                 self.app.send_task(TASKS[each], (number,), task_id=f"place-{number}", queue=self.project.queue)

@@ -98,9 +98,9 @@ def test_only_an_outbox_whose_store_is_the_django_database_joins_its_transaction
     def outbox(**overrides):
         return Outbox(Celery(f"dj_{unique_prefix()}", broker="memory://", set_as_current=False), **overrides)
 
-    assert outbox().runtime.joins_django
-    assert outbox(database_url=database_url("default")).runtime.joins_django
-    assert not outbox(database_url=f"sqlite:///{tmp_path / 'other.sqlite3'}").runtime.joins_django
+    assert outbox().runtime.joined.name == "django"
+    assert outbox(database_url=database_url("default")).runtime.joined.name == "django"
+    assert outbox(database_url=f"sqlite:///{tmp_path / 'other.sqlite3'}").runtime.joined is None
 
 
 @pytest.mark.parametrize("using", ["pg"], indirect=True)

@@ -101,3 +101,22 @@ def test_the_parts_never_import_the_composition_root():
     are handed what they use."""
     importers = sorted(name for name, targets in package_graph().items() if "celery_outbox.outbox" in targets)
     assert importers == ["celery_outbox.cli"]
+
+
+#: the integrations, which the core never imports: the composition root hands them in
+INTEGRATIONS = ("celery_outbox.django", "celery_outbox.audit")
+#: what may import them: the composition root (``Outbox(app)``), the CLI, the package's face
+#: (it re-exports the root), and the integrations themselves
+ABOVE_THE_CORE = ("celery_outbox", "celery_outbox.outbox", "celery_outbox.cli")
+
+
+def test_the_core_never_imports_an_integration():
+    """No module of the core imports Django's integration or the audit: ``Outbox(app)`` hands the
+    runtime what they give (``celery_outbox.integration.Integration``, the archiver)."""
+    def integration(name: str) -> bool:
+        return any(name == each or name.startswith(f"{each}.") for each in INTEGRATIONS)
+
+    upward = sorted(f"{name} -> {target}" for name, targets in package_graph().items()
+                    if not integration(name) and name not in ABOVE_THE_CORE
+                    for target in targets if integration(target))
+    assert upward == [], "the core imports an integration: " + "; ".join(upward)
