@@ -163,40 +163,51 @@ SETTINGS: tuple[Setting, ...] = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
+def _field(name: str) -> Any:
+    """The ``OutboxSettings`` field of setting ``name``: its default is the table's, as the setting's
+    parser reads it (a fresh one for each instance where that is mutable)."""
+    setting = _BY_NAME[name]
+    value = setting.parse(setting.key, setting.default)
+    if value.__class__.__hash__ is None:  # a dict, list or set: one per instance
+        return dataclasses.field(default_factory=lambda: setting.parse(setting.key, setting.default))
+    return dataclasses.field(default=value)
+
+
 @dataclass(frozen=True)
 class OutboxSettings:
-    """The validated settings of one ``Outbox``; see ``SETTINGS`` for each field's meaning."""
+    """The validated settings of one ``Outbox``; see ``SETTINGS`` for each field's meaning and its
+    default, written there once (``_field``)."""
 
-    database_url: str = DEFAULT_DATABASE_URL
-    engine_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    durable_queues: frozenset[str] = frozenset()
-    table_prefix: str = "celery_outbox_"
-    django_database: str = "default"
-    message_identity: MessageIdentity = MessageIdentity.ID
-    deduplicate_task_ids: bool = False
-    idempotency_style: IdempotencyStyle = IdempotencyStyle.OPTIMISTIC
-    keep_after_handling: float = 7 * 24 * 3600.0
-    node_heartbeat_interval: float = 5.0
-    node_stale_after: float = 30.0
-    node_stale_checks: int = 3
-    inbox_stale_time: float | None = None
-    outbox_stale_time: float | None = None
-    redeliver_after: float | None = 600.0
-    relay_batch_size: int = 500
-    relay_max_attempts: int = 10
-    recover_batch_size: int = 1000
-    cleanup_batch_size: int = 5000
-    cleanup_rest: float = 1.0
-    max_batches_per_run: int = 100
-    recover_interval: float = 5.0
-    release_ahead: float | None = None
-    cleanup_interval: float = 60.0
-    maintenance_queue: str | None = None
-    dead_letter_retention: float | None = None
-    auto_create_schema: bool = True
-    archive_path: str | None = None
-    metrics_port: int | None = None
-    metrics_address: str = "127.0.0.1"
+    database_url: str = _field("database_url")
+    engine_options: Mapping[str, Any] = _field("engine_options")
+    durable_queues: frozenset[str] = _field("durable_queues")
+    table_prefix: str = _field("table_prefix")
+    django_database: str = _field("django_database")
+    message_identity: MessageIdentity = _field("message_identity")
+    deduplicate_task_ids: bool = _field("deduplicate_task_ids")
+    idempotency_style: IdempotencyStyle = _field("idempotency_style")
+    keep_after_handling: float = _field("keep_after_handling")
+    node_heartbeat_interval: float = _field("node_heartbeat_interval")
+    node_stale_after: float = _field("node_stale_after")
+    node_stale_checks: int = _field("node_stale_checks")
+    inbox_stale_time: float | None = _field("inbox_stale_time")
+    outbox_stale_time: float | None = _field("outbox_stale_time")
+    redeliver_after: float | None = _field("redeliver_after")
+    relay_batch_size: int = _field("relay_batch_size")
+    relay_max_attempts: int = _field("relay_max_attempts")
+    recover_batch_size: int = _field("recover_batch_size")
+    cleanup_batch_size: int = _field("cleanup_batch_size")
+    cleanup_rest: float = _field("cleanup_rest")
+    max_batches_per_run: int = _field("max_batches_per_run")
+    recover_interval: float = _field("recover_interval")
+    release_ahead: float | None = _field("release_ahead")
+    cleanup_interval: float = _field("cleanup_interval")
+    maintenance_queue: str | None = _field("maintenance_queue")
+    dead_letter_retention: float | None = _field("dead_letter_retention")
+    auto_create_schema: bool = _field("auto_create_schema")
+    archive_path: str | None = _field("archive_path")
+    metrics_port: int | None = _field("metrics_port")
+    metrics_address: str = _field("metrics_address")
 
     def is_durable(self, queue: str | None) -> bool:
         return queue is not None and queue in self.durable_queues
@@ -256,8 +267,6 @@ class OutboxSettings:
         delay = min((self.redeliver_after or 0) * 2 ** min(redeliveries + 1, 20), 3600.0)
         return now + timedelta(seconds=max(delay, self.redeliver_after or 0))
 
-
-assert {f.name for f in dataclasses.fields(OutboxSettings)} == set(_BY_NAME), "SETTINGS and OutboxSettings differ"
 
 
 def _setting_name(key: str, namespace: str) -> str | None:

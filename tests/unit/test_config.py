@@ -268,3 +268,18 @@ def test_the_environments_database_url_wins_over_the_apps_and_an_override_over_b
 def test_a_bad_database_url_in_the_environment_is_named_by_its_variable():
     with pytest.raises(ConfigurationError, match="CELERY_OUTBOX_DATABASE_URL"):
         read_settings({}, environ={"CELERY_OUTBOX_DATABASE_URL": "   "})
+
+
+def test_every_setting_is_a_field_whose_default_is_the_tables():
+    """``OutboxSettings`` has one field per setting of ``SETTINGS``, and each default is the table's
+    default as its parser reads it: defaults are written once, in the table."""
+    import dataclasses
+
+    from celery_outbox.config import OutboxSettings
+
+    fields = [field.name for field in dataclasses.fields(OutboxSettings)]
+    assert fields == [setting.name for setting in SETTINGS]
+    defaults = OutboxSettings()
+    for setting in SETTINGS:
+        assert getattr(defaults, setting.name) == setting.parse(setting.key, setting.default), setting.key
+    assert OutboxSettings().engine_options is not defaults.engine_options, "a mutable default is each instance's own"
