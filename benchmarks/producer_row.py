@@ -61,14 +61,14 @@ from celery_outbox import Outbox
 from celery_outbox.broker import Outlet
 from celery_outbox.publishing import Publisher
 from celery_outbox.store import utcnow
-from celery_outbox.store.outgoing import _postgres_insert
+from celery_outbox.store.outgoing import postgres_insert
 from celery_outbox.store.pipeline import (
-    _COMMAND_OK,
-    _TUPLES_OK,
+    COMMAND_OK,
+    TUPLES_OK,
     OneMessage,
-    _exchange,
-    _pipelined_query,
-    _prepared_statements,
+    pipeline_exchange,
+    pipelined_query,
+    prepared_statements,
 )
 from celery_outbox.unit_of_work import UnitOfWork, current_unit_of_work
 
@@ -104,7 +104,7 @@ def captured_rows(outbox: Outbox, durable: Any, n: int, marked_sent: bool = Fals
     rows = [message.to_row(now) for message in messages]
     if marked_sent:
         rows = [dict(row, sent_at=now, redeliver_at=outbox.settings.first_redelivery(now)) for row in rows]
-    statement, values, _, _ = _postgres_insert(outbox.store.tables.outgoing, rows)
+    statement, values, _, _ = postgres_insert(outbox.store.tables.outgoing, rows)
     return statement, values, [message.message_id for message in messages]
 
 
@@ -167,7 +167,7 @@ class Floor:
     def __init__(self, orders: Orders, durable: Any, n: int):
         self.orders = orders
         insert, given, ids = captured_rows(orders.outbox, durable, n, marked_sent=True)
-        query = _pipelined_query(insert, orders.engine.dialect, tuple(sorted(given)), "floor")
+        query = pipelined_query(insert, orders.engine.dialect, tuple(sorted(given)), "floor")
         self.name, self.encoded_name, self.statement = query.name, query.encoded_name, query.ascii_statement
         params = Transformer().dump_sequence(query.values(given), [PyFormat.TEXT] * len(query.keys))
         self._pieces = _split_at_ids(params, [message_id.encode() for message_id in ids])
@@ -179,11 +179,11 @@ class Floor:
             params = _with_ids(self._pieces, [task_id.encode() for task_id in task_ids])
             with orders.engine.begin() as conn:
                 conn.execute(orders.write)
-                prepared, _ = _prepared_statements(conn)  # follows psycopg's DEALLOCATE ALL
+                prepared, _ = prepared_statements(conn)  # follows psycopg's DEALLOCATE ALL
                 prepare = self.name not in prepared
                 send = partial(self._insert_and_commit, prepare, params)
-                results = _exchange(conn.connection.driver_connection, send)
-                failed = [result for result in results if result.status not in (_COMMAND_OK, _TUPLES_OK)]
+                results = pipeline_exchange(conn.connection.driver_connection, send)
+                failed = [result for result in results if result.status not in (COMMAND_OK, TUPLES_OK)]
                 if failed:
                     raise RuntimeError(f"the floor's INSERT failed: {failed[0].error_message.decode()}")
                 if prepare:

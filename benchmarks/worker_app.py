@@ -238,4 +238,6 @@ if "BENCH_BROKER_URL" in os.environ:
     if os.environ.get("BENCH_WITHOUT_NODE") == "1":  # the node's cost, measured against a worker that is none
         from celery.signals import worker_ready
 
-        worker_ready.disconnect(outbox._on_worker_ready)
+        @worker_ready.connect(weak=False)  # after the outbox's receiver: the node it registered stops at once
+        def no_node(**_: Any) -> None:
+            outbox.node.stop_serving()

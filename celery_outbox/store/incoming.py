@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Row, bindparam, delete, exists, func, literal
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ..vocabulary import Attempt, IncomingStatus
-from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, _pipelined_query
+from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, pipelined_query
 from .schema import _INCOMING_KEY, UNOWNED, _incoming_key, acknowledged_sends, is_running
 
 __all__ = ["ExpiredDeleted", "IncomingStatements"]
@@ -110,7 +110,7 @@ class IncomingStatements(OneMessage):
         if silent_before is not None and self.is_postgres:
             values["silent_before"] = silent_before
         if self.is_postgres and self._can_open_in_one_message(conn):  # its BEGIN goes with it: one round trip
-            query = _pipelined_query(statement, conn.dialect, tuple(values), "take_over")
+            query = pipelined_query(statement, conn.dialect, tuple(values), "take_over")
             result, _ = self._send_one_message(conn, query, values, (b"BEGIN",), ())
             return result.ntuples > 0
         return conn.execute(statement, values).first() is not None
@@ -188,7 +188,7 @@ class IncomingStatements(OneMessage):
         statement = self._claim_and_acknowledge(tuple(row), destination is not None)
 
         def send(conn: Connection) -> bool:
-            query = _pipelined_query(statement, conn.dialect, tuple(values), "envelope")
+            query = pipelined_query(statement, conn.dialect, tuple(values), "envelope")
             result, _ = self._send_one_message(conn, query, values, OPEN_NOT_WAITING_FOR_FLUSH, (b"COMMIT",))
             return result.ntuples > 0
 
@@ -208,7 +208,7 @@ class IncomingStatements(OneMessage):
         statement = self._claim_and_acknowledge(tuple(row), destination is not None)
         opening = self._opening(conn)
         if opening is not None:
-            query = _pipelined_query(statement, conn.dialect, tuple(values), "held_envelope")
+            query = pipelined_query(statement, conn.dialect, tuple(values), "held_envelope")
             result, _ = self._send_one_message(conn, query, values, opening, ())
             return int(result.get_value(0, 1)) if result.ntuples else None
         claimed = conn.execute(statement, values).first()
@@ -253,7 +253,7 @@ class IncomingStatements(OneMessage):
         """PostgreSQL: the statements ``before``, the inbox INSERT ... ON CONFLICT DO NOTHING
         RETURNING and the statements ``after`` in one message (``_send_one_message``); True when
         the row went in."""
-        claim = _pipelined_query(self._insert_new_incoming, conn.dialect, tuple(row), "claim")
+        claim = pipelined_query(self._insert_new_incoming, conn.dialect, tuple(row), "claim")
         result, _ = self._send_one_message(conn, claim, row, before, after)
         return result.ntuples > 0
 
@@ -300,7 +300,7 @@ class IncomingStatements(OneMessage):
         }
         opening = self._opening(conn) if commit and self.is_postgres else None
         if opening is not None:
-            finish = _pipelined_query(self._finish_incoming_or_fail, conn.dialect, tuple(values), "finish")
+            finish = pipelined_query(self._finish_incoming_or_fail, conn.dialect, tuple(values), "finish")
             _, failed = self._send_one_message(conn, finish, values, opening, (b"COMMIT",),
                                                tolerate=(_PG_DIVISION_BY_ZERO,))
             return failed is None

@@ -8,7 +8,7 @@ is safe. The transaction boundary is the caller's: the message runs on the calle
 and opens, continues or ends its transaction with the statements the caller puts before and
 after it; statements are prepared only between transactions (``_prepare_ahead`` before a message
 that opens one, ``_prepare_on_checkout`` when the pool hands the connection out). The connection's
-prepared statements are followed alongside psycopg's own (``_prepared_statements``). SQLite, and
+prepared statements are followed alongside psycopg's own (``prepared_statements``). SQLite, and
 PostgreSQL through another driver or a libpq without pipeline mode, never get here
 (``OneMessage._opening`` says None).
 """
@@ -32,14 +32,17 @@ from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 
 from .base import StoreBase
 
-__all__ = ["OPEN_NOT_WAITING_FOR_FLUSH", "OneMessage", "remember_failed_statement"]
+# OneMessage and remember_failed_statement serve the store; the rest is named for the benchmarks'
+# hand-written floors (benchmarks/producer_row.py), which send the store's statements as it does
+__all__ = ["COMMAND_OK", "OPEN_NOT_WAITING_FOR_FLUSH", "TUPLES_OK", "OneMessage", "pipeline_exchange",
+           "pipelined_query", "prepared_statements", "remember_failed_statement"]
 
 _T = TypeVar("_T")
 
 # psycopg.pq values, without importing psycopg for SQLite
 _PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
-_COMMAND_OK = 1  # ExecStatus.COMMAND_OK
-_TUPLES_OK = 2  # ExecStatus.TUPLES_OK
+COMMAND_OK = 1  # ExecStatus.COMMAND_OK
+TUPLES_OK = 2  # ExecStatus.TUPLES_OK
 _FATAL_ERROR = 7  # ExecStatus.FATAL_ERROR (an ERROR's result as well as a FATAL's)
 _PIPELINE_SYNC = 10  # ExecStatus.PIPELINE_SYNC
 _PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
@@ -103,7 +106,7 @@ def _taking(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]
 
 
 @functools.lru_cache(maxsize=16)
-def _pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind: str) -> _PipelinedQuery:
+def pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind: str) -> _PipelinedQuery:
     """PostgreSQL: ``statement`` (the inbox claim's INSERT, or the eager finish) taking the
     parameters ``names``, prepared as ``celery_outbox_<kind>_<checksum>``."""
     compiled = statement.compile(dialect=dialect, column_keys=list(names))
@@ -137,7 +140,7 @@ def _pipeline_supported() -> bool:
     return psycopg.Pipeline.is_supported()
 
 
-def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
+def pipeline_exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
     """Queue the queries ``send(pgconn)`` sends on psycopg connection ``driver``'s libpq
     connection in pipeline mode, then one Sync, all in one network write; return each query's
     result (``PIPELINE_ABORTED`` for those after an error). It waits in ``select``, as psycopg
@@ -167,11 +170,11 @@ def _exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
 
 
 def _exchange_on(conn: Connection, send: Callable[[Any], None], driver: Any = None) -> list[Any]:
-    """``_exchange`` on ``conn``'s psycopg connection (``driver``, when the caller has it); a
+    """``pipeline_exchange`` on ``conn``'s psycopg connection (``driver``, when the caller has it); a
     connection it was interrupted on (a signal such as a soft time limit, or a lost connection)
     is not reused."""
     try:
-        return _exchange(driver if driver is not None else conn.connection.driver_connection, send)
+        return pipeline_exchange(driver if driver is not None else conn.connection.driver_connection, send)
     except BaseException:
         conn.invalidate()
         raise
@@ -184,7 +187,7 @@ def _sqlstate(result: Any) -> str:
     return (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
 
 
-def _prepared_statements(conn: Connection) -> tuple[set[str], dict[str, str] | None]:
+def prepared_statements(conn: Connection) -> tuple[set[str], dict[str, str] | None]:
     """PostgreSQL: the names of the statements ``_send_one_message`` prepared on ``conn``'s
     session, and the statements to prepare before its next message that opens a transaction;
     that dict is None when psycopg's deallocations cannot be followed. They are followed by
@@ -297,7 +300,7 @@ def _prepare(driver: Any, prepared: set[str], to_prepare: dict[str, str],
 
     results = exchange(send)
     for (name, _), result in zip(wanted, results, strict=True):
-        if result.status == _COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
+        if result.status == COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
             prepared.add(name)
 
 
@@ -325,7 +328,7 @@ def _prepare_pending(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     if driver.pgconn.transaction_status != _PSYCOPG_IDLE:  # a connection handed over mid-transaction
         return
     try:
-        _prepare(driver, prepared, to_prepare, functools.partial(_exchange, driver))
+        _prepare(driver, prepared, to_prepare, functools.partial(pipeline_exchange, driver))
     except psycopg.Error as exc:
         if driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
             raise DisconnectionError(str(exc)) from exc  # the pool connects afresh
@@ -434,14 +437,14 @@ class OneMessage(StoreBase):
         but the message itself ran in that transaction. A message inside a transaction could
         not be sent again: there ``query`` goes prepared only when it is known to be (the
         connection's set of prepared names follows psycopg's deallocations:
-        ``_prepared_statements``); otherwise it goes as an unnamed statement, parsed, and is
+        ``prepared_statements``); otherwise it goes as an unnamed statement, parsed, and is
         prepared between the connection's transactions (when the pool next hands it out, or
         before its next message that opens a transaction), where a Parse that fails harms
         nothing. With psycopg's prepared statements off
         (``prepare_threshold = None``, as behind a transaction-pooling PgBouncer) every
         statement goes unnamed."""
         driver = conn.connection.driver_connection
-        prepared, to_prepare = _prepared_statements(conn)
+        prepared, to_prepare = prepared_statements(conn)
         in_step = (_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS)
         opens = before[:1] == (b"BEGIN",)
         try:
@@ -505,11 +508,11 @@ class OneMessage(StoreBase):
                 pgconn.send_query_params(each, None)
 
         results = _exchange_on(conn, send, driver)
-        if prepare and results[0].status == _COMMAND_OK:
+        if prepare and results[0].status == COMMAND_OK:
             prepared.add(query.name)
         failed = None
         for result in results:
-            if result.status != _COMMAND_OK and result.status != _TUPLES_OK:
+            if result.status != COMMAND_OK and result.status != TUPLES_OK:
                 failed = result
                 break
         return results[len(before) + prepare], failed

@@ -15,7 +15,7 @@ from django.db import DatabaseError, IntegrityError, OperationalError, connectio
 from django.test import Client
 
 from celery_outbox.django.engine import django_engine
-from celery_outbox.store.pipeline import _prepared_statements
+from celery_outbox.store.pipeline import prepared_statements
 
 from ..brokers import nothing_more, receive
 from ..django_project.shop import views
@@ -301,7 +301,7 @@ def test_a_signal_interrupting_the_insert_at_the_commit_drops_the_connection(sho
     connections[shop.using].ensure_connection()
     first = connections[shop.using].connection
     with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "_exchange", interrupted_exchange)
+        patch.setattr(pipeline, "pipeline_exchange", interrupted_exchange)
         with pytest.raises(Interrupted):
             with transaction.atomic(using=shop.using):
                 Order.objects.using(shop.using).create(number=interrupted)
@@ -379,7 +379,7 @@ def test_blocks_with_psycopgs_prepared_statements_on_publish_what_they_commit(sh
                         orders.create(number=third)
                 committed.append(pay(third))
         with django_engine(shop.using).connect() as conn:
-            prepared = _prepared_statements(conn)[0]
+            prepared = prepared_statements(conn)[0]
         assert any("insert_outgoing" in name for name in prepared), prepared
     assert outgoing_rows(shop) == committed, "each committed message stored once, nothing rolled back"
     assert [m.id for m in receive(shop.app, shop.durable, len(committed))] == committed
@@ -401,7 +401,7 @@ def test_the_stores_record_of_prepared_statements_is_one_per_django_connection(s
     engine = django_engine(shop.using)
     with engine.connect() as first, engine.connect() as second:
         assert first.connection.dbapi_connection is second.connection.dbapi_connection, "Django's one connection"
-        assert _prepared_statements(first)[0] is _prepared_statements(second)[0], "one record, not one a block"
+        assert prepared_statements(first)[0] is prepared_statements(second)[0], "one record, not one a block"
     prepared = connections[shop.using].connection._prepared  # psycopg's own record
     (followed,) = [cell.cell_contents for cell in prepared.clear.__closure__ if callable(cell.cell_contents)]
     assert getattr(followed, "__self__", None) is prepared, "psycopg's clear followed once, not once a block"

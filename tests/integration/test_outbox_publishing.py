@@ -56,7 +56,7 @@ class Interrupted(BaseException):
 
 
 def interrupted_exchange(driver, send):
-    """A stand-in for the store's exchange with PostgreSQL (``pipeline._exchange``) that a signal
+    """A stand-in for the store's exchange with PostgreSQL (``pipeline.pipeline_exchange``) that a signal
     interrupts before any answer comes."""
     raise Interrupted("a soft time limit")
 
@@ -592,7 +592,7 @@ def test_a_session_commit_interrupted_under_its_insert_drops_the_unit_and_its_co
             shop.durable.delay(0)
             first = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
         with monkeypatch.context() as patch:
-            patch.setattr(pipeline, "_exchange", interrupted_exchange)
+            patch.setattr(pipeline, "pipeline_exchange", interrupted_exchange)
             with pytest.raises(Interrupted):
                 with shop.outbox.transaction() as session:
                     session.add(Note("interrupted"))
@@ -640,7 +640,7 @@ def test_a_checkout_interrupted_while_it_prepares_drops_the_connection(broker_ur
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         first = unit_opened_by_a_statement(shop, 0)
         with monkeypatch.context() as patch:
-            patch.setattr(pipeline, "_exchange", interrupted_exchange)
+            patch.setattr(pipeline, "pipeline_exchange", interrupted_exchange)
             with pytest.raises(Interrupted):
                 with shop.outbox.begin():
                     shop.durable.delay(1)
@@ -714,7 +714,7 @@ def test_a_connection_lost_under_a_durable_message_stored_alone_raises_store_una
 
     from .test_engine_and_commits import terminate
 
-    real_exchange = pipeline._exchange
+    real_exchange = pipeline.pipeline_exchange
     ended: list[int] = []
 
     def exchange_on_an_ended_session(driver, send):
@@ -725,7 +725,7 @@ def test_a_connection_lost_under_a_durable_message_stored_alone_raises_store_una
 
     with pool_of_one_shop(broker_url, database_url, table_prefix) as shop:
         with monkeypatch.context() as patch:
-            patch.setattr(pipeline, "_exchange", exchange_on_an_ended_session)
+            patch.setattr(pipeline, "pipeline_exchange", exchange_on_an_ended_session)
             with pytest.raises(StoreUnavailable, match="cannot use the message store") as raised:
                 shop.durable.delay(1)
         assert ended and raised.value.__cause__ is not None, "the session ended under the exchange"

@@ -42,7 +42,7 @@ def test_a_session_ended_mid_pipeline_raises_the_servers_fatal_error(postgres_ur
     killer.start()
     try:
         with pytest.raises(psycopg.OperationalError, match="terminating connection due to administrator command"):
-            pipeline._exchange(conn, send)
+            pipeline.pipeline_exchange(conn, send)
         assert conn.pgconn.status == psycopg.pq.ConnStatus.BAD, "callers see the connection lost"
     finally:
         killer.join(10)

@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from celery_outbox import IncompatibleSchema, Outbox
 from celery_outbox.store import SCHEMA_VERSION, Store, as_utc, build_engine, is_unique_violation, utcnow
-from celery_outbox.store.pipeline import _prepared_statements
+from celery_outbox.store.pipeline import prepared_statements
 
 from ..conftest import drop_store
 
@@ -629,7 +629,7 @@ def test_a_claim_recovers_when_its_prepared_statement_is_gone_or_already_there(s
         conn.commit()
     assert store.claim_incoming_alone(incoming_row("b", owner=0)) is True
     with store.engine.connect() as conn:
-        prepared, _ = _prepared_statements(conn)
+        prepared, _ = prepared_statements(conn)
         prepared.clear()
     with store.begin() as conn:
         assert store.insert_incoming(conn, incoming_row("c", owner=0)) is True
