@@ -35,11 +35,10 @@ SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 # A driver's SQL settings for tens of rows, as system properties (a driver's SparkConf reads the
 # spark.* ones): each query's expressions evaluated as they stand, not compiled to Java code first
 # (Janino's compiles are most of a small query's CPU: about 30 % of an audit's), no whole-stage code
-# generation, no adaptive re-planning. The answers depend on none of them; the audit benchmark's
-# test runs the job with Spark's defaults (``SPARK_DEFAULTS_ENV``).
+# generation, no adaptive re-planning. The answers depend on none of them; CI's demos (`tox -e demo`,
+# `tox -e django-demo`, outside pytest) run the audit command with Spark's defaults.
 TINY_DATA_SQL = {"spark.sql.codegen.factoryMode": "NO_CODEGEN", "spark.sql.codegen.wholeStage": "false",
                  "spark.sql.adaptive.enabled": "false"}
-SPARK_DEFAULTS_ENV = {"SPARK_SUBMIT_OPTS": SHORT_LIVED_JVM}
 os.environ.setdefault("SPARK_SUBMIT_OPTS", " ".join([SHORT_LIVED_JVM, *(f"-D{k}={v}" for k, v in
                                                                       TINY_DATA_SQL.items())]))
 os.environ.setdefault("SPARK_DAEMON_JAVA_OPTS", SHORT_LIVED_JVM)

@@ -4,12 +4,11 @@ its generator planted, a full run and the incremental second run alike; never ho
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import SPARK_DEFAULTS_ENV, require_spark
+from .conftest import require_spark
 
 ROOT = Path(__file__).parents[2]
 
@@ -18,8 +17,7 @@ def test_the_audit_benchmark_checks_a_full_and_an_incremental_run(tmp_path):
     require_spark()
     report_path = tmp_path / "results.json"
     completed = subprocess.run([sys.executable, "-m", "benchmarks", "audit", "--quick", "--json", str(report_path)],
-                               cwd=ROOT, capture_output=True, text=True, timeout=900,
-                               env={**os.environ, **SPARK_DEFAULTS_ENV})  # Spark's own SQL settings
+                               cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads(report_path.read_text())["results"]
     assert [r["case"] for r in results] == ["Spark job on 20 k archived envelopes",
