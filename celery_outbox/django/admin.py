@@ -284,21 +284,12 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
 
 @admin.register(Status)
-class StatusAdmin(admin.ModelAdmin):
+class StatusAdmin(ReadOnlyAdmin):
     """The status page, listed in the admin's index beside the tables; seen by the users who may
     view dead letters."""
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return request.user.has_perm("celery_outbox.view_deadletter")
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def get_urls(self) -> list[Any]:
         name = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
