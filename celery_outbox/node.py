@@ -164,8 +164,8 @@ class Node:
     def serve_as_worker(self) -> None:
         """A worker is ready: register its node now and keep it registered while the process runs
         (a node recovery declared dead, after the database was out of reach for long, registers
-        again at its next heartbeat). Never raises: a failure is logged, and the node registers at
-        the next unit of work, eager claim or heartbeat."""
+        again at its next heartbeat). Never raises: a failure is logged, and a thread of its own
+        tries again every heartbeat interval (``_register_until_done``)."""
         self._serving = True
         self._register_until_done()
 
