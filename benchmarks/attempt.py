@@ -2,9 +2,10 @@
 
 ``python -m benchmarks.attempt [COUNT]`` runs each worker benchmark task (``worker_app``) through
 Celery's tracer, the code a pool process runs for each message, in one process with no broker,
-against the real PostgreSQL. Each variant runs twice under valgrind's callgrind, COUNT times and a
-quarter of that; the difference of the two totals over the difference of the counts is the
-instructions per task, so start-up and warming up cancel out. A run without valgrind gives the
+against the real PostgreSQL. Each variant runs COUNT times in one process under valgrind's
+callgrind, which dumps its counts at a mark after the first quarter of the tasks and at one after
+the last: the instructions between the two marks over the tasks between them are the instructions
+per task, with start-up, warming up and shutting down left out. A run without valgrind gives the
 CPU time per task beside them (seconds: they drift with the host's load).
 
 Instruction counts do not drift with the host's load as seconds do: they settle which of two
@@ -24,7 +25,9 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import worker_app
@@ -39,12 +42,19 @@ VARIANTS = (
     ("floor: inbox row committed first", "bench.floor_eager"),
     ("IdempotentTask eager", "bench.eager"),
 )
-_COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+_TOTALS = re.compile(r"^totals:\s*(\d+)", re.M)
 
 
-def run_tasks(task_name: str, count: int, body: str) -> float:
+def _mark() -> None:
+    """Where callgrind dumps its counts (``--dump-before=getloadavg``): a libc function that nothing
+    else on a task's path calls."""
+    os.getloadavg()
+
+
+def run_tasks(task_name: str, count: int, body: str, marks: frozenset[int] = frozenset()) -> float:
     """Run ``count`` deliveries of ``task_name`` through Celery's tracer, on tables of their own
-    (dropped after). Returns the CPU seconds per task."""
+    (dropped after), calling ``_mark`` before the task of each index in ``marks`` (``count``: after
+    the last). Returns the CPU seconds per task."""
     from celery.app.trace import build_tracer
 
     prefix = unique_prefix()
@@ -59,6 +69,8 @@ def run_tasks(task_name: str, count: int, body: str) -> float:
         trace = build_tracer(task.name, task, app=app, eager=False)
         before = resource.getrusage(resource.RUSAGE_SELF)
         for n in range(count):
+            if n in marks:
+                _mark()
             task_id = str(uuid.uuid4())
             request = {"id": task_id, "task": task.name, "args": [n], "kwargs": {}, "retries": 0,
                        "root_id": task_id, "parent_id": None, "group": None, "hostname": "bench@attempt",
@@ -67,6 +79,8 @@ def run_tasks(task_name: str, count: int, body: str) -> float:
             _, info, _, _ = trace(task_id, (n,), {}, request)
             if info is not None and info.state != "SUCCESS":
                 raise RuntimeError(f"{task_name} ended {info.state}: {info.retval!r}")
+        if count in marks:
+            _mark()
         after = resource.getrusage(resource.RUSAGE_SELF)
     finally:
         outbox.node.deregister()  # the eager style registered this process as a node
@@ -75,21 +89,46 @@ def run_tasks(task_name: str, count: int, body: str) -> float:
     return ((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)) / count
 
 
-def instructions(task_name: str, count: int, body: str) -> int:
-    """User-space instructions callgrind counts in a whole process running ``count`` tasks."""
-    command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-m",
-               "benchmarks.attempt", "--inner", task_name, str(count), "--body", body]
-    done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="0"), capture_output=True,
-                          text=True, timeout=1800)
-    found = _COLLECTED.search(done.stderr)
-    if done.returncode != 0 or found is None:
-        raise RuntimeError(f"callgrind run of {task_name} x{count} failed: {done.stderr[-2000:]}")
+@dataclass(frozen=True)
+class Instructions:
+    """What callgrind counted in one process, in its three parts."""
+
+    before: int  # start-up, the tables, and the first quarter of the tasks (warming up)
+    counted: int  # the tasks between the two marks
+    tasks: int  # how many tasks ran between them
+    after: int  # shutting down: the tables dropped, the interpreter's exit
+
+    @property
+    def per_task(self) -> float:
+        return self.counted / self.tasks
+
+
+def instructions(task_name: str, count: int, body: str) -> Instructions:
+    """User-space instructions callgrind counts in one process running ``count`` tasks, split at
+    the marks after the first quarter of them and after the last."""
+    first = max(1, count // 4)
+    if count <= first:
+        raise ValueError(f"count must be at least 2, not {count}")
+    with tempfile.TemporaryDirectory(prefix="attempt-callgrind-") as folder:
+        out = Path(folder) / "callgrind.out"
+        command = ["valgrind", "--tool=callgrind", "--dump-before=getloadavg", f"--callgrind-out-file={out}",
+                   sys.executable, "-m", "benchmarks.attempt", "--inner", task_name, str(count), "--body", body,
+                   "--marks", f"{first},{count}"]
+        done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="0"), capture_output=True,
+                              text=True, timeout=1800)
+        parts = {path.name: _totals(path) for path in Path(folder).iterdir()}
+    if done.returncode != 0 or set(parts) != {out.name, f"{out.name}.1", f"{out.name}.2"}:
+        raise RuntimeError(f"callgrind run of {task_name} x{count} failed (dumps: {sorted(parts)}): "
+                           f"{done.stderr[-2000:]}")
+    return Instructions(before=parts[f"{out.name}.1"], counted=parts[f"{out.name}.2"], tasks=count - first,
+                        after=parts[out.name])
+
+
+def _totals(dump: Path) -> int:
+    found = _TOTALS.search(dump.read_text(errors="replace"))
+    if found is None:
+        raise RuntimeError(f"{dump} has no totals line")
     return int(found.group(1))
-
-
-def per_task(task_name: str, count: int, body: str) -> float:
-    fewer = max(1, count // 4)
-    return (instructions(task_name, count, body) - instructions(task_name, fewer, body)) / (count - fewer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("count", nargs="?", type=int, default=200, help="tasks per variant (default 200)")
     parser.add_argument("--body", choices=("noop", "write"), default="noop", help="the task body (default noop)")
     parser.add_argument("--inner", metavar="TASK", help=argparse.SUPPRESS)
+    parser.add_argument("--marks", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner:
-        run_tasks(args.inner, args.count, args.body)
+        run_tasks(args.inner, args.count, args.body, frozenset(int(n) for n in args.marks.split(",") if n))
         return 0
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
@@ -107,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|")
     for label, task_name in VARIANTS:
         cpu = run_tasks(task_name, args.count, args.body)
-        count = per_task(task_name, args.count, args.body)
-        print(f"| {label} | {count:,.0f} | {cpu * 1e6:,.0f} |", flush=True)
+        counted = instructions(task_name, args.count, args.body)
+        print(f"| {label} | {counted.per_task:,.0f} | {cpu * 1e6:,.0f} |", flush=True)
     return 0
 
 

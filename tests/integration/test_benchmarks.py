@@ -515,16 +515,19 @@ def test_attempt_cost_runs_each_variant_through_celerys_tracer_and_leaves_no_tab
         engine.dispose()
 
 
-def test_attempt_cost_counts_instructions_that_grow_with_the_tasks_run():
-    """Under callgrind, more tasks of the same variant count more instructions: the per-task
-    figure is the difference of two whole-process counts over the difference of their tasks."""
+def test_attempt_cost_counts_the_tasks_between_its_marks_apart_from_start_up():
+    """Under callgrind, one process's count is split at the marks after the first quarter of the
+    tasks and after the last: the part between them holds the tasks after the first quarter,
+    and start-up (the imports, the tables) is counted before it."""
     require("postgres")
     from benchmarks import attempt
 
     if shutil.which("valgrind") is None:
         pytest.skip("valgrind is not installed")
-    fewer, more = (attempt.instructions("bench.optimistic", count, "noop") for count in (1, 6))
-    assert more > fewer > 0
+    counted = attempt.instructions("bench.optimistic", 6, "noop")
+    assert counted.tasks == 5, "the first of six tasks is warming up, before the first mark"
+    assert counted.counted > 0 and counted.after > 0
+    assert counted.before > 10 * counted.per_task, "start-up is counted before the first mark, not per task"
 
 
 def test_the_calibration_is_measured_on_the_real_services_and_leaves_nothing_behind(monkeypatch):
