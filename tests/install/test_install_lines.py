@@ -137,9 +137,11 @@ def test_an_install_line_runs_a_worker_beat_and_the_inbox(line, wheelhouse, tmp_
     if line.metrics:
         env["SMOKE_METRICS_PORT"] = str(free_port())
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # no pip of its own (ensurepip costs each environment seconds): this process's pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "-q", "--no-compile", "--no-index", "--find-links", str(wheelhouse)]
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile", "--no-index",
+           "--find-links", str(wheelhouse)]
     installed = subprocess.run([*pip, "-e", line.spec, *line.also], capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, f"pip install -e {line.spec}: {installed.stdout}\n{installed.stderr}"
     for module in line.imports + line.absent:
