@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 from kombu.serialization import loads
 
+from .checks import malformed_reason
 from .envelope import OutgoingMessage, from_row
-from .guard import malformed_reason
 from .publishing import Publisher
 from .routing import published_route
 from .runtime import Runtime

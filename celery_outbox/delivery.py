@@ -16,9 +16,9 @@ from typing import Any
 from kombu.serialization import dumps
 
 from . import dead_letter_rows, tracing
-from .envelope import header_count, json_text, valid_send_id
+from .envelope import json_text, valid_send_id
 from .routing import queue_of
-from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, SEND_HEADER, Attempt
+from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, SEND_HEADER, Attempt, header_count
 
 __all__ = ["Delivery", "dead_letter_row", "envelope_of", "task_id_key"]
 

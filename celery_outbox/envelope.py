@@ -31,7 +31,7 @@ from .errors import UnstorableMessage
 from .routing import exchange_name
 from .sent_events import RecordingDispatcher, SentEvent
 from .store import SEND_ID_SIZE, as_utc, text_problem
-from .vocabulary import REPLAY_HEADER, SEND_HEADER, Attempt
+from .vocabulary import SEND_HEADER, header_count
 
 __all__ = ["SEND_HEADER", "CapturingProducer", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text",
            "new_send_id", "send_id_of"]
@@ -193,21 +193,6 @@ def valid_send_id(value: Any) -> str:
     if isinstance(value, str) and 0 < len(value) <= SEND_ID_SIZE and value.isascii() and value.isprintable():
         return value
     return ""
-
-
-def header_count(value: Any) -> int:
-    """A counter header (retries, nesting, replay number) as a whole number; 0 when absent or garbage."""
-    try:
-        return max(int(value or 0), 0)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
-        return 0
-
-
-def attempt_of(headers: Any) -> Attempt:
-    """The attempt a task message's headers carry (garbage counts as 0)."""
-    headers = headers if isinstance(headers, dict) else {}
-    return Attempt(header_count(headers.get("replaced_task_nesting")), header_count(headers.get(REPLAY_HEADER)),
-                   header_count(headers.get("retries")))
 
 
 def _timestamp(value: Any) -> datetime | None:

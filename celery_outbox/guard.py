@@ -34,7 +34,6 @@ import uuid
 from typing import Any, Callable
 
 from celery import bootsteps, signals
-from celery.exceptions import NotRegistered
 
 from . import log_fields
 from .celery_hooks import (
@@ -46,127 +45,33 @@ from .celery_hooks import (
     task_strategies,
     wrap_task_handler,
 )
+from .checks import (
+    body_reason,
+    dead_letter_row_of,
+    is_protocol_one,
+    malformed_reason,
+    shown,
+    store_limits_reason,
+)
 from .config import OutboxSettings
-from .dead_letter_rows import ID_SIZE, dead_letter_row, is_storable_id, stored_text
-from .envelope import attempt_of, send_id_of
+from .dead_letter_rows import dead_letter_row, is_storable_id
+from .envelope import send_id_of
 from .results import EndedMessage, store_dead_letter_results
 from .routing import queue_of
 from .runtime import Runtime, runtime_of
 from .signals import announce_dead_letters
 from .store import is_content_error, utcnow
-from .vocabulary import BUSY_ROW_WAIT, REDELIVERY_HEADER, REPLAY_HEADER, REQUEUE_BACKOFF, Attempt, DeadLetterReason
+from .vocabulary import (
+    BUSY_ROW_WAIT,
+    REQUEUE_BACKOFF,
+    Attempt,
+    DeadLetterReason,
+    attempt_of,
+)
 
-__all__ = ["MessageGuard", "body_reason", "dead_letter_row_of", "malformed_reason", "sound_envelope",
-           "store_limits_reason", "tolerate_any_envelope"]
+__all__ = ["MessageGuard", "sound_envelope", "tolerate_any_envelope"]
 
 logger = logging.getLogger("celery_outbox.guard")
-
-_OPTIONAL_STRINGS = ("root_id", "parent_id", "group", "eta", "expires", "shadow", "argsrepr", "kwargsrepr",
-                     "origin", "lang")
-# the counters celery-outbox reads besides Celery's: a dead-letter replay's number, delivery tracking's
-_COUNTER_HEADERS = (REPLAY_HEADER, REDELIVERY_HEADER)
-_OPTIONAL_INTEGERS = ("retries", "replaced_task_nesting", "group_index", *_COUNTER_HEADERS)
-_STORED_INTEGER_MAX = 2**31 - 1  # the store's attempt columns (retries, nesting, replays)
-_MALFORMED = DeadLetterReason.MALFORMED
-
-
-def malformed_reason(headers: Any, known_tasks: Any) -> tuple[DeadLetterReason, str] | None:
-    """(reason, description) when a protocol-2 task message cannot be run as is, else None."""
-    if not isinstance(headers, dict):
-        return _MALFORMED, f"headers are a {type(headers).__name__}, not a mapping"
-    task = headers.get("task")
-    if not isinstance(task, str) or not task:
-        return _MALFORMED, f"header 'task' is {_shown(task)}: a task name is required"
-    message_id = headers.get("id")
-    if not isinstance(message_id, str) or not message_id:
-        return _MALFORMED, f"header 'id' is {_shown(message_id)}: a task id is required"
-    if task not in known_tasks:  # before the other headers, as Celery: its caller is told NotRegistered
-        return DeadLetterReason.UNKNOWN_TASK, f"task {_shown(task)} is not registered in this worker"
-    for name in _OPTIONAL_STRINGS:
-        value = headers.get(name)
-        if value is not None and not isinstance(value, str):
-            return _MALFORMED, f"header {name!r} is {_shown(value)}: expected a string or null"
-    for name in _OPTIONAL_INTEGERS:
-        value = headers.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            return _MALFORMED, f"header {name!r} is {_shown(value)}: expected a whole number or null"
-    timelimit = headers.get("timelimit")
-    if timelimit is not None and (not isinstance(timelimit, (list, tuple)) or len(timelimit) != 2
-                                  or any(t is not None and not isinstance(t, (int, float)) for t in timelimit)):
-        return _MALFORMED, f"header 'timelimit' is {_shown(timelimit)}: expected [soft, hard] seconds or nulls"
-    return None
-
-
-def store_limits_reason(headers: dict[str, Any]) -> tuple[DeadLetterReason, str] | None:
-    """(reason, description) when the store cannot record the attempt of a message whose headers
-    passed ``malformed_reason`` (its id or task name too long or not storable text, a count
-    beyond the store's columns), else None. Applies to messages that go through the inbox."""
-    for name in ("id", "task"):
-        value = headers[name]
-        if len(value) > ID_SIZE:
-            return _MALFORMED, f"header {name!r} is {len(value)} characters, the store holds at most {ID_SIZE}"
-        if not is_storable_id(value):
-            return _MALFORMED, f"header {name!r} is {_shown(value)}: NUL bytes and lone surrogates cannot be stored"
-    for name in ("retries", "replaced_task_nesting", *_COUNTER_HEADERS):
-        value = headers.get(name)
-        if value is not None and value > _STORED_INTEGER_MAX:
-            return _MALFORMED, f"header {name!r} is {value}: the store holds at most {_STORED_INTEGER_MAX}"
-    return None
-
-
-def body_reason(message: Any) -> tuple[DeadLetterReason, str] | None:
-    """(reason, description) when the body of a protocol-2 message does not decode into
-    ``(args, kwargs, embed)``: a list, a mapping with string keys, a mapping or null."""
-    try:
-        body = message.decode()
-    except Exception as exc:  # noqa: BLE001 - any failure to decode is the message's fault
-        return _MALFORMED, f"body cannot be decoded ({_shown(message.content_type)}): {_shown(exc)}"
-    if not isinstance(body, (list, tuple)) or len(body) != 3:
-        return _MALFORMED, f"body is {_shown(body)}: expected [args, kwargs, embed]"
-    args, kwargs, embed = body
-    if not isinstance(args, (list, tuple)):
-        return _MALFORMED, f"body's args are {_shown(args)}: expected a list"
-    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
-        return _MALFORMED, f"body's kwargs are {_shown(kwargs)}: expected a mapping with string keys"
-    if embed is not None and not isinstance(embed, dict):
-        return _MALFORMED, f"body's embed is {_shown(embed)}: expected a mapping or null"
-    return None
-
-
-def _shown(value: Any, size: int = 200) -> str:
-    """A value in a description: its repr, cut to ``size`` characters."""
-    text = stored_text(value if not isinstance(value, str) else repr(value))
-    return text if len(text) <= size else f"{text[:size]}... ({len(text)} characters)"
-
-
-def dead_letter_row_of(message: Any, reason: DeadLetterReason, description: str,
-                       queue: str | None = None) -> dict[str, Any]:
-    """The dead-letter row of a received ``message`` (its headers as received), fitted to the table;
-    its queue is ``queue`` when resolved, else the delivery's routing key."""
-    headers = getattr(message, "received_headers", message.headers)
-    mapping = headers if isinstance(headers, dict) else {}
-    delivery_info = message.delivery_info
-    return dead_letter_row(
-        reason=reason, failed_at=utcnow(), message_id=mapping.get("id"), task_name=mapping.get("task"),
-        queue=queue if queue is not None else delivery_info.get("routing_key"),
-        description=description, retries=mapping.get("retries"),
-        nesting=mapping.get("replaced_task_nesting"), exchange=delivery_info.get("exchange"),
-        routing_key=delivery_info.get("routing_key"), body=message.body, content_type=message.content_type,
-        content_encoding=message.content_encoding, headers=headers, properties=message.properties,
-        error=MalformedMessage(description) if reason is _MALFORMED else NotRegistered(description))
-
-
-class MalformedMessage(Exception):
-    """The message cannot be run as it is (its dead letter's exception type)."""
-
-
-def _is_protocol_one(message: Any) -> bool:
-    try:
-        body = message.decode()
-    except Exception:  # noqa: BLE001 - undecodable: not a protocol 1 message
-        return False
-    return isinstance(body, dict) and isinstance(body.get("task"), str) and isinstance(body.get("id"), str)
-
 
 # -- the broker's envelope (kombu's virtual transports: Redis, SQS...) ----------------------------
 
@@ -193,7 +98,7 @@ class _TolerantMessage:
         try:
             super().__init__(sound, channel=channel, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the body cannot be decoded as the envelope says
-            faults.append(f"the body cannot be decoded as the envelope says: {_shown(exc)}")
+            faults.append(f"the body cannot be decoded as the envelope says: {shown(exc)}")
             super().__init__({**sound, "body": None}, channel=channel, **kwargs)
         self.envelope_fault = "; ".join(faults) or None
         self.received_headers = payload.get("headers") if isinstance(payload, dict) else None
@@ -208,11 +113,11 @@ def sound_envelope(payload: Any) -> tuple[list[str], dict[str, Any]]:
         value = container.get(key)
         if value is None or (isinstance(value, kinds) and not isinstance(value, bool)):
             return default if value is None else value
-        faults.append(f"{where}{key!r} is {_shown(value)}")
+        faults.append(f"{where}{key!r} is {shown(value)}")
         return default
 
     if not isinstance(payload, dict):
-        faults.append(f"the envelope is {_shown(payload)}, not a mapping")
+        faults.append(f"the envelope is {shown(payload)}, not a mapping")
         payload = {}
     properties = part(payload, "properties", (dict,), {}, "envelope ")
     info = part(properties, "delivery_info", (dict,), {}, "properties' ")
@@ -270,7 +175,7 @@ def _verdict(runtime: Runtime, consumer: Any, message: Any) -> tuple[DeadLetterR
     if fault is not None:
         return DeadLetterReason.MALFORMED, fault
     headers = message.headers
-    if isinstance(headers, dict) and "task" not in headers and _is_protocol_one(message):
+    if isinstance(headers, dict) and "task" not in headers and is_protocol_one(message):
         return None  # Celery's own protocol 1 checks apply
     verdict = malformed_reason(headers, task_strategies(consumer))
     if verdict is not None:

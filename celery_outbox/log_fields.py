@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .envelope import attempt_of
-from .vocabulary import Attempt
+from .vocabulary import Attempt, attempt_of
 
 __all__ = ["fields", "of_delivery", "of_message", "of_row"]
 

@@ -25,8 +25,7 @@ from typing import Any, ContextManager, Iterator, Mapping, Sequence
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from .envelope import attempt_of, header_count
-from .vocabulary import REDELIVERY_HEADER
+from .vocabulary import REDELIVERY_HEADER, attempt_of, header_count
 
 try:
     from opentelemetry import context as otel_context

@@ -8,7 +8,7 @@ the publishing side, the consumer side, maintenance) names these values from her
 from __future__ import annotations
 
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["REDELIVERY_HEADER", "REPLAY_HEADER", "REQUEUE_BACKOFF", "SEND_HEADER", "ArchiveKind", "Attempt",
            "ClaimRelease", "DeadLetterReason", "IdempotencyStyle", "IncomingStatus", "MessageIdentity",
@@ -116,3 +116,18 @@ REQUEUE_BACKOFF = 1.0
 #: transaction takes the one write lock as it begins, the wait is for that lock. Past it the statement
 #: gives up and its caller goes on, instead of stalling for the whole of that attempt's body.
 BUSY_ROW_WAIT = 1.0
+
+
+def header_count(value: Any) -> int:
+    """A counter header (retries, nesting, replay number) as a whole number; 0 when absent or garbage."""
+    try:
+        return max(int(value or 0), 0)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
+        return 0
+
+
+def attempt_of(headers: Any) -> Attempt:
+    """The attempt a task message's headers carry (garbage counts as 0)."""
+    headers = headers if isinstance(headers, dict) else {}
+    return Attempt(header_count(headers.get("replaced_task_nesting")), header_count(headers.get(REPLAY_HEADER)),
+                   header_count(headers.get("retries")))

@@ -19,8 +19,6 @@ import sys
 import tempfile
 import zipfile
 
-import celery_outbox
-
 __all__ = ["ZIP_NAME", "is_local", "package_zip", "ship_package"]
 
 ZIP_NAME = "celery_outbox.zip"
@@ -34,7 +32,7 @@ def is_local(master: str) -> bool:
 def package_zip(folder: str) -> str:
     """Zip the installed celery_outbox package (its files, no bytecode caches) into ``folder`` and
     return the zip's path; inside, the package is at the top, as an import from the zip needs."""
-    package = os.path.dirname(os.path.abspath(celery_outbox.__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # celery_outbox/, above audit/
     path = os.path.join(folder, ZIP_NAME)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
         for root, dirs, files in os.walk(package):

@@ -13,16 +13,11 @@ from hypothesis import strategies as st
 from kombu import Connection
 
 from celery_outbox import guard
+from celery_outbox.checks import body_reason, dead_letter_row_of, malformed_reason, store_limits_reason
 from celery_outbox.dead_letter_rows import dead_letter_row, stored_text
 from celery_outbox.envelope import OutgoingMessage, check_storable
 from celery_outbox.errors import UnstorableMessage
-from celery_outbox.guard import (
-    body_reason,
-    dead_letter_row_of,
-    malformed_reason,
-    store_limits_reason,
-    tolerate_any_envelope,
-)
+from celery_outbox.guard import tolerate_any_envelope
 from celery_outbox.store import build_tables, text_problem, utcnow
 from celery_outbox.vocabulary import REQUEUE_BACKOFF, DeadLetterReason
 
