@@ -58,8 +58,9 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 
 from celery_outbox import Outbox
-from celery_outbox.broker import Outlet
-from celery_outbox.publishing import Publisher
+from celery_outbox.producer.broker import Outlet
+from celery_outbox.producer.publishing import Publisher
+from celery_outbox.producer.unit_of_work import UnitOfWork, current_unit_of_work
 from celery_outbox.store import utcnow
 from celery_outbox.store.outgoing import postgres_insert
 from celery_outbox.store.pipeline import (
@@ -70,7 +71,6 @@ from celery_outbox.store.pipeline import (
     pipelined_query,
     prepared_statements,
 )
-from celery_outbox.unit_of_work import UnitOfWork, current_unit_of_work
 
 from .common import POSTGRES_URL, Options, Result, in_rounds, rate
 

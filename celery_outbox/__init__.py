@@ -4,7 +4,8 @@
 tables under the default prefix, for Alembic autogenerate.
 """
 
-from .config import OutboxSettings
+from .consumer.tasks import IdempotentTask
+from .core.config import OutboxSettings
 from .errors import (
     ConfigurationError,
     IncompatibleSchema,
@@ -17,7 +18,6 @@ from .errors import (
 )
 from .outbox import Outbox
 from .store import build_tables
-from .tasks import IdempotentTask
 from .vocabulary import SEND_HEADER, IdempotencyStyle, MessageIdentity
 
 metadata = build_tables().metadata

@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import click
 
-from .config import DATABASE_URL_VARIABLE
-from .deadletters import DeadLetterFilter, purge, replay
+from .core.config import DATABASE_URL_VARIABLE
 from .errors import OutboxError
-from .health import CheckExit, Failure, Thresholds, failed_conditions, store_down
+from .maintenance.dead_letters import DeadLetterFilter, purge, replay
+from .monitoring.health import CheckExit, Failure, Thresholds, failed_conditions, store_down
 from .outbox import Outbox, outbox_of
 from .store import as_utc, utcnow
 from .vocabulary import DeadLetterReason
@@ -273,7 +273,7 @@ def _within(seconds: float, read: Callable[[], list[Failure]]) -> list[Failure]:
 def metrics(box: Outbox, port: int, address: str, stuck_after: timedelta) -> None:
     """Serve the store's gauges for Prometheus on /metrics until stopped (with PROMETHEUS_MULTIPROC_DIR
     set, also the counters of the workers sharing that folder)."""
-    from .metrics import serve
+    from .monitoring.metrics import serve
 
     # no ready() first: a store that is down is what store_up 0 reports, scrape after scrape
     serve(lambda: box.status(stuck_after=stuck_after.total_seconds()), port, address)

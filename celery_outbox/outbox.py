@@ -21,24 +21,24 @@ from celery import Celery, signals
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-from .celery_hooks import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
-from .config import OutboxSettings
+from .consumer.guard import MessageGuard
+from .consumer.inbox import Inbox
+from .consumer.tasks import InboxTask, give_inbox_to_every_task
+from .consumer.window import check_dedupe_window, check_release_ahead
+from .core.celery_hooks import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
+from .core.config import OutboxSettings
+from .core.node import Node
+from .core.runtime import Archiver, Runtime, runtime_of
 from .django.integration import DjangoIntegration
-from .durability import CleanupResult, RecoverResult, cleanup, recover
 from .errors import ConfigurationError, OutboxError
-from .guard import MessageGuard
-from .inbox import Inbox
-from .maintenance import register_beat_tasks, schedule_beat_tasks
-from .node import Node
-from .publish_hook import install_publish_hook
-from .publishing import Publisher
-from .relay import RelayResult, relay
-from .runtime import Archiver, Runtime, runtime_of
+from .maintenance.beat import register_beat_tasks, schedule_beat_tasks
+from .maintenance.durability import CleanupResult, RecoverResult, cleanup, recover
+from .maintenance.relay import RelayResult, relay
+from .producer.publish_hook import install_publish_hook
+from .producer.publishing import Publisher
+from .producer.unit_of_work import begin, transaction
 from .store import Store
 from .store.status import DEFAULT_RECENT, DEFAULT_STUCK_AFTER
-from .tasks import InboxTask, give_inbox_to_every_task
-from .unit_of_work import begin, transaction
-from .window import check_dedupe_window, check_release_ahead
 
 __all__ = ["Outbox"]
 
@@ -145,7 +145,7 @@ class Outbox:
         try:
             self.ready()
             if worker and self.settings.metrics_port is not None:
-                from .metrics import serve_from_worker  # before the pool forks: its processes count too
+                from .monitoring.metrics import serve_from_worker  # before the pool forks: its processes count too
 
                 serve_from_worker(self, self.settings.metrics_port, self.settings.metrics_address)
         except OutboxError as exc:

@@ -115,7 +115,7 @@ def counted_acquires(app: Celery, monkeypatch: Any) -> list[int]:
     """Counts the producers ``app``'s sends and publishes take from its pool, one entry per
     acquire: Celery's, from the producer pool, and the publish loop's, a producer kept on one of
     the pool's connections (``kept_pooled_producer``)."""
-    from celery_outbox import broker
+    from celery_outbox.producer import broker
 
     acquired: list[int] = []
     real_acquire = app.producer_pool.acquire

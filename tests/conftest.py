@@ -201,7 +201,7 @@ def stop_nodes(table_prefix: str | None = None) -> None:
     a test's outbox that sent to a durable queue registered one, whose heartbeat thread and
     liveness connection would otherwise outlive the test. Its tables may be gone: the node stops
     all the same."""
-    from celery_outbox.runtime import installed_runtimes
+    from celery_outbox.core.runtime import installed_runtimes
 
     for runtime in installed_runtimes():
         node = getattr(runtime.owner, "node", None)

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from celery_outbox.tracing import Step
+from celery_outbox.monitoring.tracing import Step
 
 from .services import wait_until
 

@@ -21,8 +21,8 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
+from ..core.setting_values import expected_member_of
 from ..errors import ConfigurationError
-from ..setting_values import expected_member_of
 from ..vocabulary import ArchiveKind
 from .location import Location
 

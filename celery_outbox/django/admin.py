@@ -29,9 +29,9 @@ from django.urls import path, reverse
 from django.utils.html import format_html
 from django.utils.translation import ngettext
 
-from ..deadletters import DeadLetterFilter, purge, replay
+from ..core.runtime import Runtime, installed_runtimes
 from ..errors import OutboxError
-from ..runtime import Runtime, installed_runtimes
+from ..maintenance.dead_letters import DeadLetterFilter, purge, replay
 from ..store.status import OTHER_TASKS
 from .letter_html import (
     DECODED_BODY,

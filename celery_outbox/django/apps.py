@@ -43,7 +43,7 @@ def _warn_when_bypassed(sender: Any = None, **_: Any) -> None:
     """``before_task_publish``: Celery sends it for the messages of every app; those of an app with
     an ``Outbox`` pass through its publish hook first."""
     global _warned
-    from ..publish_hook import sending_through_outbox
+    from ..producer.publish_hook import sending_through_outbox
 
     if _warned or sending_through_outbox():
         return

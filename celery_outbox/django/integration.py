@@ -1,4 +1,4 @@
-"""Django's side of the core's seam (``celery_outbox.integration.Integration``): Django's
+"""Django's side of the core's seam (``celery_outbox.core.integration.Integration``): Django's
 database as the store, ``transaction.atomic()`` blocks as units of work, and Django's connection
 for an ``IdempotentTask``'s attempt. ``Outbox(app)`` hands it to the runtime; it takes part only
 with ``celery_outbox.django`` in ``INSTALLED_APPS``.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..config import DEFAULT_DATABASE_URL, OutboxSettings
+from ..core.config import DEFAULT_DATABASE_URL, OutboxSettings
 from ..errors import ConfigurationError
 from .settings import database_url, installed, same_database
 from .transactions import joined_transaction

@@ -13,7 +13,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
-from ..dead_letter_contents import Arguments, decoded_arguments, trimmed_traceback
+from ..message.dead_letter_contents import Arguments, decoded_arguments, trimmed_traceback
 
 __all__ = ["DECODED_BODY", "SHOWN_BODY", "SHOWN_ID", "arguments_html", "body_html", "id_html", "moment_html",
            "name_html", "pretty_json", "replayed_html", "traceback_html"]

@@ -76,7 +76,7 @@ def outbox_settings() -> Any:
     without a Celery app (``manage.py migrate``)."""
     from django.conf import settings
 
-    from ..config import read_settings
+    from ..core.config import read_settings
 
     return read_settings({key: getattr(settings, key) for key in dir(settings) if key.startswith("CELERY_OUTBOX_")},
                          namespace="CELERY")

@@ -22,10 +22,10 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from ..crashpoints import crashpoint
-from ..envelope import OutgoingMessage
+from ..core.crashpoints import crashpoint
 from ..errors import OutboxError, StoreUnavailable, TransactionAborted
-from ..publishing import Publisher
+from ..message.envelope import OutgoingMessage
+from ..producer.publishing import Publisher
 from ..store import Store
 from .engine import django_engine
 

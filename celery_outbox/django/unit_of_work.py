@@ -21,9 +21,9 @@ from typing import Any
 from sqlalchemy.engine import RootTransaction
 
 from ..errors import TransactionAborted
-from ..publishing import Publisher
+from ..producer.publishing import Publisher
+from ..producer.unit_of_work import ConnectionUnitOfWork
 from ..store.pipeline import remember_failed_statement
-from ..unit_of_work import ConnectionUnitOfWork
 from .engine import django_engine
 
 __all__ = ["DjangoAttempt"]

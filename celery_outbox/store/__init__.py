@@ -11,14 +11,7 @@ from .base import (
 )
 from .engine import build_engine, masked_options, redact, safe_url
 from .migration import MigrationResult
-from .schema import (
-    SCHEMA_VERSION,
-    SEND_ID_SIZE,
-    UNOWNED,
-    Tables,
-    build_tables,
-    text_problem,
-)
+from .schema import SCHEMA_VERSION, SEND_ID_SIZE, UNOWNED, Tables, build_tables, text_problem
 from .store import Store
 
 __all__ = [

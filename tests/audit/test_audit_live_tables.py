@@ -15,7 +15,7 @@ from celery_outbox.audit.aggregates import Tracking
 from celery_outbox.audit.archive import ParquetArchiver
 from celery_outbox.audit.inputs import jdbc_url_of
 from celery_outbox.audit.job import AuditOptions, run_audit
-from celery_outbox.dead_letter_rows import dead_letter_row
+from celery_outbox.message.dead_letter_rows import dead_letter_row
 from celery_outbox.store import Store, build_engine
 from celery_outbox.vocabulary import Attempt, DeadLetterReason, IncomingStatus
 

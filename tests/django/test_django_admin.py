@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from django.contrib.auth.models import Permission
 
-from celery_outbox.dead_letter_rows import dead_letter_row, stored_dead_letter_row
 from celery_outbox.django.letter_html import SHOWN_ID
+from celery_outbox.message.dead_letter_rows import dead_letter_row, stored_dead_letter_row
 from celery_outbox.store import utcnow
 from celery_outbox.vocabulary import DeadLetterReason
 

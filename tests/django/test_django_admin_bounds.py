@@ -13,10 +13,10 @@ import pytest
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
-from celery_outbox.dead_letter_contents import SHOWN_ARGUMENTS, SHOWN_VALUE
-from celery_outbox.dead_letter_rows import dead_letter_row
 from celery_outbox.django.admin import SHOWN_BODY
 from celery_outbox.django.letter_html import DECODED_BODY
+from celery_outbox.message.dead_letter_contents import SHOWN_ARGUMENTS, SHOWN_VALUE
+from celery_outbox.message.dead_letter_rows import dead_letter_row
 from celery_outbox.store import utcnow
 from celery_outbox.vocabulary import DeadLetterReason
 

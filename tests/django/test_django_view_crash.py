@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_outbox.crashpoints import EXIT_CODE
+from celery_outbox.core.crashpoints import EXIT_CODE
 
 from ..brokers import nothing_more
 from ..services import wait_until

@@ -15,7 +15,8 @@ import pytest
 from celery import Celery
 from prometheus_client import CollectorRegistry
 
-from celery_outbox import Outbox, metrics
+from celery_outbox import Outbox
+from celery_outbox.monitoring import metrics
 
 from ..markdown import section_text
 from ..services import services_required

@@ -47,8 +47,8 @@ from kombu.exceptions import KombuError
 from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from celery_outbox.crashpoints import ENVIRONMENT_VARIABLE, EXIT_CODE
-from celery_outbox.envelope import from_row
+from celery_outbox.core.crashpoints import ENVIRONMENT_VARIABLE, EXIT_CODE
+from celery_outbox.message.envelope import from_row
 from celery_outbox.store import utcnow
 
 from ..apps import fault_app

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert
 
-from celery_outbox.crashpoints import EXIT_CODE
+from celery_outbox.core.crashpoints import EXIT_CODE
 from celery_outbox.store import utcnow
 
 from ..apps.factory import make_shop

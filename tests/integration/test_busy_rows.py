@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from celery_outbox import guard
+from celery_outbox.consumer import guard
 from celery_outbox.vocabulary import DeadLetterReason
 
 from ..conftest import outgoing_rows

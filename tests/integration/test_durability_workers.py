@@ -16,7 +16,7 @@ import pytest
 from kombu.messaging import Producer
 from sqlalchemy import func, insert, select
 
-from celery_outbox.relay import redeliver
+from celery_outbox.maintenance.relay import redeliver
 from celery_outbox.store import as_utc, utcnow
 
 from ..apps.factory import make_shop, strand

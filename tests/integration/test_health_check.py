@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from celery_outbox.dead_letter_rows import dead_letter_row
+from celery_outbox.message.dead_letter_rows import dead_letter_row
 from celery_outbox.store import Store, build_engine, utcnow
 from celery_outbox.vocabulary import DeadLetterReason
 

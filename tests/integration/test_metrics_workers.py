@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
-from celery_outbox import metrics
+from celery_outbox.monitoring import metrics
 from celery_outbox.store.base import as_utc
 
 from ..apps.factory import make_shop, strand

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import select
 
-from celery_outbox.crashpoints import EXIT_CODE
+from celery_outbox.core.crashpoints import EXIT_CODE
 from celery_outbox.signals import message_published
 
 from ..apps.factory import make_shop

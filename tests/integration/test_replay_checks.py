@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from celery_outbox.deadletters import DeadLetterFilter, replay
+from celery_outbox.maintenance.dead_letters import DeadLetterFilter, replay
 from celery_outbox.store import utcnow
 
 from ..apps.factory import make_shop

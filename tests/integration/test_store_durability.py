@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select
 
-from celery_outbox.node import node_lock_key
+from celery_outbox.core.node import node_lock_key
 from celery_outbox.store import Store, utcnow
 
 from .test_store_contract import incoming_row

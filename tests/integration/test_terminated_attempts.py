@@ -22,9 +22,10 @@ import pytest
 from celery import Celery
 from sqlalchemy import text
 
-from celery_outbox import Outbox, inbox
-from celery_outbox.delivery import Delivery
-from celery_outbox.inbox import installed_inbox
+from celery_outbox import Outbox
+from celery_outbox.consumer import inbox
+from celery_outbox.consumer.delivery import Delivery
+from celery_outbox.consumer.inbox import installed_inbox
 from celery_outbox.store import utcnow
 from celery_outbox.vocabulary import IncomingStatus
 
@@ -198,7 +199,7 @@ def test_a_lost_process_dead_letter_gives_up_on_a_key_another_attempt_holds(outb
     meanwhile another attempt of the message (a copy delivery tracking published again) runs
     elsewhere and holds its key. The dead letter gives up after ``BUSY_ROW_WAIT`` and raises (the
     message goes back to the broker) instead of stalling the consumer for that attempt's body."""
-    from celery_outbox.dead_letter_rows import dead_letter_row
+    from celery_outbox.message.dead_letter_rows import dead_letter_row
     from celery_outbox.vocabulary import DeadLetterReason
 
     the_inbox = installed_inbox(outbox.app)
@@ -219,7 +220,7 @@ def test_a_failed_attempt_leaves_no_dead_letter_when_a_copy_was_handled_meanwhil
     """An optimistic attempt fails and rolls back; a copy waiting for its key runs and commits
     before the failure is recorded. The message is handled: neither the failure's record nor a
     lost pool process's dead-letters it (a dead letter of a handled message could not be replayed)."""
-    from celery_outbox.dead_letter_rows import dead_letter_row
+    from celery_outbox.message.dead_letter_rows import dead_letter_row
     from celery_outbox.vocabulary import DeadLetterReason
 
     the_inbox = installed_inbox(outbox.app)

@@ -13,7 +13,7 @@ from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.trace import SpanKind
 
 from celery_outbox import IdempotentTask
-from celery_outbox.tracing import Step
+from celery_outbox.monitoring.tracing import Step
 
 from .. import traces
 from ..apps.factory import make_shop, publish_failing

@@ -13,7 +13,7 @@ import pytest
 from celery._state import get_current_app
 from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
-from celery_outbox.tracing import Step
+from celery_outbox.monitoring.tracing import Step
 
 from .. import traces
 from ..apps import traced_app

@@ -28,7 +28,7 @@ from celery.worker.request import Request
 from kombu import Connection, Exchange, Queue
 from kombu.transport import virtual
 
-from celery_outbox import celery_hooks as hooks
+from celery_outbox.core import celery_hooks as hooks
 from celery_outbox.outbox import THREADED_POOL_MODULES
 from tests.brokers import counted_acquires
 from tests.services import require

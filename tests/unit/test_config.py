@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_outbox import ConfigurationError, IdempotencyStyle, MessageIdentity, OutboxSettings
-from celery_outbox.config import SETTINGS, read_settings, setting_docs
+from celery_outbox.core.config import SETTINGS, read_settings, setting_docs
 from celery_outbox.store import utcnow
 
 
@@ -275,7 +275,7 @@ def test_every_setting_is_a_field_whose_default_is_the_tables():
     default as its parser reads it: defaults are written once, in the table."""
     import dataclasses
 
-    from celery_outbox.config import OutboxSettings
+    from celery_outbox.core.config import OutboxSettings
 
     fields = [field.name for field in dataclasses.fields(OutboxSettings)]
     assert fields == [setting.name for setting in SETTINGS]

@@ -9,7 +9,7 @@ import json
 import pickle
 import zlib
 
-from celery_outbox.dead_letter_contents import (
+from celery_outbox.message.dead_letter_contents import (
     SHOWN_ARGUMENTS,
     SHOWN_VALUE,
     Arguments,
@@ -59,7 +59,7 @@ def test_the_library_frames_at_the_top_are_hidden_and_counted():
     text = ("Traceback (most recent call last):\n"
             + frame(f"{SITE}/celery/app/trace.py", "trace_task", "R = retval = fun(*args, **kwargs)")
             + "                 ^^^^^^^^^^^^^^^^^^^^\n"
-            + frame(f"{SITE}/celery_outbox/tasks.py", "__call__")
+            + frame(f"{SITE}/celery_outbox/consumer/tasks.py", "__call__")
             + frame("/srv/app/shop/tasks.py", "pay", "charge(order)")
             + frame(f"{SITE}/kombu/utils.py", "helper")  # below the user's first frame: kept
             + "ValueError: declined\n")

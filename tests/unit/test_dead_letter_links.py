@@ -13,7 +13,7 @@ from celery import Celery
 from celery.exceptions import WorkerLostError
 from kombu.serialization import dumps
 
-from celery_outbox.results import EndedMessage, store_dead_letter_results
+from celery_outbox.message.results import EndedMessage, store_dead_letter_results
 from celery_outbox.vocabulary import DeadLetterReason
 
 from ..versions import CELERY

@@ -11,7 +11,7 @@ import pytest
 from kombu.utils import json as kombu_json
 from sqlalchemy import select, update
 
-from celery_outbox.deadletters import DeadLetterFilter, purge, replay
+from celery_outbox.maintenance.dead_letters import DeadLetterFilter, purge, replay
 from celery_outbox.store import as_utc, utcnow
 from celery_outbox.vocabulary import SEND_HEADER, ArchiveKind
 
@@ -210,7 +210,7 @@ def test_cleanup_deletes_expired_rows_and_hands_them_to_the_archiver_first(sqlit
 @pytest.mark.parametrize("rest", [0, 2.5])
 def test_cleanup_rests_between_batches_in_proportion_to_each_batch(sqlite_url, table_prefix, monkeypatch, rest):
     """``outbox_cleanup_rest`` sleeps ``rest`` times each batch's own duration before the next batch."""
-    from celery_outbox import durability
+    from celery_outbox.maintenance import durability
 
     shop = make_shop("memory://", sqlite_url, table_prefix, outbox_cleanup_batch_size=4, outbox_cleanup_rest=rest)
     shop.outbox.ready()

@@ -7,9 +7,9 @@ import pytest
 from celery import Celery
 
 from celery_outbox import IdempotentTask, Outbox
-from celery_outbox.checks import malformed_reason
-from celery_outbox.crashpoints import _parse
-from celery_outbox.window import check_dedupe_window, check_release_ahead
+from celery_outbox.consumer.window import check_dedupe_window, check_release_ahead
+from celery_outbox.core.crashpoints import _parse
+from celery_outbox.message.checks import malformed_reason
 
 GOOD = {"task": "t.add", "id": "abc", "retries": 0, "timelimit": [None, None], "eta": None, "root_id": "abc"}
 

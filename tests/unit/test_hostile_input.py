@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kombu import Connection
 
-from celery_outbox import guard
-from celery_outbox.checks import body_reason, dead_letter_row_of, malformed_reason, store_limits_reason
-from celery_outbox.dead_letter_rows import dead_letter_row, stored_text
-from celery_outbox.envelope import OutgoingMessage, check_storable
+from celery_outbox.consumer import guard
+from celery_outbox.consumer.guard import tolerate_any_envelope
 from celery_outbox.errors import UnstorableMessage
-from celery_outbox.guard import tolerate_any_envelope
+from celery_outbox.message.checks import body_reason, dead_letter_row_of, malformed_reason, store_limits_reason
+from celery_outbox.message.dead_letter_rows import dead_letter_row, stored_text
+from celery_outbox.message.envelope import OutgoingMessage, check_storable
 from celery_outbox.store import build_tables, text_problem, utcnow
 from celery_outbox.vocabulary import REQUEUE_BACKOFF, DeadLetterReason
 
@@ -251,7 +251,7 @@ def fake_consumer():
 
 def fake_outbox(**parts):
     """An outbox with default settings (no durable queue) and no app."""
-    from celery_outbox.config import OutboxSettings
+    from celery_outbox.core.config import OutboxSettings
 
     return SimpleNamespace(settings=OutboxSettings(), app=None, owner=None, **parts)
 

@@ -112,7 +112,7 @@ ABOVE_THE_CORE = ("celery_outbox", "celery_outbox.outbox", "celery_outbox.cli")
 
 def test_the_core_never_imports_an_integration():
     """No module of the core imports Django's integration or the audit: ``Outbox(app)`` hands the
-    runtime what they give (``celery_outbox.integration.Integration``, the archiver)."""
+    runtime what they give (``celery_outbox.core.integration.Integration``, the archiver)."""
     def integration(name: str) -> bool:
         return any(name == each or name.startswith(f"{each}.") for each in INTEGRATIONS)
 
@@ -120,3 +120,70 @@ def test_the_core_never_imports_an_integration():
                     if not integration(name) and name not in ABOVE_THE_CORE
                     for target in targets if integration(target))
     assert upward == [], "the core imports an integration: " + "; ".join(upward)
+
+
+#: the package's folders and face modules, bottom up: a module imports only modules of its own
+#: unit or of a unit on a lower layer. The consumer side and maintenance share a layer: neither
+#: imports the other; nor does Django's integration import the audit, or the other way round.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("celery_outbox.errors", "celery_outbox.vocabulary"),  # the public words
+    ("celery_outbox.signals",),
+    ("celery_outbox.store",),  # the only SQL
+    ("celery_outbox.core",),
+    ("celery_outbox.message",),
+    ("celery_outbox.monitoring",),
+    ("celery_outbox.producer",),
+    ("celery_outbox.consumer", "celery_outbox.maintenance"),
+    ("celery_outbox.django", "celery_outbox.audit"),  # the integrations
+    ("celery_outbox.outbox",),  # the composition root
+    ("celery_outbox.cli", "celery_outbox.metrics"),  # what users run or import beside Outbox
+    ("celery_outbox",),  # the package's face
+)
+
+
+def unit_of(module: str) -> str:
+    """The unit of ``LAYERS`` a module belongs to: the longest that names it or a package above it."""
+    units = [unit for layer in LAYERS for unit in layer if module == unit or module.startswith(f"{unit}.")]
+    assert units, f"{module} is in no unit of LAYERS: place it in a side's folder, or add it to LAYERS"
+    return max(units, key=len)
+
+
+def layer_of(unit: str) -> int:
+    return next(number for number, layer in enumerate(LAYERS) if unit in layer)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module of a unit on the same or a higher layer, but its own unit's."""
+    found = []
+    for name, targets in graph.items():
+        for target in targets:
+            source, imported = unit_of(name), unit_of(target)
+            if source != imported and layer_of(imported) >= layer_of(source):
+                found.append(f"{name} -> {target}")
+    return sorted(found)
+
+
+def test_each_side_imports_only_the_layers_below_it():
+    upward = upward_imports(package_graph())
+    assert upward == [], "imports that run back up the layers: " + "; ".join(upward)
+
+
+def test_the_layer_check_finds_an_import_that_runs_up_or_sideways():
+    graph = {"celery_outbox.store.base": {"celery_outbox.core.runtime"},
+             "celery_outbox.consumer.inbox": {"celery_outbox.maintenance.relay", "celery_outbox.producer.broker"},
+             "celery_outbox.core.runtime": set(), "celery_outbox.maintenance.relay": set(),
+             "celery_outbox.producer.broker": set()}
+    assert upward_imports(graph) == ["celery_outbox.consumer.inbox -> celery_outbox.maintenance.relay",
+                                     "celery_outbox.store.base -> celery_outbox.core.runtime"]
+
+
+def test_architecture_md_gives_the_graphs_numbers():
+    """docs/architecture.md states the graph's size as it is: modules, imports, layers, and none
+    running back up."""
+    graph = package_graph()
+    modules = len(graph)
+    imports = sum(len(targets) for targets in graph.values())
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    stated = (f"{modules} modules, {imports} imports between them, on {len(LAYERS)} layers, "
+              f"{len(upward_imports(graph))} of them running back up")
+    assert stated in page, f"docs/architecture.md should say: {stated!r}"

@@ -26,10 +26,10 @@ from celery.worker import state as worker_state
 from kombu.asynchronous import Hub, set_event_loop
 
 from celery_outbox import Outbox
-from celery_outbox.celery_hooks import HANDS_BACK_AT_TIME_LIMIT, request_context
-from celery_outbox.delivery import Delivery
-from celery_outbox.node import this_host
-from celery_outbox.worker_request import OutboxRequest
+from celery_outbox.consumer.delivery import Delivery
+from celery_outbox.consumer.worker_request import OutboxRequest
+from celery_outbox.core.celery_hooks import HANDS_BACK_AT_TIME_LIMIT, request_context
+from celery_outbox.core.node import this_host
 
 from ..conftest import drop_store
 from ..integration.test_store_contract import incoming_row
@@ -228,7 +228,7 @@ def test_a_hard_time_limit_in_a_cold_shutdown_is_left_to_recovery(outbox, monkey
 def test_a_time_limit_record_the_store_cannot_take_is_logged(outbox, caplog, monkeypatch):
     """Another transaction holds SQLite's write lock past the record's wait: it gives up and says
     so; Celery's failure stands."""
-    monkeypatch.setattr("celery_outbox.worker_request.TERMINATED_LOCK_WAIT", 0.2)
+    monkeypatch.setattr("celery_outbox.consumer.worker_request.TERMINATED_LOCK_WAIT", 0.2)
     lost = Lost(outbox, task_name="t.overrun")
     holder = outbox.engine.connect()
     holder.begin()

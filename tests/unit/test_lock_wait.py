@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from celery_outbox.inbox import InFlight, installed_inbox
+from celery_outbox.consumer.inbox import InFlight, installed_inbox
 from celery_outbox.store import is_lock_timeout
 from celery_outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
 from celery_outbox.vocabulary import BUSY_ROW_WAIT
@@ -57,7 +57,7 @@ def test_the_main_processs_records_give_up_on_a_running_attempts_write_lock(outb
     """A revoked copy's record raises ``InFlight`` (the revoke stands unrecorded; the running
     attempt records its own outcome); a lost pool process's dead letter raises a lock timeout
     (its message goes back to the broker)."""
-    from celery_outbox.dead_letter_rows import dead_letter_row
+    from celery_outbox.message.dead_letter_rows import dead_letter_row
     from celery_outbox.store import utcnow
     from celery_outbox.vocabulary import DeadLetterReason
 

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 import celery_outbox
-from celery_outbox import log_fields
+from celery_outbox.core import log_fields
 from celery_outbox.vocabulary import Attempt
 
 PACKAGE = Path(celery_outbox.__file__).parent

@@ -9,8 +9,8 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
-from celery_outbox import metrics
 from celery_outbox.errors import ConfigurationError
+from celery_outbox.monitoring import metrics
 from celery_outbox.signals import announce_dead_letters
 from celery_outbox.vocabulary import ClaimRelease, DeadLetterReason, RedeliveryReason
 
@@ -100,7 +100,7 @@ def test_the_gauges_and_the_status_group_dead_letters_of_unregistered_task_names
     from celery import Celery
 
     from celery_outbox import Outbox
-    from celery_outbox.dead_letter_rows import dead_letter_row
+    from celery_outbox.message.dead_letter_rows import dead_letter_row
     from celery_outbox.store import utcnow
 
     app = Celery("hostile_names", broker="memory://", set_as_current=False)

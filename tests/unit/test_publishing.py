@@ -344,7 +344,7 @@ def test_a_scheduled_message_come_due_since_its_store_goes_out_with_one_stored_m
     beyond the release line when it was stored (stored unsent, to wait) but is before it by the
     time of the publish: the publisher takes the second and publishes both, at once, in call
     order; neither is left to the relay or to redelivery."""
-    from celery_outbox import publishing
+    from celery_outbox.producer import publishing
 
     ahead = timedelta(seconds=shop.outbox.settings.release_ahead_seconds)
     stored_at = utcnow()
@@ -477,7 +477,7 @@ def test_stored_headers_are_kombu_json_and_come_back_whole():
 
     from kombu.utils import json as kombu_json
 
-    from celery_outbox.envelope import json_text
+    from celery_outbox.message.envelope import json_text
 
     headers = {"eta": datetime(2026, 11, 22, 12, 30, tzinfo=timezone.utc), "id": uuid.uuid4(),
                "price": Decimal("9.99"), "raw": b"\xff\x00", "text": "caf\u00e9", "none": None, "n": [1, 2.5]}
@@ -487,7 +487,7 @@ def test_stored_headers_are_kombu_json_and_come_back_whole():
 
 def _sent_events(monkeypatch) -> list[tuple[str, str, object]]:
     """Each ``task-sent`` event the publisher sends: (type, task id, the producer it went with)."""
-    from celery_outbox.sent_events import SentEvent
+    from celery_outbox.message.sent_events import SentEvent
 
     sent: list[tuple[str, str, object]] = []
     real_send = SentEvent.send
@@ -505,7 +505,7 @@ def test_a_held_messages_task_sent_event_goes_with_the_producer_of_the_units_pub
     """A unit of work sends one durable message to wait (its eta far off) and one due now, with
     ``task_send_sent_event``: both events go out after the commit, the held one's first, with the
     producer that publishes the due message: one producer for the unit's publishes."""
-    from celery_outbox import broker
+    from celery_outbox.producer import broker
 
     shop = make_shop("memory://", sqlite_url, table_prefix, task_send_sent_event=True)
     shop.outbox.ready()

@@ -13,10 +13,10 @@ from celery import Celery
 from kombu import Exchange, Queue, binding
 
 from celery_outbox import Outbox
-from celery_outbox import publish_hook as publish_hook_module
 from celery_outbox.errors import UndecidableRoute
-from celery_outbox.routing import published_route, queue_of, reached_queues
-from celery_outbox.unit_of_work import current_unit_of_work
+from celery_outbox.message.routing import published_route, queue_of, reached_queues
+from celery_outbox.producer import publish_hook as publish_hook_module
+from celery_outbox.producer.unit_of_work import current_unit_of_work
 
 from ..brokers import nothing_more, receive
 from ..conftest import unsent_rows

@@ -11,9 +11,9 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
-from celery_outbox import tracing
-from celery_outbox.delivery import envelope_of
-from celery_outbox.tracing import Step
+from celery_outbox.consumer.delivery import envelope_of
+from celery_outbox.monitoring import tracing
+from celery_outbox.monitoring.tracing import Step
 
 from .. import traces
 from ..apps.factory import make_shop, strand

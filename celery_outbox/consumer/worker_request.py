@@ -33,21 +33,21 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from celery.worker import state as worker_state
 from kombu.asynchronous import get_event_loop
 
-from . import log_fields
-from .celery_hooks import (
+from ..core import log_fields
+from ..core.celery_hooks import (
     HANDS_BACK_AT_TIME_LIMIT,
     RESENDS_LOST_ATTEMPTS,
     HookedRequest,
     request_context,
     unwrap_exception,
 )
+from ..core.node import this_host
+from ..message.routing import queue_of
+from ..producer.publish_hook import resending
+from ..store import utcnow
+from ..vocabulary import BUSY_ROW_WAIT, DeadLetterReason
 from .delivery import Delivery, dead_letter_row
 from .inbox import TERMINATED_LOCK_WAIT, InFlight, inbox_of, installed_inbox
-from .node import this_host
-from .publish_hook import resending
-from .routing import queue_of
-from .store import utcnow
-from .vocabulary import BUSY_ROW_WAIT, DeadLetterReason
 
 __all__ = ["OutboxRequest"]
 

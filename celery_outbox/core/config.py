@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Callable, Mapping
 
+from ..errors import ConfigurationError
+from ..vocabulary import IdempotencyStyle, MessageIdentity
 from . import setting_values as parse
-from .errors import ConfigurationError
 from .setting_values import invalid, shown
-from .vocabulary import IdempotencyStyle, MessageIdentity
 
 __all__ = ["DATABASE_URL_VARIABLE", "OutboxSettings", "SETTINGS", "Setting", "read_settings", "setting_docs"]
 

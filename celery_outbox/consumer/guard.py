@@ -35,8 +35,8 @@ from typing import Any, Callable
 
 from celery import bootsteps, signals
 
-from . import log_fields
-from .celery_hooks import (
+from ..core import log_fields
+from ..core.celery_hooks import (
     TASKS_STEP,
     build_channel_messages_with,
     call_later,
@@ -45,7 +45,9 @@ from .celery_hooks import (
     task_strategies,
     wrap_task_handler,
 )
-from .checks import (
+from ..core.config import OutboxSettings
+from ..core.runtime import Runtime, runtime_of
+from ..message.checks import (
     body_reason,
     dead_letter_row_of,
     is_protocol_one,
@@ -53,21 +55,13 @@ from .checks import (
     shown,
     store_limits_reason,
 )
-from .config import OutboxSettings
-from .dead_letter_rows import dead_letter_row, is_storable_id
-from .envelope import send_id_of
-from .results import EndedMessage, store_dead_letter_results
-from .routing import queue_of
-from .runtime import Runtime, runtime_of
-from .signals import announce_dead_letters
-from .store import is_content_error, utcnow
-from .vocabulary import (
-    BUSY_ROW_WAIT,
-    REQUEUE_BACKOFF,
-    Attempt,
-    DeadLetterReason,
-    attempt_of,
-)
+from ..message.dead_letter_rows import dead_letter_row, is_storable_id
+from ..message.envelope import send_id_of
+from ..message.results import EndedMessage, store_dead_letter_results
+from ..message.routing import queue_of
+from ..signals import announce_dead_letters
+from ..store import is_content_error, utcnow
+from ..vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, Attempt, DeadLetterReason, attempt_of
 
 __all__ = ["MessageGuard", "sound_envelope", "tolerate_any_envelope"]
 

@@ -61,18 +61,20 @@ from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from . import dead_letter_rows, log_fields, tracing
-from .crashpoints import crashpoint
+from ..core import log_fields
+from ..core.crashpoints import crashpoint
+from ..core.node import Node
+from ..core.runtime import Runtime
+from ..errors import OutboxError
+from ..message import dead_letter_rows
+from ..monitoring import tracing
+from ..producer.publishing import Publisher
+from ..producer.unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
+from ..signals import announce_dead_letters, duplicate_discarded, message_handled
+from ..store import UNOWNED, is_lock_timeout, utcnow
+from ..store.outage import is_outage
+from ..vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, IdempotencyStyle, IncomingStatus
 from .delivery import Delivery, dead_letter_row, envelope_of
-from .errors import OutboxError
-from .node import Node
-from .publishing import Publisher
-from .runtime import Runtime
-from .signals import announce_dead_letters, duplicate_discarded, message_handled
-from .store import UNOWNED, is_lock_timeout, utcnow
-from .store.outage import is_outage
-from .unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
-from .vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, IdempotencyStyle, IncomingStatus
 
 __all__ = ["Inbox", "inbox_of", "installed_inbox"]
 

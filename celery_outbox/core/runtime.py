@@ -23,12 +23,12 @@ from celery import Celery
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from ..errors import ConfigurationError
+from ..store import Store, build_engine
+from ..vocabulary import ArchiveKind
 from .config import OutboxSettings, read_settings
-from .errors import ConfigurationError
 from .integration import Integration
 from .sessions import listen_to_sessions, session_info
-from .store import Store, build_engine
-from .vocabulary import ArchiveKind
 
 __all__ = ["Archiver", "Runtime", "installed_runtimes", "runtime_of"]
 

@@ -12,8 +12,7 @@ from typing import Any, ContextManager, Generic, Iterator, Sequence, TypeVar
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from . import tracing
-from .celery_hooks import (
+from ..core.celery_hooks import (
     cache_exchange_bindings,
     can_batch_publish,
     keep_redis_client,
@@ -22,8 +21,9 @@ from .celery_hooks import (
     uncache_exchange_bindings,
     unkeep_redis_client,
 )
-from .crashpoints import crashpoint
-from .envelope import OutgoingMessage
+from ..core.crashpoints import crashpoint
+from ..message.envelope import OutgoingMessage
+from ..monitoring import tracing
 
 __all__ = ["BoundQueues", "Outlet", "PublishBatch", "PublishPass", "connection_errors", "connect_quickly", "outlet"]
 

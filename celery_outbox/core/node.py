@@ -55,10 +55,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..store import node_lock_key, utcnow
+from ..vocabulary import Attempt
 from . import log_fields
 from .runtime import Runtime
-from .store import node_lock_key, utcnow
-from .vocabulary import Attempt
 
 __all__ = ["Node", "release_inherited_socket", "node_lock_key", "this_host"]
 

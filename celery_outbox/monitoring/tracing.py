@@ -25,7 +25,7 @@ from typing import Any, ContextManager, Iterator, Mapping, Sequence
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from .vocabulary import REDELIVERY_HEADER, attempt_of, header_count
+from ..vocabulary import REDELIVERY_HEADER, attempt_of, header_count
 
 try:
     from opentelemetry import context as otel_context

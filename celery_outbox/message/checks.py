@@ -9,9 +9,9 @@ from typing import Any
 
 from celery.exceptions import NotRegistered
 
+from ..store import utcnow
+from ..vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, DeadLetterReason
 from .dead_letter_rows import ID_SIZE, dead_letter_row, is_storable_id, stored_text
-from .store import utcnow
-from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, DeadLetterReason
 
 __all__ = ["MalformedMessage", "body_reason", "dead_letter_row_of", "is_protocol_one", "malformed_reason", "shown",
            "store_limits_reason"]

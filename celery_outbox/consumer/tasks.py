@@ -30,14 +30,14 @@ from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from .celery_hooks import swap_task_class, tracer_pushed_request
-from .errors import OutboxError
+from ..core.celery_hooks import swap_task_class, tracer_pushed_request
+from ..core.runtime import runtime_of
+from ..core.setting_values import expected_member_of
+from ..errors import OutboxError
+from ..message.routing import queue_of
+from ..producer.unit_of_work import current_connection, current_session
+from ..vocabulary import IdempotencyStyle
 from .inbox import inbox_of, installed_inbox
-from .routing import queue_of
-from .runtime import runtime_of
-from .setting_values import expected_member_of
-from .unit_of_work import current_connection, current_session
-from .vocabulary import IdempotencyStyle
 from .worker_request import OutboxRequest
 
 __all__ = ["IdempotentTask", "InboxTask", "give_inbox_to_every_task"]
@@ -66,7 +66,7 @@ class InboxTask(Task):
     its own (``body_of``)."""
 
     abstract = True
-    Request = "celery_outbox.worker_request:OutboxRequest"
+    Request = "celery_outbox.consumer.worker_request:OutboxRequest"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inbox = inbox_of(self.app)
@@ -85,7 +85,7 @@ class IdempotentTask(Task):
     """A task whose effects happen once per message, however often the broker delivers it."""
 
     abstract = True
-    Request = "celery_outbox.worker_request:OutboxRequest"
+    Request = "celery_outbox.consumer.worker_request:OutboxRequest"
     #: every delivery goes through the inbox, from any queue (other tasks: from durable queues)
     inbox_on_every_queue = True
     acks_late = True

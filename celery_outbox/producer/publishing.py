@@ -28,15 +28,16 @@ from typing import Any, Iterable
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from . import log_fields, tracing
+from ..core import log_fields
+from ..core.crashpoints import crashpoint
+from ..core.node import Node
+from ..core.runtime import Runtime
+from ..message.envelope import OutgoingMessage
+from ..monitoring import tracing
+from ..signals import message_published, messages_stored, publish_failed
+from ..store import is_lock_timeout, utcnow
+from ..vocabulary import BUSY_ROW_WAIT
 from .broker import BoundQueues, Outlet, connection_errors, outlet
-from .crashpoints import crashpoint
-from .envelope import OutgoingMessage
-from .node import Node
-from .runtime import Runtime
-from .signals import message_published, messages_stored, publish_failed
-from .store import is_lock_timeout, utcnow
-from .vocabulary import BUSY_ROW_WAIT
 
 __all__ = ["Publisher"]
 

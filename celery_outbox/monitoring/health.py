@@ -78,7 +78,7 @@ def store_down(error: BaseException, timeout: float | None = None) -> Failure:
 
 def _timed_out(error: BaseException) -> bool:
     """PostgreSQL's lock_timeout (55P03) or statement_timeout (57014) cut the status query short."""
-    from .store import is_lock_timeout, is_statement_timeout
+    from ..store import is_lock_timeout, is_statement_timeout
 
     if isinstance(error, TimeoutError):
         return True

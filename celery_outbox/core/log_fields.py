@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .vocabulary import Attempt, attempt_of
+from ..vocabulary import Attempt, attempt_of
 
 __all__ = ["fields", "of_delivery", "of_message", "of_row"]
 

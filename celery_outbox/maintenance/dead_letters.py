@@ -22,14 +22,14 @@ from typing import Any, Callable
 
 from kombu.serialization import loads
 
-from .checks import malformed_reason
-from .envelope import OutgoingMessage, from_row
-from .publishing import Publisher
-from .routing import published_route
-from .runtime import Runtime
-from .store import utcnow
-from .unit_of_work import current_unit_of_work, transaction
-from .vocabulary import REPLAY_HEADER, DeadLetterReason
+from ..core.runtime import Runtime
+from ..message.checks import malformed_reason
+from ..message.envelope import OutgoingMessage, from_row
+from ..message.routing import published_route
+from ..producer.publishing import Publisher
+from ..producer.unit_of_work import current_unit_of_work, transaction
+from ..store import utcnow
+from ..vocabulary import REPLAY_HEADER, DeadLetterReason
 
 __all__ = ["DeadLetterFilter", "Replayed", "purge", "replay"]
 

@@ -29,7 +29,7 @@ Recover, in order:
    (a recovery, not a duplicate). Each re-publish backs the row off
    exponentially; after ``outbox_relay_max_attempts`` re-publishes the delivery is
    dead-lettered (reason ``worker_lost``) and, once that commits, its result is
-   FAILURE(WorkerLostError) (``celery_outbox.results``).
+   FAILURE(WorkerLostError) (``celery_outbox.message.results``).
 
 Cleanup deletes ended inbox rows whose ``keep_until`` passed and, with
 ``outbox_dead_letter_retention`` set, dead letters older than that, handing each
@@ -45,17 +45,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable, Sequence
 
-from . import log_fields, tracing
-from .broker import outlet
-from .crashpoints import crashpoint
-from .dead_letter_rows import stored_dead_letter_row
-from .envelope import from_row
+from ..core import log_fields
+from ..core.crashpoints import crashpoint
+from ..core.runtime import Archiver, Runtime
+from ..message.dead_letter_rows import stored_dead_letter_row
+from ..message.envelope import from_row
+from ..message.results import EndedMessage, store_dead_letter_results
+from ..monitoring import tracing
+from ..producer.broker import outlet
+from ..signals import announce_dead_letters, claims_released, message_redelivered
+from ..store import utcnow
+from ..vocabulary import ArchiveKind, ClaimRelease, DeadLetterReason, RedeliveryReason
 from .relay import RelayResult, redeliver, relay
-from .results import EndedMessage, store_dead_letter_results
-from .runtime import Archiver, Runtime
-from .signals import announce_dead_letters, claims_released, message_redelivered
-from .store import utcnow
-from .vocabulary import ArchiveKind, ClaimRelease, DeadLetterReason, RedeliveryReason
 
 __all__ = ["Archiver", "CleanupResult", "RecoverResult", "cleanup", "recover"]
 

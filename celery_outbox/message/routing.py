@@ -36,7 +36,7 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from kombu import Exchange, Queue
 
-from .errors import UndecidableRoute
+from ..errors import UndecidableRoute
 
 __all__ = ["published_route", "exchange_name", "reached_queues", "durable_destination", "queue_of"]
 

@@ -26,12 +26,12 @@ from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
 from sqlalchemy import Column, Table
 
-from .celery_hooks import without_callback_publish_retry
-from .errors import UnstorableMessage
+from ..core.celery_hooks import without_callback_publish_retry
+from ..errors import UnstorableMessage
+from ..store import SEND_ID_SIZE, as_utc, text_problem
+from ..vocabulary import SEND_HEADER, header_count
 from .routing import exchange_name
 from .sent_events import RecordingDispatcher, SentEvent
-from .store import SEND_ID_SIZE, as_utc, text_problem
-from .vocabulary import SEND_HEADER, header_count
 
 __all__ = ["SEND_HEADER", "CapturingProducer", "OutgoingMessage", "capture", "check_storable", "from_row", "json_text",
            "new_send_id", "send_id_of"]

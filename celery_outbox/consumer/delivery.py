@@ -15,10 +15,11 @@ from typing import Any
 
 from kombu.serialization import dumps
 
-from . import dead_letter_rows, tracing
-from .envelope import json_text, valid_send_id
-from .routing import queue_of
-from .vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, SEND_HEADER, Attempt, header_count
+from ..message import dead_letter_rows
+from ..message.envelope import json_text, valid_send_id
+from ..message.routing import queue_of
+from ..monitoring import tracing
+from ..vocabulary import REDELIVERY_HEADER, REPLAY_HEADER, SEND_HEADER, Attempt, header_count
 
 __all__ = ["Delivery", "dead_letter_row", "envelope_of", "task_id_key"]
 

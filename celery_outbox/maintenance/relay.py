@@ -9,7 +9,7 @@ reason of its own counts an attempt and, after ``outbox_relay_max_attempts``, go
 dead letters (reason ``poison``): one bad row never blocks the others. A row past
 its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. Once
 the batch commits, each dead letter's result is stored as Celery would
-(``celery_outbox.results``): REVOKED ``expired``, or FAILURE with the publish error. A
+(``celery_outbox.message.results``): REVOKED ``expired``, or FAILURE with the publish error. A
 row with an eta (``deliver_at``) is released with it, eta kept, once
 ``OutboxSettings.release_before`` allows (the commit-time publisher's rule too): the
 worker holds it until its eta, and its redelivery counts from there. A
@@ -29,15 +29,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from . import log_fields, tracing
-from .broker import outlet
-from .dead_letter_rows import stored_dead_letter_row
-from .envelope import OutgoingMessage, from_row
-from .results import EndedMessage, store_dead_letter_results
-from .runtime import Runtime
-from .signals import announce_dead_letters, message_published, message_redelivered, publish_failed
-from .store import as_utc, utcnow
-from .vocabulary import REDELIVERY_HEADER, DeadLetterReason, RedeliveryReason
+from ..core import log_fields
+from ..core.runtime import Runtime
+from ..message.dead_letter_rows import stored_dead_letter_row
+from ..message.envelope import OutgoingMessage, from_row
+from ..message.results import EndedMessage, store_dead_letter_results
+from ..monitoring import tracing
+from ..producer.broker import outlet
+from ..signals import announce_dead_letters, message_published, message_redelivered, publish_failed
+from ..store import as_utc, utcnow
+from ..vocabulary import REDELIVERY_HEADER, DeadLetterReason, RedeliveryReason
 
 __all__ = ["RelayResult", "redeliver", "relay"]
 

@@ -49,9 +49,9 @@ from kombu.serialization import loads as kombu_loads
 from kombu.serialization import prepare_accept_content
 from kombu.utils import json as kombu_json
 
-from . import log_fields
-from .celery_hooks import STORE_ERRORS_READS_THE_MESSAGE
-from .vocabulary import DeadLetterReason
+from ..core import log_fields
+from ..core.celery_hooks import STORE_ERRORS_READS_THE_MESSAGE
+from ..vocabulary import DeadLetterReason
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.runtime import Runtime
 from .durability import cleanup, recover
-from .runtime import Runtime
 
 __all__ = ["CLEANUP_TASK", "RECOVER_TASK", "register_beat_tasks", "schedule_beat_tasks"]
 

@@ -35,12 +35,12 @@ from typing import Any, Callable, Iterator
 from sqlalchemy.engine import Connection, Engine, RootTransaction
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .crashpoints import crashpoint
-from .envelope import OutgoingMessage
-from .errors import OutboxError, StoreUnavailable, TransactionAborted
+from ..core.crashpoints import crashpoint
+from ..core.sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions, wait_for_commit
+from ..errors import OutboxError, StoreUnavailable, TransactionAborted
+from ..message.envelope import OutgoingMessage
+from ..store.outage import raise_as_driver_error
 from .publishing import Publisher
-from .sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions, wait_for_commit
-from .store.outage import raise_as_driver_error
 
 __all__ = ["ConnectionUnitOfWork", "UnitOfWork", "begin", "current_connection", "current_session",
            "current_unit_of_work", "run_body", "transaction"]

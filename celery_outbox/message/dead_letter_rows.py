@@ -16,8 +16,8 @@ from typing import Any
 from kombu.utils import json as kombu_json
 from sqlalchemy import String
 
-from .store import build_tables
-from .vocabulary import DeadLetterReason
+from ..store import build_tables
+from ..vocabulary import DeadLetterReason
 
 __all__ = ["DeadLetterReason", "dead_letter_row", "is_storable_id", "stored_dead_letter_row", "stored_text"]
 

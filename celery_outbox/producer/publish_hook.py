@@ -14,18 +14,18 @@ from typing import Any, Callable, Iterator
 
 from celery.app.amqp import AMQP
 
-from . import tracing
-from .celery_hooks import (
+from ..core.celery_hooks import (
     backend_ignores_producer,
     default_event_dispatcher,
     install_send_task_producer,
     install_task_sender,
 )
-from .envelope import CapturingProducer, OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
+from ..message.envelope import CapturingProducer, OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
+from ..message.routing import durable_destination, published_route
+from ..monitoring import tracing
+from ..vocabulary import SEND_HEADER
 from .publishing import Publisher
-from .routing import durable_destination, published_route
 from .unit_of_work import current_unit_of_work
-from .vocabulary import SEND_HEADER
 
 __all__ = ["install_publish_hook", "resending", "sending_through_outbox", "stamp_send_id"]
 

@@ -13,8 +13,8 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, Callable, Mapping, TypeVar
 
-from .errors import ConfigurationError
-from .store.engine import masked_options, safe_url
+from ..errors import ConfigurationError
+from ..store.engine import masked_options, safe_url
 
 __all__ = ["boolean", "expected_member_of", "invalid", "mapping", "member_of", "non_negative_number",
            "optional_seconds", "optional_string", "positive_int", "queue_names", "seconds", "shown", "string",

@@ -1,0 +1,2 @@
+"""What operators watch: Prometheus metrics, OpenTelemetry traces and the health check. Each reads
+what the other sides announce or store; none of them writes a row or changes an outcome."""
