@@ -21,11 +21,11 @@ from celery import Celery, signals
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from .consumer.celery_internals import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
 from .consumer.guard import MessageGuard
 from .consumer.inbox import Inbox
 from .consumer.tasks import InboxTask, give_inbox_to_every_task
 from .consumer.window import check_dedupe_window, check_release_ahead
-from .core.celery_hooks import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
 from .core.config import OutboxSettings
 from .core.node import Node
 from .core.runtime import Archiver, Runtime, runtime_of

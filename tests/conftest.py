@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import uuid
+from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect
@@ -58,6 +59,8 @@ def pytest_configure(config) -> None:
         settings.configure(**{name: getattr(project, name) for name in dir(project) if name.isupper()})
 
 
+TESTS = Path(__file__).parent
+
 # The suite runs on four pytest-xdist workers (``-n 4 --dist loadgroup``, tox.ini; the tests wait on
 # services and processes far more than they compute, so four keep two cores busy): each test has
 # tables, queues and services of its own, except in these layers, whose tests run one after another
@@ -74,9 +77,14 @@ OWN_GROUP_FILES = {"test_audit_cluster.py": "audit-cluster", "test_audit_benchma
                    "test_audit_incremental.py": "audit-incremental"}
 
 
+def layer_of(item) -> str:
+    """The layer of a test: its folder right under ``tests/`` (``tests/unit/consumer/...`` is unit)."""
+    return item.path.relative_to(TESTS).parts[0]
+
+
 def xdist_group_of(item) -> str | None:
     """The xdist group a test must run in, or None (any worker)."""
-    layer = item.path.parent.name
+    layer = layer_of(item)
     if layer not in ONE_WORKER_LAYERS:
         return None
     return OWN_GROUP_FILES.get(item.path.name, layer)
@@ -91,7 +99,7 @@ SERVICE_FIXTURES = {"postgres_url", "redis_url", "rabbitmq_url"}
 
 
 def needs_services(item) -> bool:
-    if item.path.parent.name != FAST_LAYER:
+    if layer_of(item) != FAST_LAYER:
         return True
     if SERVICE_MARKS & {mark.name for mark in item.iter_markers()}:
         return True

@@ -36,15 +36,6 @@ from typing import Any, Callable
 from celery import bootsteps, signals
 
 from ..core import log_fields
-from ..core.celery_hooks import (
-    TASKS_STEP,
-    build_channel_messages_with,
-    call_later,
-    consumer_event_dispatcher,
-    task_consumer_channel,
-    task_strategies,
-    wrap_task_handler,
-)
 from ..core.config import OutboxSettings
 from ..core.runtime import Runtime, runtime_of
 from ..message.checks import (
@@ -62,6 +53,15 @@ from ..message.routing import queue_of
 from ..signals import announce_dead_letters
 from ..store import is_content_error, utcnow
 from ..vocabulary import BUSY_ROW_WAIT, REQUEUE_BACKOFF, Attempt, DeadLetterReason, attempt_of
+from .celery_internals import (
+    TASKS_STEP,
+    build_channel_messages_with,
+    call_later,
+    consumer_event_dispatcher,
+    task_consumer_channel,
+    task_strategies,
+    wrap_task_handler,
+)
 
 __all__ = ["MessageGuard", "sound_envelope", "tolerate_any_envelope"]
 

@@ -30,13 +30,13 @@ from celery.worker.request import Request
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from ..core.celery_hooks import swap_task_class, tracer_pushed_request
 from ..core.runtime import runtime_of
 from ..core.setting_values import expected_member_of
 from ..errors import OutboxError
 from ..message.routing import queue_of
 from ..producer.unit_of_work import current_connection, current_session
 from ..vocabulary import IdempotencyStyle
+from .celery_internals import swap_task_class, tracer_pushed_request
 from .inbox import inbox_of, installed_inbox
 from .worker_request import OutboxRequest
 

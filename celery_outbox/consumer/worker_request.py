@@ -34,18 +34,18 @@ from celery.worker import state as worker_state
 from kombu.asynchronous import get_event_loop
 
 from ..core import log_fields
-from ..core.celery_hooks import (
+from ..core.node import this_host
+from ..message.routing import queue_of
+from ..producer.publish_hook import resending
+from ..store import utcnow
+from ..vocabulary import BUSY_ROW_WAIT, DeadLetterReason
+from .celery_internals import (
     HANDS_BACK_AT_TIME_LIMIT,
     RESENDS_LOST_ATTEMPTS,
     HookedRequest,
     request_context,
     unwrap_exception,
 )
-from ..core.node import this_host
-from ..message.routing import queue_of
-from ..producer.publish_hook import resending
-from ..store import utcnow
-from ..vocabulary import BUSY_ROW_WAIT, DeadLetterReason
 from .delivery import Delivery, dead_letter_row
 from .inbox import TERMINATED_LOCK_WAIT, InFlight, inbox_of, installed_inbox
 

@@ -26,10 +26,10 @@ from kombu.serialization import dumps
 from kombu.utils import json as kombu_json
 from sqlalchemy import Column, Table
 
-from ..core.celery_hooks import without_callback_publish_retry
 from ..errors import UnstorableMessage
 from ..store import SEND_ID_SIZE, as_utc, text_problem
 from ..vocabulary import SEND_HEADER, header_count
+from .celery_internals import without_callback_publish_retry
 from .routing import exchange_name
 from .sent_events import RecordingDispatcher, SentEvent
 

@@ -50,8 +50,8 @@ from kombu.serialization import prepare_accept_content
 from kombu.utils import json as kombu_json
 
 from ..core import log_fields
-from ..core.celery_hooks import STORE_ERRORS_READS_THE_MESSAGE
 from ..vocabulary import DeadLetterReason
+from .celery_internals import STORE_ERRORS_READS_THE_MESSAGE
 
 if TYPE_CHECKING:
     from celery import Celery

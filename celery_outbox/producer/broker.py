@@ -12,7 +12,10 @@ from typing import Any, ContextManager, Generic, Iterator, Sequence, TypeVar
 
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from ..core.celery_hooks import (
+from ..core.crashpoints import crashpoint
+from ..message.envelope import OutgoingMessage
+from ..monitoring import tracing
+from .celery_internals import (
     cache_exchange_bindings,
     can_batch_publish,
     keep_redis_client,
@@ -21,9 +24,6 @@ from ..core.celery_hooks import (
     uncache_exchange_bindings,
     unkeep_redis_client,
 )
-from ..core.crashpoints import crashpoint
-from ..message.envelope import OutgoingMessage
-from ..monitoring import tracing
 
 __all__ = ["BoundQueues", "Outlet", "PublishBatch", "PublishPass", "connection_errors", "connect_quickly", "outlet"]
 

@@ -14,16 +14,16 @@ from typing import Any, Callable, Iterator
 
 from celery.app.amqp import AMQP
 
-from ..core.celery_hooks import (
+from ..message.envelope import CapturingProducer, OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
+from ..message.routing import durable_destination, published_route
+from ..monitoring import tracing
+from ..vocabulary import SEND_HEADER
+from .celery_internals import (
     backend_ignores_producer,
     default_event_dispatcher,
     install_send_task_producer,
     install_task_sender,
 )
-from ..message.envelope import CapturingProducer, OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
-from ..message.routing import durable_destination, published_route
-from ..monitoring import tracing
-from ..vocabulary import SEND_HEADER
 from .publishing import Publisher
 from .unit_of_work import current_unit_of_work
 

@@ -22,8 +22,8 @@ from celery import Celery
 from kombu import Connection, Exchange, Queue
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from celery_outbox.core.celery_hooks import kept_pooled_producer
 from celery_outbox.producer.broker import MAX_BINDINGS, BoundQueues, PublishBatch, outlet
+from celery_outbox.producer.celery_internals import kept_pooled_producer
 
 from ..services import TcpProxy, free_port
 from ..versions import KOMBU

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from celery_outbox.core.celery_hooks import HANDS_BACK_AT_TIME_LIMIT
+from celery_outbox.consumer.celery_internals import HANDS_BACK_AT_TIME_LIMIT
 
 from ..apps.inbox_app import TIME_LIMIT
 from ..scenario import Scenario

@@ -26,14 +26,14 @@ from celery.worker import state as worker_state
 from kombu.asynchronous import Hub, set_event_loop
 
 from celery_outbox import Outbox
+from celery_outbox.consumer.celery_internals import HANDS_BACK_AT_TIME_LIMIT, request_context
 from celery_outbox.consumer.delivery import Delivery
 from celery_outbox.consumer.worker_request import OutboxRequest
-from celery_outbox.core.celery_hooks import HANDS_BACK_AT_TIME_LIMIT, request_context
 from celery_outbox.core.node import this_host
 
 from ..conftest import drop_store
 from ..integration.test_store_contract import incoming_row
-from .test_celery_hooks import delivered
+from .celery_objects import delivered
 
 DEAD_PID = 4242
 
