@@ -22,8 +22,11 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .consumer.celery_internals import app_task_base_used, pool_module, set_app_task_base, worker_concurrency
+from .consumer.claims import InboxRows
 from .consumer.guard import MessageGuard
 from .consumer.inbox import Inbox
+from .consumer.main_process import MainProcessOutcomes
+from .consumer.records import AttemptRecords
 from .consumer.tasks import InboxTask, give_inbox_to_every_task
 from .consumer.window import check_dedupe_window, check_release_ahead
 from .core.config import OutboxSettings
@@ -84,8 +87,10 @@ class Outbox:
                                archiver_for=_parquet_archiver)
         self.node = Node(self.runtime)
         self.publisher = Publisher(self.runtime, self.node)
-        self.inbox = Inbox(self.runtime, self.publisher, self.node)
+        rows = InboxRows(self.runtime)
+        self.inbox = Inbox(self.runtime, self.publisher, self.node, rows, AttemptRecords(self.runtime, rows, self.node))
         self.inbox.install()
+        MainProcessOutcomes(self.runtime, rows).install()
         install_publish_hook(self.publisher)
         _install_task_base(app)
         if MessageGuard not in app.steps["consumer"]:

@@ -78,7 +78,7 @@ class InboxTask(Task):
         body = body_of(self, InboxTask, args, kwargs)
         if not settings.is_durable(queue):
             return body()
-        return inbox.run(self, args, kwargs, body, style=IdempotencyStyle.EAGER, unit_of_work=False, queue=queue)
+        return inbox.run_durable_delivery(self, args, kwargs, body, queue)
 
 
 class IdempotentTask(Task):
@@ -123,8 +123,7 @@ class IdempotentTask(Task):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inbox = installed_inbox(self.app)
         style = self._idempotency_style(inbox.runtime.settings.idempotency_style)
-        return inbox.run(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style=style,
-                         unit_of_work=True)
+        return inbox.run_idempotent(self, args, kwargs, body_of(self, IdempotentTask, args, kwargs), style)
 
     def _idempotency_style(self, default: IdempotencyStyle) -> IdempotencyStyle:
         """The task's ``idempotency``, or ``default`` when it is None; a value that is not a style

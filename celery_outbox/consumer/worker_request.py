@@ -47,7 +47,8 @@ from .celery_internals import (
     unwrap_exception,
 )
 from .delivery import Delivery, dead_letter_row
-from .inbox import TERMINATED_LOCK_WAIT, InFlight, inbox_of, installed_inbox
+from .inbox import inbox_of, installed_inbox
+from .main_process import TERMINATED_LOCK_WAIT, RevokeRecord, installed_main_process
 
 __all__ = ["OutboxRequest"]
 
@@ -83,7 +84,7 @@ class OutboxRequest(HookedRequest):
         """Celery marks the task REVOKED and acks its message. Before that, an inbox attempt that
         never ran (revoked before it started, or expired) or whose pool process Celery has just
         killed (``revoke(terminate=True)``) is recorded as ended and its outgoing rows
-        acknowledged (``Inbox.end_revoked_attempt``), in one transaction: a later copy is a
+        acknowledged (``MainProcessOutcomes.end_revoked_attempt``), in one transaction: a later copy is a
         duplicate, and neither delivery tracking nor recovery publishes the message again. When
         the store cannot take it, or an attempt of the message running elsewhere holds its rows
         (that attempt records its own outcome), that is logged and the revoke stands in this
@@ -104,17 +105,17 @@ class OutboxRequest(HookedRequest):
         task = self.task
         delivery = self._delivery()
         try:
-            installed_inbox(task.app).end_revoked_attempt(delivery, terminated)
-        except InFlight:
-            logger.warning("celery-outbox: %s[%s] %s while an attempt of it runs (its transaction holds the "
-                           "message's rows): discarded here unrecorded; the running attempt records its own outcome",
-                           task.name, self.id, reason, **log_fields.of_delivery(delivery))
-            return
+            record = installed_main_process(task.app).end_revoked_attempt(delivery, terminated)
         except Exception as error:  # noqa: BLE001 - Celery's revoke stands; delivery tracking may send it again
             logger.error("celery-outbox: cannot record that %s[%s] was %s: %s; it is discarded here, as in "
                          "plain Celery, but a durable message stays unacknowledged and is published again "
                          "after outbox_redeliver_after (a worker that remembers the revoke discards it then)",
                          task.name, self.id, reason, error, **log_fields.of_delivery(delivery))
+            return
+        if record is RevokeRecord.IN_FLIGHT:
+            logger.warning("celery-outbox: %s[%s] %s while an attempt of it runs (its transaction holds the "
+                           "message's rows): discarded here unrecorded; the running attempt records its own outcome",
+                           task.name, self.id, reason, **log_fields.of_delivery(delivery))
             return
         logger.info("celery-outbox: %s[%s] %s: its attempt ended %s, not to be redelivered", task.name,
                     self.id, reason, "in its killed pool process" if terminated else "unrun",
@@ -178,7 +179,8 @@ class OutboxRequest(HookedRequest):
         task = self.task
         delivery = self._delivery()
         try:
-            released = installed_inbox(task.app).release_lost_process_claim(delivery, this_host(), self.worker_pid)
+            outcomes = installed_main_process(task.app)
+            released = outcomes.release_lost_process_claim(delivery, this_host(), self.worker_pid)
         except Exception as error:  # noqa: BLE001 - recovery releases it once it declares the process dead
             logger.warning("celery-outbox: could not release the claim of %s[%s], whose pool process %d ended; "
                            "its copy goes back to the broker until recovery declares that process dead: %s",
@@ -274,13 +276,13 @@ class OutboxRequest(HookedRequest):
 
     def _dead_letter_killed_attempt(self, delivery: Delivery, reason: DeadLetterReason, exc: BaseException,
                                     lock_wait: float) -> bool:
-        """``Inbox.end_killed_attempt`` with the dead letter of ``exc``, built on this request's
+        """``MainProcessOutcomes.end_killed_attempt`` with the dead letter of ``exc``, built on this request's
         context (pushed for the calling thread)."""
         task, context = self.task, request_context(self)
         task.request_stack.push(context)
         try:
             dead_letter = dead_letter_row(task, delivery, reason, exc, utcnow())
-            return installed_inbox(task.app).end_killed_attempt(delivery, dead_letter, lock_wait)
+            return installed_main_process(task.app).end_killed_attempt(delivery, dead_letter, lock_wait)
         finally:
             task.request_stack.pop()
 

@@ -1,5 +1,5 @@
 """``revoke(terminate=True)``: the worker's main process records the terminated attempt as
-``revoked`` (``Inbox.end_revoked_attempt(..., terminated=True)``), on a real PostgreSQL, whatever
+``revoked`` (``MainProcessOutcomes.end_revoked_attempt(..., terminated=True)``), on a real PostgreSQL, whatever
 state the killed pool process left its claim in:
 
 * an eager claim (running, owned by a live node): taken over, so recovery never runs it again;
@@ -23,9 +23,10 @@ from celery import Celery
 from sqlalchemy import text
 
 from celery_outbox import Outbox
-from celery_outbox.consumer import inbox
+from celery_outbox.consumer import main_process
 from celery_outbox.consumer.delivery import Delivery
 from celery_outbox.consumer.inbox import installed_inbox
+from celery_outbox.consumer.main_process import RevokeRecord, installed_main_process
 from celery_outbox.store import utcnow
 from celery_outbox.vocabulary import IncomingStatus
 
@@ -70,12 +71,12 @@ def status_of(outbox: Outbox, message_id: str) -> str | None:
 def test_an_eager_claim_of_a_live_node_is_taken_over_only_when_terminated(outbox):
     """A running claim of a heartbeating node: a plain revoke leaves it (the attempt may still
     finish), a terminated attempt takes it over as revoked."""
-    the_inbox = installed_inbox(outbox.app)
+    outcomes = installed_main_process(outbox.app)
     for message_id in ("revoked-1", "terminated-1"):
         with outbox.store.begin() as conn:
             outbox.store.insert_incoming(conn, claim_row(message_id, IncomingStatus.RUNNING, outbox.node.id))
-    the_inbox.end_revoked_attempt(delivery("revoked-1"))
-    the_inbox.end_revoked_attempt(delivery("terminated-1"), terminated=True)
+    outcomes.end_revoked_attempt(delivery("revoked-1"))
+    outcomes.end_revoked_attempt(delivery("terminated-1"), terminated=True)
     assert status_of(outbox, "revoked-1") == IncomingStatus.RUNNING.value
     assert status_of(outbox, "terminated-1") == IncomingStatus.REVOKED.value
     row = outbox.store.get_incoming("terminated-1")
@@ -108,13 +109,12 @@ def waiting_for_a_lock(outbox: Outbox, holder_pid: int) -> bool:
 
 
 def run_in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list]:
-    """Start ``work`` in a thread; its outcome (a list) gets "done", or the exception it raised."""
+    """Start ``work`` in a thread; its outcome (a list) gets what it returned, or the exception it raised."""
     outcome: list = []
 
     def run() -> None:
         try:
-            work()
-            outcome.append("done")
+            outcome.append(work())
         except Exception as exc:  # noqa: BLE001 - the test looks at it
             outcome.append(exc)
 
@@ -123,32 +123,32 @@ def run_in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list]:
     return thread, outcome
 
 
-def record_in_thread(the_inbox, message_id: str) -> tuple[threading.Thread, list]:
-    return run_in_thread(lambda: the_inbox.end_revoked_attempt(delivery(message_id), terminated=True))
+def record_in_thread(outcomes, message_id: str) -> tuple[threading.Thread, list]:
+    return run_in_thread(lambda: outcomes.end_revoked_attempt(delivery(message_id), terminated=True))
 
 
 @pytest.mark.parametrize("commit, status", [(False, IncomingStatus.REVOKED), (True, IncomingStatus.HANDLED)])
 def test_an_optimistic_claim_in_an_open_transaction_is_waited_for(outbox, commit, status):
     """The record waits for the killed process's transaction: rolled back (its connection closed),
     the attempt is recorded revoked; committed first, the attempt's own outcome stands."""
-    the_inbox = installed_inbox(outbox.app)
+    outcomes = installed_main_process(outbox.app)
     claim = OpenClaim(outbox, "optimistic-1")
-    thread, outcome = record_in_thread(the_inbox, "optimistic-1")
+    thread, outcome = record_in_thread(outcomes, "optimistic-1")
     try:
         wait_until(lambda: waiting_for_a_lock(outbox, claim.pid), timeout=10, message="the record waiting")
     finally:
         claim.end(commit)
     thread.join(timeout=30)
-    assert outcome == ["done"]
+    assert outcome == [RevokeRecord.RECORDED]
     assert status_of(outbox, "optimistic-1") == status.value
 
 
 def test_a_transaction_that_does_not_end_is_waited_for_only_so_long(outbox, monkeypatch):
-    monkeypatch.setattr(inbox, "TERMINATED_LOCK_WAIT", 0.2)
-    the_inbox = installed_inbox(outbox.app)
+    monkeypatch.setattr(main_process, "TERMINATED_LOCK_WAIT", 0.2)
+    outcomes = installed_main_process(outbox.app)
     claim = OpenClaim(outbox, "stuck-1")
     try:
-        thread, outcome = record_in_thread(the_inbox, "stuck-1")
+        thread, outcome = record_in_thread(outcomes, "stuck-1")
         thread.join(timeout=30)
         assert len(outcome) == 1 and "lock timeout" in str(outcome[0]), outcome
     finally:
@@ -174,17 +174,16 @@ class HeldSendersRow(OpenClaim):
 def test_a_revoked_copy_gives_up_on_rows_a_running_attempt_holds(outbox, held):
     """A revoked or expired copy, in the worker's main process, while an optimistic attempt of its
     message runs elsewhere: that attempt's open transaction holds the inbox key and, from a
-    durable queue, the sender's row. The record gives up after ``BUSY_ROW_WAIT`` (``InFlight``:
+    durable queue, the sender's row. The record gives up after ``BUSY_ROW_WAIT`` (``IN_FLIGHT``:
     the revoke stands, unrecorded) while the attempt still runs, instead of waiting for its body;
     the attempt's own outcome stands."""
-    the_inbox = installed_inbox(outbox.app)
+    outcomes = installed_main_process(outbox.app)
     holder = OpenClaim(outbox, "running-1") if held == "the inbox key" else HeldSendersRow(outbox, "running-1")
     try:
-        thread, outcome = run_in_thread(lambda: the_inbox.end_revoked_attempt(delivery("running-1")))
+        thread, outcome = run_in_thread(lambda: outcomes.end_revoked_attempt(delivery("running-1")))
         thread.join(timeout=30)
         assert not thread.is_alive(), "the record still waits for the running attempt"
-        assert len(outcome) == 1 and isinstance(outcome[0], inbox.InFlight), outcome
-        assert "lock timeout" in str(outcome[0].__cause__)
+        assert outcome == [RevokeRecord.IN_FLIGHT]
     finally:
         holder.end(commit=True)
     if held == "the inbox key":
@@ -202,11 +201,11 @@ def test_a_lost_process_dead_letter_gives_up_on_a_key_another_attempt_holds(outb
     from celery_outbox.message.dead_letter_rows import dead_letter_row
     from celery_outbox.vocabulary import DeadLetterReason
 
-    the_inbox = installed_inbox(outbox.app)
+    outcomes = installed_main_process(outbox.app)
     holder = OpenClaim(outbox, "lost-1")
     letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="lost-1")
     try:
-        thread, outcome = run_in_thread(lambda: the_inbox.end_killed_attempt(delivery("lost-1"), letter))
+        thread, outcome = run_in_thread(lambda: outcomes.end_killed_attempt(delivery("lost-1"), letter))
         thread.join(timeout=30)
         assert not thread.is_alive(), "the dead letter still waits for the running attempt"
         assert len(outcome) == 1 and "lock timeout" in str(outcome[0]), outcome
@@ -223,7 +222,7 @@ def test_a_failed_attempt_leaves_no_dead_letter_when_a_copy_was_handled_meanwhil
     from celery_outbox.message.dead_letter_rows import dead_letter_row
     from celery_outbox.vocabulary import DeadLetterReason
 
-    the_inbox = installed_inbox(outbox.app)
+    outcomes = installed_main_process(outbox.app)
     with outbox.store.begin() as conn:
         outbox.store.insert_incoming(conn, claim_row("copied-1", IncomingStatus.HANDLED, 0))
 
@@ -233,10 +232,11 @@ def test_a_failed_attempt_leaves_no_dead_letter_when_a_copy_was_handled_meanwhil
 
     block.push_request(args=(), kwargs={}, id="copied-1")
     try:
-        the_inbox._record(block, delivery("copied-1"), IncomingStatus.DEAD, ValueError("failed"))
+        records = installed_inbox(outbox.app).records
+        records.record(block, delivery("copied-1"), IncomingStatus.DEAD, ValueError("failed"))
     finally:
         block.pop_request()
     letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="copied-1")
-    assert the_inbox.end_killed_attempt(delivery("copied-1"), letter) is False
+    assert outcomes.end_killed_attempt(delivery("copied-1"), letter) is False
     assert outbox.store.count_dead_letters() == 0
     assert status_of(outbox, "copied-1") == IncomingStatus.HANDLED.value

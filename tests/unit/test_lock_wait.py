@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from celery_outbox.consumer.inbox import InFlight, installed_inbox
+from celery_outbox.consumer.main_process import RevokeRecord, installed_main_process
 from celery_outbox.store import is_lock_timeout
 from celery_outbox.store.engine import SQLITE_BUSY_TIMEOUT_MS
 from celery_outbox.vocabulary import BUSY_ROW_WAIT
@@ -54,24 +54,23 @@ def test_a_bounded_transaction_gives_up_on_the_write_lock_another_holds(outbox, 
 
 
 def test_the_main_processs_records_give_up_on_a_running_attempts_write_lock(outbox, write_lock_held):
-    """A revoked copy's record raises ``InFlight`` (the revoke stands unrecorded; the running
+    """A revoked copy's record is ``IN_FLIGHT`` (the revoke stands unrecorded; the running
     attempt records its own outcome); a lost pool process's dead letter raises a lock timeout
     (its message goes back to the broker)."""
     from celery_outbox.message.dead_letter_rows import dead_letter_row
     from celery_outbox.store import utcnow
     from celery_outbox.vocabulary import DeadLetterReason
 
-    the_inbox = installed_inbox(outbox.app)
-    with pytest.raises(InFlight):
-        the_inbox.end_revoked_attempt(delivery("revoked-1"))
+    outcomes = installed_main_process(outbox.app)
+    assert outcomes.end_revoked_attempt(delivery("revoked-1")) is RevokeRecord.IN_FLIGHT
     letter = dead_letter_row(reason=DeadLetterReason.WORKER_LOST, failed_at=utcnow(), message_id="lost-1")
     with pytest.raises(OperationalError) as raised:
-        the_inbox.end_killed_attempt(delivery("lost-1"), letter)
+        outcomes.end_killed_attempt(delivery("lost-1"), letter)
     assert is_lock_timeout(raised.value)
 
 
 def test_once_the_lock_is_free_bounded_and_unbounded_transactions_write(outbox):
-    the_inbox = installed_inbox(outbox.app)
-    the_inbox.end_revoked_attempt(delivery("revoked-1"))
+    outcomes = installed_main_process(outbox.app)
+    assert outcomes.end_revoked_attempt(delivery("revoked-1")) is RevokeRecord.RECORDED
     assert outbox.store.get_incoming("revoked-1").status == "revoked"
     assert set(busy_timeouts(outbox)) == {SQLITE_BUSY_TIMEOUT_MS}
