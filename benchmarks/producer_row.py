@@ -62,11 +62,11 @@ from celery_outbox.producer.broker import Outlet
 from celery_outbox.producer.publishing import Publisher
 from celery_outbox.producer.unit_of_work import UnitOfWork, current_unit_of_work
 from celery_outbox.store import utcnow
+from celery_outbox.store.one_message import OneMessage
 from celery_outbox.store.outgoing import postgres_insert
 from celery_outbox.store.pipeline import (
     COMMAND_OK,
     TUPLES_OK,
-    OneMessage,
     pipeline_exchange,
     pipelined_query,
     prepared_statements,

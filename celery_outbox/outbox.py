@@ -35,7 +35,8 @@ from .core.runtime import Archiver, Runtime, runtime_of
 from .django.integration import DjangoIntegration
 from .errors import ConfigurationError, OutboxError
 from .maintenance.beat import register_beat_tasks, schedule_beat_tasks
-from .maintenance.durability import CleanupResult, RecoverResult, cleanup, recover
+from .maintenance.cleanup import CleanupResult, cleanup
+from .maintenance.recover import RecoverResult, recover
 from .maintenance.relay import RelayResult, relay
 from .producer.publish_hook import install_publish_hook
 from .producer.publishing import Publisher

@@ -1,7 +1,7 @@
 """Beat tasks: ``celery_outbox.recover`` and ``celery_outbox.cleanup``.
 
-Each beat task calls the same function the CLI calls (``durability.recover`` and
-``durability.cleanup``); registering them is all ``Outbox(app)`` does, so running
+Each beat task calls the same function the CLI calls (``recover.recover`` and
+``cleanup.cleanup``); registering them is all ``Outbox(app)`` does, so running
 ``celery beat`` is all a user does. Each periodic entry expires after one
 interval, so a backlog of missed runs never piles up, and is routed to
 ``outbox_maintenance_queue`` when that is set. Both are safe to run on several
@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.runtime import Runtime
-from .durability import cleanup, recover
+from .cleanup import cleanup
+from .recover import recover
 
 __all__ = ["CLEANUP_TASK", "RECOVER_TASK", "register_beat_tasks", "schedule_beat_tasks"]
 

@@ -20,7 +20,8 @@ from sqlalchemy import Connection, Row, bindparam, delete, exists, func, literal
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ..vocabulary import Attempt, IncomingStatus
-from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, pipelined_query
+from .one_message import OneMessage
+from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, pipelined_query
 from .schema import _INCOMING_KEY, UNOWNED, _incoming_key, acknowledged_sends, is_running
 
 __all__ = ["ExpiredDeleted", "IncomingStatements"]

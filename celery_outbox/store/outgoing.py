@@ -37,7 +37,8 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
 
 from ..vocabulary import Attempt
-from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, OneMessage, pipelined_query
+from .one_message import OneMessage
+from .pipeline import OPEN_NOT_WAITING_FOR_FLUSH, pipelined_query
 from .schema import acknowledged_sends
 
 # postgres_insert is named for the benchmarks' hand-written floor, which sends the store's own INSERT

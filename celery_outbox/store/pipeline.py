@@ -1,13 +1,13 @@
-"""PostgreSQL with psycopg: statements sent in one network message, the only code of
-celery-outbox that touches psycopg and libpq directly.
+"""PostgreSQL with psycopg: statements sent in one network message. With ``one_message``, the only
+code of celery-outbox that touches psycopg and libpq directly.
 
 A message queues a statement and the statements around it (a BEGIN, ``SET LOCAL``, a COMMIT) in
 libpq's pipeline mode and sends them with one Sync in one network write
-(``OneMessage._send_one_message``); the statement goes prepared, once per connection, where that
+(``one_message.OneMessage._send_one_message``); the statement goes prepared, once per connection, where that
 is safe. The transaction boundary is the caller's: the message runs on the caller's connection
 and opens, continues or ends its transaction with the statements the caller puts before and
 after it; statements are prepared only between transactions (``_prepare_ahead`` before a message
-that opens one, ``_prepare_on_checkout`` when the pool hands the connection out). The connection's
+that opens one, ``prepare_on_checkout`` when the pool hands the connection out). The connection's
 prepared statements are followed alongside psycopg's own (``prepared_statements``). SQLite, and
 PostgreSQL through another driver or a libpq without pipeline mode, never get here
 (``OneMessage._opening`` says None).
@@ -21,35 +21,37 @@ import select as io_select
 import time
 import weakref
 import zlib
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Callable, TypeVar
 
 from sqlalchemy import Connection, event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
+from sqlalchemy.exc import DisconnectionError
 
-from .base import StoreBase
-
-# OneMessage and remember_failed_statement serve the store; the rest is named for the benchmarks'
-# hand-written floors (benchmarks/producer_row.py), which send the store's statements as it does
-__all__ = ["COMMAND_OK", "OPEN_NOT_WAITING_FOR_FLUSH", "TUPLES_OK", "OneMessage", "pipeline_exchange",
-           "pipelined_query", "prepared_statements", "remember_failed_statement"]
+# what one_message.OneMessage and remember_failed_statement's callers use; pipeline_exchange,
+# pipelined_query and prepared_statements are also named for the benchmarks' hand-written floors
+# (benchmarks/producer_row.py), which send the store's statements as it does
+__all__ = ["COMMAND_OK", "FAILED_STATEMENT", "OPEN_NOT_WAITING_FOR_FLUSH", "PG_NO_SUCH_PREPARED", "PG_PREPARED_EXISTS",
+           "PSYCOPG_CONNECTION_OK", "PSYCOPG_IDLE", "PSYCOPG_INERROR", "PSYCOPG_INTRANS", "TUPLES_OK", "PipelinedQuery",
+           "adaptation", "exchange_on", "pipeline_exchange", "pipeline_supported", "pipelined_query", "prepare",
+           "prepare_on_checkout", "prepared_statements", "remember_failed_statement", "remember_failed_statements",
+           "sqlstate_of"]
 
 _T = TypeVar("_T")
 
 # psycopg.pq values, without importing psycopg for SQLite
-_PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
+PSYCOPG_IDLE = 0  # TransactionStatus.IDLE
 COMMAND_OK = 1  # ExecStatus.COMMAND_OK
 TUPLES_OK = 2  # ExecStatus.TUPLES_OK
 _FATAL_ERROR = 7  # ExecStatus.FATAL_ERROR (an ERROR's result as well as a FATAL's)
 _PIPELINE_SYNC = 10  # ExecStatus.PIPELINE_SYNC
-_PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
-_PSYCOPG_INTRANS = 2  # TransactionStatus.INTRANS
-_PSYCOPG_INERROR = 3  # TransactionStatus.INERROR: a statement failed, the transaction can only roll back
-_PG_NO_SUCH_PREPARED = "26000"
-_PG_PREPARED_EXISTS = "42P05"
+PSYCOPG_CONNECTION_OK = 0  # ConnStatus.OK
+PSYCOPG_INTRANS = 2  # TransactionStatus.INTRANS
+PSYCOPG_INERROR = 3  # TransactionStatus.INERROR: a statement failed, the transaction can only roll back
+PG_NO_SUCH_PREPARED = "26000"
+PG_PREPARED_EXISTS = "42P05"
 # Seconds a claim interrupted by a signal waits for its cancelled query to end
 CANCEL_WAIT = 5.0
 # Per psycopg connection: the names of the statements prepared on it by ``_send_one_message``, and
@@ -59,14 +61,14 @@ CANCEL_WAIT = 5.0
 _PREPARED_ON: weakref.WeakKeyDictionary[Any, tuple[set[str], dict[str, str] | None]] = weakref.WeakKeyDictionary()
 # The error of the last statement that failed on a connection, in its ``info`` (SQLAlchemy's
 # ``handle_error`` on the store's engine, and Django's execute wrapper, put it there)
-_FAILED_STATEMENT = "celery_outbox.failed_statement"
+FAILED_STATEMENT = "celery_outbox.failed_statement"
 # The start of a message that opens a transaction committing without waiting for the WAL flush,
 # as ``StoreBase.begin(durable=False)`` opens one
 OPEN_NOT_WAITING_FOR_FLUSH = (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF")
 
 
 @dataclass(frozen=True)
-class _PipelinedQuery:
+class PipelinedQuery:
     """A statement with positional parameters (``$1``, ...) for libpq's pipeline mode:
     ``statement`` takes the values of ``keys`` in that order; ``name`` is the name it is
     prepared under on a connection. The bytes libpq takes are made once: the name, and the
@@ -106,7 +108,7 @@ def _taking(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]
 
 
 @functools.lru_cache(maxsize=16)
-def pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind: str) -> _PipelinedQuery:
+def pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind: str) -> PipelinedQuery:
     """PostgreSQL: ``statement`` (the inbox claim's INSERT, or the eager finish) taking the
     parameters ``names``, prepared as ``celery_outbox_<kind>_<checksum>``."""
     compiled = statement.compile(dialect=dialect, column_keys=list(names))
@@ -120,12 +122,12 @@ def pipelined_query(statement: Any, dialect: Any, names: tuple[str, ...], kind: 
         return f"${order.index(match.group(1)) + 1}"
 
     positional = re.sub(r"%\((\w+)\)s", number, compiled.string).replace("%%", "%")
-    return _PipelinedQuery(f"celery_outbox_{kind}_{zlib.crc32(positional.encode()):08x}", positional,
+    return PipelinedQuery(f"celery_outbox_{kind}_{zlib.crc32(positional.encode()):08x}", positional,
                            tuple(order))
 
 
 @functools.cache
-def _adaptation() -> tuple[Any, Any]:
+def adaptation() -> tuple[Any, Any]:
     """psycopg's ``Transformer`` and its text format, imported on first use (never for SQLite)."""
     from psycopg.adapt import PyFormat, Transformer
 
@@ -133,7 +135,7 @@ def _adaptation() -> tuple[Any, Any]:
 
 
 @functools.cache
-def _pipeline_supported() -> bool:
+def pipeline_supported() -> bool:
     """psycopg's libpq has pipeline mode (libpq 14 and later)."""
     import psycopg
 
@@ -156,7 +158,7 @@ def pipeline_exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
             io_select.select([], [pgconn.socket], [])
         results = _pipeline_results(pgconn)
     except BaseException:
-        if pgconn.status == _PSYCOPG_CONNECTION_OK and pgconn.is_busy():
+        if pgconn.status == PSYCOPG_CONNECTION_OK and pgconn.is_busy():
             driver.cancel()
             with suppress(Exception):  # a pipeline that cannot end: the caller drops the connection
                 _pipeline_results(pgconn, timeout=CANCEL_WAIT)
@@ -169,7 +171,7 @@ def pipeline_exchange(driver: Any, send: Callable[[Any], None]) -> list[Any]:
     return results
 
 
-def _exchange_on(conn: Connection, send: Callable[[Any], None], driver: Any = None) -> list[Any]:
+def exchange_on(conn: Connection, send: Callable[[Any], None], driver: Any = None) -> list[Any]:
     """``pipeline_exchange`` on ``conn``'s psycopg connection (``driver``, when the caller has it); a
     connection it was interrupted on (a signal such as a soft time limit, or a lost connection)
     is not reused."""
@@ -180,7 +182,7 @@ def _exchange_on(conn: Connection, send: Callable[[Any], None], driver: Any = No
         raise
 
 
-def _sqlstate(result: Any) -> str:
+def sqlstate_of(result: Any) -> str:
     """The SQLSTATE of a libpq result ('' when it carries none)."""
     from psycopg import pq
 
@@ -281,7 +283,7 @@ def _pipeline_stalled(pgconn: Any, results: list[Any]) -> Exception:
     return psycopg.OperationalError(f"the connection ended before the pipeline's end: {message or 'no error given'}")
 
 
-def _prepare(driver: Any, prepared: set[str], to_prepare: dict[str, str],
+def prepare(driver: Any, prepared: set[str], to_prepare: dict[str, str],
              exchange: Callable[[Callable[[Any], None]], list[Any]]) -> None:
     """In one round trip (``exchange``) on psycopg connection ``driver``, between transactions:
     prepare the statements ``to_prepare`` names (those a message inside a transaction sent
@@ -300,11 +302,11 @@ def _prepare(driver: Any, prepared: set[str], to_prepare: dict[str, str],
 
     results = exchange(send)
     for (name, _), result in zip(wanted, results, strict=True):
-        if result.status == COMMAND_OK or _sqlstate(result) == _PG_PREPARED_EXISTS:
+        if result.status == COMMAND_OK or sqlstate_of(result) == PG_PREPARED_EXISTS:
             prepared.add(name)
 
 
-def _prepare_on_checkout(engine: Engine) -> None:
+def prepare_on_checkout(engine: Engine) -> None:
     """PostgreSQL with psycopg: when the pool of ``engine`` hands out a connection between
     transactions, prepare the statements a message inside a transaction sent unnamed on it (see
     ``_send_one_message``), in one round trip, once per connection and statement. A unit of work
@@ -325,12 +327,12 @@ def _prepare_pending(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
         return
     import psycopg
 
-    if driver.pgconn.transaction_status != _PSYCOPG_IDLE:  # a connection handed over mid-transaction
+    if driver.pgconn.transaction_status != PSYCOPG_IDLE:  # a connection handed over mid-transaction
         return
     try:
-        _prepare(driver, prepared, to_prepare, functools.partial(pipeline_exchange, driver))
+        prepare(driver, prepared, to_prepare, functools.partial(pipeline_exchange, driver))
     except psycopg.Error as exc:
-        if driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
+        if driver.pgconn.status != PSYCOPG_CONNECTION_OK:
             raise DisconnectionError(str(exc)) from exc  # the pool connects afresh
         raise
 
@@ -342,10 +344,10 @@ def remember_failed_statement(conn: Connection, error: BaseException) -> None:
     text = str(error).strip()
     line = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
     with suppress(Exception):  # a connection already closed or invalidated keeps nothing
-        conn.info[_FAILED_STATEMENT] = line
+        conn.info[FAILED_STATEMENT] = line
 
 
-def _remember_failed_statements(engine: Engine) -> None:
+def remember_failed_statements(engine: Engine) -> None:
     """PostgreSQL with psycopg: the error of each statement that fails on ``engine`` is kept with
     its connection (``remember_failed_statement``)."""
     if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg" \
@@ -356,175 +358,3 @@ def _remember_failed_statements(engine: Engine) -> None:
 def _on_statement_error(context: Any) -> None:
     if context.connection is not None and not context.is_disconnect:
         remember_failed_statement(context.connection, context.sqlalchemy_exception or context.original_exception)
-
-
-class OneMessage(StoreBase):
-    """Statements sent in one network message on PostgreSQL with psycopg."""
-
-    def __init__(self, engine: Engine, *args: Any, **kwargs: Any):
-        super().__init__(engine, *args, **kwargs)
-        _prepare_on_checkout(engine)
-        _remember_failed_statements(engine)
-
-    def aborted_by(self, conn: Connection) -> str | None:
-        """None while ``conn``'s transaction can commit. When PostgreSQL has aborted it (a
-        statement in it failed, and the caller caught the error without a savepoint: its COMMIT
-        would end as a ROLLBACK, psycopg raising nothing), the error of the statement that last
-        failed on ``conn`` (the one that aborted it, unless the caller ran it through the driver
-        itself), as its caller saw it. libpq knows the transaction's state: no round trip. Other
-        databases never abort a transaction this way."""
-        if conn.dialect.driver != "psycopg" or conn.closed or conn.invalidated:
-            return None
-        driver = conn.connection.driver_connection
-        if driver.pgconn.transaction_status != _PSYCOPG_INERROR:
-            return None
-        return self.failed_statement(conn) or "its error was not seen"
-
-    def failed_statement(self, conn: Connection) -> str | None:
-        """The error of the statement that last failed on ``conn`` (``remember_failed_statement``),
-        in one line: its type and the first line of its message; None if none failed."""
-        with suppress(Exception):
-            return conn.info.get(_FAILED_STATEMENT)
-        return None
-
-    def _in_one_message_alone(self, send: Callable[[Connection], _T], conn: Connection | None = None) -> _T | None:
-        """PostgreSQL: ``send(conn)``, statements sent in one message that open their own
-        transaction, on ``conn`` (a connection between transactions) or on a connection of its
-        own; None, and nothing sent, when they cannot go in one message there (see
-        ``_opening``). A lost connection is ``StoreUnavailable``."""
-        try:
-            with nullcontext(conn) if conn is not None else self.engine.connect() as connection:
-                return send(connection) if self._can_open_in_one_message(connection) else None
-        except OperationalError as exc:
-            raise self.unavailable(exc) from exc
-
-    def _can_open_in_one_message(self, conn: Connection) -> bool:
-        """PostgreSQL: ``conn`` is between transactions, and a message sent on it may open its own."""
-        return self._opening(conn) == (b"BEGIN",)
-
-    def _opening(self, conn: Connection) -> tuple[bytes, ...] | None:
-        """PostgreSQL: what statements sent in one message on ``conn`` must start with: ``(b"BEGIN",)``
-        when its psycopg connection is between transactions in the default transaction mode (they
-        open the transaction themselves, as psycopg would have), ``()`` inside a transaction, and
-        None when they cannot go in one message (another driver, a libpq without pipeline mode, a
-        transaction in error, or non-default transaction settings)."""
-        if conn.dialect.driver != "psycopg" or not _pipeline_supported():
-            return None
-        driver = conn.connection.driver_connection
-        status = driver.pgconn.transaction_status
-        if status == _PSYCOPG_INTRANS:
-            return ()
-        if (status == _PSYCOPG_IDLE and not driver.autocommit and driver.isolation_level is None
-                and driver.read_only is None and driver.deferrable is None):
-            return (b"BEGIN",)
-        return None
-
-    def _send_one_message(self, conn: Connection, query: _PipelinedQuery, values: dict[str, Any],
-                          before: tuple[bytes, ...], after: tuple[bytes, ...],
-                          tolerate: tuple[str, ...] = ()) -> tuple[Any, str | None]:
-        """PostgreSQL: the statements ``before``, ``query`` with ``values`` and the statements
-        ``after``, queued in libpq's pipeline mode and sent with one Sync in one network write.
-        Returns (``query``'s result, None), or (None, the SQLSTATE) when a statement failed with
-        one of the SQLSTATEs ``tolerate`` names: the transaction is then in error, for the caller
-        to roll back. Any other error is raised as psycopg would have (``StoreUnavailable`` when
-        the connection is lost).
-
-        The values travel as parameters, in text. A message that opens its transaction
-        (``before`` starts with BEGIN) sends ``query`` as a statement prepared once per
-        connection (its Parse goes with its first message); when that statement turns out to
-        be gone (psycopg deallocates every prepared statement on a rollback once it prepared
-        some of its own) or there already, it is put right and the message sent again: nothing
-        but the message itself ran in that transaction. A message inside a transaction could
-        not be sent again: there ``query`` goes prepared only when it is known to be (the
-        connection's set of prepared names follows psycopg's deallocations:
-        ``prepared_statements``); otherwise it goes as an unnamed statement, parsed, and is
-        prepared between the connection's transactions (when the pool next hands it out, or
-        before its next message that opens a transaction), where a Parse that fails harms
-        nothing. With psycopg's prepared statements off
-        (``prepare_threshold = None``, as behind a transaction-pooling PgBouncer) every
-        statement goes unnamed."""
-        driver = conn.connection.driver_connection
-        prepared, to_prepare = prepared_statements(conn)
-        in_step = (_PG_NO_SUCH_PREPARED, _PG_PREPARED_EXISTS)
-        opens = before[:1] == (b"BEGIN",)
-        try:
-            if opens and to_prepare:
-                self._prepare_ahead(conn, prepared, to_prepare)
-            named = opens or (to_prepare is not None and query.name in prepared)
-            if not named and to_prepare is not None and driver.prepare_threshold is not None:
-                to_prepare[query.name] = query.statement
-            result, failed = self._run_one_message(conn, driver, query, prepared, before, after, values, named=named)
-            if failed is not None and opens:
-                sqlstate = self._error_of(conn, failed, expected=(*in_step, *tolerate))
-                if sqlstate in in_step:
-                    driver.rollback()
-                    (prepared.discard if sqlstate == _PG_NO_SUCH_PREPARED else prepared.add)(query.name)
-                    result, failed = self._run_one_message(conn, driver, query, prepared, before, after, values,
-                                                           named=True)
-            if failed is not None:
-                if _sqlstate(failed) == _PG_NO_SUCH_PREPARED:  # gone behind psycopg's back: prepare it anew
-                    prepared.discard(query.name)
-                return None, self._error_of(conn, failed, expected=tolerate)
-        except Exception as exc:
-            import psycopg
-
-            if not isinstance(exc, psycopg.Error):  # psycopg's come from libpq or the adaptation of the values
-                raise
-            if conn.invalidated or driver.pgconn.status != _PSYCOPG_CONNECTION_OK:
-                if not conn.invalidated:
-                    conn.invalidate()
-                raise self.unavailable(exc) from exc
-            raise DBAPIError.instance(query.statement, values, exc, psycopg.Error) from exc
-        return result, None
-
-    def _prepare_ahead(self, conn: Connection, prepared: set[str], to_prepare: dict[str, str]) -> None:
-        """Before a message that opens a transaction on ``conn``, in one round trip: prepare the
-        statements a message inside a transaction sent unnamed (``_prepare``)."""
-        _prepare(conn.connection.driver_connection, prepared, to_prepare, functools.partial(_exchange_on, conn))
-
-    def _run_one_message(self, conn: Connection, driver: Any, query: _PipelinedQuery, prepared: set[str],
-                         before: tuple[bytes, ...], after: tuple[bytes, ...], values: dict[str, Any],
-                         named: bool) -> tuple[Any, Any]:
-        """Send the pipeline on ``conn`` (its psycopg connection ``driver``); (``query``'s result,
-        the first result that is an error or None). ``query`` goes as a prepared statement when
-        ``named`` and psycopg's prepared statements are on; it counts as prepared on the
-        connection once its Parse succeeded, whatever came after."""
-        transformer, text = _adaptation()
-        params = transformer(driver).dump_sequence(query.values(values), [text] * len(query.keys))
-        statement, name = query.encoded(driver), query.encoded_name
-        unnamed = not named or driver.prepare_threshold is None
-        prepare = not unnamed and query.name not in prepared
-
-        def send(pgconn: Any) -> None:
-            if prepare:
-                pgconn.send_prepare(name, statement)
-            for each in before:
-                pgconn.send_query_params(each, None)
-            if unnamed:
-                pgconn.send_query_params(statement, params)
-            else:
-                pgconn.send_query_prepared(name, params)
-            for each in after:
-                pgconn.send_query_params(each, None)
-
-        results = _exchange_on(conn, send, driver)
-        if prepare and results[0].status == COMMAND_OK:
-            prepared.add(query.name)
-        failed = None
-        for result in results:
-            if result.status != COMMAND_OK and result.status != TUPLES_OK:
-                failed = result
-                break
-        return results[len(before) + prepare], failed
-
-    def _error_of(self, conn: Connection, result: Any, expected: tuple[str, ...]) -> str:
-        """The SQLSTATE of the error ``result`` carries when it is one of ``expected``; otherwise
-        raise it as psycopg would have."""
-        import psycopg
-
-        driver = conn.connection.driver_connection
-        message = (result.error_message or driver.pgconn.error_message).decode(errors="replace").strip()
-        sqlstate = _sqlstate(result)
-        if sqlstate in expected and driver.pgconn.status == _PSYCOPG_CONNECTION_OK:
-            return sqlstate
-        raise (psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.OperationalError)(message)

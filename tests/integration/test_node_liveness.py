@@ -7,7 +7,7 @@ from sqlalchemy import text
 
 from celery_outbox import Outbox
 from celery_outbox.core.node import node_lock_key
-from celery_outbox.maintenance.durability import detect_dead_nodes
+from celery_outbox.maintenance.recover import detect_dead_nodes
 
 from ..conftest import drop_store
 from ..services import wait_until

@@ -210,14 +210,14 @@ def test_cleanup_deletes_expired_rows_and_hands_them_to_the_archiver_first(sqlit
 @pytest.mark.parametrize("rest", [0, 2.5])
 def test_cleanup_rests_between_batches_in_proportion_to_each_batch(sqlite_url, table_prefix, monkeypatch, rest):
     """``outbox_cleanup_rest`` sleeps ``rest`` times each batch's own duration before the next batch."""
-    from celery_outbox.maintenance import durability
+    from celery_outbox.maintenance import batches
 
     shop = make_shop("memory://", sqlite_url, table_prefix, outbox_cleanup_batch_size=4, outbox_cleanup_rest=rest)
     shop.outbox.ready()
     expired_inbox_rows(shop.outbox.store, 10)
     clock = iter(range(0, 1000, 2))  # every batch takes 2 s on cleanup's clock
     slept: list[float] = []
-    monkeypatch.setattr(durability, "time", SimpleNamespace(monotonic=lambda: float(next(clock)),
+    monkeypatch.setattr(batches, "time", SimpleNamespace(monotonic=lambda: float(next(clock)),
                                                             sleep=slept.append))
     result = shop.outbox.cleanup()
     assert (result.incoming_deleted, result.batches) == (10, 3)
