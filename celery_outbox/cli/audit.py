@@ -1,0 +1,95 @@
+"""``celery -A proj outbox audit``: the Spark delivery audit of the archive (and the live tables),
+started in a process of its own; pyspark is imported only when it runs."""
+
+from __future__ import annotations
+
+import click
+
+from ..outbox import Outbox
+from .group import Age, outbox, with_outbox
+
+
+@outbox.command()
+
+
+@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path); a path or a URI.")
+
+
+@click.option("--out", required=True, help="Folder (a path or a URI) for summary.json, report.html and "
+              "aggregates/.")
+
+
+@click.option("--jdbc-url", help="Also read the live tables (jdbc:postgresql:// or postgresql:// URL); "
+              "'store' uses outbox_database_url.")
+
+
+@click.option("--jdbc-jar", help="The PostgreSQL JDBC driver jar (default /usr/share/java/postgresql.jar).")
+
+
+@click.option("--grace", type=Age(), default="1h", show_default=True,
+              help="A sent message not handled after this long is lost.")
+
+
+@click.option("--late-after", type=Age(), default="60s", show_default=True, help="Sent to handled beyond this is late.")
+
+
+@click.option("--stuck-after", type=Age(), default="1h", show_default=True, help="A live row waiting longer is stuck.")
+
+
+@click.option("--master", default="local[*]", show_default=True,
+              help="Spark master; on a cluster (spark://, yarn...) the package is shipped to the executors.")
+
+
+@click.option("--driver-memory", help="The Spark driver's heap, e.g. 6g (Spark's default: 1g). In local mode "
+              "the driver does all the work.")
+
+
+@click.option("--shuffle-partitions", type=click.IntRange(min=1),
+              help="Partitions per shuffle (default: 4 per core, unless your Spark configuration sets them).")
+
+
+@click.option("--verbose", is_flag=True, help="Spark's own log on the console, not in spark.log in --out.")
+
+
+@click.option("--full", is_flag=True, help="Read the whole archive again, not only what the ledger in --out has "
+              "not covered.")
+
+
+@click.option("--no-ledger", is_flag=True, help="A one-off audit: read everything and keep no ledger in --out "
+              "(about half the cost of a full run that keeps one).")
+
+
+@click.option("--horizon", type=Age(), default="1d", show_default=True,
+              help="How long after a message's newest row the ledger still matches repeats of its rows.")
+
+
+@click.option("--now", type=click.DateTime(formats=["%Y-%m-%dT%H:%M:%S%z", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"]),
+              help="Audit as of this moment (ISO 8601, UTC unless it says; default: now).")
+
+
+@with_outbox
+
+
+def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master, driver_memory,
+          shuffle_partitions, verbose, full, no_ledger, horizon, now) -> None:
+    """The delivery audit (Spark): lost, duplicated, late and dead-lettered messages; exit 1 when any is lost."""
+    import importlib.util
+
+    missing = [name for name in ("pyspark", "pyarrow") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise click.ClickException(f"the audit needs {' and '.join(missing)}: pip install 'celery-outbox[spark]'")
+    from .audit.job import main as audit_main
+
+    archive = archive or box.settings.archive_path
+    if jdbc_url == "store":
+        jdbc_url = box.settings.database_url
+    argv = ["--out", out, "--table-prefix", box.settings.table_prefix, "--grace", str(grace.total_seconds()),
+            "--late-after", str(late_after.total_seconds()), "--stuck-after", str(stuck_after.total_seconds()),
+            "--master", master, "--horizon", str(horizon.total_seconds())]
+    if now is not None:
+        argv += ["--now", now.isoformat()]
+    for flag, value in (("--archive", archive), ("--jdbc-url", jdbc_url), ("--jdbc-jar", jdbc_jar),
+                        ("--driver-memory", driver_memory), ("--shuffle-partitions", shuffle_partitions)):
+        if value:
+            argv += [flag, str(value)]
+    raise SystemExit(audit_main(argv + ["--verbose"] * verbose + ["--full"] * full + ["--no-ledger"] * no_ledger))
