@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .dead_letters import DeadLetterStatements
 from .incoming import IncomingStatements
+from .incoming_upkeep import IncomingUpkeepStatements
 from .inspection import Inspection
 from .migration import SchemaStatements
 from .nodes import NodeStatements
@@ -24,6 +25,6 @@ from .status import StatusStatements
 __all__ = ["Store"]
 
 
-class Store(SchemaStatements, OutgoingStatements, IncomingStatements, DeadLetterStatements, NodeStatements,
-            StatusStatements, Inspection):
+class Store(SchemaStatements, OutgoingStatements, IncomingStatements, IncomingUpkeepStatements, DeadLetterStatements,
+            NodeStatements, StatusStatements, Inspection):
     """The tables of one table prefix on one engine, and every statement run on them."""
