@@ -1,14 +1,11 @@
 """``Outbox(app)``: the composition root that installs celery-outbox on a Celery app.
 
-``Outbox(app)`` builds one ``Runtime`` (the app, its settings, the store, the sessions,
-the archiver: see ``runtime``), the parts that use it (the publisher, the node, the
-inbox), and installs the hooks: the publish hook, the app's task base, the consumer
-guard, the beat tasks and the worker signals. Each part is handed what it uses; none
-reaches back here. Calling it twice on one app returns the same object.
-
-No connection is made until the store is first used (``ready()``), which
-workers and beat do at start-up: a database that cannot be reached stops them with
-one clear error instead of failing their first task.
+It builds one ``Runtime`` and the parts that use it (the publisher, the node, the inbox), and
+installs the publish hook, the app's task base, the consumer guard, the beat tasks and the worker
+signals; each part is handed what it uses and none reaches back here. Transaction boundary: none
+of its own; its methods open units of work (``transaction``, ``begin``) or run the maintenance
+functions in their short transactions. No connection is made until ``ready()``, which workers and
+beat call at start-up: a database that cannot be reached stops them with one clear error.
 """
 
 from __future__ import annotations
@@ -201,21 +198,24 @@ class Outbox:
 
     @property
     def settings(self) -> OutboxSettings:
-        """The validated, frozen settings (read from ``app.conf`` on first need)."""
+        """The validated, frozen settings, read from ``app.conf`` once; reading them makes no connection."""
         return self.runtime.settings
 
     @property
     def store(self) -> Store:
-        """The message store; use ``ready()`` first to be sure its tables exist."""
+        """The message store; its tables are sure to exist only once ``ready()`` has passed."""
         return self.runtime.store
 
     @property
     def engine(self) -> Engine:
+        """The store's SQLAlchemy engine: the one given to ``Outbox(app, engine=...)``, or the one built
+        from the settings (``outbox_database_url``, or Django's database)."""
         return self.runtime.engine
 
     @property
     def archiver(self) -> Archiver | None:
-        """Receives the rows cleanup deletes: the delivery audit's archive (``outbox_archive_path``)."""
+        """Receives each batch cleanup deletes before its deleting transaction commits, and stops the
+        delete when it raises: the delivery audit's archive (``outbox_archive_path``)."""
         return self.runtime.archiver
 
     @archiver.setter
@@ -223,72 +223,90 @@ class Outbox:
         self.runtime.archiver = archiver
 
     def ready(self) -> "Outbox":
-        """Check the database answers and its tables exist (creating them when
-        ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable`` (the database cannot be
-        reached), ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with
-        one clear message; a connection lost under one of its statements raises SQLAlchemy's
-        ``OperationalError``, as any statement does, for a caller's retry to catch. Safe to call
-        often: once it has passed it does nothing."""
+        """Makes sure the database answers and the tables exist (creating them when
+        ``outbox_auto_create_schema`` is on), or raises one clear error; once it has passed it does
+        nothing.
+
+        Raises ``StoreUnavailable`` (the database cannot be reached), ``ConfigurationError`` or
+        ``IncompatibleSchema`` (tables of a newer release); a connection lost under one of its
+        statements raises SQLAlchemy's ``OperationalError``, as any statement does, for a caller's
+        retry to catch."""
         self.runtime.ready()
         return self
 
     # -- units of work ---------------------------------------------------------------------------
 
     def transaction(self, session: Session | None = None) -> ContextManager[Session]:
-        """Open a unit of work: messages sent inside are published only after the commit.
+        """Publishes every message the block sends only after its Session commits; a rollback
+        publishes nothing but a ``retry`` or ``replace`` of the running task, which Celery decided on.
 
         ``with outbox.transaction() as session:`` opens a Session on the outbox's
         engine, commits when the block ends and rolls back on an exception.
         ``with outbox.transaction(session):`` joins a Session you own: its messages
         are published after that Session's commit, whenever you make it. A block
         inside an open one joins it. Messages for durable queues are stored in the
-        outgoing table inside the same database transaction.
+        outgoing table inside the same database transaction: once it commits, a broker
+        outage or a crash delays them, never loses them.
         """
         return transaction(self.publisher, session)
 
     def begin(self) -> ContextManager[Connection]:
-        """Open a unit of work on a Core connection, as ``engine.begin()`` does.
+        """Publishes every message the block sends only after its transaction commits; a rollback
+        publishes nothing but a ``retry`` or ``replace`` of the running task, which Celery decided on.
 
         ``with outbox.begin() as conn:`` begins a transaction on a connection of the outbox's
-        engine, commits when the block ends and rolls back on an exception; messages sent
-        inside are published only after the commit, and those for durable queues are stored
-        in the outgoing table inside the same transaction, as with ``transaction()``. It
-        makes no ORM Session: for code that writes with Core statements it costs less. A
+        engine, as ``engine.begin()`` does, commits when the block ends and rolls back on an
+        exception; messages for durable queues are stored in the outgoing table inside the same
+        transaction (on PostgreSQL their INSERT goes with the COMMIT), as with ``transaction()``.
+        It makes no ORM Session: for code that writes with Core statements it costs less. A
         block inside an open unit of work joins it. Do not commit or roll back ``conn``
-        yourself: the block ends the transaction.
+        yourself: the block ends the transaction (doing so raises ``OutboxError`` and drops the
+        block's messages).
         """
         return begin(self.publisher)
 
     def new_session(self, bind: Connection | None = None) -> Session:
-        """A new Session on the outbox's engine (the caller closes it). With ``bind``, a Session
-        that joins that connection's open transaction: its ``commit()`` only flushes, the
-        connection's owner commits; its ``rollback()`` rolls the transaction back."""
+        """A new Session on the outbox's engine that holds no message back by itself: what is sent
+        while it is open is captured only inside a unit of work (``transaction(session)``).
+
+        The caller closes it. With ``bind``, a Session that joins that connection's open
+        transaction: its ``commit()`` only flushes, the connection's owner commits; its
+        ``rollback()`` rolls the transaction back."""
         return self.runtime.new_session(bind)
 
     # -- maintenance ---------------------------------------------------------------------------
 
     def relay(self, max_batches: int | None = None) -> RelayResult:
-        """Publish outgoing rows left after their commit (what each recover pass and ``outbox relay`` run)."""
+        """Publishes the outgoing rows committed and not published, at least once and never by two
+        relays at once, one short transaction per batch (what each recover pass and ``outbox relay``
+        run)."""
         return relay(self.runtime, max_batches)
 
     def recover(self, max_batches: int | None = None) -> RecoverResult:
-        """One recover pass (what beat's ``celery_outbox.recover`` and ``outbox recover`` run)."""
+        """Leaves no row stranded: one recover pass releases the claims of dead nodes (and stale ones,
+        with ``outbox_inbox_stale_time``), relays, redelivers and re-publishes what was left, in
+        short batches (what beat's ``celery_outbox.recover`` and ``outbox recover`` run)."""
         return recover(self.runtime, max_batches)
 
     def cleanup(self, max_batches: int | None = None) -> CleanupResult:
-        """One cleanup pass (what beat's ``celery_outbox.cleanup`` and ``outbox cleanup`` run)."""
+        """Deletes ended inbox rows only past their dedupe window and dead letters only past their
+        retention, each batch archived before it is deleted when an archive is set (one pass, what
+        beat's ``celery_outbox.cleanup`` and ``outbox cleanup`` run)."""
         return cleanup(self.runtime, max_batches)
 
     def migrate(self):
-        """Create or upgrade the tables (what ``celery -A proj outbox migrate`` runs)."""
+        """Creates or upgrades the tables, all the DDL in one transaction; idempotent, and two runs at
+        once serialise (what ``celery -A proj outbox migrate`` runs)."""
         return self.runtime.migrate()
 
     def status(self, stuck_after: float = DEFAULT_STUCK_AFTER, recent: float = DEFAULT_RECENT,
                timeout: float | None = None) -> dict[str, Any]:
-        """Counts, ages, rows waiting longer than ``stuck_after`` seconds, dead letters of the last
-        ``recent`` seconds, and nodes (what ``celery -A proj outbox status`` prints, and what
-        ``check`` and the metrics' gauges read). One read-only transaction; with ``timeout``
-        (seconds), it raises rather than wait longer on PostgreSQL for a locked table."""
+        """Reads the store's status in one transaction and writes nothing: counts, ages, rows waiting
+        longer than ``stuck_after`` seconds, dead letters of the last ``recent`` seconds, and nodes.
+
+        What ``celery -A proj outbox status`` prints, and what ``check`` and the metrics' gauges
+        read. With ``timeout`` (seconds), it raises rather than wait longer on PostgreSQL for a
+        locked table."""
         return self.runtime.status(stuck_after=stuck_after, recent=recent, timeout=timeout)
 
 

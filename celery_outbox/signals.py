@@ -1,27 +1,11 @@
 """Signals celery-outbox sends, in Celery's style (``@message_published.connect``).
 
-Each is sent in the process where the event happens, once it is true: a store, a dead letter
-or a claim's release after its transaction committed (a rolled-back one is never announced), a
-publish once the broker accepted it. ``celery_outbox.metrics``
-counts them; a user's receiver may too. A receiver runs on the path of the message: it must be
-quick. One that raises is logged by Celery's dispatcher and the message goes on.
-
-* ``messages_stored(sender=outbox, messages=[OutgoingMessage])``: durable messages committed
-  to the outgoing table (one send per commit).
-* ``message_published(sender=outbox, message=OutgoingMessage, relayed=bool)``: the
-  broker accepted the message (after the commit, or later by the relay).
-* ``publish_failed(sender=outbox, message=OutgoingMessage, exception=...)``: a
-  publish failed; a durable message stays in the outgoing table for the relay.
-* ``message_redelivered(sender=outbox, message=OutgoingMessage, reason=RedeliveryReason)``: a
-  sent message published again: no inbox acknowledged it, or the worker running it was lost.
-* ``duplicate_discarded(sender=outbox, message_id, task_name, queue)``: the inbox
-  discarded a redelivered copy (acked, state IGNORED).
-* ``message_handled(sender=outbox, message_id, task_name, queue, attempt, seconds)``: an
-  attempt's transaction committed behind its inbox claim, ``seconds`` after the claim began.
-* ``message_dead_lettered(sender=outbox, message_id, task_name, queue, reason=DeadLetterReason)``:
-  a message was moved to dead letters.
-* ``claims_released(sender=outbox, count, reason=ClaimRelease)``: recovery released inbox
-  claims so that other workers take them over: their node died, or they were stale.
+Transaction boundary: none of its own; each signal is sent in the process where its event
+happens, once it is true: a store, a dead letter or a claim's release after its transaction
+committed (a rolled-back one is never announced), a publish once the broker accepted it.
+Guarantee: a receiver that raises is logged by Celery's dispatcher and the message goes on; a
+receiver runs on the message's path, so it must be quick. Each signal's arguments are given where
+it is defined, and in docs/publishing.md (Signals).
 """
 
 from __future__ import annotations
@@ -35,17 +19,33 @@ from .vocabulary import DeadLetterReason
 __all__ = ["announce_dead_letters", "claims_released", "duplicate_discarded", "message_dead_lettered",
            "message_handled", "message_published", "message_redelivered", "messages_stored", "publish_failed"]
 
+#: ``messages_stored(sender=outbox, messages=[OutgoingMessage])``: durable messages committed to the
+#: outgoing table (once per commit)
 messages_stored = Signal(name="celery_outbox.messages_stored", providing_args={"messages"})
+#: ``message_published(sender=outbox, message=OutgoingMessage, relayed=bool)``: the broker accepted the
+#: message (after the commit, or later by the relay)
 message_published = Signal(name="celery_outbox.message_published", providing_args={"message", "relayed"})
+#: ``publish_failed(sender=outbox, message=OutgoingMessage, exception=...)``: a publish failed; a
+#: durable message stays in the outgoing table for the relay
 publish_failed = Signal(name="celery_outbox.publish_failed", providing_args={"message", "exception"})
+#: ``message_redelivered(sender=outbox, message=OutgoingMessage, reason=RedeliveryReason)``: a sent
+#: message published again: no inbox acknowledged it, or the worker running it was lost
 message_redelivered = Signal(name="celery_outbox.message_redelivered", providing_args={"message", "reason"})
+#: ``duplicate_discarded(sender=outbox, message_id, task_name, queue)``: the inbox discarded a
+#: redelivered copy (acked, state IGNORED)
 duplicate_discarded = Signal(
     name="celery_outbox.duplicate_discarded", providing_args={"message_id", "task_name", "queue"}
 )
+#: ``message_handled(sender=outbox, message_id, task_name, queue, attempt, seconds)``: an attempt's
+#: transaction committed behind its inbox claim, ``seconds`` after the claim began
 message_handled = Signal(name="celery_outbox.message_handled",
                          providing_args={"message_id", "task_name", "queue", "attempt", "seconds"})
+#: ``message_dead_lettered(sender=outbox, message_id, task_name, queue, reason=DeadLetterReason)``: a
+#: message was moved to dead letters
 message_dead_lettered = Signal(name="celery_outbox.message_dead_lettered",
                                providing_args={"message_id", "task_name", "queue", "reason"})
+#: ``claims_released(sender=outbox, count, reason=ClaimRelease)``: recovery released inbox claims so
+#: that other workers take them over: their node died, or they were stale
 claims_released = Signal(name="celery_outbox.claims_released", providing_args={"count", "reason"})
 
 

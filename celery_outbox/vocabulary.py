@@ -1,8 +1,8 @@
-"""The closed sets of values celery-outbox writes and reads: inbox statuses, dead-letter reasons,
-the kinds of archived rows, the headers it adds to messages, and the attempt of a delivery.
+"""The closed sets of values celery-outbox writes and reads, and the headers it adds to messages.
 
-The bottom of the import graph: it imports nothing of the package, and every layer (the store,
-the publishing side, the consumer side, maintenance) names these values from here.
+No transaction. Inbox statuses, dead-letter reasons, the kinds of archived rows, the headers, the
+attempt of a delivery: every layer names these values from here. The bottom of the import graph:
+it imports nothing of the package.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The delivery audit's numbers, computed with Spark from its de-duplicated inputs.
 
-Lost messages: sent longer than the grace period ago, never handled, dead-lettered nor revoked,
-and not still held by the live tables. Also the duplicates discarded, late deliveries, stuck rows
-(live tables only), the latency to handled (p50, p95, p99, max; per task and per hour, and as a
-histogram), throughput over time (per second, minute or hour, by the window's length) and
-dead letters by task and exception, and what the inputs held and cover (``inputs``). A sent
-message and its inbox rows are matched by id, and by destination too when the inbox keyed by id and
-queue.
-
-Latency is kept apart by ``Timing``: a message sent at once counts from its send, a scheduled one
-(sent with countdown/eta) from its due time, or its send when that came later, so a countdown never
-reads as delay; the latency figures are per timing, and "late" counts either kind from its start.
+No transaction: it reads DataFrames and returns figures. Lost, duplicate, late and stuck messages,
+latency to handled (per task and per hour, kept apart by ``Timing``: immediate or scheduled),
+throughput over time and dead letters by task and exception are defined in docs/audit.md; a sent
+message and its inbox rows are matched by id, and by destination too when the inbox keyed by id
+and queue.
 """
 
 from __future__ import annotations

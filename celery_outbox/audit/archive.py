@@ -1,17 +1,10 @@
 """The delivery archive: Parquet files, partitioned by date, that cleanup writes before it deletes.
 
-Layout under ``outbox_archive_path`` (a local path, a ``file:`` URI, or any URI pyarrow can write:
-``s3://``, ``gs://``, ``hdfs://``, ``abfs://``; Spark's ``s3a://`` is written as ``s3://``; see
-``Location`` for how a path is read)::
-
-    incoming/date=2026-11-22/part-<time>-<uuid>.parquet      handled, retried and dead inbox rows
-    dead_letters/date=2026-11-22/part-....parquet            dead letters past their retention
-    sent/date=2026-11-22/part-....parquet                    first publish of every durable message, with
-                                                             its eta (``deliver_at``) when it was scheduled
-
-Transaction boundary: ``archive`` runs inside cleanup's deleting transaction and
-raises if it cannot write, so the batch is not deleted and the next cleanup writes
-it again. Archiving is therefore at least once; the audit de-duplicates.
+Transaction boundary: ``archive`` runs inside cleanup's deleting transaction and raises if it
+cannot write, so the batch is not deleted and the next cleanup writes it again. Guarantee:
+archiving is at least once (the audit de-duplicates), and each batch is a new file, never
+rewritten. The layout (``incoming/``, ``dead_letters/``, ``sent/``, each by ``date=``) and the
+locations it writes (``Location``) are in docs/audit.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The delivery audit's inputs, checked before any JVM starts: a bad one costs a second and one
-clear line, not Spark's start-up and its log.
+"""The delivery audit's inputs, checked before any JVM starts: a bad one costs a second and one line.
 
-Checked here: the options' locations, the archive when it is local (there, holding files, each
-readable Parquet with the columns of its kind, or of an older release's: pyarrow reads the footers),
-the JDBC URL's form and the JDBC driver's jar. An archive on a filesystem only Spark reaches
-(``s3a://``, ``hdfs://``...) is not refused but left to Spark, which checks that it is there, not
-empty and stamped by clocks (``Inputs``), as it checks the live tables.
+No transaction: it reads files. Checked here: the options' locations, the archive when it is local
+(holding files, each readable Parquet with the columns of its kind, or of an older release's:
+pyarrow reads the footers), the JDBC URL's form and the JDBC driver's jar. An archive on a
+filesystem only Spark reaches (``s3a://``, ``hdfs://``...) is left to Spark, which checks it as it
+checks the live tables (``inputs``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Spark's Hadoop FileSystem, reached through the driver's JVM: the audit's way into any filesystem
-Spark can write (``file:``, ``hdfs://``, ``s3a://``, ``gs://``, ``abfs://``...), with the session's
-own configuration and credentials, for what is not a DataFrame: the archive's folders, the summary
-and the report.
+"""Spark's Hadoop FileSystem, reached through the driver's JVM, for what is not a DataFrame.
+
+No transaction. It reaches any filesystem Spark can write (``file:``, ``hdfs://``, ``s3a://``,
+``gs://``, ``abfs://``...) with the session's own configuration and credentials, for the archive's
+folders, the summary and the report.
 """
 
 from __future__ import annotations

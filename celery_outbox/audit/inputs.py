@@ -1,16 +1,11 @@
-"""The delivery audit's input: the Parquet archive cleanup writes (checked before Spark starts,
-``checks``) and optionally the live tables over JDBC, read as DataFrames and de-duplicated.
+"""The delivery audit's inputs as de-duplicated DataFrames: the archive and, optionally, live tables.
 
-Archived rows may repeat (archiving is at least once), and a row may be both archived and still
-in its live table: every input is de-duplicated by its key (``Inputs``). An archive only Spark
-reaches that is missing or empty, or a live table that cannot be read, is an ``AuditInputError``
-saying what and where, with any password masked; so is a row of either stamped before
-``EARLIEST_MOMENT`` (the checks refuse it in a local archive before Spark starts), named by its
-file or table and its message id.
-
-An incremental run (``ledger``) reads only the archive files the last run did not, and adds to
-them the messages that run carried over: de-duplication is the same whether a message's rows
-came in one run or over several.
+Transaction boundary: none of its own; each live table is read once over JDBC, before the archive
+is listed. Guarantee: every input is de-duplicated by its key (``Inputs``), so a row archived
+twice, or both archived and still live, counts once, whether its message's rows came in one run or
+over several (``ledger``). An input that is missing, empty or unreadable, or a row stamped before
+``EARLIEST_MOMENT``, is an ``AuditInputError`` naming the file or table (and the message id), with
+any password masked.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The live tables' address: a JDBC URL and the driver's connection properties, from a
-``jdbc:postgresql://`` URL or an SQLAlchemy PostgreSQL URL, checked before Spark starts.
+"""The live tables' address: a JDBC URL and the driver's connection properties, checked before Spark.
 
-A malformed URL is an ``AuditInputError`` naming it with its password masked.
+No transaction: it parses a ``jdbc:postgresql://`` URL or an SQLAlchemy PostgreSQL URL and connects
+to nothing. A malformed URL is an ``AuditInputError`` naming it with its password masked.
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
-"""The delivery audit, a Spark job: did every durable message arrive, once, and how late?
+"""The delivery audit's entry point: ``run_audit`` and the command line spark-submit runs.
 
-Run it with ``celery -A proj outbox audit --archive PATH --out DIR`` or on a cluster with
-``spark-submit --master ... --py-files celery_outbox.zip celery_outbox/audit/job.py --archive
-s3a://... --out ...`` (no local settings are hard-coded: the master comes from spark-submit, or
-``--master``; the zip is the package for the executors, ``shipping``, which the job adds itself
-when it starts Spark on a cluster).
-
-Inputs: the Parquet archive cleanup writes (``celery_outbox.audit.archive``) and,
-optionally, the live tables over JDBC (``--jdbc-url``, with the PostgreSQL driver jar
-given by ``--jdbc-jar``) for what is not archived yet. Archived rows may repeat
-(archiving is at least once): every input is de-duplicated by its key.
-
-It computes lost messages (sent longer than the grace period ago, never handled,
-dead-lettered nor revoked, and not still held by the live tables), duplicates discarded, late
-deliveries, stuck rows (live tables only), latency to handled (p50, p95,
-p99, max; per task and per hour; from the send for messages sent at once, from the due
-time for scheduled ones, apart), throughput over time (per second, minute or hour,
-by the window's length) and dead letters by task
-and exception. It writes ``summary.json``, Parquet aggregates under ``aggregates/``
-and ``report.html``. Exit code: 0 clean, 1 when any message is lost, 2 on bad input.
-
-Every input that can be checked without Spark is checked before the JVM starts (``checks``): a bad
-one is one line on stderr and exit code 2. Each stage then says on stderr that it begins, and a
-JVM this job starts prints into ``spark.log`` in ``--out`` (a temporary file when ``--out`` is not
-local) unless ``--verbose``.
-
-This module is the entry point (``run_audit``, the command line); the parts are ``options``,
-``checks``, ``session`` (Spark), ``inputs`` (the archive and the live tables), ``aggregates`` (the
-numbers) and ``outputs`` (the files), which read and write any ``location`` Spark can. spark-submit
-runs this file as a script, outside its package, so every import here is absolute.
+Transaction boundary: none; it reads the archive and, with ``--jdbc-url``, each live table once,
+and writes only under ``--out``. Guarantee: input that can be checked without Spark is checked
+before the JVM starts (``checks``: one line on stderr, exit code 2), and the exit code is 1 when a
+message is lost. The parts are ``options``, ``checks``, ``session``, ``inputs``, ``aggregates``
+and ``outputs``; what the job computes and writes is in docs/audit.md. spark-submit runs this file
+as a script, outside its package, so every import here is absolute.
 """
 
 from __future__ import annotations

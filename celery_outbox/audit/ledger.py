@@ -1,35 +1,11 @@
-"""The audit's ledger in ``--out``: what the runs so far covered, so that the next run reads only
-the archive files that are new, plus the messages still open.
+"""The audit's ledger in ``--out``: what past runs covered, so the next run reads only new files.
 
-Layout under ``--out``::
-
-    ledger/current.json                   {"run": "run-<stamp>-<hex>"}: the ledger in force, written last
-    ledger/run-.../ledger.json            its basis, watermark, the archive files covered, the settled counts
-    ledger/run-.../carried/<kind>/        de-duplicated rows of the messages not settled (Parquet)
-    ledger/run-.../settled/<figure>/      the settled messages' latency sketch, throughput, dead letters
-
-A run de-duplicates the new files' rows together with the carried ones (``Inputs``), so a message
-whose rows arrive over several runs counts as one. It then **settles** every message that can
-change no more: ended (a final inbox row or a dead letter, no send without an end, no attempt
-still running), not in a live table, and with its newest row older than the horizon
-(``--horizon``, a day by default) before the watermark, the newest moment any archived row
-holds. A settled message's figures go into the ledger's ``Tally`` and its rows are dropped; the
-rest is carried. Open messages, the lost ones included, are always carried: one that arrives late
-still counts as handled, and late. The figures are the settled tally plus the tally of what this
-run read, and they equal a full run's (the latency quantiles come from the same sketch either way).
-
-Its limit: a row archived again more than the horizon after its message's newest row (a cleanup
-that crashed after writing a file and ran again only that much later) counts a second time;
-``--full`` reads everything again.
-
-A ledger is used only with the same basis (the archive, ``--late-after``, ``--horizon``, the
-sketch's accuracy and this format); otherwise the run is a full one and says why.
-
-Transaction boundary: a run writes its ledger into a folder of its own and then replaces
-``current.json``, one small file; the folder it replaces, and any a failed run left, are deleted
-after the run's outputs are written. A run that fails before ``current.json`` is replaced leaves
-the last ledger in force, and the next run reads from it again: no file is skipped that was not
-counted.
+Transaction boundary: a run writes its ledger into a folder of its own, then replaces
+``ledger/current.json``, one small file; the replaced folder, and any a failed run left, are
+deleted after the run's outputs are written. Guarantee: a run that fails before ``current.json``
+is replaced leaves the last ledger in force, so no archive file is skipped that was not counted;
+the figures equal a full run's, but for a row archived again more than ``--horizon`` after its
+message's newest row. Layout, settling and basis: docs/audit.md (Incremental runs).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Where the archive and the audit's outputs live: a local path or a URI, told apart once so that
-pyarrow (cleanup's archiver, the audit's checks), Spark and the printed lines agree on the place.
+"""Where the archive and the audit's outputs live: a local path or a URI, told apart in one place.
 
-A path without a scheme and a ``file:`` URI are on the local filesystem; the text after ``file://``
-is the path as written, with no percent-decoding, as Hadoop reads it (``file:///data/my archive``
-is the folder ``/data/my archive``). Any other scheme (``s3a://``, ``hdfs://``, ``gs://``,
-``abfs://``...) names a filesystem of its own, which only Spark's Hadoop layer or pyarrow reaches.
+No transaction. pyarrow (cleanup's archiver, the audit's checks), Spark and the printed lines
+agree on the place: a path without a scheme and a ``file:`` URI are local, the text after
+``file://`` taken as written, with no percent-decoding, as Hadoop reads it; any other scheme
+(``s3a://``, ``hdfs://``...) names a filesystem only Spark's Hadoop layer or pyarrow reaches
+(docs/audit.md, Where: paths and URIs).
 """
 
 from __future__ import annotations

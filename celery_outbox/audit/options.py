@@ -1,6 +1,7 @@
-"""What the delivery audit is asked to do (``AuditOptions``) and the one error it reports for bad
-input (``AuditInputError``): the command line and ``run_audit`` callers build the options, and every
-part of the job reads them.
+"""What the delivery audit is asked to do (``AuditOptions``), and its one error for bad input.
+
+No transaction. The command line and ``run_audit``'s callers build the options, every part of the
+job reads them, and each part reports bad input as an ``AuditInputError``.
 """
 
 from __future__ import annotations

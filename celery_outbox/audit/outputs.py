@@ -1,8 +1,9 @@
-"""The delivery audit's outputs under ``--out``: ``summary.json``, the Parquet aggregates under
-``aggregates/`` (latency by task and by hour, each per timing: immediate or scheduled; throughput,
-dead letters, the lost messages) and the self-contained ``report.html``. Each is written whole,
-overwriting the last run's, through Spark's Hadoop filesystem layer, so ``--out`` may be any
-location Spark can write (``Location``).
+"""The delivery audit's outputs under ``--out``: ``summary.json``, the aggregates, ``report.html``.
+
+Transaction boundary: none; each output is written whole, overwriting the last run's, through
+Spark's Hadoop filesystem layer, so ``--out`` may be any location Spark can write (``Location``).
+The Parquet aggregates under ``aggregates/``: latency by task and by hour (each per timing,
+immediate or scheduled), throughput, dead letters and the lost messages.
 """
 
 from __future__ import annotations

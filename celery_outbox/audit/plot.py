@@ -1,10 +1,10 @@
-"""The SVG parts of the audit report's plots: a frame with titled axes, ticks at round values, and
-marker labels in rows above the frame, which never overlap one another, a tick or a bar.
+"""The SVG parts of the audit report's plots: a titled frame, round ticks, labels that never overlap.
 
-Counts get ticks at 1, 2 or 5 × 10ⁿ from zero (four to six of them), latencies a log scale with ticks
-at 1, 2 and 5 of a unit (ms, s, m, h, d), and times ticks at round clock steps; a tick whose label
-would crowd its neighbour's is left out. Text widths are estimated from ``CHAR_W``, the widest a
-character of the plots' 12px text gets on average in common sans-serif fonts.
+No transaction: pure rendering. Counts get ticks at 1, 2 or 5 × 10ⁿ from zero (four to six of
+them), latencies a log scale with ticks at 1, 2 and 5 of a unit (ms, s, m, h, d), and times ticks at
+round clock steps; a tick whose label would crowd its neighbour's is left out. Marker labels sit in
+rows above the frame, clear of one another, of the ticks and of the bars. Text widths are estimated
+from ``CHAR_W``, the widest a character of the plots' 12px text gets on average in sans-serif fonts.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Render the self-contained HTML report of a delivery audit.
 
-The Spark job computes every number; this module only turns plain Python data into one HTML document meant to be
-looked at rather than read: a verdict, big-number tiles, what the audit read, four inline SVG plots and two small
-tables. Latency is shown apart for messages sent at once and for scheduled ones (countdown/eta, counted from their
-due time): tiles, a plot and columns of the per-task table each. A plot with nothing to show is one line of text
-instead. The plots' axes are titled, with ticks at round values (``plot``), their marker labels sit in rows above
-the frame, and the throughput line is drawn through its points only (no smoothing), down to zero across periods
-without traffic, never below it.
+No transaction: the Spark job computes every number; this module turns plain Python data into one
+page: a verdict, big-number tiles, what the audit read, four inline SVG plots (``plot``) and two
+small tables, with latency shown apart for messages sent at once and scheduled ones (docs/audit.md).
 No JavaScript, no external CSS, fonts or URLs; every text that comes from data is escaped.
 """
 

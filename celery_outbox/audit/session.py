@@ -1,13 +1,11 @@
-"""The Spark side of the delivery audit: the session it starts when none is given, where that
-JVM's output goes, the shuffle partitions it runs with, and the facts about where it ran that the
-summary reports.
+"""The Spark side of the delivery audit: the session it starts when none is given, and its facts.
 
-No master is hard-coded: it comes from spark-submit, or from ``AuditOptions.master``. A session
-this process starts on a cluster ships the package to its executors (``shipping``). No log
-configuration is either: a JVM this process starts keeps Spark's own (or the user's), its output
-only sent to a file; under spark-submit the user's log configuration applies unchanged. On a
-local master the JVM's Python workers run the driver's interpreter, not the ``python3`` of
-``PATH``.
+No transaction. No master and no log configuration are hard-coded: the master comes from
+spark-submit or ``AuditOptions.master``; a JVM this process starts keeps Spark's own (or the
+user's) log configuration, its output sent to a file, and under spark-submit the user's applies
+unchanged. A session this process starts on a cluster ships the package to its executors
+(``shipping``); on a local master the Python workers run the driver's interpreter, not the
+``python3`` of ``PATH``. It also sets the shuffle partitions and reports where the job ran.
 """
 
 from __future__ import annotations

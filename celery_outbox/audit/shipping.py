@@ -1,13 +1,10 @@
 """The audit's code for a cluster's executors: a zip of the installed celery_outbox package.
 
-On a cluster the executors run in processes of their own, often on machines that do not have
-celery-outbox installed; any Python the job runs there (a UDF, a function over rows) imports
-``celery_outbox`` from what the driver sends them. When the audit starts Spark itself with a master
-that is not local, ``ship_package`` zips the package the driver imports and adds it to the session
-(``SparkContext.addPyFile``): every executor fetches it and puts it first on its Python path, so it
-runs the driver's code whatever its own environment holds. Local mode runs in the driver: nothing
-to ship. Under spark-submit, give the zip with ``--py-files``; ``python -m
-celery_outbox.audit.shipping FOLDER`` builds it and prints its path.
+No transaction. When the audit starts Spark itself on a master that is not local,
+``ship_package`` zips the package the driver imports and adds it to the session
+(``SparkContext.addPyFile``): each executor runs the driver's code whatever its own environment
+holds. Under spark-submit, ``python -m celery_outbox.audit.shipping FOLDER`` builds the zip for
+``--py-files`` and prints its path (docs/audit.md, On a cluster).
 """
 
 from __future__ import annotations

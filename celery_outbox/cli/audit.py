@@ -1,5 +1,8 @@
-"""``celery -A proj outbox audit``: the Spark delivery audit of the archive (and the live tables),
-started in a process of its own; pyspark is imported only when it runs."""
+"""``celery -A proj outbox audit``: the Spark delivery audit, started in a process of its own.
+
+No transaction: the audit reads the archive (and the live tables) and writes only its outputs;
+pyspark is imported only when it runs.
+"""
 
 from __future__ import annotations
 

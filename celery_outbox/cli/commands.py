@@ -1,6 +1,8 @@
-"""The schema, maintenance and monitoring commands: ``migrate``, ``relay``, ``recover``, ``cleanup``,
-``status``, ``check`` and ``metrics``. Each calls the ``Outbox`` method beat or start-up calls, in
-its transactions, and only parses arguments and prints."""
+"""The commands ``migrate``, ``relay``, ``recover``, ``cleanup``, ``status``, ``check``, ``metrics``.
+
+Transaction boundary: none of its own; each calls the ``Outbox`` method beat or start-up calls, in
+that method's transactions, and only parses arguments and prints.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""``celery -A proj outbox dead-letters list|show|replay|purge``: the store's dead letters, replayed
-and purged with ``maintenance.dead_letters`` (each letter's replay is its own transaction)."""
+"""``celery -A proj outbox dead-letters list|show|replay|purge``: the store's dead letters.
+
+Transaction boundary: listing and showing read in a short transaction each; replay and purge run
+``maintenance.dead_letters``, one transaction per batch of letters.
+"""
 
 from __future__ import annotations
 

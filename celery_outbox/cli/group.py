@@ -1,6 +1,9 @@
-"""The ``celery -A proj outbox`` command group, and what its commands share: the app's ``Outbox``
-handed to each (errors of the library turned into one line, exit code 1), text safe for a
-terminal, and the parameter types of durations and moments."""
+"""The ``celery -A proj outbox`` command group, and what its commands share.
+
+No transaction. The app's ``Outbox`` is handed to each command (an error of the library turned into
+one line, exit code 1), with text made safe for a terminal and the parameter types of durations
+and moments.
+"""
 
 from __future__ import annotations
 

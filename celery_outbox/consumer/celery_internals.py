@@ -1,7 +1,9 @@
-"""Every place the consumer side relies on a private part of Celery, kombu or billiard (the app's task
-base, the worker's request, consumer and pool), and nowhere else: each function, class or constant
-says which internal, why, and for which versions it holds, and
-``tests/unit/consumer/test_celery_internals.py`` pins that behaviour by name."""
+"""Every place the consumer side relies on a private part of Celery, kombu or billiard; nowhere else.
+
+No transaction. Each function, class or constant (the app's task base, the worker's request,
+consumer and pool) says which internal, why, and for which versions it holds, and
+``tests/unit/consumer/test_celery_internals.py`` pins that behaviour by name.
+"""
 
 from __future__ import annotations
 

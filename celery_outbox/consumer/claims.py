@@ -1,11 +1,10 @@
-"""What became of an attempt's claim (``Claim``, ``Ended``), and the inbox rows and
-acknowledgments that the claim path (``inbox``) and the worker's main process (``main_process``)
-both write (``InboxRows``).
+"""How an attempt's claim ended (``Claim``, ``Ended``), and the inbox rows both claim paths write.
 
-Transaction boundary: none of its own. Each method given a ``conn`` runs in the caller's open
-transaction; the guarantee is the claim rule's (docs/inbox.md): a new attempt, a released claim
-or a stale one is claimed, an attempt that ended is a duplicate, and a running claim whose owner
-may still finish it is in flight.
+``InboxRows`` holds the rows and acknowledgments that the claim path (``inbox``) and the worker's
+main process (``main_process``) both write. Transaction boundary: none of its own. Each method
+given a ``conn`` runs in the caller's open transaction; the guarantee is the claim rule's
+(docs/inbox.md): a new attempt, a released claim or a stale one is claimed, an attempt that ended
+is a duplicate, and a running claim whose owner may still finish it is in flight.
 """
 
 from __future__ import annotations

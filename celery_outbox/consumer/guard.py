@@ -1,30 +1,12 @@
-"""The consumer guard: a malformed message is dead-lettered and acked, never fatal.
+"""The consumer guard: a malformed message is dead-lettered and acked before Celery sees it.
 
-A worker consumer step that ``Outbox(app)`` installs. It looks at each task message
-before Celery does. A message whose broker envelope is not one kombu can read (on
-Redis: headers that are not a mapping, a missing delivery tag...), with no id, with
-headers of the wrong types, for an unknown task, with an id or name the store
-cannot hold (on a durable queue or for an ``IdempotentTask``), or (on a durable
-queue) with a body that cannot be decoded into ``(args, kwargs, embed)`` is written
-to dead letters with the reason and acked; the messages around it are unaffected.
-Plain Celery drops such messages, or stops the worker.
-
-The caller is told what plain Celery tells it. For an unknown task (checked right after
-the task name and id, before the other headers, as Celery looks it up first), once the
-dead letter is stored and the message acked, the guard does what Celery's
-``Consumer.on_unknown_task`` does: ``FAILURE(NotRegistered(name))`` in the result backend
-(``AsyncResult.get()`` raises ``celery.exceptions.NotRegistered``), the ``task-failed``
-event and the ``task_unknown`` signal. For a malformed message it stores no result, as
-Celery stores none for a message it cannot read (``on_invalid_task``, ``on_decode_error``,
-``on_unknown_message``).
-
-Transaction boundary: the dead letter commits, in a transaction of its own, before
-the ack, and the result is written after the ack; a result backend that fails is
-logged and the dead letter kept. If the store cannot be reached, or the sender's row
-the dead letter acknowledges stays held (by an attempt of the message running elsewhere)
-past ``BUSY_ROW_WAIT``, the message is not acked (and no result is written): it is handed
-back to the broker after a back-off, from the consumer's timer; nothing sleeps in the
-consumer.
+Transaction boundary: the dead letter, with the acknowledgment of the sender's outgoing rows,
+commits in a transaction of its own before the broker ack; the caller's result (for an unknown
+task, what Celery's ``on_unknown_task`` gives) is written after the ack, and a result backend that
+fails is logged, the dead letter kept. Guarantee: no message stops or stalls the worker, and none
+is acked unrecorded: when the store cannot be reached, or the sender's row stays held past
+``BUSY_ROW_WAIT``, the message goes back to the broker after a back-off taken from the consumer's
+timer. What is refused, and why: docs/inbox.md (Bad input).
 """
 
 from __future__ import annotations

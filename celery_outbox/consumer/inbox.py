@@ -1,13 +1,13 @@
 """The inbox: claim a delivery before its body runs; discard a copy of an attempt that ended.
 
-Transaction boundaries, by idempotency style: ``optimistic`` (``IdempotentTask``'s default), the
-claim is the first statement of the body's own transaction, so claim, effects and the messages
-it sends commit or roll back together (effects exactly once); ``eager`` (and every plain task
-consumed from a durable queue), the claim commits before the body, which marks it handled in
-its own transaction, and a copy never runs beside it. A durable queue's envelope is kept for
-recovery: with the claim when the sender's tracked row holds it, else committed first. How an
-attempt's claim ended is a value (``claims.Claim``), turned into the worker's answer in one
-place (``Inbox._answer``); the claim rule and every outcome are in docs/inbox.md.
+Transaction boundary: in the ``optimistic`` style (``IdempotentTask``'s default) the claim is the
+first statement of the body's own transaction, so claim, effects and the messages it sends commit
+or roll back together; in the ``eager`` style (and for every plain task from a durable queue) the
+claim commits before the body, which marks it handled in its own transaction. A durable queue's
+envelope is kept for recovery: with the claim when the sender's tracked row holds it, else
+committed first. Guarantee: effects exactly once (optimistic); a copy never runs beside a running
+claim; a store outage sends the message back to the broker. How a claim ended is a value
+(``claims.Claim``), answered in one place (``Inbox._answer``); the rule is in docs/inbox.md.
 """
 
 from __future__ import annotations

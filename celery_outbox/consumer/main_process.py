@@ -1,12 +1,12 @@
-"""What the worker's main process records for an attempt that ends outside its pool process:
-revoked, expired or terminated (``end_revoked_attempt``), killed past Celery's re-send cap or at
-its hard time limit (``end_killed_attempt``), lost and handed back to the broker
-(``release_lost_process_claim``).
+"""What the worker's main process records for an attempt that ends outside its pool process.
 
-Transaction boundary: each method is one transaction of its own, which waits a bounded time for
-the rows another transaction holds (the killed process's, an attempt running elsewhere). The
-guarantee: a message whose attempt ended here is neither run again by recovery nor published
-again by delivery tracking, and one handed back is claimed by its copy at once.
+Revoked, expired or terminated (``end_revoked_attempt``), killed past Celery's re-send cap or at its
+hard time limit (``end_killed_attempt``), lost and handed back to the broker
+(``release_lost_process_claim``). Transaction boundary: each method is one transaction of its own,
+which waits a bounded time for the rows another transaction holds (the killed process's, an
+attempt running elsewhere). Guarantee: a message whose attempt ended here is neither run again by
+recovery nor published again by delivery tracking, and one handed back is claimed by its copy at
+once.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""What an inbox attempt leaves in transactions of its own: the envelope kept before the body,
-the record of an attempt that ended (retried, dead with its dead letter), the count of a
-discarded copy, and a released claim.
+"""What an inbox attempt leaves in transactions of its own, outside the attempt's.
 
-Transaction boundary: each write is one short transaction of its own, outside the attempt's.
-The guarantee: an envelope committed before the body is re-published by recovery if the process
-dies; a failed attempt's record and its dead letter commit together with the acknowledgment of
-the sender's rows, or (on an outage) the message goes back to the broker; a released claim lets
-the copy run at once.
+The envelope kept before the body, the record of an attempt that ended (retried, dead with its dead
+letter), the count of a discarded copy, a released claim. Transaction boundary: each write is one
+short transaction of its own. Guarantee: an envelope committed before the body is re-published by
+recovery if the process dies; a failed attempt's record and its dead letter commit together with
+the acknowledgment of the sender's rows, or (on an outage) the message goes back to the broker; a
+released claim lets the copy run at once.
 """
 
 from __future__ import annotations

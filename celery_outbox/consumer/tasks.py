@@ -1,24 +1,13 @@
-"""Task base classes: ``IdempotentTask``, and the base ``Outbox(app)`` gives every task.
+"""Task base classes: ``IdempotentTask``, and ``InboxTask``, the base ``Outbox(app)`` gives every task.
 
-``IdempotentTask`` (``@app.task(base=IdempotentTask, bind=True)``): each delivery
-is claimed in the inbox before the body runs, and a redelivered duplicate is
-discarded (acked, state IGNORED, never a failure). Inside the body
-``self.session`` is the SQLAlchemy Session of the task's unit of work (made on first
-use) and ``self.connection`` its Core Connection: one transaction, committed when the
-body returns, together with the claim (optimistic style) and followed by the publish
-of what the body sent; rolled back on an exception or a retry.
-
-``acks_late`` is on, and a task whose worker process is killed is sent again
-(``retry_on_worker_lost`` on Celery 5.7+, ``reject_on_worker_lost`` before): the
-inbox tells the re-sent attempt from a duplicate. What the worker's main process does
-for an attempt whose pool process is lost or killed (past Celery's re-send cap, handed
-back to the broker, at its hard time limit, revoked) is ``worker_request.OutboxRequest``'s,
-the request class of both bases.
-
-``InboxTask`` is the base ``Outbox(app)`` installs as the app's task class: a task
-consumed from a durable queue gets its envelope stored and its duplicates
-rejected (eager style: the claim commits before the body) whether or not it is an
-``IdempotentTask``. Other tasks run exactly as in plain Celery.
+Transaction boundary: an ``IdempotentTask``'s body runs in its attempt's unit of work
+(``self.session``, ``self.connection``): one transaction, committed when the body returns (with
+the claim, in the optimistic style) and followed by the publish of what the body sent; rolled
+back on an exception or a retry. An ``InboxTask`` consumed from a durable queue claims in the
+eager style (the claim commits before the body); other tasks run as in plain Celery.
+Guarantee: a redelivered copy of a handled attempt is discarded (acked, state ``IGNORED``), and a
+killed worker's attempt comes back (``acks_late``, ``worker_request.OutboxRequest``). See
+docs/inbox.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Start-up checks of the windows that must fit the broker's redelivery: handled inbox rows
-must outlive every redelivery, and a durable scheduled message must not wait in the broker long
-enough for it to be redelivered.
+"""Start-up checks that the dedupe window and durable scheduling fit the broker's redelivery.
 
-A duplicate is recognised only while its handled row exists, that is for
-``outbox_keep_after_handling`` seconds. Redis and SQS re-deliver an unacked message
-after ``visibility_timeout`` (one hour by default), and a task's own retries can
-bring an attempt back after its retry delays. When either horizon could outlive
-the window, a redelivered copy could run again: this says so, clearly, at start-up.
-
-A durable message with an eta goes to the broker ``outbox_release_ahead`` seconds before it, and
-a worker holds it unacknowledged until then: when that reaches Redis' ``visibility_timeout``,
-the broker delivers it again meanwhile, and another worker holds a copy the inbox discards.
+No transaction: they read the settings and warn. ``check_dedupe_window`` warns when the broker's
+``visibility_timeout`` (Redis, SQS) or a task's retry delays could bring a copy back after its
+handled row is gone (``outbox_keep_after_handling``): that copy would run again.
+``check_release_ahead`` warns when ``outbox_release_ahead`` reaches Redis' visibility timeout: the
+broker would deliver a released scheduled message again while a worker holds it, and another
+worker would hold a copy the inbox discards. See docs/operations.md.
 """
 
 from __future__ import annotations

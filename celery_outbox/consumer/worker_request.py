@@ -1,24 +1,12 @@
-"""The worker's request class (``OutboxRequest``): what the worker's main process does for an
-inbox attempt that ends outside its pool process.
+"""The worker's request class (``OutboxRequest``): attempts that end outside their pool process.
 
-Every task of an app with ``Outbox(app)`` gets it (``IdempotentTask`` and ``InboxTask`` name it;
-``tasks.give_inbox_to_every_task`` gives it to the others). It acts on the deliveries that go
-through the inbox (an ``IdempotentTask``'s, and any from a durable queue), each in a transaction
-of its own in the worker's main process, before Celery acks or hands back the message:
-
-* a pool process lost past Celery's re-send cap (``retry_on_worker_lost``, Celery 5.7): the
-  attempt ends as a dead letter (reason ``worker_lost``), or, when the store cannot take it, the
-  message goes back to the broker: never a silent ack. When a copy of the message was handled
-  meanwhile, the copy's outcome stands: no dead letter, no FAILURE over the copy's result;
-* a lost attempt Celery hands back to the broker as it is (``reject_on_worker_lost``): the eager
-  claim the dead process held is released first, so that the copy runs at once;
-* an attempt Celery hands back at its hard time limit (``acks_late`` with ``acks_on_timeout``
-  off): the eager claim is released once the pool has killed the process, so that the copy runs
-  without waiting for recovery;
-* a hard time limit (the pool kills the process): the attempt ends as a dead letter (reason
-  ``failed``), so that neither recovery nor delivery tracking runs it again;
-* a delivery revoked or expired before it ran, or terminated (``revoke(terminate=True)``): the
-  attempt ends as ``revoked``.
+Transaction boundary: in the worker's main process, each record is one transaction of its own
+(``main_process``): a revoked, expired or terminated attempt ends as ``revoked`` and one lost past
+Celery's re-send cap as a ``worker_lost`` dead letter, both before Celery acks the message; one
+failed at its hard time limit ends as a ``failed`` dead letter; a lost attempt Celery hands back
+has its eager claim released. Guarantee: an attempt recorded here is neither run again by
+recovery nor published again by delivery tracking, and a lost one whose dead letter the store
+cannot take goes back to the broker, never acked unrecorded. The cases: docs/inbox.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Settings of celery-outbox, read from ``app.conf``, validated once, frozen.
 
-Every setting can be written in the three spellings Celery users know:
-
-* lowercase in ``app.conf``: ``outbox_database_url``;
-* old-style uppercase in ``app.conf``: ``CELERY_OUTBOX_DATABASE_URL``;
-* Django style, ``app.config_from_object("django.conf:settings", namespace="CELERY")``,
-  with ``CELERY_OUTBOX_DATABASE_URL`` in ``settings.py`` (any namespace works).
-
-``read_settings`` is called once by ``Outbox(app)``; a bad value raises
-``ConfigurationError`` naming the setting, the value and what is allowed, and an
-unknown ``outbox_*`` key, or one of our settings spelt with a wrong prefix
-(``OUTBOX_...``, ``celery_outbox_...``), is an error with a did-you-mean. Nothing
-is read at import time.
-
-This module holds the table of settings (``SETTINGS``), the frozen result
-(``OutboxSettings``) and the reading of ``app.conf``; the parser that checks each
-value is in ``setting_values``.
+No transaction. ``SETTINGS`` is the table of settings, ``OutboxSettings`` the frozen result, and
+``read_settings``, called once by ``Outbox(app)``, reads ``app.conf`` in any of the three spellings
+(docs/settings.md); the parser of each value is in ``setting_values``. A bad value, an unknown
+``outbox_*`` key, or one of these settings spelt with a wrong prefix (``OUTBOX_...``,
+``celery_outbox_...``) raises ``ConfigurationError``, with a did-you-mean; nothing is read at
+import time.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Crash points: make the process die at a chosen boundary, to drill recovery.
 
-``CELERY_OUTBOX_CRASHPOINT=<name>[:<n>]`` makes the process exit at once
-(``os._exit``, no cleanup, no commit, no ack) the n-th time (default: first) it
-reaches the point ``<name>``. Read once per process; when it is unset a crash
-point costs one comparison.
-
-Points: ``after_claim`` (inbox row written, body not run), ``before_commit`` (body
-done, commit not yet made), ``after_commit`` (committed, nothing published),
-``after_publish`` (published, the outgoing rows' sent marks not committed), ``during_relay``,
-``during_recover``, ``during_cleanup``.
+No transaction. ``crashpoint(name)`` exits the process at once (``os._exit``: no cleanup, no
+commit, no ack) the n-th time it reaches ``name`` when ``CELERY_OUTBOX_CRASHPOINT=<name>[:<n>]``
+is set (the first time without ``:<n>``); read once per process, unset it costs one comparison.
+The points and where each sits are in docs/faults.md (Crash drills).
 """
 
 from __future__ import annotations

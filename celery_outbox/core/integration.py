@@ -1,10 +1,11 @@
-"""The seam through which a framework joins the core: its database as the store, its open
-transaction as the unit of work of a send, its connection for an ``IdempotentTask``'s attempt.
+"""The seam through which a framework joins the core: its store, its units of work, its attempts.
 
-``Outbox(app)`` hands the runtime the integrations it composes (Django's, in
-``celery_outbox.django.integration``); the core asks them through this protocol and never imports
-a framework. Transaction boundary and guarantee: a joined transaction is a unit of work like any
-other (durable rows in it, the publish after its commit, nothing on its rollback).
+A framework gives its database as the store, its open transaction as the unit of work of a send,
+and its connection for an ``IdempotentTask``'s attempt. ``Outbox(app)`` hands the runtime the
+integrations it composes (Django's, in ``celery_outbox.django.integration``); the core asks them
+through this protocol and never imports a framework. Transaction boundary: the framework's; a
+joined transaction is a unit of work like any other (durable rows in it, the publish after its
+commit, nothing on its rollback).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The fields of a log line about one message, given as ``extra``: a JSON log formatter gets the
-message's id, task, queue and attempt as fields of their own, whatever the line's text says.
+"""The fields of a log line about one message, given as ``extra``: id, task, queue and attempt.
 
-``fields(...)`` builds them; ``of_delivery``, ``of_message`` and ``of_row`` read them from what the
-caller holds (a delivery the inbox runs, a message being published, a stored row).
+No transaction. A JSON log formatter gets them as fields of their own, whatever the line's text
+says (docs/monitoring.md). ``fields(...)`` builds them; ``of_delivery``, ``of_message`` and
+``of_row`` read them from what the caller holds (a delivery the inbox runs, a message being
+published, a stored row).
 """
 
 from __future__ import annotations

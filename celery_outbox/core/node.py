@@ -1,46 +1,13 @@
-"""The node: this process's identity in the store, with a heartbeat and a liveness lock.
+"""This process's node: its identity in the store, its heartbeat thread and its liveness lock.
 
-A worker's main process registers its node when the worker is ready (``serve_as_worker``),
-whatever its pool and its tasks' style, and keeps it registered while it runs: status, the
-admin and ``outbox check --min-nodes`` count the workers that live. It deregisters at the
-worker's warm shutdown, after its pool has drained. Any other process registers lazily, the
-first time it needs an owner id (an eager inbox claim) or a sender id, once per process: a
-prefork pool process registers its own, and a process forked from a node does not inherit its
-node (``forget_after_fork``). Its name is ``hostname:pid:uuid``, unique per process start.
-
-Liveness, two ways:
-
-* a heartbeat thread (its own thread, not the consumer loop) updates
-  ``heartbeat_at``, on the database's clock, every ``outbox_node_heartbeat_interval``
-  seconds; on SQLite recovery declares a node dead after ``outbox_node_stale_checks``
-  stale checks;
-* on PostgreSQL the node also holds a session-level advisory lock on a dedicated
-  connection for its whole life, and a node is declared dead only once that lock
-  is free: a paused process keeps it. The database drops it the instant the process
-  dies (or, for a host that vanished, when its keepalive probes go unanswered), so
-  recovery declares a killed process dead at its first pass after the heartbeat
-  falls silent (three intervals, at most ``outbox_node_stale_after``:
-  ``OutboxSettings.silent_before``), without waiting for the stale checks, even
-  while its worker's parent process keeps heartbeating.
-  A liveness connection that drops while the process lives (a failover, the
-  server's ``idle_session_timeout``, a pooler recycling it) is re-established by
-  the heartbeat thread and the lock taken again; the heartbeat goes on meanwhile,
-  so the node is never declared dead for the lock alone.
-
-A node is also the sender of the durable messages this process stores marked sent, to publish
-them after their commit (``sender_id``): when recovery declares it dead, those of its rows no
-inbox acknowledged yet are due for redelivery at once, so a process killed between its commit
-and its publish delays its messages by the time its death takes to notice (about 20 s with the
-default settings on PostgreSQL), not by ``outbox_redeliver_after``. On PostgreSQL a sender
-registers before its first unit of work begins (``prepare``), or in the background from its
-first send inside a transaction opened elsewhere (a Django atomic block); a row stored before
-that registration ended names no sender and is left to delivery tracking. On SQLite a row names
-a sender only in a process that is a node for its eager claims. A process that exits normally
-deregisters its node (``atexit``): its sends were published, so none is redelivered.
-
-The heartbeat thread also releases the claims an attempt could not release itself
-because the database was unreachable (``release_later``): until then a copy of
-their message meets a running claim and goes back to the broker.
+Transaction boundary: registering, each heartbeat, each deferred claim release (``release_later``)
+and deregistering are short transactions of their own, outside any unit of work; on PostgreSQL the
+liveness lock is a session-level advisory lock held on a connection of its own, outside the pool,
+for the process's life. Guarantee: a process that dies loses its lock with its session, so
+recovery declares it dead at its first pass after its heartbeat falls silent (on SQLite, after the
+stale checks), releases its claims and redelivers at once the unacknowledged rows naming it
+their sender; a paused process keeps its lock and is never declared dead. The rules and timings
+are in docs/inbox.md (Worker nodes) and docs/publishing.md (Durable queues).
 """
 
 from __future__ import annotations

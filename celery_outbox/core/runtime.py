@@ -1,13 +1,11 @@
-"""The runtime of one app: what every operation of the outbox uses.
+"""The runtime of one app: its settings, store, sessions and archiver, what every part uses.
 
-``Outbox(app)`` builds one ``Runtime`` and hands it to the parts it composes (the
-publisher, the inbox, the node, the beat tasks); the consumer guard, which Celery
-builds, finds it on the app (``runtime_of``). None of them reaches back to the
-``Outbox``. The runtime holds the app, its validated settings, the store, the
-sessions and the archiver. The settings are read when the app is configured (never
-at import time of this library); no connection is made until ``ready()``, which the
-entry points call (worker and beat start-up, a unit of work, the CLI): a database
-that cannot be reached stops them with one clear error.
+``Outbox(app)`` builds one ``Runtime`` and hands it to the parts it composes; the consumer guard,
+which Celery builds, finds it on the app (``runtime_of``); none of them reaches back to ``Outbox``.
+Transaction boundary: none but ``ready()``'s, which checks that the store answers and its tables
+exist (creating them when ``outbox_auto_create_schema`` is on) and which every entry point calls
+first. The settings are read when the app is configured, never at import time, and no connection
+is made before ``ready()``, where a database that cannot be reached is one clear error.
 """
 
 from __future__ import annotations

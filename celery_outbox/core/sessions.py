@@ -1,12 +1,11 @@
-"""Session events for units of work: each Session's transaction events reach the unit of work
-kept in its ``info``.
+"""Session events for units of work: each Session's transaction events reach its unit of work.
 
 A sessionmaker listened to once (``listen_to_sessions(maker)``, with ``info=session_info()``)
-covers all its Sessions; a Session of the caller's own is listened to when a unit of work
-first joins it. The handler names are the unit of work's methods (``unit_of_work.UnitOfWork``).
-A unit of work that stores its durable messages with the COMMIT waits for its connection's
-``commit`` event (``wait_for_commit``), listened to on that connection alone: a listener on the
-engine would make SQLAlchemy dispatch every event of every connection of the store.
+covers all its Sessions; a Session of the caller's own is listened to when a unit of work first
+joins it. Transaction boundary: the Session's; the handlers are the unit of work's methods
+(``unit_of_work.UnitOfWork``). A unit of work that stores its durable messages with the COMMIT
+waits for its connection's ``commit`` event (``wait_for_commit``), listened to on that connection
+alone: a listener on the engine would make SQLAlchemy dispatch every event of every connection.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The parsers of setting values: each takes a setting's key and the value it was given, and
-returns the value ``OutboxSettings`` holds or raises ``ConfigurationError`` naming the setting,
-the value (secrets masked) and what is allowed.
+"""The parsers of setting values: each returns the value ``OutboxSettings`` holds, or raises.
 
+No transaction. A parser takes a setting's key and the value it was given; a bad value raises
+``ConfigurationError`` naming the setting, the value (secrets masked) and what is allowed.
 ``config.SETTINGS`` gives each setting its parser; ``config.read_settings`` runs them.
 """
 

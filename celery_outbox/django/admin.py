@@ -1,19 +1,11 @@
-"""The Django admin as the outbox's dashboard.
+"""The Django admin as the outbox's dashboard: dead letters, outgoing and incoming rows, status.
 
-Dead letters: listed in columns that fit a 1,280-pixel window, by failure date, filtered by
-reason, task, queue and exception; each shown with its arguments decoded from its body, its
-traceback from the user's first frame, and its envelope. They are replayed
-(``deadletters.replay``, through the outbox) or purged (``deadletters.purge``) by list actions,
-or by the Replay and Purge buttons of a letter's page (which ask to confirm, and act only on a
-POST with Django's CSRF token), all through the same two methods; each needs its own
-permission (``celery_outbox.replay_deadletter``, ``celery_outbox.purge_deadletter``): a user
-with view rights alone changes nothing. Outgoing and incoming messages are read-only lists. The
-status page (``admin/celery_outbox/status/``, listed in the admin's index) shows the counts by
-state, the oldest pending message and the nodes, as ``celery outbox status`` does.
-
-The pages read the Django database that holds the outbox's tables
-(``CELERY_OUTBOX_DJANGO_DATABASE``, ``"default"`` unless set), and the actions and the status
-page use the outbox whose store it is (the project's ``celery.py``).
+Transaction boundary: the pages read the outbox's tables in ``CELERY_OUTBOX_DJANGO_DATABASE``
+through read-only models; the Replay and Purge actions and buttons, each behind its own
+permission and acting only on a confirmed POST with Django's CSRF token, run
+``maintenance.dead_letters.replay`` and ``purge`` of the outbox whose store that database is, in
+their transactions. Guarantee: a user with view rights alone changes nothing. What each page
+shows: docs/django.md (The admin as a dashboard).
 """
 
 from __future__ import annotations

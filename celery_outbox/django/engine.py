@@ -1,11 +1,11 @@
 """A SQLAlchemy engine over Django's own database connection.
 
-The store's statements then run on the connection Django's ORM uses, inside whatever
-transaction Django has open on it (``transaction.atomic()``, savepoints,
-``ATOMIC_REQUESTS``): a durable message's row commits or rolls back with the user's own
-writes. The engine never begins, commits, rolls back or closes that connection: its
-dialect leaves all four to Django, and its pool hands out the calling thread's current
-Django connection for alias ``using`` (connecting it if it is not yet).
+Transaction boundary: Django's. The store's statements run on the connection Django's ORM uses,
+inside whatever transaction Django has open on it (``transaction.atomic()``, savepoints,
+``ATOMIC_REQUESTS``); the engine's dialect never begins, commits, rolls back or closes that
+connection, and its pool hands out the calling thread's current Django connection for alias
+``using`` (connecting it if it is not yet). Guarantee: a durable message's row commits or rolls
+back with the user's own writes.
 """
 
 from __future__ import annotations

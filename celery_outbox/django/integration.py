@@ -1,7 +1,9 @@
-"""Django's side of the core's seam (``celery_outbox.core.integration.Integration``): Django's
-database as the store, ``transaction.atomic()`` blocks as units of work, and Django's connection
-for an ``IdempotentTask``'s attempt. ``Outbox(app)`` hands it to the runtime; it takes part only
-with ``celery_outbox.django`` in ``INSTALLED_APPS``.
+"""Django's side of the core's seam (``celery_outbox.core.integration.Integration``).
+
+Django's database as the store, ``transaction.atomic()`` blocks as units of work, and Django's
+connection for an ``IdempotentTask``'s attempt; ``Outbox(app)`` hands it to the runtime, and it
+takes part only with ``celery_outbox.django`` in ``INSTALLED_APPS``. Transaction boundary:
+Django's (``transactions``, ``unit_of_work``).
 """
 
 from __future__ import annotations

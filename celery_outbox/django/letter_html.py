@@ -1,6 +1,9 @@
-"""A dead letter's fields as the admin's HTML: its arguments decoded and bounded, its traceback
+"""A dead letter's fields as the admin's HTML, every text escaped and bounded.
+
+No transaction: nothing here reads the database. Its arguments decoded and bounded, its traceback
 trimmed to the user's frames (the whole one a click away), its raw body's first bytes, and moments
-in the current time zone. Every text is escaped and bounded; nothing here reads the database."""
+in the current time zone.
+"""
 
 from __future__ import annotations
 

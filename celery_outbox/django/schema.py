@@ -1,9 +1,10 @@
 """The outbox's tables in a Django database: what its migration runs.
 
 ``manage.py migrate`` runs the store's own ``migrate`` (the statements of ``celery outbox
-migrate``) through Django's connection to the database being migrated, so both create the
-same tables and indexes, and upgrade them the same way. Each statement commits on its own
-(the migration is not atomic): ``migrate`` is safe to run again after an interruption.
+migrate``) through Django's connection to the database being migrated, so both create the same
+tables and indexes, and upgrade them the same way. Transaction boundary: Django's autocommit; each
+statement commits on its own (the migration is not atomic). Guarantee: ``migrate`` is safe to run
+again after an interruption.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""What the outbox reads of Django's settings: whether the app is installed, and the URL of a
-Django database for the outbox's own engine (the relay, maintenance, the inbox's claims)."""
+"""What the outbox reads of Django's settings: whether the app is installed, and database URLs.
+
+No transaction. The URL of a Django database serves the outbox's own engine (the relay,
+maintenance, the inbox's claims).
+"""
 
 from __future__ import annotations
 

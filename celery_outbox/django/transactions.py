@@ -1,18 +1,14 @@
 """Publishes inside Django's ``transaction.atomic()`` join Django's transaction.
 
-Transaction boundary: inside an atomic block on the outbox's Django database (nested
-blocks, savepoints and ``ATOMIC_REQUESTS`` included), the captured messages wait, a batch
-per savepoint level, each batch one ``transaction.on_commit`` callback. Django's outermost
-commit first inserts the durable messages of the batches whose callbacks Django still holds
-(a savepoint or block that rolled back took its callbacks, and so its messages, with it)
-through Django's own connection, as the transaction's last statement (on PostgreSQL with
-psycopg, the INSERT and the COMMIT in one network message), then commits; the callbacks
-publish after it, never after a rollback. A ``retry`` or ``replace`` of the running task,
-which Celery decided on, is not tied to the block: it is stored and forwarded at once, as
-outside a unit of work.
-
-Guarantee: as for a unit of work. A durable message commits with the user's data or not
-at all; once committed it is published now or by the relay later, never lost.
+Transaction boundary: inside an atomic block on the outbox's Django database (nested blocks,
+savepoints and ``ATOMIC_REQUESTS`` included), captured messages wait, a batch per savepoint level,
+each batch one ``transaction.on_commit`` callback. Django's outermost commit inserts the durable
+messages of the batches it still holds through Django's own connection, as the transaction's last
+statement (on PostgreSQL with psycopg, with the COMMIT in one network message); the callbacks
+publish after it. A ``retry`` or ``replace`` of the running task is stored and forwarded at once.
+Guarantee: a durable message commits with the user's data or not at all (a rolled-back savepoint
+or block takes its messages with it); once committed it is published now or by the relay later,
+never lost; nothing is published after a rollback. See docs/django.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""A task attempt inside Django's transaction: the inbox claim and the body's ORM writes commit
-together.
+"""A task attempt inside Django's transaction: the inbox claim and the body's ORM writes commit as one.
 
 Transaction boundary: an ``IdempotentTask``, with ``celery_outbox.django`` installed, runs its
-attempt in ``transaction.atomic()`` on the outbox's Django database, on Django's own
-connection (the one the ORM uses in this thread). Optimistic style: the claim is the block's
-first statement, the body's ORM writes follow, its durable messages are inserted just before
-the block's end, and the block's commit commits them all. Eager style: the claim commits
-before the body on the outbox's own connection; the body's ORM writes, its durable messages
-and the claim's finish (marked handled) commit together in the block. Everything the body
-sent is published just after the commit. An exception rolls the block back.
-
+attempt in ``transaction.atomic()`` on the outbox's Django database, on Django's own connection.
+Optimistic style: the claim is the block's first statement, the body's ORM writes follow, its
+durable messages are inserted just before the block's end, and the block's commit commits them
+all. Eager style: the claim commits before the body on the outbox's own connection; the body's
+writes, its durable messages and the claim's finish commit together in the block. Everything the
+body sent is published just after the commit; an exception rolls the block back.
 Guarantee: as for the SQLAlchemy side: effects exactly once; a copy of a handled delivery is
 discarded.
 """

@@ -1,2 +1,5 @@
-"""Maintenance that beat and the CLI run: relay and recovery publish every stranded row again, cleanup
-keeps the tables bounded, and dead letters are replayed or purged, each in short transactions."""
+"""Maintenance that beat and the CLI run: relay, recovery, cleanup, dead-letter replay and purge.
+
+Transaction boundary: short transactions of their own, in bounded batches. Guarantee: relay and
+recovery publish every stranded row again, and cleanup keeps the tables bounded.
+"""

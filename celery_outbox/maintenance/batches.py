@@ -1,5 +1,8 @@
-"""Maintenance in bounded batches: each batch its own short transaction, until one comes back short or
-the run's cap is reached."""
+"""Maintenance in bounded batches: each batch its own short transaction, up to the run's cap.
+
+Transaction boundary: ``in_batches`` runs each step in a transaction of its own, until a batch
+comes back short or ``outbox_max_batches_per_run`` is reached; the next run continues.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Beat tasks: ``celery_outbox.recover`` and ``celery_outbox.cleanup``.
 
 Each beat task calls the same function the CLI calls (``recover.recover`` and
-``cleanup.cleanup``); registering them is all ``Outbox(app)`` does, so running
-``celery beat`` is all a user does. Each periodic entry expires after one
-interval, so a backlog of missed runs never piles up, and is routed to
-``outbox_maintenance_queue`` when that is set. Both are safe to run on several
-workers at once.
+``cleanup.cleanup``); registering them is all ``Outbox(app)`` does, so running ``celery beat`` is
+all a user does. Transaction boundary: those of the functions they call. Each periodic entry
+expires after one interval, so missed runs never pile up, and is routed to
+``outbox_maintenance_queue`` when that is set. Both are safe to run on several workers at once.
 """
 
 from __future__ import annotations

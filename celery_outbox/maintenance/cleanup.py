@@ -1,9 +1,8 @@
-"""Cleanup: the maintenance that keeps the tables bounded (``celery_outbox.cleanup``, and
-``celery -A proj outbox cleanup``).
+"""Cleanup: the maintenance that keeps the tables bounded (beat's ``celery_outbox.cleanup``).
 
 Transaction boundary: bounded batches (``outbox_cleanup_batch_size``), each its own short
 transaction that does not wait for the WAL flush (a lost commit is done again by the next pass),
-resting ``outbox_cleanup_rest`` times a batch's duration between batches. The guarantee: an ended
+resting ``outbox_cleanup_rest`` times a batch's duration between batches. Guarantee: an ended
 inbox row is deleted only once its ``keep_until`` passed (the dedupe window), a dead letter only
 past ``outbox_dead_letter_retention``, and each batch is handed to the archiver, when one is
 configured, before it is deleted.

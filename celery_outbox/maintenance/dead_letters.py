@@ -1,17 +1,11 @@
-"""Dead letters, the envelopes that failed for good: which ones a command applies to
-(``DeadLetterFilter``), replay and purge; ``cli`` lists and shows them through the store.
+"""Dead letters, the envelopes that failed for good: the filter a command applies, replay and purge.
 
-Every dead letter keeps the full envelope (body, headers, routing), so it can be
-replayed byte for byte. A replay goes through the outbox: per batch, one
-transaction stores the messages in the outgoing table and counts the replay on
-each dead letter (``replay_count``, ``replayed_at``); after the commit they are
-published. The replayed message keeps its task id and carries the replay number
-(header ``celery_outbox_replay``) as part of its attempt, so the inbox runs it
-again instead of discarding it as a duplicate of the attempt that died. Replaying
-one letter twice at once runs it once. A letter is checked as the consumer guard
-checks a new message (a malformed one is refused, not re-published), and a letter
-of a task this app knows goes where the app routes that task now, not where the
-stored envelope was routed when it failed.
+Transaction boundary: per batch of letters, ``replay`` locks them and, in one unit of work,
+sends their messages through the outbox (durable ones stored) and counts the replay on each
+letter; the messages are published after the commit. ``purge`` deletes in batches, each its own
+transaction. Guarantee: a replay is a new attempt (header ``celery_outbox_replay``) that the inbox
+runs; a letter is checked as the consumer guard checks a new message (a malformed one is refused,
+never re-published) and goes where the app routes its task now. See docs/operations.md.
 """
 
 from __future__ import annotations

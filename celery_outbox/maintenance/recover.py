@@ -1,13 +1,12 @@
-"""Recovery: the maintenance that makes sure no row is stranded (``celery_outbox.recover``, and
-``celery -A proj outbox recover``).
+"""Recovery: the maintenance that leaves no row stranded (beat's ``celery_outbox.recover``).
 
 Transaction boundary: each step works in bounded batches (``outbox_recover_batch_size``), every
 batch its own short transaction, at most ``outbox_max_batches_per_run`` batches per step and run;
 the next run continues. Safe to run twice at once: rows are taken with ``FOR UPDATE SKIP LOCKED``
-on PostgreSQL and under SQLite's single write lock. The guarantee: a dead node's claims are
-released and its unpublished sends redelivered, committed rows nobody published are relayed,
-sent ones no inbox acknowledged are redelivered, and a stranded envelope runs again or ends as a
-``worker_lost`` dead letter. The steps, in order, are in docs/operations.md (Durability on celery beat).
+on PostgreSQL and under SQLite's single write lock. Guarantee: a dead node's claims are released
+and its unpublished sends redelivered, committed rows nobody published are relayed, sent ones no
+inbox acknowledged are redelivered, and a stranded envelope runs again or ends as a
+``worker_lost`` dead letter. The steps, in order: docs/operations.md (Durability on celery beat).
 """
 
 from __future__ import annotations

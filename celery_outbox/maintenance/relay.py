@@ -1,25 +1,12 @@
-"""The relay: publish outgoing rows that nobody published after their commit.
+"""The relay: publish outgoing rows nobody published after their commit, and redeliver sent ones.
 
-Transaction boundary: one short transaction per batch. The batch's rows are
-locked (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, the write lock on SQLite), so two
-relays never send the same row; they are published with one producer and the sent
-ones marked sent with one UPDATE before the commit (the consuming inbox deletes
-them; ``redeliver`` publishes again those it never acknowledged). A row whose publish fails for a
-reason of its own counts an attempt and, after ``outbox_relay_max_attempts``, goes to
-dead letters (reason ``poison``): one bad row never blocks the others. A row past
-its ``expires`` goes to dead letters (reason ``expired``) instead of the broker. Once
-the batch commits, each dead letter's result is stored as Celery would
-(``celery_outbox.message.results``): REVOKED ``expired``, or FAILURE with the publish error. A
-row with an eta (``deliver_at``) is released with it, eta kept, once
-``OutboxSettings.release_before`` allows (the commit-time publisher's rule too): the
-worker holds it until its eta, and its redelivery counts from there. A
-broker outage counts no attempts; the batch stops and the rows wait for the next
-pass. With ``outbox_outbox_stale_time`` set, PostgreSQL ends a relay whose batch
-transaction idles longer than that (a publish hung on the broker), and its rows go
-to the next relay.
-
-Guarantee: at least once. A crash after the publish and before the commit sends
-the row again on the next pass; the receiving inbox discards the copy.
+Transaction boundary: one short transaction per batch, whose commit does not wait for the WAL
+flush: its rows are locked (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, the write lock on SQLite),
+published with one producer, and marked sent, counted or dead-lettered before the commit; the
+dead letters' results are stored after it. Guarantee: at least once, never by two relays at once;
+a crash after a publish and before the commit sends the row again on the next pass, and the
+receiving inbox discards the copy. A broker outage counts no attempt: the rows wait for the next
+pass. See docs/publishing.md (The relay) and docs/operations.md (Durability on celery beat).
 """
 
 from __future__ import annotations

@@ -1,2 +1,4 @@
-"""What a message is: its envelope, routing, the checks that say whether it can be stored or run,
-its dead-letter row and the result its caller is told. Pure values and functions: no transaction."""
+"""What a message is: envelope, routing, checks, dead-letter row, and the result its caller is told.
+
+Pure values and functions: no transaction.
+"""

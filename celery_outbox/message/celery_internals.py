@@ -1,6 +1,9 @@
-"""Every place a message's capture or its caller's result relies on a private part of Celery, and
-nowhere else: each function or constant says which internal, why, and for which versions it holds,
-and ``tests/unit/message/test_celery_internals.py`` pins that behaviour by name."""
+"""Every place a message's capture or its caller's result relies on a private part of Celery.
+
+No transaction. Nowhere else touches those parts: each function or constant says which internal,
+why, and for which versions it holds, and ``tests/unit/message/test_celery_internals.py`` pins
+that behaviour by name.
+"""
 
 from __future__ import annotations
 

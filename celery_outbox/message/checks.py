@@ -1,7 +1,9 @@
-"""The checks that say whether a received task message can be run and stored: its headers
-(``malformed_reason``), the store's limits (``store_limits_reason``), its body (``body_reason``),
-and the dead-letter row of one that cannot (``dead_letter_row_of``). Pure functions: no
-transaction, no I/O."""
+"""Whether a received task message can be run and stored, and the dead-letter row of one that cannot.
+
+Pure functions, no transaction, no I/O: its headers (``malformed_reason``), the store's limits
+(``store_limits_reason``), its body (``body_reason``), and the dead-letter row
+(``dead_letter_row_of``).
+"""
 
 from __future__ import annotations
 

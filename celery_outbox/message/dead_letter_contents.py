@@ -1,5 +1,4 @@
-"""A dead letter's contents as a person reads them: its task's arguments decoded from the body and
-bounded, its traceback trimmed to the frames of the user's code.
+"""A dead letter's contents as a person reads them: its arguments decoded, its traceback trimmed.
 
 Pure functions of stored values, for the admin (``celery_outbox.django.admin``): they read no
 table and run in no transaction. A body is decoded only from the serialisers that cannot run code

@@ -1,10 +1,11 @@
 """Dead-letter rows: built in one place, fitted to the table so their INSERT cannot fail on content.
 
-Whatever a message carried, the row built here is accepted by PostgreSQL and SQLite: each text
-is escaped where the database rejects it (a NUL byte is stored as ``\\x00``, a lone surrogate as
-``\\udxxx``) and cut to its column's size; headers and properties are stored as ASCII JSON (a value
-JSON cannot hold as its ``repr``); the body as bytes; each count within the column's range. The
-row is a plain dict for ``Store.insert_dead_letters``, which runs in the caller's transaction.
+Transaction boundary: none here; the row is a plain dict that ``Store.insert_dead_letters`` inserts
+in the caller's transaction. Guarantee: whatever a message carried, PostgreSQL and SQLite accept
+the row: each text is escaped where the database rejects it (a NUL byte is stored as ``\\x00``, a
+lone surrogate as ``\\udxxx``) and cut to its column's size; headers and properties are stored as
+ASCII JSON (a value JSON cannot hold as its ``repr``); the body as bytes; each count within the
+column's range.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The fully built message: captured from Celery's sender, stored as a row, published again.
 
-``capture`` runs Celery's own ``send_task_message`` against a recording producer,
-so routing, headers, properties, signals and serialisation are exactly Celery's;
-only the final ``producer.publish`` is recorded instead of sent. The body is
-serialised (and compressed) at call time: what is published after the commit is
-what the caller passed at the time of the call.
-
-Rows hold the body as bytes and headers and properties as kombu JSON (which keeps
-datetimes, UUIDs and decimals); nothing is pickled into a table.
+No transaction: the store writes the rows this module builds. ``capture`` runs Celery's own
+``send_task_message`` against a recording producer, so routing, headers, properties, signals and
+serialisation are exactly Celery's; only the final ``producer.publish`` is recorded instead of
+sent. The body is serialised (and compressed) at call time: what is published after the commit is
+what the caller passed at the time of the call. Rows hold the body as bytes and headers and
+properties as kombu JSON (which keeps datetimes, UUIDs and decimals); nothing is pickled.
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
-"""The result Celery would store for a message that ends in dead letters instead.
+"""The result Celery would store for a message that ends as a dead letter instead of running.
 
-A dead letter keeps the message for a replay, but the caller waits on its ``AsyncResult``:
-plain Celery tells it how the message ended, and so does the outbox, through this one
-function, ``store_dead_letter_results``, which the guard, the relay and recovery call:
-
-* ``unknown_task`` (the guard): ``FAILURE(NotRegistered(name))``, with the request fields
-  Celery's ``Consumer.on_unknown_task`` uses (no chord, no errbacks);
-* ``worker_lost`` (recovery gives up on a stranded envelope): ``FAILURE(WorkerLostError)``,
-  as Celery stores for a task whose worker was lost and that is not re-sent again;
-* ``expired`` (the relay: it expired before it was published): ``REVOKED`` with reason
-  ``"expired"``, as Celery's worker marks a message that arrives expired;
-* ``poison`` (the relay could not publish it): ``FAILURE`` with the publish error;
-* ``malformed`` and ``failed``: nothing. Celery stores no result for a message it cannot
-  read (``on_invalid_task``, ``on_decode_error``, ``on_unknown_message``), and a task that
-  failed stored its own result when it failed.
-
-A FAILURE or REVOKED of a known task is written with the request Celery's worker would have
-given the task: its headers, and the chord, chain and errbacks its body carries. So, as in
-Celery, a FAILURE fails the chord the message is part of (its body fails with ``ChordError``),
-marks the rest of its chain failed and calls its ``link_error`` errbacks (one that takes the
-request, the exception and the traceback runs in this process, as Celery runs it in the
-worker's; an older one that takes the task id is sent as a task); a REVOKED fails its chord. A
-body that cannot be read (or whose embedded signatures are not mappings) gives none of them:
-the result is still stored, and a warning names the message.
-
-As Celery does, a FAILURE or REVOKED of a known task is not stored when the message asked
-to ignore its result (header ``ignore_result``, else the task's ``ignore_result``; before
-Celery 5.6 the task's alone), unless the task has ``store_errors_even_if_ignored``; its chord,
-chain and errbacks are still told.
-The unknown task's FAILURE is always stored.
-
-Transaction boundary: called after the dead letter committed (the message is kept whatever
-happens here). A result backend that fails is logged, message by message, and the dead
-letter stays; with no result backend configured there is nothing to do.
+Transaction boundary: none of its own; ``store_dead_letter_results`` is called after the dead
+letter committed (the guard, the relay, recovery) and writes to the result backend only.
+Guarantee: the caller's ``AsyncResult`` ends as plain Celery's would, with the state, the chord,
+chain and errbacks Celery's worker would give it (per reason, in docs/operations.md, Dead letters);
+a result backend that fails is logged, message by message, and the dead letter stays.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
-"""Which declared queues a message reaches, decided from the route it is published with.
+"""Which declared queues a message reaches, decided from the exchange and routing key it goes with.
 
-A message is durable when the exchange and routing key it is published with deliver it to a
-durable queue, however the caller chose that route: a queue name or a ``kombu.Queue`` passed as
-``queue=``, an exchange and routing key, ``task_routes`` (dict, glob, list of routers), a router
-function or class, or ``task_default_queue``. Celery's router turns all of these into the options
-``send_task_message`` receives; ``published_route`` resolves those options to the exchange and
-routing key Celery's sender publishes with (the same steps, pinned by tests against the sender);
-``reached_queues`` follows the bindings of the declared queues (``app.amqp.queues``) from there.
-
-Binding semantics, as the broker applies them:
-
-* the default exchange ``""`` delivers to the queue named by the routing key;
-* a ``direct`` exchange to each queue bound with a binding key equal to the routing key;
-* a ``topic`` exchange to each queue whose binding key matches word by word (``*`` one word,
-  ``#`` zero or more words), as AMQP defines it;
-* a ``fanout`` exchange to every queue bound to it.
-
-Only the bindings of declared queues (a queue's own exchange and routing key, and its
-``bindings``) are known: bindings made on the broker by other means, exchange-to-exchange
-bindings and RabbitMQ's native delayed delivery (the ``celery_delayed_*`` exchanges Celery uses
-for a countdown to quorum queues) are not followed, and a message sent that way is not durable.
-A ``headers`` exchange, or any other type, routes by rules not followed here: publishing through
-one that a durable queue is bound to raises ``UndecidableRoute`` at the call, rather than
-guessing the message's durability.
-
-The consumer decides with the same resolution from the exchange and routing key of the delivery
-(``queue_of``): the producer and the consumer agree on each route.
+No transaction: pure functions of the app's declared queues. Guarantee: the producer
+(``published_route``, ``reached_queues``, ``durable_destination``) and the consumer
+(``queue_of``) resolve a route with the same steps, following the bindings of the declared queues
+as the broker does; a route to a durable queue these rules cannot decide (a ``headers``
+exchange) raises ``UndecidableRoute`` at the call rather than guess the message's durability.
+The binding rules and what is not followed are in docs/publishing.md (Routing).
 """
 
 from __future__ import annotations

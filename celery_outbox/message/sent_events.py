@@ -1,16 +1,10 @@
 """The ``task-sent`` event of a captured send, published after the commit by Celery's own dispatcher.
 
-With ``task_send_sent_event`` on, Celery's sender calls ``EventDispatcher.publish('task-sent',
-fields, producer, retry=..., retry_policy=...)`` right after it publishes the task message. While
-the outbox captures a send, a ``RecordingDispatcher`` takes that call's place: it records the event
-type, its fields (the sender fills in queue, exchange and routing key) and the retry options.
-After the commit, ``SentEvent.send`` makes the same call on the dispatcher Celery would have
-used, with the producer that publishes the messages, so everything Celery's dispatcher does is
-done: the event is stamped (timestamp, logical clock) when it is published, and a failed publish
-is kept in the dispatcher's outbound buffer (``buffer_while_offline``) instead of raising.
-
-Guarantee: one event per send, in the process that sent the task, as in Celery. The event is not
-stored: the relay and redelivery, which publish rows again, never send it.
+Transaction boundary: none; the event is recorded at capture (``RecordingDispatcher``) and sent
+with its message after the commit (``SentEvent.send``), by the same call on the dispatcher Celery
+would have used, which stamps it when it is published and buffers it when the publish fails.
+Guarantee: one event per send, in the process that sent the task, as in Celery; the event is not
+stored, so the relay and redelivery never send it.
 """
 
 from __future__ import annotations

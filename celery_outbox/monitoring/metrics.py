@@ -1,22 +1,11 @@
 """Prometheus metrics of celery-outbox (the ``metrics`` extra: prometheus-client).
 
-Two kinds, as the numbers come from two places:
-
-* **Counters and histograms** (``OutboxMetrics``) count what happens in a process, fed by the
-  library's signals (``celery_outbox.signals``): messages stored, published at commit, relayed,
-  redelivered; publish failures; duplicates discarded; dead letters by reason; claims taken over
-  after a node died; the delay from commit to publish and from claim to handled; and, from
-  Celery's ``task_prerun``/``task_postrun``, each task's run time. Each process
-  counts its own; a prefork worker's pool shares them through Prometheus' multiprocess mode
-  (``PROMETHEUS_MULTIPROC_DIR``), which ``serve_from_worker`` turns on before the pool forks.
-* **Gauges** (``StoreCollector``) are read from the store when scraped, with the one status query
-  (``Store.status``): rows pending, scheduled, sent and stuck, dead letters, the oldest pending
-  age, the nodes' heartbeats. They are true whichever process serves them; a store that does not
-  answer makes ``celery_outbox_store_up`` 0, not a failed scrape.
-
-A worker with ``outbox_metrics_port`` serves both on ``/metrics`` (``serve_from_worker``);
-``celery outbox metrics`` serves the gauges (and the counters of a shared multiprocess folder)
-from a process of its own. Both listen on 127.0.0.1 unless told otherwise.
+Transaction boundary: none that writes. The counters and histograms (``OutboxMetrics``) are fed by
+the library's signals, sent once their transactions committed, and by Celery's task signals; the
+gauges (``StoreCollector``) are read at each scrape with the one status query, in a read-only
+transaction. Guarantee: a store that does not answer makes ``celery_outbox_store_up`` 0, not a
+failed scrape. A worker serves both on ``/metrics`` (``serve_from_worker``, a prefork pool through
+Prometheus' multiprocess mode), ``celery outbox metrics`` the gauges; see docs/monitoring.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Traces with OpenTelemetry: the one module that imports it (the ``otel`` extra).
 
-Spans follow OpenTelemetry's messaging conventions: each is named by its operation and
-queue (``publish payments``, ``process payments``) and carries ``messaging.operation.name``
-and ``messaging.operation.type``; ``celery_outbox.step`` names the outbox's own step
-(``Step``), which tells a relay's publish from the one at the commit.
-
-A task message carries the trace context of the code that called ``apply_async`` in its
-headers (``inject``), stored with its outgoing row. Each publish (at the commit, by the
-relay, redelivery or recovery) is a PRODUCER span, a child of that stored context, and
-the copy it sends carries the publish span's own context: a worker's CONSUMER span
-``process <queue>`` (``delivery_context``) is a child of the publish that delivered it,
-unless another instrumentation (Celery's own) opened the consumer span already.
-
-Without ``opentelemetry`` installed, or with no tracer provider set, no span is made and
-no context is added: each call returns after one check. The context a delivery already
-carries is kept for its recovery (``carried``) whenever ``opentelemetry`` is installed.
+No transaction: spans and trace context only. A task message carries its caller's context in its
+headers (``inject``), kept in its outgoing row; each publish (at the commit, by the relay,
+redelivery or recovery) is a PRODUCER span, a child of that context, and a worker's CONSUMER span
+(``delivery_context``) is a child of the publish that delivered it. Without ``opentelemetry``, or
+with no tracer provider set, each call returns after one check. Spans, attributes and how the
+context travels are in docs/monitoring.md (Traces).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Talking to the broker without hanging on it: a quick reachability check, its error types, and
-the one publish loop (``Outlet.publish_each``) that every path publishing stored messages goes
-through: the commit-time publisher (its durable messages), the relay, redelivery and the
-re-publish of stranded envelopes. A message with no row (not durable) goes alone with Celery's
-retry policy (``Publisher._publish_plain``)."""
+"""Talking to the broker without hanging on it: a reachability check, its errors, one publish loop.
+
+No transaction: the callers hold theirs. Every path publishing stored messages goes through
+``Outlet.publish_each``: the commit-time publisher (its durable messages), the relay, redelivery
+and the re-publish of stranded envelopes. A message with no row (not durable) goes alone with
+Celery's retry policy (``Publisher._publish_plain``).
+"""
 
 from __future__ import annotations
 

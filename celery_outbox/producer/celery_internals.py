@@ -1,13 +1,13 @@
-"""Every place the producer side relies on a private part of Celery or kombu (the app's task sender,
-its event dispatcher, the producer's batches, bindings and Redis client), and nowhere else: each
-function says which internal, why, and for which versions it holds, and
-``tests/unit/producer/test_celery_internals.py`` pins that behaviour by name.
+"""Every place the producer side relies on a private part of Celery or kombu, and nowhere else.
 
-Two undocumented call shapes are relied on without touching a private name, and are pinned by the
-same tests: ``send_task_message`` publishes with one ``producer.publish(body, **kwargs)`` call
-(``envelope._RecordingProducer`` records it), and sends ``task-sent`` with
-``dispatcher.publish(type, fields, producer, retry=..., retry_policy=...)``
-(``sent_events.RecordingDispatcher`` records it)."""
+No transaction. Each function (the app's task sender, its event dispatcher, the producer's
+batches, bindings and Redis client) says which internal, why, and for which versions it holds,
+and ``tests/unit/producer/test_celery_internals.py`` pins that behaviour by name. Two
+undocumented call shapes are pinned by the same tests: ``send_task_message`` publishes with one
+``producer.publish(body, **kwargs)`` call (``envelope._RecordingProducer`` records it), and sends
+``task-sent`` with ``dispatcher.publish(type, fields, producer, retry=..., retry_policy=...)``
+(``sent_events.RecordingDispatcher`` records it).
+"""
 
 from __future__ import annotations
 

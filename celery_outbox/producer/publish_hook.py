@@ -1,9 +1,10 @@
 """The publish hook: every task message the app sends passes through ``send_task_message``.
 
-Inside a unit of work the message is captured into it (``unit_of_work``); outside one, a
-message for a durable queue is stored and forwarded (``Publisher.store_and_forward``) and
-any other goes to Celery's own sender, unchanged. Each send is stamped with its publish
-identity (``SEND_HEADER``), which a later attempt of the same delivery keeps.
+Transaction boundary: the open unit of work's, when there is one: the message is captured into it
+(``unit_of_work``). Outside one, a message for a durable queue is stored in a transaction of its
+own and forwarded (``Publisher.store_and_forward``), and any other goes to Celery's own sender,
+unchanged. Each send is stamped with its publish identity (``SEND_HEADER``), which a later attempt
+of the same delivery keeps.
 """
 
 from __future__ import annotations

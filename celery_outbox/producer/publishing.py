@@ -1,22 +1,14 @@
-"""The publisher: stores durable messages in a unit of work's transaction, publishes what it
-committed, and stores and forwards a durable message sent outside one.
+"""The publisher: stores a unit of work's durable messages in its transaction, publishes after it.
 
-Transaction boundary: a durable message the commit publishes at once is stored marked sent, in
-the unit of work's transaction; after the commit, every captured message is published in call
-order with one producer (``broker.Outlet``), with no round trip to the store unless a publish
-failed (its row is then unmarked, for the relay). The consuming inbox deletes a sent row when it
-has the message; redelivery publishes it again if it never does. A row stored marked sent names
-this process's node as its sender: a process that died between the commit and the publish is
-declared dead by recovery, which makes its rows due for redelivery at once. With an archive, the
-rows are instead taken (locked and marked sent) after the commit by one UPDATE that opens a
-transaction of its own, and the marks commit with the records of the sends; with delivery
-tracking off, one DELETE takes them. Outside a unit of work, a durable message is stored in a
-transaction of its own (on PostgreSQL its BEGIN, INSERT and COMMIT in one round trip), then
-published.
-
-Guarantee: never raises for a broker error once the commit happened; a durable message whose
-publish fails stays in the outgoing table for the relay, and one whose publish never happened
-for redelivery, so it is delayed, never lost."""
+Transaction boundary: durable messages are inserted in the unit of work's transaction, marked sent
+(naming this process's node, once it is registered) when the commit publishes them at once; after
+the commit every captured message is published in call order with one producer, and a failed
+publish unmarks its row in a transaction of its own. With an archive, or delivery tracking off,
+the rows are taken after the commit by one statement whose transaction commits after the publish.
+Outside a unit of work a durable message is stored in a transaction of its own, then published.
+Guarantee: no broker error is raised once the commit happened; a durable message whose publish
+fails waits for the relay, and one never published for redelivery: delayed, never lost.
+"""
 
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
-"""The unit of work: what a transaction sends, stored before its commit and published after it.
+"""Units of work: what a transaction sends is stored before its commit and published after it.
 
-Transaction boundary: while a unit of work is open (``outbox.transaction()``, or
-an ``IdempotentTask`` body), every publish of the app (``delay``, ``apply_async``,
-``send_task``, canvas, callbacks, ``retry``, ``replace``) is captured, fully built,
-into the unit of work instead of going to the broker (``publish_hook``):
-
-* before the outermost commit (the Session's, or ``ConnectionUnitOfWork.commit`` for a
-  task attempt), messages for durable queues are written to the outgoing table with
-  one INSERT, inside that same transaction;
-* after the commit, the publisher publishes every captured message in call order
-  (``publishing.Publisher.publish_committed``);
-* on rollback nothing is published but a ``retry`` or ``replace`` of the running task,
-  which Celery decided on (stored and forwarded on its own); a rolled-back SAVEPOINT
-  discards only the messages captured inside it.
-
-Guarantee: nothing else is published unless the transaction commits; a durable message
-whose publish fails after the commit (broker down, process killed) stays in the
-outgoing table for the relay, so it is delayed, never lost.
-
-State lives in a ``ContextVar``: it follows the thread or task that opened it, in
-prefork, threads and eventlet/gevent pools alike. ``transaction()`` opens a unit of work
-on a Session (``Outbox.transaction``), ``begin()`` one on a Core connection
-(``Outbox.begin``); ``ConnectionUnitOfWork`` is also a task attempt's, owned by the
-inbox, and ``run_body`` makes it the running body's (``self.session``).
+Transaction boundary: the caller's. While a unit of work is open (``Outbox.transaction``,
+``Outbox.begin``, a task attempt), every publish of the app is captured into it; its durable
+messages are inserted with one statement just before the outermost COMMIT, in that transaction,
+and everything captured is published in call order once the transaction has ended.
+Guarantee: a rollback publishes nothing but a ``retry`` or ``replace`` of the running task (a
+rolled-back SAVEPOINT drops only what it captured); a committed durable message whose publish
+fails or never happens stays in the outgoing table for the relay or redelivery: delayed, never
+lost. The open unit of work lives in a ``ContextVar``: each thread, greenlet or task has its own.
 """
 
 from __future__ import annotations
@@ -51,12 +36,14 @@ _current: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_unit_of_wo
 
 
 def current_unit_of_work() -> "UnitOfWork | None":
-    """The unit of work open in this thread or task, if any."""
+    """The unit of work open in the running context (a thread, greenlet or task), or None."""
     return _current.get()
 
 
 class UnitOfWork:
-    """The messages captured while one Session's transaction is open.
+    """The messages captured while one Session's transaction is open: stored before its outermost
+    commit, published after it, dropped on its rollback (all but a ``retry`` or ``replace`` of the
+    running task).
 
     Bound to the Session through its events, so it publishes at that Session's
     outermost commit wherever the commit happens.
@@ -83,6 +70,8 @@ class UnitOfWork:
 
     @classmethod
     def of(cls, publisher: "Publisher", session: Session) -> "UnitOfWork":
+        """The one unit of work of ``session``, made and bound to its events on first use: every
+        block that joins that Session adds to it."""
         uow = session.info.get(UNIT_OF_WORK_KEY)
         if uow is None:
             if not session.info.get(LISTENED_KEY):  # a Session of the caller's own: listen to it
@@ -93,7 +82,8 @@ class UnitOfWork:
 
     @contextmanager
     def opened(self) -> Iterator["UnitOfWork"]:
-        """Make this the current unit of work of the running context."""
+        """Make this the current unit of work of the running context until the block ends: every
+        publish meanwhile is captured into it."""
         token = _current.set(self)
         try:
             yield self
@@ -101,6 +91,8 @@ class UnitOfWork:
             _current.reset(token)
 
     def add(self, messages: list[OutgoingMessage]) -> None:
+        """Capture ``messages``: they are stored and published with this unit's outermost commit, or
+        dropped with its rollback (all but a ``retry`` or ``replace`` of the running task)."""
         self.pending.extend(messages)
 
     # -- session events ------------------------------------------------------------------------
@@ -212,8 +204,9 @@ class UnitOfWork:
 
 
 class ConnectionUnitOfWork(UnitOfWork):
-    """A task attempt's unit of work: one transaction on one pooled Core connection, which its
-    owner (the inbox) ends with ``commit`` or ``rollback``.
+    """A task attempt's unit of work: one transaction on one pooled Core connection that its owner
+    (the inbox) ends; what it captured is published only after ``commit`` (after ``rollback``, only
+    a ``retry`` or ``replace`` of the running task).
 
     A Session is made on that connection, inside the same transaction, only when the body
     asks for ``session``: an attempt that never touches it pays for no ORM. That Session's
@@ -257,15 +250,20 @@ class ConnectionUnitOfWork(UnitOfWork):
 
     @property
     def session(self) -> Session:
+        """The Session of the attempt's transaction, made on first use: its ``commit()`` only
+        flushes, its ``rollback()`` rolls the whole attempt back."""
         if self._session is None:
             session = self._session = self.publisher.runtime.new_session(bind=self.connection)
             session.info[UNIT_OF_WORK_KEY] = self
         return self._session
 
     def commit(self, last: Callable[[Connection, bool], bool] | None = None) -> bool:
-        """Flush the Session, insert the durable messages, run ``last`` (the transaction's last
-        statement, which may send the COMMIT with it) and commit; ``close`` publishes. False,
-        with nothing committed, when ``last`` returns False: the caller rolls back."""
+        """Commit the attempt's transaction with its durable messages inserted in it, leaving what
+        it captured for ``close`` to publish; False, with nothing committed, when ``last`` returns
+        False (the caller rolls back).
+
+        Flushes the Session, inserts the durable messages, runs ``last`` (the transaction's last
+        statement, which may send the COMMIT with it) and commits."""
         if self._transaction is not None and not self._transaction.is_active:
             raise OutboxError(self.ended_inside)
         if self._transaction is not None:
@@ -286,8 +284,8 @@ class ConnectionUnitOfWork(UnitOfWork):
         return self._connection.invalidated or self._connection.closed
 
     def rollback(self) -> None:
-        """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop
-        what was captured."""
+        """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop what
+        was captured: ``close`` then sends nothing but a ``retry`` or ``replace`` of the running task."""
         try:
             if self._transaction is not None and self._transaction.is_active:
                 self._rollback()
@@ -298,9 +296,9 @@ class ConnectionUnitOfWork(UnitOfWork):
             self._rolled_back()
 
     def close(self) -> None:
-        """Close the Session, if one was made, and give the connection back to the pool; then
-        publish what a commit left to publish, or store and send what survived a rollback (which
-        raises as ``store_and_forward`` does: the retry was not stored)."""
+        """Give the connection back to the pool before anything is published, then publish what a
+        commit left to publish, or store and send what survived a rollback (which raises as
+        ``store_and_forward`` does: the retry was not stored). Closes the Session, if one was made."""
         try:
             if self._session is not None:
                 self._session.close()
@@ -351,7 +349,10 @@ class _BlockUnitOfWork(ConnectionUnitOfWork):
 
 @contextmanager
 def begin(publisher: Publisher) -> Iterator[Connection]:
-    """A unit of work on a Core connection (``Outbox.begin``), as ``engine.begin()`` gives one:
+    """Publishes every message the block sends only after the block commits; a rollback publishes
+    nothing but a ``retry`` or ``replace`` of the running task.
+
+    A unit of work on a Core connection (``Outbox.begin``), as ``engine.begin()`` gives one:
     its transaction begun, committed when the block ends (durable messages inserted just
     before the COMMIT, everything captured published just after) and rolled back on an
     exception; a block inside an open unit of work joins it (its connection). No ORM Session
@@ -378,7 +379,10 @@ def begin(publisher: Publisher) -> Iterator[Connection]:
 
 @contextmanager
 def transaction(publisher: Publisher, session: Session | None = None) -> Iterator[Session]:
-    """A unit of work whose messages ``publisher`` publishes (``Outbox.transaction``): on a Session
+    """Publishes every message the block sends only after the Session's outermost commit; a
+    rollback publishes nothing but a ``retry`` or ``replace`` of the running task.
+
+    A unit of work whose messages ``publisher`` publishes (``Outbox.transaction``): on a Session
     of its own, committed when the block ends and rolled back on an exception; or joining
     ``session``, published after that Session's commit; a block inside an open one joins it."""
     outer = current_unit_of_work()
@@ -402,19 +406,22 @@ _task_unit_of_work: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_
 
 
 def current_session() -> Session | None:
-    """The Session of the running task body's unit of work (made on first use), or None."""
+    """The Session of the running task body's unit of work, in the attempt's transaction (made on
+    first use), or None outside a task body."""
     uow = _task_unit_of_work.get()
     return None if uow is None else uow.session
 
 
 def current_connection() -> Connection | None:
-    """The Connection of the running task body's unit of work (its transaction begun), or None."""
+    """The Connection of the running task body's unit of work, its transaction (the attempt's)
+    begun, or None outside a task body."""
     uow = _task_unit_of_work.get()
     return None if uow is None else uow.connection
 
 
 def run_body(body: Callable[[], Any], uow: UnitOfWork) -> Any:
-    """Run the body with ``uow`` as the task's unit of work (``self.session`` is its Session)."""
+    """Run the body with ``uow`` as the task's unit of work, so that ``self.session`` and
+    ``self.connection`` write in the attempt's transaction, for as long as the body runs."""
     token = _task_unit_of_work.set(uow)
     try:
         return body()

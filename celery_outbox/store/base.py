@@ -1,14 +1,11 @@
-"""What every statement family of the store builds on: the engine and its short transactions,
-the errors the store tells apart, and the SQL pieces more than one family puts in its statements.
+"""What every statement family builds on: the engine, its short transactions, the store's errors.
 
-``StoreBase.begin`` opens a transaction of its own (``_Transaction``): it commits when its block
-ends, rolls back on an error, and turns a database that cannot be reached into
-``StoreUnavailable``. ``ping`` runs in one. The pieces (``_id_predicate`` and the node liveness
-predicates) run in whatever statement, and so whatever transaction, takes them;
-``_release_incoming``, the release of inbox claims that the inbox's stale-claim release and the
-nodes' release of dead owners' claims share, runs inside the caller's transaction. PostgreSQL gets
-its fast paths (``= ANY(array)``, advisory locks); SQLite gets equivalents that are correct
-because every SQLite transaction of the store is ``BEGIN IMMEDIATE`` (one writer at a time).
+Transaction boundary: ``StoreBase.begin`` opens a transaction of its own (``_Transaction``): it
+commits when its block ends, rolls back on an error, and turns a database that cannot be reached
+into ``StoreUnavailable``; ``ping`` runs in one. The SQL pieces more than one family uses
+(``_id_predicate``, the node liveness predicates, ``_release_incoming``) run inside the caller's
+transaction. PostgreSQL gets its fast paths (``= ANY(array)``, advisory locks); SQLite's
+equivalents are correct because every SQLite transaction of the store is ``BEGIN IMMEDIATE``.
 """
 
 from __future__ import annotations

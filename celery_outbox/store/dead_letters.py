@@ -1,8 +1,8 @@
 """The statements of the ``dead_letters`` table: envelopes that failed for good, kept for replay.
 
-Every method runs inside the caller's transaction (the one that gives a message up, a replay, a
-purge) and never commits. ``dead_letter_filter`` builds a predicate only; it runs in the statement
-that takes it. Listings for operators are in ``inspection``.
+Transaction boundary: every method runs inside the caller's transaction (the one that gives a
+message up, a replay, a purge) and never commits. ``dead_letter_filter`` builds a predicate only;
+it runs in the statement that takes it. Listings for operators are in ``inspection``.
 """
 
 from __future__ import annotations

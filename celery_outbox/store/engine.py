@@ -1,18 +1,13 @@
 """Building the SQLAlchemy engine of the message store, with clear errors for bad input.
 
-SQLite engines built here run every transaction as ``BEGIN IMMEDIATE`` in WAL mode
-with a busy timeout, so several processes (worker, beat, web) share one file
-without lock-upgrade deadlocks. A pooled connection that sat idle for
-``PING_AFTER_IDLE`` seconds is pinged before it is handed out (and replaced if the
-database dropped it); a busy one is not, which saves a round trip per task under
-load. A statement that still meets a dropped connection fails like any database
-error: the inbox hands its message back to the broker, maintenance runs again.
-PostgreSQL connections get ``POSTGRES_CONNECT_ARGS`` unless the URL or the engine options
-set them: a server that goes silent (a failover that moves its address, a host gone without
-resetting its connections) fails a statement within about a minute, as a dropped connection
-does, instead of leaving it waiting for the kernel's limits (a quarter of an hour of
-retransmissions, two hours before a keepalive probe). PostgreSQL needs psycopg 3
-(``pip install celery-outbox[postgres]``); a missing driver is reported as such.
+Transaction boundary: every SQLite transaction of an engine built here is ``BEGIN IMMEDIATE`` in
+WAL mode with a busy timeout, so several processes (worker, beat, web) share one file without
+lock-upgrade deadlocks. A pooled connection idle for ``PING_AFTER_IDLE`` seconds is pinged before
+it is handed out; PostgreSQL connections get ``POSTGRES_CONNECT_ARGS`` (keepalives,
+``tcp_user_timeout``) unless the URL or the engine options set them. Guarantee: a dropped or
+silent connection fails its statement within about a minute, like any database error (the inbox
+hands its message back, maintenance runs again): see docs/store.md and docs/faults.md.
+PostgreSQL needs psycopg 3 (``celery-outbox[postgres]``); a missing driver is reported as such.
 """
 
 from __future__ import annotations

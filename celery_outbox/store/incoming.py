@@ -1,13 +1,11 @@
-"""The inbox's claim statements: the ``incoming`` table, where a delivery claims its message for one
-attempt and a duplicate is told apart (``incoming_upkeep`` holds what recovery and cleanup run).
+"""The inbox's claim statements: where a delivery claims one attempt and a duplicate is told apart.
 
-A method that takes a ``conn`` runs inside the caller's transaction (the body's unit of work, a
-recover or cleanup batch) and never commits, with two exceptions that end a transaction
-themselves on PostgreSQL: ``claim_incoming_alone`` claims in a transaction of its own that commits
-without waiting for the WAL flush (on ``then_begin`` it opens the body's transaction behind that
-commit), ``store_envelope_alone`` stores a durable queue's envelope and acknowledges the sender's
-outgoing rows in one such transaction, and ``finish_incoming`` with ``commit`` sends the body's
-COMMIT in the same message (``pipeline``).
+Transaction boundary: a method given a ``conn`` runs in the caller's transaction (the body's unit
+of work) and never commits, but for three that end a transaction themselves on PostgreSQL:
+``claim_incoming_alone`` (its own transaction, committed without waiting for the WAL flush, the
+body's opened behind it), ``store_envelope_alone`` (the envelope and the acknowledgment of the
+sender's rows in one such transaction) and ``finish_incoming`` with ``commit`` (the body's COMMIT
+in the same message). Guarantee: one claim per attempt; a copy is told apart by the claim rule.
 """
 
 from __future__ import annotations

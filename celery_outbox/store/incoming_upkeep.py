@@ -1,9 +1,9 @@
-"""The inbox's upkeep statements: the ``incoming`` rows that recovery releases, re-publishes or gives
-up, and that cleanup deletes once their dedupe window has passed.
+"""The inbox's upkeep statements: what recovery and cleanup run on the ``incoming`` table.
 
-Transaction boundary: each method runs in the caller's transaction (a recover or cleanup batch)
-and never commits; rows are taken with ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so two passes at
-once never take the same row.
+Recovery releases stale claims, re-publishes stranded envelopes or gives them up; cleanup deletes
+rows past their dedupe window. Transaction boundary: each method runs in the caller's transaction
+(a recover or cleanup batch) and never commits; rows are taken with ``FOR UPDATE SKIP LOCKED`` on
+PostgreSQL, so two passes at once never take the same row.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Reads that only the command line and the tests use: row counts, one inbox row, one dead letter,
-listings of dead letters and nodes. No other path of the library calls them.
+"""Reads only the command line and the tests use: counts, one row, dead-letter and node listings.
 
-Each read runs in a short transaction of its own; a count given a ``conn`` runs inside the
-caller's transaction instead. None of them writes.
+Transaction boundary: each read runs in a short transaction of its own (a count given a ``conn``,
+inside the caller's), and none writes. No other path of the library calls them.
 """
 
 from __future__ import annotations

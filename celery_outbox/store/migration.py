@@ -1,11 +1,10 @@
-"""The schema's statements: creating the tables and indexes, and bringing them to ``SCHEMA_VERSION``
-(the tables themselves are defined in ``schema``).
+"""The schema's statements: creating the tables and indexes, and bringing them to ``SCHEMA_VERSION``.
 
-Every method opens its own transactions. ``migrate`` reads the catalog in one and, when anything
-is missing or older, does all of its DDL and the version's row in a second one (on PostgreSQL under
-an advisory transaction lock, so concurrent runs serialise); ``schema_version``,
-``missing_tables`` and ``refuse_newer_schema`` read in one short transaction each. An upgrade step
-(``_UPGRADES``) runs inside ``migrate``'s DDL transaction.
+Transaction boundary: ``migrate`` reads the catalog in one transaction and, when anything is
+missing or older, runs all of its DDL, the upgrade steps (``_UPGRADES``) and the version's row in a
+second one (on PostgreSQL under an advisory transaction lock, so concurrent runs serialise);
+``schema_version``, ``missing_tables`` and ``refuse_newer_schema`` read in one short transaction
+each. The tables themselves are defined in ``schema``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The statements of the ``nodes`` table: worker processes, their heartbeats, and declaring them dead.
+"""The statements of the ``nodes`` table: worker processes, their heartbeats, declaring them dead.
 
-``register_node``, ``heartbeat`` and ``deregister_node`` each run in a transaction of their own
-(``register_node`` given a ``conn`` begins and commits one on it). ``hold_liveness_lock`` and
-``ping_liveness`` run on the node's liveness connection in a transaction of their own; the advisory
-lock they take or check is the session's and outlives it. ``check_nodes``, ``dead_nodes``,
-``dead_owners`` and ``forget_released_nodes`` run inside the caller's transaction (a recover run)
-and never commit, and so do ``release_owned``, ``release_claim`` and ``release_claim_of_process``,
-which release the inbox claims of a node (dead, giving one claim up, or a process seen dying).
+Transaction boundary: ``register_node``, ``heartbeat`` and ``deregister_node`` each run in a
+transaction of their own (``register_node`` given a ``conn`` begins and commits one on it);
+``hold_liveness_lock`` and ``ping_liveness`` run on the node's liveness connection, and the
+advisory lock they take or check is the session's and outlives that transaction. ``check_nodes``,
+``dead_nodes``, ``dead_owners``, ``forget_released_nodes``, ``release_owned``, ``release_claim``
+and ``release_claim_of_process`` run inside the caller's transaction (a recover run, an attempt
+giving a claim up, a process seen dying) and never commit.
 """
 
 from __future__ import annotations

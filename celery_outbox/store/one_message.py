@@ -1,9 +1,9 @@
-"""The store's statements sent in one network message: ``OneMessage``, the base of the statement
-families whose PostgreSQL fast paths send a transaction's statements and its COMMIT (or its BEGIN
-and the first statement) together, through the psycopg pipeline of ``pipeline``.
+"""``OneMessage``: the base of the statement families whose PostgreSQL fast paths send one message.
 
-Transaction boundary: the caller's, or one the fast path opens and commits itself in the same
-message; a statement that fails there leaves the transaction aborted, and ``aborted_by`` says so.
+They send a transaction's statements and its COMMIT (or its BEGIN and the first statement)
+together, through the psycopg pipeline of ``pipeline``. Transaction boundary: the caller's, or one
+the fast path opens and commits itself in the same message; a statement that fails there leaves
+the transaction aborted, and ``aborted_by`` says so.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Telling a store outage from a failure: the one rule every path of celery-outbox applies.
 
-An outage is an error that says the database could not be used, not that the work was
-wrong: a connection refused, dropped or invalidated (a restart, a failover, a server-side
-timeout, a pooler recycling it), an engine pool that cannot hand out a connection in
-time, a server shutting down or out of resources. Work that meets an outage is done
-again later (its message goes back to the broker); it is never acked away, never
-recorded as a failure and never dead-lettered. Judged by exception type, SQLSTATE class
-and SQLite's result code (``sqlite_codes``: read from SQLite's own text where Python
-before 3.11 gives no code), never by a message the library or a driver wrote.
+No transaction of its own. An outage says the database could not be used, not that the work was
+wrong: a connection refused, dropped or invalidated (a restart, a failover, a server-side timeout,
+a pooler recycling it), an engine pool that cannot hand out a connection in time, a server shutting
+down or out of resources. Guarantee: work that meets an outage is done again later (its message
+goes back to the broker), never acked away, recorded as a failure or dead-lettered. Judged by
+exception type, SQLSTATE class and SQLite's result code (``sqlite_codes``), never by message text.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The outbox's statements: the ``outgoing`` table (messages waiting to be published, and sent
-messages waiting for their acknowledgment) and the ``sent`` table (records of first publishes, for
-the delivery audit).
+"""The outbox's statements: the ``outgoing`` table, and the ``sent`` records of first publishes.
 
-Every method runs inside the caller's transaction (the unit of work that writes messages, a
-relay's batch, a cleanup batch) and never commits. A relay's rows stay locked until that
-transaction ends: ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, the ``BEGIN IMMEDIATE`` write lock on
-SQLite; if the relay dies, the database releases them.
+``outgoing`` holds messages waiting to be published and sent ones waiting for their
+acknowledgment; ``sent`` feeds the delivery audit. Transaction boundary: every method runs inside
+the caller's transaction (the unit of work that writes messages, a relay's batch, a cleanup batch)
+and never commits. Guarantee: a relay's rows stay locked until that transaction ends (``FOR UPDATE
+SKIP LOCKED`` on PostgreSQL, the ``BEGIN IMMEDIATE`` write lock on SQLite); if the relay dies, the
+database releases them.
 """
 
 from __future__ import annotations

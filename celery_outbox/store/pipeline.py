@@ -1,16 +1,12 @@
-"""PostgreSQL with psycopg: statements sent in one network message. With ``one_message``, the only
-code of celery-outbox that touches psycopg and libpq directly.
+"""PostgreSQL with psycopg: statements sent in one network message, through libpq's pipeline mode.
 
-A message queues a statement and the statements around it (a BEGIN, ``SET LOCAL``, a COMMIT) in
-libpq's pipeline mode and sends them with one Sync in one network write
-(``one_message.OneMessage._send_one_message``); the statement goes prepared, once per connection, where that
-is safe. The transaction boundary is the caller's: the message runs on the caller's connection
-and opens, continues or ends its transaction with the statements the caller puts before and
-after it; statements are prepared only between transactions (``_prepare_ahead`` before a message
-that opens one, ``prepare_on_checkout`` when the pool hands the connection out). The connection's
-prepared statements are followed alongside psycopg's own (``prepared_statements``). SQLite, and
-PostgreSQL through another driver or a libpq without pipeline mode, never get here
-(``OneMessage._opening`` says None).
+With ``one_message``, the only code of celery-outbox that touches psycopg and libpq directly. A
+message queues a statement and those around it (a BEGIN, ``SET LOCAL``, a COMMIT) and sends them
+with one Sync in one write (``one_message.OneMessage._send_one_message``), prepared once per
+connection where that is safe. Transaction boundary: the caller's; the message opens, continues or
+ends its transaction with the statements the caller puts around it, and statements are prepared
+only between transactions (``_prepare_ahead``, ``prepare_on_checkout``). SQLite, and PostgreSQL
+through another driver or a libpq without pipeline mode, never get here (``OneMessage._opening``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""Tables of the message store, SQLAlchemy Core, one ``MetaData`` per table prefix.
+"""The message store's tables, in SQLAlchemy Core, one ``MetaData`` per table prefix.
 
-* ``incoming``: the inbox. Primary key (``message_id``, ``destination``, ``send_id``) carries
-  the idempotency: ``destination`` is the queue with ``outbox_message_identity =
-  "id_and_destination"`` and ``''`` with the default identity ``"id"``; ``send_id`` is the
-  identity of the publish (the ``celery_outbox_send`` header: one per ``apply_async``, kept by
-  its retries, replacements and every redelivery), so that a task id sent again is a new
-  message, and ``''`` when the task id alone is the key (``outbox_deduplicate_task_ids``, or a
-  message from a sender without the outbox).
-* ``outgoing``: the outbox. Fully built messages waiting to be published, and sent
-  messages waiting for the consuming inbox to acknowledge them.
-* ``dead_letters``: envelopes that failed for good, replayable.
-* ``nodes``: worker processes with their heartbeat.
-* ``sent``: with an archive configured, one row per first publish of a durable
-  message, moved to the archive by cleanup (the delivery audit's "sent" side).
-* ``schema``: one row, the schema version ``migrate`` brought the tables to.
-
-The inbox's ``owner`` holds the node id of an eager claim; ``0`` means unowned.
-Outgoing rows have no owner: a publisher locks them inside its transaction
-(``FOR UPDATE SKIP LOCKED``), and the database frees the lock if it dies. Every predicate a poller or a
-cleaner runs has its index: ended incoming rows by ``keep_until``; running incoming rows by owner,
-by ``claimed_at`` (stale claims) and by ``recover_after`` (envelopes due for recovery); unsent
-outgoing rows; scheduled and sent-but-unacknowledged ones. All but ``keep_until`` and the relay's are
-partial indexes, each holding only the rows its poller looks for, so that the common write (a handled
-claim, an unscheduled message) adds no entry to them.
+No transaction: definitions only (``migration`` creates them). The keys carry the guarantees:
+every copy of one send meets the same inbox row (``message_id``, ``destination``, ``send_id``), an
+eager claim's ``owner`` names its node (``UNOWNED`` when none), and every predicate a poller or a
+cleaner runs has its index, partial where it looks for few rows. Tables, keys and indexes are
+described in docs/store.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The store's status report: counts per table by status and destination, the age of the oldest
-pending rows, the nodes (``Outbox.status`` and the ``status`` command).
+"""The store's status report: counts by status and destination, the oldest pending rows, the nodes.
 
-``status`` reads everything in one transaction of its own and writes nothing.
+Transaction boundary: ``status`` (``Outbox.status``, the ``status`` command) reads everything in
+one transaction of its own and writes nothing.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """``Store``: the tables of one table prefix on one engine, and every statement run on them.
 
-``Store`` is composed of one class per table family, each in a module of its own: ``migration``
-(creating and upgrading the tables), ``outgoing`` (the outbox and the records of its sends),
-``incoming`` (the inbox's claims, their release, recovery and expiry), ``dead_letters``, ``nodes``
-(worker processes and their liveness), ``status`` (the status report) and ``inspection`` (reads
-for the command line and the tests). They all build on ``base.StoreBase`` (the engine, ``begin``,
-the errors the store tells apart); the inbox also on ``pipeline.OneMessage``, the one module that
-touches psycopg's internals. Each module says the transaction boundary of its statements: a method
-that takes a ``conn`` runs inside the caller's transaction and never commits unless its module says
-so; methods without one open their own short transaction.
+``Store`` is composed of one class per table family, each in a module of its own: ``migration``,
+``outgoing`` (the outbox and the records of its sends), ``incoming`` (the inbox's claims),
+``incoming_upkeep`` (what recovery and cleanup run on the inbox), ``dead_letters``, ``nodes``,
+``status`` and ``inspection``. They build on ``base.StoreBase`` (the engine, ``begin``, the
+errors); ``incoming`` and ``outgoing`` also on ``one_message.OneMessage``, which with ``pipeline``
+is the only code that touches psycopg's internals. Transaction boundary: a method that takes a
+``conn`` runs inside the caller's transaction and never commits unless its module says so; a
+method without one opens its own short transaction.
 """
 
 from __future__ import annotations
