@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from celery import Celery
+from sqlalchemy import select
 
 from celery_outbox import Outbox
 
@@ -45,6 +46,12 @@ def make_shop(broker_url: str, database_url: str, table_prefix: str, **conf: Any
         return x
 
     return Shop(app, outbox, plain_queue, durable_queue, plain, durable)
+
+
+def outgoing(shop: Shop) -> list[Any]:
+    """The shop's outgoing rows, sent or not."""
+    with shop.outbox.store.begin() as conn:
+        return conn.execute(select(shop.outbox.store.tables.outgoing)).all()
 
 
 def strand(shop: Shop, *args: Any, **options: Any) -> list[Any]:

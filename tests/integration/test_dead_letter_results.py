@@ -26,11 +26,11 @@ from celery_outbox.store import utcnow
 
 from ..apps import results_app
 from ..apps.factory import make_shop, strand, stranded
+from ..apps.factory import outgoing as outgoing_of
 from ..brokers import purge
 from ..conftest import drop_store, unique_prefix, unsent_rows
 from ..services import free_port, require, wait_until
-from ..unit.test_durability import envelope_row, lost_envelopes
-from ..unit.test_durability import outgoing as outgoing_of
+from ..unit.maintenance.test_recover import envelope_row, lost_envelopes
 from ..versions import CELERY
 from ..workers import WorkerProcess
 from .test_inbox_workers import publish_raw

@@ -20,7 +20,7 @@ from ..apps.factory import make_shop, publish_failing
 from ..brokers import copy_options, purge, receive
 from ..conftest import drop_store
 from ..services import wait_until
-from ..unit.test_durability import envelope_row
+from ..unit.maintenance.test_recover import envelope_row
 
 spans = traces.spans
 

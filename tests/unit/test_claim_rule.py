@@ -17,7 +17,7 @@ from celery_outbox import IdempotentTask
 
 from ..brokers import copy_options
 from ..services import wait_until
-from .test_inbox import Harness
+from .consumer.test_inbox import Harness
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""The inbox on SQLite with an in-process worker: claims, duplicates, retries, dead letters.
+"""The inbox (``celery_outbox.consumer.inbox``) on SQLite with an in-process worker: claims, duplicates,
+retries, dead letters. Without a worker, deliveries run in the test's thread as a pool process runs
+them, on a fixed clock and through a fake outlet (tests/unit/doubles.py).
 
 Real worker processes on PostgreSQL, Redis and RabbitMQ: tests/integration/test_inbox_workers.py.
 """
@@ -9,21 +11,25 @@ import logging
 import threading
 import uuid
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from datetime import timedelta
+from typing import Any, Callable, Iterator
 
 import pytest
 from celery import Celery, Task, signals
 from celery.contrib.testing.worker import start_worker
+from celery.worker.request import Request
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from celery_outbox import IdempotencyStyle, IdempotentTask, Outbox
 from celery_outbox.errors import OutboxError
+from celery_outbox.monitoring.tracing import Step
 from celery_outbox.signals import duplicate_discarded
+from celery_outbox.store import as_utc
 
-from ..brokers import copy_options, receive_until_marker
-from ..conftest import drop_store
-from ..versions import CELERY
+from ...brokers import copy_options, receive_until_marker
+from ...conftest import drop_store
+from ...versions import CELERY
 
 
 class Harness:
@@ -746,3 +752,78 @@ def test_a_body_that_catches_a_database_error_in_a_savepoint_keeps_its_other_wri
         assert harness.wait_for_states("nested-1", 1) == ["SUCCESS"]
     assert harness.effect_count() == 1
     assert harness.outbox.store.get_incoming("nested-1").status == "handled"
+
+
+def run_here(harness: Harness, task: Task, args: tuple, task_id: str, queue: str | None = None) -> Any:
+    """Send a copy of the send ``task_id`` of ``task`` (``copy_options``) and run the delivered message
+    in this thread, as a worker's pool process runs it (``Request.execute``): no worker. Returns
+    what the task returned."""
+    queue = queue or harness.queue
+    task.apply_async(args, queue=queue, **copy_options(task_id))
+    with harness.app.connection_for_write() as connection:
+        message = harness.app.amqp.queues[queue].bind(connection.default_channel).get(accept=["json"])
+    assert message is not None, f"nothing delivered on {queue}"
+    request = Request(message, app=harness.app, task=harness.app.tasks[task.name], on_ack=lambda *_: None,
+                      on_reject=lambda *_: None, hostname="celery@here", eventer=None)
+    return request.execute()
+
+
+def test_a_handled_delivery_is_kept_for_the_dedupe_window_and_its_copy_discarded(harness, fixed_clock):
+    """Run in this thread on a fixed clock: the attempt is recorded handled at the clock's instant and
+    kept ``outbox_keep_after_handling`` from it; a copy of the send a minute later is discarded,
+    counted, and leaves the window as it was."""
+    pay = define_pay(harness)
+    handled_at = fixed_clock.now
+    assert run_here(harness, pay, ("first",), "pay-1") == "first"
+    fixed_clock.advance(60)
+    run_here(harness, pay, ("copy",), "pay-1")
+    assert harness.states["pay-1"] == ["SUCCESS", "IGNORED"]
+    assert harness.runs == [("pay-1", 0)] and harness.effect_count() == 1
+    row = harness.outbox.store.get_incoming("pay-1")
+    assert (row.status, row.duplicates, as_utc(row.handled_at)) == ("handled", 1, handled_at)
+    assert as_utc(row.keep_until) == handled_at + timedelta(seconds=harness.outbox.settings.keep_after_handling)
+
+
+@pytest.fixture
+def durable_harness(sqlite_url, table_prefix):
+    """A harness whose tasks send to a durable queue, ``harness.durable``."""
+    durable = f"durable_{uuid.uuid4().hex[:8]}"
+    harness = Harness(sqlite_url, table_prefix, outbox_durable_queues=[durable])
+    harness.durable = durable
+    yield harness
+    harness.close()
+
+
+def define_ship(harness, outlet, seen: list[list[str]], fails: bool = False):
+    """``shop.ship``: sends ``shop.receipt`` to the durable queue, noting what ``outlet`` was asked
+    to publish by then (``seen``); with ``fails``, raises after the send."""
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.ship", shared=False)
+    def ship(self, note):
+        self.app.send_task("shop.receipt", args=[note], queue=harness.durable)
+        seen.append([message.message_id for message in outlet.asked])
+        if fails:
+            raise ValueError("the parcel is lost")
+        return note
+
+    return ship
+
+
+def test_a_bodys_durable_send_reaches_the_outlet_only_after_its_claim_commits(durable_harness, fake_outlet):
+    seen: list[list[str]] = []
+    ship = define_ship(durable_harness, fake_outlet, seen)
+    run_here(durable_harness, ship, ("parcel",), "ship-1")
+    assert seen == [[]], "nothing offered to the broker while the body ran"
+    (receipt,) = fake_outlet.published
+    assert (receipt.task_name, receipt.destination, fake_outlet.steps) == ("shop.receipt", durable_harness.durable,
+                                                                           [Step.PUBLISH])
+    assert durable_harness.outbox.store.get_incoming("ship-1").status == "handled"
+
+
+def test_a_body_that_fails_after_a_durable_send_offers_the_outlet_nothing(durable_harness, fake_outlet):
+    seen: list[list[str]] = []
+    ship = define_ship(durable_harness, fake_outlet, seen, fails=True)
+    run_here(durable_harness, ship, ("parcel",), "ship-1")
+    assert durable_harness.states["ship-1"] == ["FAILURE"] and seen == [[]]
+    assert fake_outlet.asked == [] and fake_outlet.producer.calls == []
+    assert durable_harness.outbox.store.get_incoming("ship-1").status == "dead"

@@ -1,44 +1,12 @@
-"""Pure checks: which messages the guard dead-letters; when the dedupe window is too short or
-scheduled messages are released too early for the broker's visibility timeout."""
+"""The worker's start-up checks (``celery_outbox.consumer.window``): when the dedupe window is too
+short, or scheduled messages are released too early, for the broker's visibility timeout."""
 
 from __future__ import annotations
 
-import pytest
 from celery import Celery
 
 from celery_outbox import IdempotentTask, Outbox
 from celery_outbox.consumer.window import check_dedupe_window, check_release_ahead
-from celery_outbox.core.crashpoints import _parse
-from celery_outbox.message.checks import malformed_reason
-
-GOOD = {"task": "t.add", "id": "abc", "retries": 0, "timelimit": [None, None], "eta": None, "root_id": "abc"}
-
-
-@pytest.mark.parametrize(
-    "change, reason, words",
-    [
-        ({"id": None}, "malformed", "header 'id'"),
-        ({"id": ""}, "malformed", "header 'id'"),
-        ({"id": 5}, "malformed", "header 'id'"),
-        ({"task": None}, "malformed", "header 'task'"),
-        ({"retries": "1"}, "malformed", "'retries'"),
-        ({"retries": -1}, "malformed", "'retries'"),
-        ({"replaced_task_nesting": 1.5}, "malformed", "'replaced_task_nesting'"),
-        ({"eta": 12}, "malformed", "'eta'"),
-        ({"timelimit": "soon"}, "malformed", "'timelimit'"),
-        ({"timelimit": [1, "x"]}, "malformed", "'timelimit'"),
-        ({"task": "t.unknown"}, "unknown_task", "not registered"),
-        ({"task": "t.unknown", "eta": 12}, "unknown_task", "not registered"),  # Celery looks at the name first
-    ],
-)
-def test_malformed_headers_are_named(change, reason, words):
-    verdict = malformed_reason({**GOOD, **change}, {"t.add"})
-    assert verdict is not None and verdict[0] == reason and words in verdict[1]
-
-
-def test_good_headers_pass_and_non_mappings_do_not():
-    assert malformed_reason(GOOD, {"t.add"}) is None
-    assert malformed_reason(["not", "a", "dict"], {"t.add"})[0] == "malformed"
 
 
 def dedupe_warnings(outbox: Outbox) -> list[str]:
@@ -110,13 +78,3 @@ def test_a_worker_start_logs_both_checks(caplog):
     logged = [record.getMessage() for record in caplog.records]
     assert any("reaches beyond outbox_keep_after_handling" in line for line in logged), logged
     assert any("Lower outbox_release_ahead below 300s" in line for line in logged), logged
-
-
-def test_crashpoint_specs_are_validated():
-    assert _parse(None) is None
-    assert _parse("after_commit") == ("after_commit", 1)
-    assert _parse("during_relay:3") == ("during_relay", 3)
-    with pytest.raises(ValueError, match="names no crash point"):
-        _parse("after_lunch")
-    with pytest.raises(ValueError, match="whole number"):
-        _parse("after_commit:x")

@@ -31,9 +31,9 @@ from celery_outbox.consumer.delivery import Delivery
 from celery_outbox.consumer.worker_request import OutboxRequest
 from celery_outbox.core.node import this_host
 
-from ..conftest import drop_store
-from ..integration.test_store_contract import incoming_row
-from .celery_objects import delivered
+from ...conftest import drop_store
+from ...integration.test_store_contract import incoming_row
+from ..celery_objects import delivered
 
 DEAD_PID = 4242
 

@@ -214,7 +214,7 @@ def shown_default(default):
 
 def settings_table() -> str:
     """The table of docs/settings.md, from SETTINGS. Print it with
-    `python -c "from tests.unit.test_config import settings_table; print(settings_table())"`."""
+    `python -c "from tests.unit.core.test_config import settings_table; print(settings_table())"`."""
     lines = ["| setting | uppercase / Django spelling | default | what it does |", "|---|---|---|---|"]
     for key, upper, default, doc in setting_docs():
         lines.append(f"| `{key}` | `{upper}` | {shown_default(default)} | {doc} |")
@@ -224,7 +224,7 @@ def settings_table() -> str:
 def test_every_setting_is_documented_with_its_default():
     from pathlib import Path
 
-    page = (Path(__file__).parents[2] / "docs" / "settings.md").read_text()
+    page = (Path(__file__).parents[3] / "docs" / "settings.md").read_text()
     rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| `outbox_")}
     for setting in SETTINGS:
         assert f"`{setting.key}`" in rows, f"docs/settings.md does not document {setting.key}"

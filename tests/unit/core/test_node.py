@@ -10,7 +10,7 @@ from celery import Celery
 
 from celery_outbox import Outbox
 
-from ..services import wait_until
+from ...services import wait_until
 
 
 def live_nodes_of_this_process(outbox: Outbox) -> list:

@@ -16,7 +16,7 @@ from kombu.serialization import dumps
 from celery_outbox.message.results import EndedMessage, store_dead_letter_results
 from celery_outbox.vocabulary import DeadLetterReason
 
-from ..versions import CELERY
+from ...versions import CELERY
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from celery_outbox.message.routing import published_route, queue_of, reached_que
 from celery_outbox.producer import publish_hook as publish_hook_module
 from celery_outbox.producer.unit_of_work import current_unit_of_work
 
-from ..brokers import nothing_more, receive
-from ..conftest import unsent_rows
+from ...brokers import nothing_more, receive
+from ...conftest import unsent_rows
 
 
 @dataclass

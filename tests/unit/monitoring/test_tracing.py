@@ -15,11 +15,10 @@ from celery_outbox.consumer.delivery import envelope_of
 from celery_outbox.monitoring import tracing
 from celery_outbox.monitoring.tracing import Step
 
-from .. import traces
-from ..apps.factory import make_shop, strand
-from ..brokers import receive
-from ..services import free_port
-from .test_durability import outgoing
+from ... import traces
+from ...apps.factory import make_shop, outgoing, strand
+from ...brokers import receive
+from ...services import free_port
 
 spans = traces.spans
 

@@ -7,7 +7,7 @@ tests/integration/test_outbox_publishing.py.
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from celery import chain, chord, group
@@ -16,11 +16,11 @@ from sqlalchemy import text, update
 
 from celery_outbox.errors import StoreUnavailable
 from celery_outbox.signals import message_published, publish_failed
-from celery_outbox.store import utcnow
+from celery_outbox.store import as_utc, utcnow
 
-from ..apps.factory import make_shop
-from ..brokers import nothing_more, receive, receive_until_marker
-from ..conftest import outgoing_rows, unsent_rows
+from ...apps.factory import make_shop, outgoing
+from ...brokers import nothing_more, receive, receive_until_marker
+from ...conftest import outgoing_rows, unsent_rows
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_durable_row_is_stored_marked_sent_in_the_transaction_and_published_afte
 
 
 def test_durable_rows_are_inserted_marked_sent_with_one_statement_and_none_after_the_commit(shop):
-    from ..integration.test_store_contract import StatementLog
+    from ...integration.test_store_contract import StatementLog
 
     log = StatementLog(shop.outbox.engine)
     try:
@@ -551,3 +551,39 @@ def test_a_held_messages_task_sent_event_goes_out_when_the_store_fails_before_th
     assert "could not finish publishing committed messages (the relay will)" in caplog.text
     assert nothing_more(shop.app, shop.durable_queue)
     assert unsent_rows(shop.outbox.store) == 2, "both rows wait for the relay"
+
+
+def test_a_short_durable_countdown_is_published_at_the_commit_with_its_eta(shop):
+    """Inside the release window the message goes out with the commit, eta kept; its redelivery
+    counts from its eta, so it is not published again while the worker holds it."""
+    with shop.outbox.transaction():
+        result = shop.durable.apply_async(("soon",), countdown=10)
+    (message,) = receive(shop.app, shop.durable_queue, 1)
+    assert (message.id, message.args) == (result.id, ["soon"])
+    (row,) = outgoing(shop)
+    eta = datetime.fromisoformat(message.headers["eta"])
+    assert as_utc(row.deliver_at) == eta and row.sent_at is not None
+    assert as_utc(row.redeliver_at) == eta + timedelta(seconds=shop.outbox.settings.redeliver_after)
+
+
+def test_a_durable_countdown_outside_a_unit_of_work_is_held_too(shop):
+    shop.durable.apply_async(("later",), countdown=60)
+    assert len(outgoing(shop)) == 1
+    assert nothing_more(shop.app, shop.durable_queue)
+
+
+def test_a_countdown_to_a_plain_queue_keeps_celerys_broker_eta(shop):
+    with shop.outbox.transaction():
+        shop.plain.apply_async(("later",), countdown=60)
+    (message,) = receive(shop.app, shop.plain_queue, 1)
+    assert message.headers["eta"] is not None
+    assert outgoing(shop) == []
+
+
+def test_without_delivery_tracking_sent_rows_are_deleted(sqlite_url, table_prefix):
+    shop = make_shop("memory://", sqlite_url, table_prefix, outbox_redeliver_after=None)
+    shop.outbox.ready()
+    result = shop.durable.delay(1)
+    assert outgoing(shop) == []
+    assert receive(shop.app, shop.durable_queue, 1)[0].id == result.id
+    assert shop.outbox.recover().redelivered == 0

@@ -1,13 +1,13 @@
-"""The record of sends (the audit's ``sent`` table) on SQLite: a scheduled message's eta goes with
-its send, and a schema of version 5 gains the column."""
+"""The outgoing rows' statements (``celery_outbox.store.outgoing``) on SQLite: the record of sends (the
+audit's ``sent`` table) keeps a scheduled message's eta."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import inspect, select
+from sqlalchemy import select
 
-from celery_outbox.store import SCHEMA_VERSION, Store, as_utc, build_engine, utcnow
+from celery_outbox.store import Store, as_utc, build_engine, utcnow
 
 
 def outgoing_row(n: int, **extra) -> dict:
@@ -27,17 +27,3 @@ def test_a_scheduled_send_is_recorded_with_its_eta_and_an_immediate_one_without(
         sent = store.tables.sent
         recorded = dict(conn.execute(select(sent.c.message_id, sent.c.deliver_at).order_by(sent.c.message_id)).all())
     assert recorded["m0"] is None and as_utc(recorded["m1"]) == due
-
-
-def test_a_schema_of_version_5_gains_the_eta_of_sends(tmp_path):
-    store = Store(build_engine(f"sqlite:///{tmp_path / 'store.db'}"))
-    store.migrate()
-    sent = store.tables.sent
-    with store.begin() as conn:
-        conn.exec_driver_sql(f'ALTER TABLE "{sent.name}" DROP COLUMN deliver_at')
-        conn.execute(store.tables.schema.update().values(version=5))
-
-    result = store.migrate()
-
-    assert (result.version_before, result.version_after) == (5, SCHEMA_VERSION)
-    assert "deliver_at" in {column["name"] for column in inspect(store.engine).get_columns(sent.name)}
