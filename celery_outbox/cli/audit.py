@@ -81,7 +81,7 @@ def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuc
     missing = [name for name in ("pyspark", "pyarrow") if importlib.util.find_spec(name) is None]
     if missing:
         raise click.ClickException(f"the audit needs {' and '.join(missing)}: pip install 'celery-outbox[spark]'")
-    from .audit.job import main as audit_main
+    from ..audit.job import main as audit_main
 
     archive = archive or box.settings.archive_path
     if jdbc_url == "store":

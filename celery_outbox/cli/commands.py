@@ -224,7 +224,7 @@ def _within(seconds: float, read: Callable[[], list[Failure]]) -> list[Failure]:
 def metrics(box: Outbox, port: int, address: str, stuck_after: timedelta) -> None:
     """Serve the store's gauges for Prometheus on /metrics until stopped (with PROMETHEUS_MULTIPROC_DIR
     set, also the counters of the workers sharing that folder)."""
-    from .monitoring.metrics import serve
+    from ..monitoring.metrics import serve
 
     # no ready() first: a store that is down is what store_up 0 reports, scrape after scrape
     serve(lambda: box.status(stuck_after=stuck_after.total_seconds()), port, address)
