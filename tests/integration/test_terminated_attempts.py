@@ -109,12 +109,14 @@ def waiting_for_a_lock(outbox: Outbox, holder_pid: int) -> bool:
 
 
 def run_in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list]:
-    """Start ``work`` in a thread; its outcome (a list) gets what it returned, or the exception it raised."""
+    """Start ``work`` in a thread; its outcome (a list) gets what it returned ("done" for None), or the
+    exception it raised."""
     outcome: list = []
 
     def run() -> None:
         try:
-            outcome.append(work())
+            returned = work()
+            outcome.append("done" if returned is None else returned)
         except Exception as exc:  # noqa: BLE001 - the test looks at it
             outcome.append(exc)
 
