@@ -137,11 +137,15 @@ def rows(browser) -> list[str]:
 def run_action(browser, action: str, every: bool = False) -> None:
     """Run the list's ``action`` on its first row, or on ``every`` row."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support.expected_conditions import staleness_of
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     browser.find_element(By.CSS_SELECTOR, "#action-toggle" if every else "input.action-select").click()
     Select(browser.find_element(By.NAME, "action")).select_by_value(action)
+    page = browser.find_element(By.TAG_NAME, "html")
     browser.find_element(By.CSS_SELECTOR, "button[name=index]").click()
+    # the page before the action may show an earlier action's answer: wait for the new page first
+    WebDriverWait(browser, 30).until(staleness_of(page))
     browser.find_element(By.CSS_SELECTOR, "ul.messagelist")  # waits until the action's answer is shown
 
 
