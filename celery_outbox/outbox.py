@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, ContextManager
+from typing import TYPE_CHECKING, Any, AsyncContextManager, ContextManager
 
 from celery import Celery, signals
 from sqlalchemy.engine import Connection, Engine
@@ -41,6 +41,11 @@ from .producer.unit_of_work import begin, transaction
 from .store import Store
 from .store.status import DEFAULT_RECENT, DEFAULT_STUCK_AFTER
 
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
+    from .producer.async_unit_of_work import AsyncUnitsOfWork
+
 __all__ = ["Outbox"]
 
 logger = logging.getLogger("celery_outbox")
@@ -63,10 +68,12 @@ class Outbox:
 
     app: Celery
 
-    def __new__(cls, app: Celery, engine: Engine | None = None, **overrides: Any) -> "Outbox":
+    def __new__(cls, app: Celery, engine: Engine | None = None, async_engine: "AsyncEngine | None" = None,
+                **overrides: Any) -> "Outbox":
         runtime = runtime_of(app)
         if runtime is not None:
             if (engine is not None and engine is not runtime.given_engine) or (
+                async_engine is not None and async_engine is not runtime.given_async_engine) or (
                 overrides and overrides != runtime.overrides
             ):
                 raise ConfigurationError(
@@ -76,13 +83,15 @@ class Outbox:
             return runtime.owner
         return super().__new__(cls)
 
-    def __init__(self, app: Celery, engine: Engine | None = None, **overrides: Any) -> None:
+    def __init__(self, app: Celery, engine: Engine | None = None, async_engine: "AsyncEngine | None" = None,
+                 **overrides: Any) -> None:
         runtime = runtime_of(app)
         if runtime is not None and runtime.owner is self:
             return
         self.app = app
         self.runtime = Runtime(app, self, engine, overrides, integrations=(DjangoIntegration(),),
-                               archiver_for=_parquet_archiver)
+                               archiver_for=_parquet_archiver, async_engine=async_engine)
+        self._async_units: "AsyncUnitsOfWork | None" = None
         self.node = Node(self.runtime)
         self.publisher = Publisher(self.runtime, self.node)
         rows = InboxRows(self.runtime)
@@ -264,6 +273,42 @@ class Outbox:
         block's messages).
         """
         return begin(self.publisher)
+
+    def atransaction(self, session: "AsyncSession | None" = None) -> AsyncContextManager["AsyncSession"]:
+        """Publishes every message the block sends only after its AsyncSession commits; a rollback
+        publishes nothing. ``transaction()`` for asyncio code.
+
+        ``async with outbox.atransaction() as session:`` opens an ``AsyncSession`` on the
+        outbox's async engine (``async_engine``), commits when the block ends and rolls back on
+        an exception; ``async with outbox.atransaction(session):`` joins an ``AsyncSession``
+        you own, published after its commit. Durable messages are stored in the same
+        transaction; what it committed is published by a pool of threads
+        (``outbox_async_publish_threads``), never on the event loop, and the block ends once it
+        is published. A cancellation after the commit does not stop the publish (docs/asyncio.md).
+        """
+        return self._async().transaction(session)
+
+    def abegin(self) -> AsyncContextManager["AsyncConnection"]:
+        """Publishes every message the block sends only after its transaction commits; a rollback
+        publishes nothing. ``begin()`` for asyncio code: an ``AsyncConnection`` of the async
+        engine, its transaction begun, committed when the block ends (durable messages inserted
+        just before the COMMIT) and rolled back on an exception; published as ``atransaction()``
+        publishes."""
+        return self._async().begin()
+
+    @property
+    def async_engine(self) -> "AsyncEngine":
+        """The ``AsyncEngine`` of async units of work: the one given to ``Outbox``, or one built
+        from ``outbox_async_database_url``, by default the store's URL with its async driver."""
+        return self.runtime.async_engine
+
+    def _async(self) -> "AsyncUnitsOfWork":
+        if self._async_units is None:
+            from .producer.async_publishing import AsyncPublishing
+            from .producer.async_unit_of_work import AsyncUnitsOfWork
+
+            self._async_units = AsyncUnitsOfWork(AsyncPublishing(self.publisher))
+        return self._async_units
 
     def new_session(self, bind: Connection | None = None) -> Session:
         """A new Session on the outbox's engine that holds no message back by itself: what is sent

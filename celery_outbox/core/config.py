@@ -53,6 +53,15 @@ SETTINGS: tuple[Setting, ...] = (
             "`connect_args` adds to the library's connection options or overrides them: a 5 s connect timeout, "
             "TCP keepalives and a 30 s `tcp_user_timeout`, so that a connection to a vanished server fails "
             "within about a minute ([faults.md](faults.md))."),
+    Setting("async_database_url", None, parse.optional_string,
+            "The URL of the async engine of async units of work (`Outbox.atransaction`, `Outbox.abegin`), "
+            "naming the store's database: `postgresql+asyncpg://...` for asyncpg. By default the store's URL "
+            "with its async driver: psycopg's async mode for PostgreSQL, aiosqlite for SQLite "
+            "([asyncio.md](asyncio.md))."),
+    Setting("async_publish_threads", 4, parse.positive_int,
+            "Threads that publish what async units of work committed, off the event loop (kombu is "
+            "synchronous). Each holds at most one producer of the app's pool while it publishes: keep it "
+            "at or under `broker_pool_limit` ([asyncio.md](asyncio.md))."),
     Setting("durable_queues", None, parse.queue_names,
             "Queues whose messages are stored in the outgoing table in the sender's transaction and relayed, "
             "and whose consumers keep a full envelope in the inbox. A list or a comma-separated string."),
@@ -170,6 +179,8 @@ class OutboxSettings:
 
     database_url: str = _field("database_url")
     engine_options: Mapping[str, Any] = _field("engine_options")
+    async_database_url: str | None = _field("async_database_url")
+    async_publish_threads: int = _field("async_publish_threads")
     durable_queues: frozenset[str] = _field("durable_queues")
     table_prefix: str = _field("table_prefix")
     django_database: str = _field("django_database")

@@ -58,10 +58,12 @@ class Runtime:
 
     def __init__(self, app: Celery, owner: Any, engine: Engine | None = None,
                  overrides: dict[str, Any] | None = None, integrations: Sequence[Integration] = (),
-                 archiver_for: Callable[[str], Archiver] | None = None):
+                 archiver_for: Callable[[str], Archiver] | None = None, async_engine: Any = None):
         self.app = app
         self.owner = owner
         self.given_engine = engine
+        self.given_async_engine = async_engine
+        self._async_engine: Any = async_engine
         self.overrides = dict(overrides or {})
         self.integrations = tuple(integrations)
         self.archiver_for = archiver_for
@@ -151,6 +153,26 @@ class Runtime:
     def engine(self) -> Engine:
         return self.store.engine
 
+    @property
+    def async_engine(self) -> Any:
+        """The ``AsyncEngine`` of async units of work, on the store's database: the one given to
+        ``Outbox``, or one built on first use from ``outbox_async_database_url`` or the store's URL
+        (``build_async_engine``, which names the extra when asyncio support is missing)."""
+        if self._async_engine is None:
+            with self._lock:
+                if self._async_engine is None:
+                    from ..store.async_engine import build_async_engine
+
+                    settings = self.settings
+                    self._async_engine = build_async_engine(self.store.engine.url, settings.async_database_url,
+                                                            settings.engine_options)
+        return self._async_engine
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether ``ready()`` has passed: it would return at once."""
+        return self._ready
+
     def ready(self) -> "Runtime":
         """Check the database answers and its tables exist (creating them when
         ``outbox_auto_create_schema`` is on). Raises ``StoreUnavailable`` (the database cannot be
@@ -201,6 +223,8 @@ class Runtime:
         """A forked child (a prefork pool process) must not reuse its parent's database connections."""
         if self._store is not None:
             self._store.engine.dispose(close=False)
+        if self._async_engine is not None:
+            self._async_engine.sync_engine.dispose(close=False)
 
     def rebuild_engine(self, engine_options: dict[str, Any]) -> None:
         """Replace the engine by one built with ``engine_options`` added to the settings' (a worker

@@ -49,6 +49,9 @@ class UnitOfWork:
     outermost commit wherever the commit happens.
     """
 
+    #: whether its publish goes to the publishing threads of async units of work
+    is_async = False
+
     def __init__(self, publisher: "Publisher", session: Session | None):
         self.publisher = publisher
         self._session = session
@@ -357,7 +360,7 @@ def begin(publisher: Publisher) -> Iterator[Connection]:
     before the COMMIT, everything captured published just after) and rolled back on an
     exception; a block inside an open unit of work joins it (its connection). No ORM Session
     is made unless the block asks the unit of work for one."""
-    outer = current_unit_of_work()
+    outer = _sync_outer()
     if outer is not None:
         yield outer.connection
         return
@@ -385,7 +388,7 @@ def transaction(publisher: Publisher, session: Session | None = None) -> Iterato
     A unit of work whose messages ``publisher`` publishes (``Outbox.transaction``): on a Session
     of its own, committed when the block ends and rolled back on an exception; or joining
     ``session``, published after that Session's commit; a block inside an open one joins it."""
-    outer = current_unit_of_work()
+    outer = _sync_outer()
     if session is None and outer is not None:
         yield outer.session
         return
@@ -398,6 +401,16 @@ def transaction(publisher: Publisher, session: Session | None = None) -> Iterato
     with publisher.runtime.new_session() as own:
         with UnitOfWork.of(publisher, own).opened(), own.begin():
             yield own
+
+
+def _sync_outer() -> UnitOfWork | None:
+    """The unit of work a sync block joins: the one open in the running context, or None. An async
+    one cannot be joined (its connection is only reached by awaiting): that is an error."""
+    outer = current_unit_of_work()
+    if outer is not None and outer.is_async:
+        raise OutboxError("outbox.transaction() or outbox.begin() inside an async unit of work: "
+                          "use 'async with outbox.atransaction()' or 'outbox.abegin()' there")
+    return outer
 
 
 # -- the running task body's unit of work (``IdempotentTask.session`` and ``.connection``) -----

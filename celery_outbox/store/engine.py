@@ -24,8 +24,8 @@ from sqlalchemy.exc import ArgumentError, DisconnectionError, NoSuchModuleError
 
 from ..errors import ConfigurationError
 
-__all__ = ["POSTGRES_CONNECT_ARGS", "build_engine", "is_secret_name", "masked_options", "safe_url", "redact",
-           "unpooled_sibling"]
+__all__ = ["POSTGRES_CONNECT_ARGS", "build_engine", "is_secret_name", "masked_options", "ping_when_idle", "safe_url",
+           "redact", "tune_sqlite", "unpooled_sibling"]
 
 MASK = "***"
 _QUOTED_MASK = "%2A%2A%2A"  # the mask as a URL's query renders it
@@ -116,7 +116,8 @@ def _switch_to_wal(cursor) -> None:
     delay = 0.005
     while True:
         try:
-            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+            cursor.execute("PRAGMA journal_mode")  # then fetchone(): aiosqlite's adapted cursor too
+            if cursor.fetchone()[0].lower() == "wal":
                 return
             cursor.execute("PRAGMA journal_mode = WAL")
             return
@@ -129,7 +130,9 @@ def _switch_to_wal(cursor) -> None:
             delay = min(delay * 2, 0.2)
 
 
-def _tune_sqlite(engine: Engine) -> None:
+def tune_sqlite(engine: Engine) -> None:
+    """Every connection in WAL mode with a busy timeout, every transaction ``BEGIN IMMEDIATE``."""
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):  # pragma: no cover - exercised by every SQLite test
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
@@ -145,7 +148,7 @@ def _tune_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def _ping_when_idle(engine: Engine) -> None:
+def ping_when_idle(engine: Engine) -> None:
     """Ping a pooled connection on checkout only when it sat idle for ``PING_AFTER_IDLE`` seconds."""
 
     @event.listens_for(engine, "checkin")
@@ -218,7 +221,7 @@ def build_engine(database_url: str, options: Mapping[str, Any] | None = None) ->
             f"cannot build an engine for outbox_database_url = {safe_url(url)!r}: {redact(str(exc), url)}"
         ) from None
     if backend == "sqlite":
-        _tune_sqlite(engine)
+        tune_sqlite(engine)
     if not kwargs.get("pool_pre_ping"):
-        _ping_when_idle(engine)
+        ping_when_idle(engine)
     return engine

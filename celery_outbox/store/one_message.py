@@ -19,6 +19,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from .base import StoreBase
 from .pipeline import (
     COMMAND_OK,
+    ABORTED_BY,
     FAILED_STATEMENT,
     PG_NO_SUCH_PREPARED,
     PG_PREPARED_EXISTS,
@@ -58,8 +59,10 @@ class OneMessage(StoreBase):
         failed on ``conn`` (the one that aborted it, unless the caller ran it through the driver
         itself), as its caller saw it. libpq knows the transaction's state: no round trip. Other
         databases never abort a transaction this way."""
-        if conn.dialect.driver != "psycopg" or conn.closed or conn.invalidated:
+        if conn.closed or conn.invalidated or conn.dialect.name != "postgresql":
             return None
+        if conn.dialect.driver not in ("psycopg", "psycopg_async"):  # asyncpg: the driver does not say
+            return conn.info.get(ABORTED_BY)
         driver = conn.connection.driver_connection
         if driver.pgconn.transaction_status != PSYCOPG_INERROR:
             return None

@@ -29,7 +29,7 @@ from sqlalchemy.exc import DisconnectionError
 # what one_message.OneMessage and remember_failed_statement's callers use; pipeline_exchange,
 # pipelined_query and prepared_statements are also named for the benchmarks' hand-written floors
 # (benchmarks/producer_row.py), which send the store's statements as it does
-__all__ = ["COMMAND_OK", "FAILED_STATEMENT", "OPEN_NOT_WAITING_FOR_FLUSH", "PG_NO_SUCH_PREPARED", "PG_PREPARED_EXISTS",
+__all__ = ["ABORTED_BY", "COMMAND_OK", "FAILED_STATEMENT", "OPEN_NOT_WAITING_FOR_FLUSH", "PG_NO_SUCH_PREPARED", "PG_PREPARED_EXISTS",
            "PSYCOPG_CONNECTION_OK", "PSYCOPG_IDLE", "PSYCOPG_INERROR", "PSYCOPG_INTRANS", "TUPLES_OK", "PipelinedQuery",
            "adaptation", "exchange_on", "pipeline_exchange", "pipeline_supported", "pipelined_query", "prepare",
            "prepare_on_checkout", "prepared_statements", "remember_failed_statement", "remember_failed_statements",
@@ -58,6 +58,7 @@ _PREPARED_ON: weakref.WeakKeyDictionary[Any, tuple[set[str], dict[str, str] | No
 # The error of the last statement that failed on a connection, in its ``info`` (SQLAlchemy's
 # ``handle_error`` on the store's engine, and Django's execute wrapper, put it there)
 FAILED_STATEMENT = "celery_outbox.failed_statement"
+ABORTED_BY = "celery_outbox.aborted_by"  # asyncpg: the error that aborted the open transaction
 # The start of a message that opens a transaction committing without waiting for the WAL flush,
 # as ``StoreBase.begin(durable=False)`` opens one
 OPEN_NOT_WAITING_FOR_FLUSH = (b"BEGIN", b"SET LOCAL synchronous_commit TO OFF")
@@ -345,12 +346,26 @@ def remember_failed_statement(conn: Connection, error: BaseException) -> None:
 
 def remember_failed_statements(engine: Engine) -> None:
     """PostgreSQL with psycopg: the error of each statement that fails on ``engine`` is kept with
-    its connection (``remember_failed_statement``)."""
-    if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg" \
-            and not event.contains(engine, "handle_error", _on_statement_error):
+    its connection (``remember_failed_statement``). With asyncpg, whose connection does not say
+    whether its transaction is aborted, the error is also kept as the one that aborted it
+    (``ABORTED_BY``) until a savepoint's rollback, or the transaction's end, forgets it."""
+    if engine.dialect.name != "postgresql" or event.contains(engine, "handle_error", _on_statement_error):
+        return
+    if engine.dialect.driver in ("psycopg", "psycopg_async", "asyncpg"):
         event.listen(engine, "handle_error", _on_statement_error)
+    if engine.dialect.driver == "asyncpg":
+        for name in ("begin", "commit", "rollback", "rollback_savepoint"):
+            event.listen(engine, name, _forget_aborting_error)
+
+
+def _forget_aborting_error(conn: Connection, *_: Any) -> None:
+    with suppress(Exception):
+        conn.info.pop(ABORTED_BY, None)
 
 
 def _on_statement_error(context: Any) -> None:
     if context.connection is not None and not context.is_disconnect:
         remember_failed_statement(context.connection, context.sqlalchemy_exception or context.original_exception)
+        if context.dialect.driver == "asyncpg":
+            with suppress(Exception):
+                context.connection.info[ABORTED_BY] = context.connection.info[FAILED_STATEMENT]

@@ -45,6 +45,8 @@ app.conf.update(
 )
 if not DJANGO:
     app.conf.outbox_database_url = os.environ["SMOKE_DATABASE_URL"]
+if os.environ.get("SMOKE_ASYNC_DATABASE_URL"):
+    app.conf.outbox_async_database_url = os.environ["SMOKE_ASYNC_DATABASE_URL"]
 if os.environ.get("SMOKE_METRICS_PORT"):
     app.conf.outbox_metrics_port = int(os.environ["SMOKE_METRICS_PORT"])
 

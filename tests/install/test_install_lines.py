@@ -35,6 +35,7 @@ class Line:
     broker: str  # "shopfs" (the demos' filesystem broker), "redis" or "rabbitmq"
     django: bool = False
     metrics: bool = False
+    asyncio: str | None = None  # the async driver the smoke's async units of work use (None: none run)
     also: tuple[str, ...] = ()  # packages the docs' line installs beside the extras
     imports: tuple[str, ...] = ()  # what the line must make importable
     absent: tuple[str, ...] = ()  # what it must not install
@@ -60,6 +61,10 @@ LINES = [
     Line("postgres,redis,otel", "postgres", "redis", also=("opentelemetry-sdk",), imports=("opentelemetry.sdk",)),
     Line("spark", "sqlite", "shopfs", imports=("pyspark", "pyarrow")),
     Line("demo", "sqlite", "shopfs", imports=("flask", "pyspark")),
+    Line("asyncio", "sqlite", "shopfs", asyncio="aiosqlite", imports=("aiosqlite", "greenlet"),
+         absent=("asyncpg", "psycopg")),
+    Line("postgres,asyncio", "postgres", "rabbitmq", asyncio="psycopg", imports=("psycopg", "greenlet")),
+    Line("asyncpg", "postgres", "rabbitmq", asyncio="asyncpg", imports=("asyncpg", "psycopg", "greenlet")),
 ]
 
 
@@ -136,6 +141,11 @@ def test_an_install_line_runs_a_worker_beat_and_the_inbox(line, wheelhouse, tmp_
         env["SMOKE_DJANGO"] = "1"
     if line.metrics:
         env["SMOKE_METRICS_PORT"] = str(free_port())
+    if line.asyncio:
+        env["SMOKE_ASYNC"] = "1"
+    if line.asyncio == "asyncpg":
+        env["SMOKE_ASYNC_DATABASE_URL"] = env["SMOKE_DATABASE_URL"].replace("+psycopg", "").replace(
+            "postgresql://", "postgresql+asyncpg://", 1)
     venv = tmp_path / "venv"
     # no pip of its own (ensurepip costs each environment seconds): this process's pip installs into it
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
