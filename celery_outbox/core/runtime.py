@@ -64,6 +64,9 @@ class Runtime:
         self.given_engine = engine
         self.given_async_engine = async_engine
         self._async_engine: Any = async_engine
+        self._async_engines: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # loop -> LoopEngine
+        self._primary_fresh = True  # no loop has used async_engine yet
+        self._primary_disposed = threading.Event()  # the loop that used it last shut down, closing its connections
         self.overrides = dict(overrides or {})
         self.integrations = tuple(integrations)
         self.archiver_for = archiver_for
@@ -161,12 +164,44 @@ class Runtime:
         if self._async_engine is None:
             with self._lock:
                 if self._async_engine is None:
-                    from ..store.async_engine import build_async_engine
-
-                    settings = self.settings
-                    self._async_engine = build_async_engine(self.store.engine.url, settings.async_database_url,
-                                                            settings.engine_options)
+                    self._async_engine = self._build_async_engine()
         return self._async_engine
+
+    def async_engine_of_running_loop(self) -> Any:
+        """The async engine for the running event loop. A driver's connections belong to the loop
+        that made them: each loop gets an engine no other live loop uses (``async_engine`` when it
+        is free), whose connections are closed when the loop shuts down (``LoopEngine``); the
+        engines of loops closed without that are let go. An engine given to ``Outbox`` serves
+        every loop: sharing it between loops is its owner's care."""
+        import asyncio
+
+        if self.given_async_engine is not None:
+            return self.given_async_engine
+        loop = asyncio.get_running_loop()
+        held = self._async_engines.get(loop)
+        if held is not None:
+            return held.engine
+        from ..store.async_engine import LoopEngine
+
+        with self._lock:
+            for closed in [each for each in self._async_engines if each.is_closed()]:
+                del self._async_engines[closed]
+            live = [held.engine for held in self._async_engines.values()]
+            primary = self.async_engine
+            free = primary not in live and (self._primary_fresh or self._primary_disposed.is_set())
+            engine = primary if free else self._build_async_engine()
+            if engine is primary:
+                self._primary_fresh = False
+                self._primary_disposed.clear()
+            held = self._async_engines[loop] = LoopEngine(
+                engine, self._primary_disposed if engine is primary else None)
+        return held.engine
+
+    def _build_async_engine(self) -> Any:
+        from ..store.async_engine import build_async_engine
+
+        settings = self.settings
+        return build_async_engine(self.store.engine.url, settings.async_database_url, settings.engine_options)
 
     @property
     def is_ready(self) -> bool:
@@ -223,8 +258,8 @@ class Runtime:
         """A forked child (a prefork pool process) must not reuse its parent's database connections."""
         if self._store is not None:
             self._store.engine.dispose(close=False)
-        if self._async_engine is not None:
-            self._async_engine.sync_engine.dispose(close=False)
+        for engine in {self._async_engine, *(held.engine for held in self._async_engines.values())} - {None}:
+            engine.sync_engine.dispose(close=False)
 
     def rebuild_engine(self, engine_options: dict[str, Any]) -> None:
         """Replace the engine by one built with ``engine_options`` added to the settings' (a worker

@@ -13,10 +13,11 @@ durable messages to the relay or redelivery (a plain message is then lost, as af
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
@@ -155,9 +156,10 @@ class AsyncUnitsOfWork:
 
     @property
     def sessions(self) -> async_sessionmaker[AsyncSession]:
+        """The maker of the outbox's ``AsyncSession``s (each is given its engine or connection)."""
         if self._sessions is None:
-            self._sessions = async_sessionmaker(self.publishing.publisher.runtime.async_engine, expire_on_commit=False,
-                                                sync_session_class=_ListenedSession, info=session_info())
+            self._sessions = async_sessionmaker(expire_on_commit=False, sync_session_class=_ListenedSession,
+                                                info=session_info())
         return self._sessions
 
     @asynccontextmanager
@@ -166,10 +168,10 @@ class AsyncUnitsOfWork:
         a rollback publishes nothing. On an ``AsyncSession`` of its own, committed when the block
         ends and rolled back on an exception; or joining ``session``, published after that
         Session's commit; a block inside an open async unit of work joins it."""
-        sessions = self.sessions  # the async engine first: a missing driver is a ConfigurationError
+        engine = self.publishing.publisher.runtime.async_engine_of_running_loop()  # a missing driver: an error
         outer = _async_outer()
         if session is None and outer is not None:
-            yield (outer.joined_session(sessions) if isinstance(outer, _ConnectionUnitOfWork)
+            yield (outer.joined_session(self.sessions) if isinstance(outer, _ConnectionUnitOfWork)
                    else outer.async_session)
             return
         await self.publishing.prepare()
@@ -179,12 +181,18 @@ class AsyncUnitsOfWork:
                 yield session
             await uow.wait_published()
             return
-        async with sessions() as own:
+        cancelled = False
+        async with self.sessions(bind=engine) as own:
             uow = AsyncUnitOfWork.of_session(self.publishing, own)
             with uow.opened():
-                async with own.begin():
+                await own.begin()
+                try:
                     yield own
-        await uow.wait_published()
+                except BaseException:
+                    await _rolled_back(own.rollback())
+                    raise
+                cancelled = await run_to_end(own.commit())
+        await _published_unless(cancelled, uow)
 
     @asynccontextmanager
     async def begin(self) -> AsyncIterator[AsyncConnection]:
@@ -192,22 +200,27 @@ class AsyncUnitsOfWork:
         publishes nothing. An ``AsyncConnection`` as ``async_engine.begin()`` gives one: committed
         when the block ends (durable messages inserted just before the COMMIT), rolled back on an
         exception; a block inside an open async unit of work joins it (its connection)."""
-        engine = self.publishing.publisher.runtime.async_engine
+        engine = self.publishing.publisher.runtime.async_engine_of_running_loop()
         outer = _async_outer()
         if outer is not None:
             yield (outer.async_connection if isinstance(outer, _ConnectionUnitOfWork)
                    else await outer.async_session.connection())
             return
         await self.publishing.prepare()
+        cancelled = False
         async with engine.connect() as connection:
             uow = _ConnectionUnitOfWork(self.publishing, connection)
             token = _current.set(uow)
             try:
                 await connection.begin()
-                yield connection
-                if not connection.in_transaction():
-                    raise OutboxError(uow.ended_inside)
-                await connection.run_sync(uow.commit_in)
+                try:
+                    yield connection
+                    if not connection.in_transaction():
+                        raise OutboxError(uow.ended_inside)
+                except BaseException:
+                    await _rolled_back(connection.rollback())
+                    raise
+                cancelled = await run_to_end(connection.run_sync(uow.commit_in))
             except BaseException:
                 uow._rolled_back()
                 raise
@@ -216,7 +229,44 @@ class AsyncUnitsOfWork:
                 if uow.async_session is not None:
                     await uow.async_session.close()
         uow.published_after_close()
-        await uow.wait_published()
+        await _published_unless(cancelled, uow)
+
+
+async def run_to_end(commit: Awaitable[Any]) -> bool:
+    """Await ``commit`` to its end even when the waiting task is cancelled meanwhile: a COMMIT
+    sent is answered, so the unit knows whether it committed and publishes what it did at once
+    (cut off, its durable messages would wait for redelivery and its plain ones be lost). Returns
+    whether a cancellation came meanwhile, for the caller to raise once the commit has ended.
+    A loop shutting down cancels the commit itself: then its outcome is the database's."""
+    running = asyncio.ensure_future(commit)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(running)
+            return cancelled
+        except asyncio.CancelledError:
+            if running.cancelled():
+                raise
+            cancelled = True
+
+
+async def _rolled_back(rollback: Awaitable[Any]) -> None:
+    """Roll back after the block raised; a rollback that fails (the connection is gone, or a
+    cancellation cut a statement off) is logged: the error of the block is the one raised, and a
+    transaction that never commits publishes nothing."""
+    try:
+        await rollback
+    except Exception as exc:  # noqa: BLE001 - the block's error is raised; the connection is discarded
+        logger.warning("celery-outbox: could not roll back an async unit of work (its connection is discarded): %s",
+                       exc)
+
+
+async def _published_unless(cancelled: bool, uow: AsyncUnitOfWork) -> None:
+    """Wait for the publish of what ``uow`` committed; or, when the task was cancelled during the
+    commit, raise the cancellation at once (the publish goes on in its thread)."""
+    if cancelled:
+        raise asyncio.CancelledError()
+    await uow.wait_published()
 
 
 def _async_outer() -> AsyncUnitOfWork | None:

@@ -11,8 +11,10 @@ work is first opened.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
-from typing import TYPE_CHECKING, Any, Mapping
+import threading
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
@@ -24,7 +26,7 @@ from .pipeline import remember_failed_statements
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["ASYNC_EXTRA", "async_url", "build_async_engine"]
+__all__ = ["ASYNC_EXTRA", "LoopEngine", "async_url", "build_async_engine"]
 
 ASYNC_EXTRA = "pip install 'celery-outbox[asyncio]'"
 #: the async driver of each sync driver the store runs on; the module each one needs
@@ -86,3 +88,27 @@ def build_async_engine(store_url: str | URL, given: str | None = None,
     if not kwargs.get("pool_pre_ping"):
         ping_when_idle(engine.sync_engine)
     return engine
+
+
+class LoopEngine:
+    """An async engine held for the running event loop, its connections closed when that loop shuts
+    down: an async generator the loop finalises in ``shutdown_asyncgens`` (``asyncio.run`` and
+    servers such as uvicorn call it before closing the loop) disposes of the engine's pool while
+    the loop still runs, then sets ``disposed``. A loop closed without it leaves connections its
+    engine must not hand to another loop."""
+
+    def __init__(self, engine: "AsyncEngine", disposed: threading.Event | None = None):
+        self.engine = engine
+        self.disposed = disposed or threading.Event()
+        self._keeper = _dispose_at_shutdown(engine, self.disposed)
+        asyncio.ensure_future(self._keeper.__anext__())  # runs to its yield at the loop's next turn
+
+
+async def _dispose_at_shutdown(engine: "AsyncEngine", disposed: threading.Event) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        try:
+            await engine.dispose()
+        finally:
+            disposed.set()

@@ -15,6 +15,12 @@ with ``create(...)`` to read the tables.
   effect and send the order's receipt from their unit of work; ``fault.receipt``
   (optimistic) writes a ``receipt`` effect. Effects carry no unique key: a second
   run of a body would show as a second row.
+* FAULT_ASYNC=1 makes the producer asyncio code: batches of orders placed concurrently, each in
+  an async unit of work (``outbox.abegin()`` and ``outbox.atransaction()`` in turn) on the async
+  engine (``outbox_async_database_url`` in FAULT_CONF, or the store's URL with its async driver).
+  FAULT_ASYNC=cancel also cancels the units still running a random moment after a batch starts,
+  before, during or after their commits, and lets every other batch's loop shut down on them
+  (``asyncio.run`` cancels what is left); an order it did not commit is placed again later.
 * FAULT_TRICKS (comma-separated) makes the first delivery of some payments misbehave
   the way Celery allows: ``reject`` raises ``Reject(requeue=True)`` (every 7th order,
   from the 4th), ``worker_lost`` kills its own pool process (every 7th, from the 6th),
@@ -144,12 +150,80 @@ def create(broker_url: str, database_url: str, prefix: str, queue: str, maintena
             conn_or_session.execute(insert(orders).values(id=order_id))
             (pay_eager if number % 3 == 2 else pay).apply_async((order_id,), task_id=order_id)
 
+    async def aplace(number: int) -> None:
+        """``place`` in an async unit of work: every other order on an ``AsyncConnection``
+        (``outbox.abegin()``), the others on an ``AsyncSession`` (``outbox.atransaction()``)."""
+        order_id = ORDER_ID.format(number)
+        async with outbox.abegin() if number % 2 else outbox.atransaction() as conn_or_session:
+            await conn_or_session.execute(insert(orders).values(id=order_id))
+            (pay_eager if number % 3 == 2 else pay).apply_async((order_id,), task_id=order_id)
+
     def placed() -> set[str]:
         with outbox.engine.begin() as conn:
             return set(conn.execute(select(orders.c.id)).scalars())
 
     return SimpleNamespace(app=app, outbox=outbox, metadata=metadata, orders=orders, effects=effects,
-                           bodies=bodies, place=place, placed=placed)
+                           bodies=bodies, place=place, aplace=aplace, placed=placed)
+
+
+ASYNC_BATCH = 8  # orders an async producer places at once
+
+
+def produce_async(shop: SimpleNamespace, count: int, pace: float, cancel: bool, patience: float = 120.0) -> None:
+    """Place every order not placed yet, ``ASYNC_BATCH`` at a time in one event loop, until all
+    are placed (a failed or cancelled unit's order is placed again in a later batch). With
+    ``cancel``, each batch's units still running after a random 0 to 60 ms are cancelled: by the
+    batch itself, or, every other batch, by ``asyncio.run`` shutting the loop down on them. Prints
+    how many cancelled units had committed (their orders placed) and how many had not."""
+    import asyncio
+    import random
+
+    deadline = time.monotonic() + patience
+    cancelled_committed = cancelled_rolled_back = 0
+    batch_number = 0
+    while True:
+        try:
+            shop.outbox.ready()
+            done = shop.placed()
+        except SQLAlchemyError:
+            _wait_or_give_up(deadline)
+            continue
+        todo = [number for number in range(count) if ORDER_ID.format(number) not in done]
+        if not todo:
+            break
+        batch, batch_number = todo[:ASYNC_BATCH], batch_number + 1
+        cancelled: list[int] = []
+
+        async def run_batch() -> None:
+            tasks = {asyncio.ensure_future(shop.aplace(number)): number for number in batch}
+            if not cancel:
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            else:
+                _, pending = await asyncio.wait(tasks, timeout=random.uniform(0, 0.06))
+                cancelled.extend(tasks[task] for task in pending)
+                if batch_number % 2:  # the loop shuts down on them: asyncio.run cancels them
+                    return
+                for task in pending:
+                    task.cancel()
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, (
+                IntegrityError, SQLAlchemyError, asyncio.CancelledError))]
+            if failed:
+                raise failed[0]
+
+        try:
+            asyncio.run(run_batch())
+        except SQLAlchemyError:
+            _wait_or_give_up(deadline)
+        if cancelled:
+            now_placed = shop.placed()
+            committed = sum(ORDER_ID.format(number) in now_placed for number in cancelled)
+            cancelled_committed += committed
+            cancelled_rolled_back += len(cancelled) - committed
+            print(f"fault producer: cancelled units committed {cancelled_committed}, "
+                  f"not committed {cancelled_rolled_back}", flush=True)
+        if pace:
+            time.sleep(pace * len(batch))
 
 
 def produce(shop: SimpleNamespace, count: int, pace: float, patience: float = 120.0) -> None:
@@ -198,4 +272,8 @@ if "FAULT_BROKER_URL" in os.environ:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["produce"]:
         raise SystemExit("usage: python -m tests.apps.fault_app produce COUNT [PACE]")
-    produce(shop, int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+    if os.environ.get("FAULT_ASYNC"):
+        produce_async(shop, int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 0.0,
+                      cancel=os.environ["FAULT_ASYNC"] == "cancel")
+    else:
+        produce(shop, int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)

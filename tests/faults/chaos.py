@@ -30,9 +30,11 @@ KINDS = ("task", "liveness", "relay", "producer")
 
 class ConnectionKiller:
     def __init__(self, admin_url: str, application_names: dict[str, str], on_fault: Callable[[], None],
-                 seed: int = 28, interval: tuple[float, float] = (0.1, 0.5)):
+                 seed: int = 28, interval: tuple[float, float] = (0.1, 0.5), kinds: tuple[str, ...] = KINDS):
         """``application_names``: role (consumer, maintenance, producer) -> application_name;
-        ``on_fault`` is called after each session terminated."""
+        ``on_fault`` is called after each session terminated; ``kinds``: the kinds of session
+        terminated in turn."""
+        self.kinds = kinds
         self.on_fault = on_fault
         self.admin_url = admin_url.replace("postgresql+psycopg://", "postgresql://")
         self.names = application_names
@@ -59,7 +61,7 @@ class ConnectionKiller:
     def _run(self) -> None:
         turn = 0
         while not self._stop.wait(self.random.uniform(*self.interval)):
-            kind = KINDS[turn % len(KINDS)]
+            kind = self.kinds[turn % len(self.kinds)]
             turn += 1
             try:
                 if self._terminate_one(kind):

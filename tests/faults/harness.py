@@ -173,7 +173,7 @@ class FaultRun:
                  crashpoint: str | None = None, pace: float = 0.01, visibility_timeout: float = 3,
                  body_seconds: float = 0.0, producer_broker_url: str | None = None, copies: int = 15,
                  pool: str = "prefork", tricks: str = "", plain_receipts: bool = False,
-                 consumer_clock: float | None = None, **conf):
+                 consumer_clock: float | None = None, async_producer: str | None = None, **conf):
         suffix = uuid.uuid4().hex[:8]
         self.scenario, self.tmp_path, self.orders, self.pace, self.copies = scenario, tmp_path, orders, pace, copies
         self.pool = pool
@@ -190,6 +190,8 @@ class FaultRun:
         if crashpoint:
             self.env[ENVIRONMENT_VARIABLE] = crashpoint
         self.producer_env = dict(self.env, FAULT_BROKER_URL=producer_broker_url or broker_url)
+        if async_producer:  # "1" or "cancel": the producer's units of work are async (fault_app)
+            self.producer_env["FAULT_ASYNC"] = async_producer
         self.shop = fault_app.create(broker_url, database_url, self.prefix, self.env["FAULT_QUEUE"],
                                      self.env["FAULT_MAINTENANCE_QUEUE"], visibility_timeout, tricks=tricks,
                                      plain_receipts=plain_receipts, **settings)
