@@ -18,8 +18,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from .base import StoreBase
 from .pipeline import (
-    COMMAND_OK,
     ABORTED_BY,
+    COMMAND_OK,
     FAILED_STATEMENT,
     PG_NO_SUCH_PREPARED,
     PG_PREPARED_EXISTS,

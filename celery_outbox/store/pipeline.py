@@ -29,11 +29,11 @@ from sqlalchemy.exc import DisconnectionError
 # what one_message.OneMessage and remember_failed_statement's callers use; pipeline_exchange,
 # pipelined_query and prepared_statements are also named for the benchmarks' hand-written floors
 # (benchmarks/producer_row.py), which send the store's statements as it does
-__all__ = ["ABORTED_BY", "COMMAND_OK", "FAILED_STATEMENT", "OPEN_NOT_WAITING_FOR_FLUSH", "PG_NO_SUCH_PREPARED", "PG_PREPARED_EXISTS",
-           "PSYCOPG_CONNECTION_OK", "PSYCOPG_IDLE", "PSYCOPG_INERROR", "PSYCOPG_INTRANS", "TUPLES_OK", "PipelinedQuery",
-           "adaptation", "exchange_on", "pipeline_exchange", "pipeline_supported", "pipelined_query", "prepare",
-           "prepare_on_checkout", "prepared_statements", "remember_failed_statement", "remember_failed_statements",
-           "sqlstate_of"]
+__all__ = ["ABORTED_BY", "COMMAND_OK", "FAILED_STATEMENT", "OPEN_NOT_WAITING_FOR_FLUSH", "PG_NO_SUCH_PREPARED",
+           "PG_PREPARED_EXISTS", "PSYCOPG_CONNECTION_OK", "PSYCOPG_IDLE", "PSYCOPG_INERROR", "PSYCOPG_INTRANS",
+           "TUPLES_OK", "PipelinedQuery", "adaptation", "exchange_on", "pipeline_exchange", "pipeline_supported",
+           "pipelined_query", "prepare", "prepare_on_checkout", "prepared_statements", "remember_failed_statement",
+           "remember_failed_statements", "sqlstate_of"]
 
 _T = TypeVar("_T")
 

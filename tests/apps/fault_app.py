@@ -194,7 +194,7 @@ def produce_async(shop: SimpleNamespace, count: int, pace: float, cancel: bool, 
         batch, batch_number = todo[:ASYNC_BATCH], batch_number + 1
         cancelled: list[int] = []
 
-        async def run_batch() -> None:
+        async def run_batch(batch: list[int], batch_number: int, cancelled: list[int]) -> None:
             tasks = {asyncio.ensure_future(shop.aplace(number)): number for number in batch}
             if not cancel:
                 outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -212,7 +212,7 @@ def produce_async(shop: SimpleNamespace, count: int, pace: float, cancel: bool, 
                 raise failed[0]
 
         try:
-            asyncio.run(run_batch())
+            asyncio.run(run_batch(batch, batch_number, cancelled))
         except SQLAlchemyError:
             _wait_or_give_up(deadline)
         if cancelled:
