@@ -164,3 +164,36 @@ def test_units_in_successive_event_loops_and_concurrent_units_in_one(shop):
 
     ids = asyncio.run(place_many(0)) + asyncio.run(place_many(10))
     assert sorted(m.id for m in receive(shop.app, shop.durable_queue, 20)) == sorted(ids)
+
+
+def test_a_connection_terminated_during_the_commit_commits_and_publishes_nothing(shop, unit):
+    """The server ends the unit's session while its COMMIT runs (a deferred trigger sleeps in it):
+    the unit raises the driver's error, nothing is committed, stored or published."""
+    orders = orders_table(shop)
+    with shop.outbox.engine.begin() as conn:
+        conn.execute(text(f"CREATE OR REPLACE FUNCTION {orders}_slow() RETURNS trigger AS "
+                          "$$ BEGIN PERFORM pg_sleep(2); RETURN NULL; END $$ LANGUAGE plpgsql"))
+        conn.execute(text(f"CREATE CONSTRAINT TRIGGER {orders}_slow AFTER INSERT ON {orders} "
+                          f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {orders}_slow()"))
+
+    def terminate(pid: int) -> None:
+        with shop.outbox.engine.begin() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+    async def place() -> None:
+        async with unit(shop) as conn_or_session:
+            await conn_or_session.execute(text(f"INSERT INTO {orders} VALUES (9)"))
+            pid = (await conn_or_session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            shop.durable.delay(9)
+            shop.plain.delay(10)
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, lambda: loop.run_in_executor(None, terminate, pid))  # the COMMIT runs then
+
+    with pytest.raises(DBAPIError):
+        asyncio.run(place())
+    with shop.outbox.engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {orders}")).scalar_one() == 0
+    assert outgoing_rows(shop.outbox.store) == (0, 0)
+    assert nothing_more(shop.app, shop.durable_queue) and nothing_more(shop.app, shop.plain_queue)
+    with shop.outbox.engine.begin() as conn:
+        conn.execute(text(f"DROP FUNCTION {orders}_slow() CASCADE"))
