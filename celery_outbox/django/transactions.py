@@ -5,14 +5,16 @@ savepoints and ``ATOMIC_REQUESTS`` included), captured messages wait, a batch pe
 each batch one ``transaction.on_commit`` callback. Django's outermost commit inserts the durable
 messages of the batches it still holds through Django's own connection, as the transaction's last
 statement (on PostgreSQL with psycopg, with the COMMIT in one network message); the callbacks
-publish after it. A ``retry`` or ``replace`` of the running task is stored and forwarded at once.
-Guarantee: a durable message commits with the user's data or not at all (a rolled-back savepoint
-or block takes its messages with it); once committed it is published now or by the relay later,
-never lost; nothing is published after a rollback. See docs/django.md.
+publish after it. A send in a coroutine that ``async_to_sync`` runs inside the block joins it too.
+A ``retry`` or ``replace`` of the running task is stored and forwarded at once. Guarantee: a
+durable message commits with the user's data or not at all (a rolled-back savepoint or block takes
+its messages with it); once committed it is published now or by the relay later, never lost;
+nothing is published after a rollback. See docs/django.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from typing import Any
 
@@ -195,9 +197,58 @@ def _raise_as_django_error(exc: StoreUnavailable | DBAPIError, connection: Any) 
 _joined: weakref.WeakKeyDictionary[Any, dict[int, DjangoTransaction]] = weakref.WeakKeyDictionary()
 
 
-def joined_transaction(publisher: Publisher) -> DjangoTransaction | None:
+def joined_transaction(publisher: Publisher) -> DjangoTransaction | _JoinedFromCoroutine | None:
     """The Django transaction a publish joins now: an atomic block open on the outbox's Django
-    database in this thread, or None."""
+    database in this thread or, for a coroutine that ``async_to_sync`` runs, in the thread waiting
+    for it; or None."""
+    caller = _waiting_sync_thread()
+    if caller is not None:
+        try:
+            asked = caller.submit(_joined_in_this_thread, publisher)
+        except RuntimeError:  # asgiref's: the caller has returned, no thread waits for this coroutine
+            return _joined_in_this_thread(publisher)
+        joined = asked.result()
+        return None if joined is None else _JoinedFromCoroutine(joined, caller)
+    return _joined_in_this_thread(publisher)
+
+
+class _JoinedFromCoroutine:
+    """The atomic block of the sync thread that waits in ``async_to_sync`` for the coroutine that
+    sends: its messages are captured in that thread, on its Django connection."""
+
+    __slots__ = ("caller", "joined")
+
+    def __init__(self, joined: DjangoTransaction, caller: Any):
+        self.joined = joined
+        self.caller = caller
+
+    def add(self, messages: list[OutgoingMessage]) -> None:
+        """Capture messages in the waiting thread's transaction (``DjangoTransaction.add``)."""
+        self.caller.submit(self.joined.add, messages).result()
+
+
+def _waiting_sync_thread() -> Any:
+    """When this thread runs an event loop and the coroutine running now was called through
+    ``async_to_sync`` by a sync thread that waits for it: asgiref's executor that runs work in that
+    thread (where ``sync_to_async`` runs thread-sensitive code). Django's connections are
+    per thread, and an atomic block open there would not see a send made here: the send would
+    be stored and published at once, even if the block rolled back. Else None.
+
+    The wait for that thread blocks this event loop for as long as it takes to capture the
+    messages; the thread runs the work while it waits, so it does not need the loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    from asgiref.sync import AsyncToSync
+
+    # where SyncToAsync runs thread-sensitive code (asgiref 3.x)
+    return (getattr(AsyncToSync.executors, "current", None)
+            or getattr(AsyncToSync, "loop_thread_executors", {}).get(loop))
+
+
+def _joined_in_this_thread(publisher: Publisher) -> DjangoTransaction | None:
+    """The atomic block open on the outbox's Django database in this thread, or None."""
     from django.db import connections
 
     settings = publisher.runtime.settings
