@@ -31,8 +31,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".celery-outbox-demo"  # in a data folder the demo made: the only kind it deletes without --reset
@@ -73,12 +74,13 @@ def parse_args(argv: list[str] | None, prog: str, description: str) -> argparse.
 
 
 class Process:
-    """A celery worker or beat of the shop (``celery -A <app>``), logging to a file."""
+    """A process of the shop, ``python -m <command>`` (a celery worker or beat, an ASGI server),
+    logging to a file."""
 
-    def __init__(self, name: str, app: str, args: list[str], env: dict[str, str], log_dir: Path):
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        command = [sys.executable, "-m", "celery", "-A", app, *args]
+        command = [sys.executable, "-m", *command]
         self.process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=self.log_path.open("ab"),
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -120,8 +122,8 @@ class Process:
 
 def worker(name: str, app: str, queues: str, concurrency: int, env: dict[str, str], log_dir: Path) -> Process:
     """A worker process, once it is ready (one that never gets ready is killed)."""
-    process = Process(name, app, ["worker", "-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "INFO",
-                             "--without-heartbeat", "--without-gossip", "--without-mingle"], env, log_dir)
+    process = Process(name, ["celery", "-A", app, "worker", "-Q", queues, "-c", str(concurrency), "-n", f"{name}@%h",
+                             "-l", "INFO", "--without-heartbeat", "--without-gossip", "--without-mingle"], env, log_dir)
     process.wait_for(" ready.")
     return process
 
@@ -133,6 +135,34 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
+class Server(Protocol):
+    """What serves a shop's HTTP API at ``url`` for the demo; stopped with the shop's processes."""
+
+    url: str
+
+    def stop(self) -> None: ...
+
+    def stopped(self, deadline: float) -> None: ...
+
+
+class WSGIServer:
+    """A WSGI application served in the demo's own process (werkzeug's threaded server)."""
+
+    def __init__(self, application: Any):
+        from werkzeug.serving import make_server
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request is noise here
+        self.server = make_server("127.0.0.1", 0, application, threaded=True)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+    def stopped(self, deadline: float) -> None:
+        return None
+
+
 class Shop:
     """What the demo drives: the SQLAlchemy shop of ``example_project/shop`` (the Django shop's is
     in ``django_demo.py``). Its modules are imported by ``start``, once the environment is set."""
@@ -142,6 +172,8 @@ class Shop:
     description = __doc__.splitlines()[0]
     celery_app = "example_project.shop.celery_app"
     environment: dict[str, str] = {}  # what the shop's processes, the demo's own among them, must have set
+    clients = 1  # HTTP clients placing orders at once
+    no_audit: str | None = None  # why this shop's demo ends without the delivery audit, or None: it runs it
 
     def refusal(self) -> str | None:
         """Why the shop cannot run with the environment set, or None. Asked before ``start``."""
@@ -153,6 +185,10 @@ class Shop:
         from example_project.shop.web import api
 
         self.app, self.outbox, self.charge_payment, self.wsgi = app, outbox, charge_payment, api
+
+    def serve(self, env: dict[str, str], log_dir: Path) -> Server:
+        """Serve the shop's HTTP API (here in the demo's process), once its tables exist."""
+        return WSGIServer(self.wsgi)
 
     def tables_with_rows(self) -> list[str]:
         """The shop's and the outbox's tables that exist and hold rows (the schema version row aside)."""
@@ -166,11 +202,11 @@ class Shop:
     def create_tables(self) -> None:
         """Empty tables: the demo's counts are of this run only."""
         from example_project.shop.models import Base
-        from example_project.shop.web import create_tables
 
         Base.metadata.drop_all(self.outbox.engine)
         self.outbox.store.tables.metadata.drop_all(self.outbox.engine)
-        create_tables()
+        self.outbox.ready()  # the outbox's tables (web.create_tables, without the Flask app)
+        Base.metadata.create_all(self.outbox.engine)
 
     def effects(self) -> tuple[dict[str, str], dict[str, int], int]:
         """Each order's status, each order's number of payments, and the number of receipts."""
@@ -210,8 +246,8 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
     (data_dir / MARKER).write_text("made by the celery-outbox demo: it deletes this folder on its next run\n")
     env = dict(os.environ, **DEMO_ENVIRONMENT, **shop.environment, SHOP_DATA_DIR=str(data_dir),
                SHOP_CANCEL_UNPAID_AFTER=str(args.cancel_after), PYTHONPATH=str(ROOT))
-    audit = not args.no_audit and audit_available()
-    audit_skipped = "--no-audit" if args.no_audit else "needs Java and celery-outbox[spark]"
+    audit = not args.no_audit and shop.no_audit is None and audit_available()
+    audit_skipped = "--no-audit" if args.no_audit else shop.no_audit or "needs Java and celery-outbox[spark]"
     if audit:  # a short dedupe window, so the demo can archive its rows for the audit once it settled
         env.update(SHOP_ARCHIVE_PATH=str(data_dir / "archive"), SHOP_KEEP_AFTER_HANDLING="30")
     if args.database_url:
@@ -222,8 +258,6 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
     for folder in ("broker", "control"):
         (data_dir / folder).mkdir(exist_ok=True)
 
-    from werkzeug.serving import make_server
-
     from celery_outbox import SEND_HEADER
 
     reason = shop.refusal()
@@ -231,42 +265,43 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
         return refuse(reason)
     shop.start()
     app, outbox = shop.app, shop.outbox
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request is noise here
     holding = shop.tables_with_rows()
     if holding and not args.reset:
         return refuse(f"the database at {outbox.store.describe()} already holds rows in {', '.join(holding)}; "
                       "the demo deletes its tables: use another database, or --reset to empty them")
     shop.create_tables()
-    server = make_server("127.0.0.1", 0, shop.wsgi, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base_url = f"http://127.0.0.1:{server.server_port}"
     say = (lambda *_: None) if args.json else (lambda text: print(text, flush=True))
     say(f"demo: store {outbox.store.describe()}, broker {app.conf.broker_url.split('@')[-1]}, files in {data_dir}")
 
-    processes: list[Process] = []
+    processes: list[Process | Server] = []
     try:
+        server = shop.serve(env, data_dir)
+        processes.append(server)
         victim = worker("payments-a", shop.celery_app, "payments,cancellations,celery", 2, env, data_dir)
         processes.append(victim)  # stopped at the end even when a later process fails to start
         processes.append(worker("receipts", shop.celery_app, RECEIPTS_QUEUE, 1, env, data_dir))
-        beat = Process("beat", shop.celery_app, ["beat", "-l", "INFO"], env, data_dir)
+        beat = Process("beat", ["celery", "-A", shop.celery_app, "beat", "-l", "INFO"], env, data_dir)
         beat.wait_for("beat: Starting...")
         processes.append(beat)
 
         rng = random.Random(7)
+        orders = [{"pay": rng.random() >= args.unpaid_share, "amount": f"{rng.randint(100, 9999) / 100:.2f}"}
+                  for _ in range(args.orders)]
         placed: list[dict[str, Any]] = []
         kill_at = args.orders // 2
         killed_at = None
-        for n in range(args.orders):
-            pay = rng.random() >= args.unpaid_share
-            reply = post(f"{base_url}/orders", {"amount": f"{rng.randint(100, 9999) / 100:.2f}", "pay": pay})
-            placed.append({**reply, "pay": pay})
-            if n + 1 == kill_at:
-                say(f"demo: {n + 1} orders placed; SIGKILL the payments worker and start another")
-                victim.kill()
-                killed_at = time.time()
-                processes.append(worker("payments-b", shop.celery_app, "payments,cancellations,celery", 2, env,
-                                        data_dir))
-        say(f"demo: {len(placed)} orders placed over HTTP")
+        with ThreadPoolExecutor(shop.clients, thread_name_prefix="demo-client") as clients:
+            replies = [clients.submit(post, f"{server.url}/orders", order) for order in orders]
+            for n, (order, reply) in enumerate(zip(orders, replies, strict=True)):  # the kill: later orders in flight
+                placed.append({**reply.result(), "pay": order["pay"]})
+                if n + 1 == kill_at:
+                    say(f"demo: {n + 1} orders placed; SIGKILL the payments worker and start another")
+                    victim.kill()
+                    killed_at = time.time()
+                    processes.append(worker("payments-b", shop.celery_app, "payments,cancellations,celery", 2, env,
+                                            data_dir))
+        say(f"demo: {len(placed)} orders placed over HTTP" + (f" by {shop.clients} clients at once"
+                                                              if shop.clients > 1 else ""))
 
         paid = [order for order in placed if order["pay"]]
         duplicates = rng.sample(paid, int(len(paid) * args.duplicate_share))
@@ -289,7 +324,6 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
         deadline = time.monotonic() + 30
         for process in processes:
             process.stopped(deadline)
-        server.shutdown()
     print(json.dumps(summary, indent=2) if args.json else report(summary, shop.name))
     return 0 if summary["ok"] else 1
 

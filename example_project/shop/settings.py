@@ -31,6 +31,9 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "beat-schedule")
 
 # celery-outbox: the same database as the shop's own tables, so an order and its messages commit together
 CELERY_OUTBOX_DATABASE_URL = os.environ.get("SHOP_DATABASE_URL") or f"sqlite:///{DATA_DIR / 'shop.sqlite3'}"
+# the async API's engine (asgi.py): unset, the store's URL with its async driver (aiosqlite, psycopg's
+# async mode); postgresql+asyncpg://... for asyncpg
+CELERY_OUTBOX_ASYNC_DATABASE_URL = os.environ.get("SHOP_ASYNC_DATABASE_URL") or None
 CELERY_OUTBOX_DURABLE_QUEUES = ["payments", "cancellations"]
 CELERY_OUTBOX_RECOVER_INTERVAL = float(os.environ.get("SHOP_RECOVER_INTERVAL", 5))
 CELERY_OUTBOX_NODE_HEARTBEAT_INTERVAL = float(os.environ.get("SHOP_HEARTBEAT_INTERVAL", 5))
