@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import TYPE_CHECKING, Any, AsyncContextManager, ContextManager
 
 from celery import Celery, signals
@@ -35,7 +37,7 @@ from .maintenance.beat import register_beat_tasks, schedule_beat_tasks
 from .maintenance.cleanup import CleanupResult, cleanup
 from .maintenance.recover import RecoverResult, recover
 from .maintenance.relay import RelayResult, relay
-from .producer.publish_hook import install_publish_hook
+from .producer.publish_hook import defer_while_sending, install_publish_hook
 from .producer.publishing import Publisher
 from .producer.unit_of_work import begin, transaction
 from .store import Store
@@ -104,7 +106,7 @@ class Outbox:
             app.steps["consumer"].add(MessageGuard)
         os.register_at_fork(after_in_child=self._after_fork_in_child)
         signals.worker_init.connect(self._on_worker_init, weak=False)
-        signals.beat_init.connect(self._on_worker_init, weak=False)
+        signals.beat_init.connect(self._on_beat_init, weak=False)
         # warm shutdown: the pool has drained; release what this process's node owns
         signals.worker_process_shutdown.connect(self._on_process_shutdown, weak=False)
         signals.worker_shutdown.connect(self._on_worker_shutdown, weak=False)
@@ -144,6 +146,16 @@ class Outbox:
             self.node.deregister()
         except Exception as exc:  # noqa: BLE001 - recovery releases the rows of a node that did not
             logger.warning("celery-outbox: could not deregister node at shutdown: %s", exc)
+
+    def _on_beat_init(self, sender: Any = None, **_: Any) -> None:
+        """Beat starts: as a worker's start-up, and its shutdown signals (SIGTERM, SIGINT) wait
+        for a publish under way to end (``defer_while_sending``)."""
+        self._on_worker_init(sender)
+        if getattr(sender, "app", self.app) is self.app and threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                handler = signal.getsignal(signum)
+                if callable(handler) and not getattr(handler, "defers_while_sending", False):
+                    signal.signal(signum, defer_while_sending(handler))
 
     def _on_worker_init(self, sender: Any = None, **_: Any) -> None:
         """Worker and beat start-up: the store must answer, or the process stops with one clear line."""

@@ -28,7 +28,7 @@ from .celery_internals import (
 from .publishing import Publisher
 from .unit_of_work import current_unit_of_work
 
-__all__ = ["install_publish_hook", "resending", "sending_through_outbox", "stamp_send_id"]
+__all__ = ["defer_while_sending", "install_publish_hook", "resending", "sending_through_outbox", "stamp_send_id"]
 
 
 def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,6 +44,8 @@ def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., 
             return send(producer, name, message, **options)
         finally:
             _through_outbox.reset(token)
+            if _deferred_signals and not _through_outbox.get():
+                _run_deferred_signals()
 
     def send(producer: Any, name: str, message: Any, **options: Any) -> Any:
         continued = stamp_send_id(runtime.app, message.headers)
@@ -83,6 +85,34 @@ def _declare_also(message: OutgoingMessage, queue: Any) -> None:
 
 _resent_attempt: ContextVar[Any] = ContextVar("celery_outbox_resent_attempt", default=None)
 _through_outbox: ContextVar[bool] = ContextVar("celery_outbox_through_outbox", default=False)
+
+
+_deferred_signals: list[Callable[[], Any]] = []
+
+
+def defer_while_sending(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
+    """``handler`` as a signal handler that, when its signal lands while this thread sends a task
+    message through the hook, runs once that send has ended instead. Celery beat's SIGTERM and
+    SIGINT handler closes the broker connection: run in the middle of a publish on py-amqp, it
+    waits for the frame writer's lock the interrupted publish holds, for ever."""
+
+    def on_signal(signum: int, frame: Any) -> Any:
+        if _through_outbox.get():
+            _deferred_signals.append(lambda: handler(signum, frame))
+            return None
+        return handler(signum, frame)
+
+    on_signal.defers_while_sending = True  # type: ignore[attr-defined]
+    return on_signal
+
+
+def _run_deferred_signals() -> None:
+    """The handlers of the signals that landed during the send that has just ended (one may raise
+    ``SystemExit``, as beat's does: from here, between two sends)."""
+    handlers = list(_deferred_signals)
+    _deferred_signals.clear()
+    for handler in handlers:
+        handler()
 
 
 def sending_through_outbox() -> bool:
