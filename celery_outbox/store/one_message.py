@@ -61,7 +61,7 @@ class OneMessage(StoreBase):
         databases never abort a transaction this way."""
         if conn.closed or conn.invalidated or conn.dialect.name != "postgresql":
             return None
-        if conn.dialect.driver not in ("psycopg", "psycopg_async"):  # asyncpg: the driver does not say
+        if conn.dialect.driver != "psycopg":  # asyncpg: the driver does not say
             return conn.info.get(ABORTED_BY)
         driver = conn.connection.driver_connection
         if driver.pgconn.transaction_status != PSYCOPG_INERROR:
@@ -94,9 +94,10 @@ class OneMessage(StoreBase):
         """PostgreSQL: what statements sent in one message on ``conn`` must start with: ``(b"BEGIN",)``
         when its psycopg connection is between transactions in the default transaction mode (they
         open the transaction themselves, as psycopg would have), ``()`` inside a transaction, and
-        None when they cannot go in one message (another driver, a libpq without pipeline mode, a
-        transaction in error, or non-default transaction settings)."""
-        if conn.dialect.driver != "psycopg" or not pipeline_supported():
+        None when they cannot go in one message (another driver, psycopg's async mode, whose
+        connection's socket an event loop waits on, a libpq without pipeline mode, a transaction
+        in error, or non-default transaction settings)."""
+        if conn.dialect.driver != "psycopg" or conn.dialect.is_async or not pipeline_supported():
             return None
         driver = conn.connection.driver_connection
         status = driver.pgconn.transaction_status

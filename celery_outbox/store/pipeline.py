@@ -351,7 +351,7 @@ def remember_failed_statements(engine: Engine) -> None:
     (``ABORTED_BY``) until a savepoint's rollback, or the transaction's end, forgets it."""
     if engine.dialect.name != "postgresql" or event.contains(engine, "handle_error", _on_statement_error):
         return
-    if engine.dialect.driver in ("psycopg", "psycopg_async", "asyncpg"):
+    if engine.dialect.driver in ("psycopg", "asyncpg"):  # psycopg: its sync and its async mode
         event.listen(engine, "handle_error", _on_statement_error)
     if engine.dialect.driver == "asyncpg":
         for name in ("begin", "commit", "rollback", "rollback_savepoint"):

@@ -197,3 +197,29 @@ def test_a_connection_terminated_during_the_commit_commits_and_publishes_nothing
     assert nothing_more(shop.app, shop.durable_queue) and nothing_more(shop.app, shop.plain_queue)
     with shop.outbox.engine.begin() as conn:
         conn.execute(text(f"DROP FUNCTION {orders}_slow() CASCADE"))
+
+
+def test_the_durable_insert_is_awaited_never_sent_through_the_blocking_one_message_path(shop, monkeypatch):
+    """The store sends a sync unit's INSERT through libpq in one message, waiting on the socket in
+    ``select``: on the loop's thread that would block the event loop. An async unit's INSERT goes
+    through the driver's own awaited execute."""
+    from celery_outbox.store.one_message import OneMessage
+
+    sent_in_one_message = []
+    real = OneMessage._send_one_message
+
+    def recording(self, conn, *args, **kwargs):
+        sent_in_one_message.append(conn.dialect.is_async)
+        return real(self, conn, *args, **kwargs)
+
+    monkeypatch.setattr(OneMessage, "_send_one_message", recording)
+
+    async def place() -> None:
+        async with shop.outbox.atransaction():
+            shop.durable.delay(1)
+        async with shop.outbox.abegin():
+            shop.durable.delay(2)
+
+    asyncio.run(place())
+    assert True not in sent_in_one_message
+    assert sorted(m.args[0] for m in receive(shop.app, shop.durable_queue, 2)) == [1, 2]
