@@ -19,7 +19,9 @@ from datetime import datetime, timezone
 from . import pace
 from .common import Options, Result, machine, table, verdicts
 
-BENCHMARKS = ("producer", "worker", "relay", "contention", "cleanup", "audit", "django", "peers")
+BENCHMARKS = ("producer", "worker", "relay", "contention", "cleanup", "audit", "django", "peers", "asyncio")
+#: The module of each benchmark whose name is not its module's (``asyncio`` would shadow the standard library's)
+MODULES = {"asyncio": "async_units"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         scales[name] = round(scale, 3)
         print(f"benchmark {name} ..." + ("" if args.quick else f" ({scale:.2f} of its full sizes)"),
               file=sys.stderr, flush=True)
-        module = importlib.import_module(f"benchmarks.{name}")
+        module = importlib.import_module(f"benchmarks.{MODULES.get(name, name)}")
         results.extend(module.run(Options(quick=args.quick, scale=scale)))
         took = (time.monotonic() - began) / 60
         minutes[name] = round(took, 1)

@@ -39,6 +39,55 @@ def test_the_django_benchmark_compares_the_outbox_with_delay_on_commit(tmp_path)
         assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
 
 
+def test_the_asyncio_benchmark_compares_async_units_of_work_with_plain_celery_and_the_sync_ones(tmp_path):
+    """``python -m benchmarks asyncio``: async units of work (``atransaction()``, ``abegin()``) each
+    writing one row and sending N tasks, against plain Celery called from the same async code (its
+    ``apply_async`` in an executor) and, in the ``vs peer`` block, against the sync unit of work of
+    the same kind (0.9 at N = 1); then the p99 of the event loop's lag during a burst of them."""
+    for service in ("postgres", "redis"):
+        require(service)
+    report_path = tmp_path / "results.json"
+    completed = subprocess.run([sys.executable, "-m", "benchmarks", "asyncio", "--quick", "--json", str(report_path)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert list(report["minutes"]) == ["asyncio"]
+    results = report["results"]
+    assert {r["benchmark"] for r in results} == {"asyncio"}
+    plain = "vs plain Celery from asyncio (AsyncSession committed, then apply_async in an executor)"
+    rows = {n: f"Redis, N={n}, one row and {n} send{'s' if n > 1 else ''} in a unit of work" for n in (1, 10, 100)}
+    lag = "p99 of the event loop's lag, 100 units of work 50 at a time, each one row and one send"
+    assert [r["case"] for r in results if r["versus"] is None] == [
+        *(f"{rows[n]}: {way}, {plain}" for n in (1, 10, 100)
+          for way in ("atransaction(), in-memory", "atransaction(), durable", "abegin(), durable")),
+        f"{lag}: atransaction(), durable, vs plain Celery, apply_async in an executor",
+        f"{lag}: atransaction(), in-memory, vs plain Celery, apply_async in an executor",
+        f"{lag}: atransaction(), durable, vs plain Celery, apply_async on the loop"]
+    against_sync = [r for r in results if r["versus"] is not None]
+    assert [r["case"] for r in against_sync] == [
+        f"{rows[n]}: {way}" for n in (1, 10, 100) for way in (
+            "atransaction() vs transaction(), in-memory", "atransaction() vs transaction(), durable",
+            "abegin() vs begin(), durable")]
+    for result in results:
+        assert result["ours"] > 0 and result["plain"] > 0, "both ways measured"
+        assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
+        assert result["unit"] == ("ms" if result["case"].startswith("p99") else "units/s")
+    for result in against_sync:
+        assert result["versus"] == "the sync unit of work"
+        assert result["target"] == (">= 0.9" if result["case"].startswith("Redis, N=1,") else None)
+        assert re.fullmatch(r"plain Celery's own async way at [\d.]+ of its sync way .*", result["note"])
+    assert all(r["target"] is None for r in results if r["versus"] is None), "against plain Celery: no target"
+    lag_note = next(r["note"] for r in results if r["case"].startswith(lag))
+    for way in ("atransaction durable", "atransaction in-memory", "plain, apply_async in an executor",
+                "plain, apply_async on the loop", "the row alone, nothing sent"):
+        assert re.search(rf"{re.escape(way)} p99 [\d.]+ ms, max [\d.]+ ms, [\d,]+ units/s", lag_note), lag_note
+
+    table = completed.stdout
+    assert sum(line.startswith("| asyncio |") for line in table.splitlines()) == len(results)
+    assert "| the sync unit of work |" in table.split("vs peer: the denominator is the peer named", 1)[1]
+    assert "\n3 targets, judged at 90% confidence or more where a row has rounds enough:\n" in table
+
+
 def test_the_peers_benchmark_compares_the_outbox_with_procrastinate_and_django_celery_outbox(tmp_path):
     """``python -m benchmarks peers``: each comparison with a peer library, both ways measured in
     the same run; its rows name the peer and its version, and print in the table's ``vs peer``
