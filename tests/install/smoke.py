@@ -90,7 +90,7 @@ def run(directory, app, outbox, record, effects, func, select, django: bool, que
     except RuntimeError:
         pass
     committed = {1: 1, 3: 1}
-    if os.environ.get("SMOKE_ASYNC") == "1":  # the asyncio extras: an async unit of work that commits, one that rolls back
+    if os.environ.get("SMOKE_ASYNC") == "1":  # the asyncio extras: an async unit that commits, one that rolls back
         import asyncio
 
         async def async_units() -> None:
