@@ -1,9 +1,10 @@
 """The FastAPI shop's demo (``python -m example_project.fastapi_demo``) in its short mode, run as a
-user runs it on PostgreSQL, with Redis through psycopg's async mode and with RabbitMQ through asyncpg
-(on SQLite with the server-less broker it runs as the README gives it, ``tox -e fastapi-demo``, in
-CI before the test suite). uvicorn serves the shop's async API in a process of its own; eight
-clients place orders at once, each written with an ``AsyncSession`` inside
-``outbox.atransaction()``; a worker is SIGKILLed and duplicates are sent; the summary is asserted."""
+user runs it on PostgreSQL, with RabbitMQ, its async units of work on asyncpg (psycopg's async mode
+and Redis run in tests/faults/test_async_producer.py's drills; on SQLite with the server-less broker
+it runs as the README gives it, ``tox -e fastapi-demo``, in CI before the test suite). uvicorn serves
+the shop's async API in a process of its own; eight clients place orders at once, each written with
+an ``AsyncSession`` inside ``outbox.atransaction()``; a worker is SIGKILLed and duplicates are
+sent; the summary is asserted."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .test_demo import assert_every_receipt_sent_but_the_killed_workers, assert_
 MODULE = "example_project.fastapi_demo"
 
 
-@pytest.mark.parametrize(("broker", "driver"), [("redis", "psycopg"), ("rabbitmq", "asyncpg")])
+@pytest.mark.parametrize(("broker", "driver"), [("rabbitmq", "asyncpg")])
 def test_the_fastapi_demo_on_postgresql(tmp_path, broker, driver, own_database, monkeypatch):
     if driver == "asyncpg":  # the shop's settings read it (outbox_async_database_url); the store stays on psycopg
         monkeypatch.setenv("SHOP_ASYNC_DATABASE_URL", own_database.replace("postgresql+psycopg", "postgresql+asyncpg"))
