@@ -293,7 +293,10 @@ def test_worker_tasks_publishing_from_their_bodies_never_block(pool, concurrency
         worker.wait_ready()
         for n in range(tasks):
             built.fan_out.delay(n)
-        got = receive(built.app, other_queue, 2 * tasks, timeout=60)
+        try:
+            got = receive(built.app, other_queue, 2 * tasks, timeout=90)
+        except AssertionError as missing:
+            raise AssertionError(f"{str(missing)[:300]}; the worker's log ends:\n{worker.log()[-4000:]}") from None
         assert sorted(tuple(m.args) for m in got) == [(n, i) for n in range(tasks) for i in range(2)]
         assert worker.log().count("retry: Retry in 0s") == tasks, "every task retried itself once"
         if built.outbox is not None:
