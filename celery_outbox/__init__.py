@@ -6,6 +6,7 @@ tables under the default prefix, for Alembic autogenerate.
 
 from .consumer.tasks import IdempotentTask
 from .core.config import OutboxSettings
+from .core.tenancy import TENANT_HEADER, current_tenant, using_tenant
 from .errors import (
     ConfigurationError,
     IncompatibleSchema,
@@ -14,6 +15,7 @@ from .errors import (
     StoreUnavailable,
     TransactionAborted,
     UndecidableRoute,
+    UnknownTenant,
     UnstorableMessage,
 )
 from .outbox import Outbox
@@ -24,6 +26,7 @@ metadata = build_tables().metadata
 
 __all__ = [
     "SEND_HEADER",
+    "TENANT_HEADER",
     "ConfigurationError",
     "IdempotencyStyle",
     "IdempotentTask",
@@ -36,6 +39,9 @@ __all__ = [
     "StoreUnavailable",
     "TransactionAborted",
     "UndecidableRoute",
+    "UnknownTenant",
     "UnstorableMessage",
+    "current_tenant",
     "metadata",
+    "using_tenant",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["OutboxError", "ConfigurationError", "IncompatibleSchema", "OutboxBypassed", "StoreUnavailable",
-           "UndecidableRoute", "UnstorableMessage"]
+           "UndecidableRoute", "UnknownTenant", "UnstorableMessage"]
 
 
 class OutboxError(Exception):
@@ -20,6 +20,16 @@ class ConfigurationError(OutboxError, ValueError):
 
 class StoreUnavailable(OutboxError):
     """The message store cannot be reached or used (database down, driver missing)."""
+
+
+class UnknownTenant(OutboxError, LookupError):
+    """Code or a message names a tenant that ``outbox_tenants`` does not know (now, after asking a
+    callable source again). Nothing is written: a unit of work for it does not begin, and a
+    delivery naming it is a dead letter in the default store, its reason naming the tenant."""
+
+    def __init__(self, tenant: object, reason: str = "outbox_tenants does not name it"):
+        self.tenant = tenant
+        super().__init__(f"unknown tenant {tenant!r}: {reason}")
 
 
 class IncompatibleSchema(OutboxError):

@@ -29,7 +29,7 @@ from .consumer.records import AttemptRecords
 from .consumer.tasks import InboxTask, give_inbox_to_every_task
 from .consumer.window import check_dedupe_window, check_release_ahead
 from .core.config import OutboxSettings
-from .core.node import Node
+from .core.node import Nodes
 from .core.runtime import Archiver, Runtime, runtime_of
 from .django.integration import DjangoIntegration
 from .errors import ConfigurationError, OutboxError
@@ -94,10 +94,12 @@ class Outbox:
         self.runtime = Runtime(app, self, engine, overrides, integrations=(DjangoIntegration(),),
                                archiver_for=_parquet_archiver, async_engine=async_engine)
         self._async_units: "AsyncUnitsOfWork | None" = None
-        self.node = Node(self.runtime)
-        self.publisher = Publisher(self.runtime, self.node)
+        self.nodes = Nodes(self.runtime)
+        self.node = self.nodes.default  # this process's node in the default store
+        self.publisher = Publisher(self.runtime, self.nodes)
         rows = InboxRows(self.runtime)
-        self.inbox = Inbox(self.runtime, self.publisher, self.node, rows, AttemptRecords(self.runtime, rows, self.node))
+        records = AttemptRecords(self.runtime, rows, self.nodes)
+        self.inbox = Inbox(self.runtime, self.publisher, self.nodes, rows, records)
         self.inbox.install()
         MainProcessOutcomes(self.runtime, rows).install()
         install_publish_hook(self.publisher)
@@ -126,24 +128,24 @@ class Outbox:
     def _after_fork_in_child(self) -> None:
         """A forked child (a prefork pool process) has its own connections and its own node."""
         self.runtime.after_fork_in_child()
-        self.node.forget_after_fork()
+        self.nodes.forget_after_fork()
 
     def _on_worker_ready(self, sender: Any = None, **_: Any) -> None:
         """The worker consumes: its main process is a node while it runs (``Node.serve_as_worker``)."""
         if getattr(sender, "app", None) is self.app:
-            self.node.serve_as_worker()
+            self.nodes.serve_as_worker()
 
     def _on_worker_shutdown(self, sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", self.app) is not self.app:
             return
         try:
-            self.node.stop_serving()
+            self.nodes.stop_serving()
         except Exception as exc:  # noqa: BLE001 - recovery releases the rows of a node that did not
             logger.warning("celery-outbox: could not deregister node at shutdown: %s", exc)
 
     def _on_process_shutdown(self, sender: Any = None, **_: Any) -> None:
         try:
-            self.node.deregister()
+            self.nodes.deregister()
         except Exception as exc:  # noqa: BLE001 - recovery releases the rows of a node that did not
             logger.warning("celery-outbox: could not deregister node at shutdown: %s", exc)
 
@@ -257,7 +259,7 @@ class Outbox:
 
     # -- units of work ---------------------------------------------------------------------------
 
-    def transaction(self, session: Session | None = None) -> ContextManager[Session]:
+    def transaction(self, session: Session | None = None, tenant: str | None = None) -> ContextManager[Session]:
         """Publishes every message the block sends only after its Session commits; a rollback
         publishes nothing but a ``retry`` or ``replace`` of the running task, which Celery decided on.
 
@@ -268,10 +270,14 @@ class Outbox:
         inside an open one joins it. Messages for durable queues are stored in the
         outgoing table inside the same database transaction: once it commits, a broker
         outage or a crash delays them, never loses them.
-        """
-        return transaction(self.publisher, session)
 
-    def begin(self) -> ContextManager[Connection]:
+        ``tenant`` (a name of ``outbox_tenants``) opens the Session on that tenant's database,
+        stores the messages there and stamps them with the tenant, whose store the consuming
+        inbox claims them in; ``UnknownTenant`` when it is not known (docs/tenancy.md).
+        """
+        return transaction(self.publisher, session, tenant)
+
+    def begin(self, tenant: str | None = None) -> ContextManager[Connection]:
         """Publishes every message the block sends only after its transaction commits; a rollback
         publishes nothing but a ``retry`` or ``replace`` of the running task, which Celery decided on.
 
@@ -282,11 +288,12 @@ class Outbox:
         It makes no ORM Session: for code that writes with Core statements it costs less. A
         block inside an open unit of work joins it. Do not commit or roll back ``conn``
         yourself: the block ends the transaction (doing so raises ``OutboxError`` and drops the
-        block's messages).
+        block's messages). ``tenant``: as ``transaction()``'s.
         """
-        return begin(self.publisher)
+        return begin(self.publisher, tenant)
 
-    def atransaction(self, session: "AsyncSession | None" = None) -> AsyncContextManager["AsyncSession"]:
+    def atransaction(self, session: "AsyncSession | None" = None,
+                     tenant: str | None = None) -> AsyncContextManager["AsyncSession"]:
         """Publishes every message the block sends only after its AsyncSession commits; a rollback
         publishes nothing. ``transaction()`` for asyncio code.
 
@@ -297,16 +304,17 @@ class Outbox:
         transaction; what it committed is published by a pool of threads
         (``outbox_async_publish_threads``), never on the event loop, and the block ends once it
         is published. A cancellation after the commit does not stop the publish (docs/asyncio.md).
+        ``tenant``: as ``transaction()``'s.
         """
-        return self._async().transaction(session)
+        return self._async().transaction(session, tenant)
 
-    def abegin(self) -> AsyncContextManager["AsyncConnection"]:
+    def abegin(self, tenant: str | None = None) -> AsyncContextManager["AsyncConnection"]:
         """Publishes every message the block sends only after its transaction commits; a rollback
         publishes nothing. ``begin()`` for asyncio code: an ``AsyncConnection`` of the async
         engine, its transaction begun, committed when the block ends (durable messages inserted
         just before the COMMIT) and rolled back on an exception; published as ``atransaction()``
-        publishes."""
-        return self._async().begin()
+        publishes. ``tenant``: as ``transaction()``'s."""
+        return self._async().begin(tenant)
 
     @property
     def async_engine(self) -> "AsyncEngine":

@@ -48,6 +48,7 @@ class DeadLetterReason(str, Enum):
     EXPIRED = "expired"  #: a durable message expired before it was published
     MALFORMED = "malformed"  #: the message cannot be run as is: its envelope, headers, id or body
     UNKNOWN_TASK = "unknown_task"  #: no task of that name is registered in the worker
+    UNKNOWN_TENANT = "unknown_tenant"  #: it names a tenant ``outbox_tenants`` does not know (default store)
     POISON = "poison"  #: the relay failed to publish it too many times
     WORKER_LOST = "worker_lost"  #: the worker running it was lost too many times
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kombu.serialization import dumps
 
+from ..core.tenancy import TENANT_HEADER
 from ..message import dead_letter_rows
 from ..message.envelope import json_text, valid_send_id
 from ..message.routing import queue_of
@@ -41,6 +42,8 @@ class Delivery:
     #: the task acks late (``acks_late``): the broker holds the message until the attempt ends, so a
     #: ``Reject(requeue=True)`` or a store outage's send-back hands it back; else Celery acked it on receipt
     acks_late: bool = False
+    #: the tenant whose store the delivery is claimed in (``TENANT_HEADER``); None: the default store
+    tenant: str | None = None
 
     @classmethod
     def from_request(cls, task: Any, settings: Any, queue: str | None = None) -> "Delivery":
@@ -67,6 +70,7 @@ class Delivery:
             replays=header_count(getattr(request, REPLAY_HEADER, 0)),
             redelivered=header_count(getattr(request, REDELIVERY_HEADER, 0)),
             acks_late=bool(getattr(task, "acks_late", False)),
+            tenant=getattr(request, TENANT_HEADER, None) or None,
         )
 
     @property
@@ -100,6 +104,9 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         SEND_HEADER: valid_send_id(getattr(request, SEND_HEADER, None)) or None,
         **tracing.carried(request),
     }
+    tenant = getattr(request, TENANT_HEADER, None)
+    if tenant:
+        headers[TENANT_HEADER] = tenant
     delivery_info = request.delivery_info or {}
     return {
         "exchange": delivery_info.get("exchange") or "",

@@ -20,6 +20,7 @@ from celery import bootsteps, signals
 from ..core import log_fields
 from ..core.config import OutboxSettings
 from ..core.runtime import Runtime, runtime_of
+from ..core.tenancy import TENANT_HEADER, tenant_of_headers, using_tenant, valid_tenant_name
 from ..message.checks import (
     body_reason,
     dead_letter_row_of,
@@ -128,10 +129,23 @@ class MessageGuard(bootsteps.StartStopStep):
 
         def guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
             def on_task_received(message: Any) -> Any:
+                tenant = tenant_of_headers(message.headers) if isinstance(message.headers, dict) else None
+                try:
+                    unknown = _unknown_tenant(runtime, tenant)
+                except Exception as exc:  # noqa: BLE001 - outbox_tenants' callable failed: ask again later
+                    logger.error("celery-outbox: cannot tell whether tenant %r is known (outbox_tenants raised); "
+                                 "handing the message back to the broker in %ss: %r", tenant, REQUEUE_BACKOFF, exc,
+                                 **log_fields.of_broker_message(message))
+                    _requeue_later(c, message)
+                    return None
+                if unknown is not None:  # recorded in the default store: no other is known to be its
+                    _dead_letter(runtime, c, message, DeadLetterReason.UNKNOWN_TENANT, unknown)
+                    return None
                 verdict = _verdict(runtime, c, message)
                 if verdict is None:
                     return handler(message)
-                _dead_letter(runtime, c, message, *verdict)
+                with using_tenant(tenant):
+                    _dead_letter(runtime, c, message, *verdict)
                 return None
 
             return on_task_received
@@ -162,6 +176,18 @@ def _verdict(runtime: Runtime, consumer: Any, message: Any) -> tuple[DeadLetterR
     if verdict is None and durable:
         verdict = body_reason(message)
     return verdict
+
+
+def _unknown_tenant(runtime: Runtime, tenant: Any) -> str | None:
+    """Why the tenant a message names cannot be its (not a tenant name, or one ``outbox_tenants``
+    does not know, a callable source asked again), or None (no tenant: the default store)."""
+    if tenant is None:
+        return None
+    if not valid_tenant_name(tenant):
+        return f"its {TENANT_HEADER} header {shown(tenant)} is not a tenant name"
+    if tenant not in runtime.tenant_places(refresh_for=tenant):
+        return f"it names tenant {tenant!r}, which outbox_tenants does not know"
+    return None
 
 
 def _uses_inbox(app: Any, task_name: str) -> bool:
@@ -211,7 +237,9 @@ def _store_dead_letter(runtime: Runtime, message: Any, reason: DeadLetterReason,
     refuses for its content is stored again reduced to the reason and the refusal; False when even
     that is refused (logged). Any other error (the store is down) propagates."""
     queue = _queue(runtime, message)
-    acknowledged = _acknowledgment(runtime.settings, message, queue)
+    # a message of an unknown tenant has no sender's row in any store known here to acknowledge
+    acknowledged = None if reason is DeadLetterReason.UNKNOWN_TENANT else _acknowledgment(
+        runtime.settings, message, queue)
     try:
         _insert(runtime, dead_letter_row_of(message, reason, description, queue), acknowledged)
         return True

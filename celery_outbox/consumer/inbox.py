@@ -22,8 +22,9 @@ from sqlalchemy.engine import Connection
 
 from ..core import log_fields
 from ..core.crashpoints import crashpoint
-from ..core.node import Node
+from ..core.node import Nodes
 from ..core.runtime import Runtime
+from ..core.tenancy import using_tenant
 from ..errors import OutboxError
 from ..monitoring import tracing
 from ..producer.publishing import Publisher
@@ -80,7 +81,7 @@ class Inbox:
     ``publisher``, eager claims held by ``node``, rows built by ``rows``, what an attempt leaves
     written by ``records``."""
 
-    def __init__(self, runtime: Runtime, publisher: Publisher, node: Node, rows: InboxRows,
+    def __init__(self, runtime: Runtime, publisher: Publisher, node: Nodes, rows: InboxRows,
                  records: AttemptRecords):
         self.runtime = runtime
         self.publisher = publisher
@@ -112,7 +113,7 @@ class Inbox:
         if request.called_directly or request.is_eager or not request.id:
             return self._without_claim(body, unit_of_work)  # no message, nothing to deduplicate
         delivery = Delivery.from_request(task, self.runtime.settings, queue)
-        with tracing.delivery_context(delivery, request):
+        with tracing.delivery_context(delivery, request), using_tenant(delivery.tenant):
             return self._run_delivery(task, delivery, args, kwargs, body, style, unit_of_work)
 
     def _run_delivery(self, task: Any, delivery: Delivery, args: tuple, kwargs: dict, body: Callable[[], Any],

@@ -11,10 +11,12 @@ once.
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from ..core.runtime import Runtime
+from ..core.tenancy import using_tenant
 from ..errors import OutboxError
 from ..signals import announce_dead_letters
 from ..store import is_lock_timeout, utcnow
@@ -49,6 +51,17 @@ def installed_main_process(app: Any) -> "MainProcessOutcomes":
     return outcomes
 
 
+def in_tenant_of_delivery(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an outcome's statements in the store of its delivery's tenant (``Delivery.tenant``)."""
+
+    @functools.wraps(method)
+    def run(self: Any, delivery: Delivery, *args: Any, **kwargs: Any) -> Any:
+        with using_tenant(delivery.tenant):
+            return method(self, delivery, *args, **kwargs)
+
+    return run
+
+
 class MainProcessOutcomes:
     """Records, for the worker's main process, how attempts ended outside their pool process: rows
     built by ``rows``, in the store of ``runtime``."""
@@ -61,6 +74,7 @@ class MainProcessOutcomes:
         """Make these the outcomes the app's worker requests record (``installed_main_process``)."""
         setattr(self.runtime.app, _APP_ATTRIBUTE, self)
 
+    @in_tenant_of_delivery
     def end_killed_attempt(self, delivery: Delivery, dead_letter: dict[str, Any],
                            lock_wait: float = BUSY_ROW_WAIT) -> bool:
         """The worker's pool process running this attempt is gone and Celery fails the task for
@@ -79,6 +93,7 @@ class MainProcessOutcomes:
         announce_dead_letters(self.runtime.owner, dead_letters)
         return bool(dead_letters)
 
+    @in_tenant_of_delivery
     def release_lost_process_claim(self, delivery: Delivery, hostname: str, pid: int) -> int:
         """The worker saw its pool process ``pid`` die running this attempt, and Celery hands the
         message back to the broker as it is (``reject_on_worker_lost``): release the eager claim
@@ -94,6 +109,7 @@ class MainProcessOutcomes:
             return store.release_claim_of_process(conn, delivery.message_id, delivery.destination, hostname, pid,
                                                   delivery.attempt, recover_after, delivery.send_id)
 
+    @in_tenant_of_delivery
     def end_revoked_attempt(self, delivery: Delivery, terminated: bool = False) -> RevokeRecord:
         """The worker discards this delivery unrun (revoked, or expired), or has killed the pool
         process running it (``terminated``: ``revoke(terminate=True)``), as Celery does: end its

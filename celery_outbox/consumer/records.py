@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..core import log_fields
-from ..core.node import Node
+from ..core.node import Nodes
 from ..core.runtime import Runtime
 from ..message import dead_letter_rows
 from ..monitoring import tracing
@@ -35,7 +35,7 @@ class AttemptRecords:
     """Writes what the inbox's attempts leave, in the store of ``runtime``: rows built by ``rows``;
     a claim the store cannot release is handed to ``node``'s heartbeat thread."""
 
-    def __init__(self, runtime: Runtime, rows: InboxRows, node: Node):
+    def __init__(self, runtime: Runtime, rows: InboxRows, node: Nodes):
         self.runtime = runtime
         self.rows = rows
         self.node = node

@@ -62,6 +62,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Threads that publish what async units of work committed, off the event loop (kombu is "
             "synchronous). Each holds at most one producer of the app's pool while it publishes: keep it "
             "at or under `broker_pool_limit` ([asyncio.md](asyncio.md))."),
+    Setting("tenants", None, parse.tenants,
+            "The tenants whose messages live in a database (or a PostgreSQL schema) of their own: a dict of "
+            "names to database URLs or to `{\"url\": ..., \"schema\": ...}`, a callable that returns one "
+            "(asked again for a name it did not know, so tenants can be added at run time), or its dotted "
+            "path. A unit of work for a tenant stores its messages in that tenant's tables, and the inbox "
+            "claims them there; none: one store ([tenancy.md](tenancy.md))."),
     Setting("durable_queues", None, parse.queue_names,
             "Queues whose messages are stored in the outgoing table in the sender's transaction and relayed, "
             "and whose consumers keep a full envelope in the inbox. A list or a comma-separated string."),
@@ -181,6 +187,7 @@ class OutboxSettings:
     engine_options: Mapping[str, Any] = _field("engine_options")
     async_database_url: str | None = _field("async_database_url")
     async_publish_threads: int = _field("async_publish_threads")
+    tenants: Any = _field("tenants")
     durable_queues: frozenset[str] = _field("durable_queues")
     table_prefix: str = _field("table_prefix")
     django_database: str = _field("django_database")

@@ -22,12 +22,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..store import node_lock_key, utcnow
+from ..store import Store, node_lock_key, utcnow
 from ..vocabulary import Attempt
 from . import log_fields
 from .runtime import Runtime
+from .tenancy import current_tenant, using_tenant
 
-__all__ = ["Node", "release_inherited_socket", "node_lock_key", "this_host"]
+__all__ = ["Node", "Nodes", "release_inherited_socket", "node_lock_key", "this_host"]
 
 logger = logging.getLogger("celery_outbox.node")
 
@@ -78,10 +79,12 @@ class PendingRelease:
 
 
 class Node:
-    """This process's node; ``Node.id`` registers it on first use."""
+    """This process's node in one store (the default one, or ``tenant``'s); ``Node.id`` registers
+    it on first use."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Runtime, tenant: str | None = None):
         self.runtime = runtime
+        self.tenant = tenant
         self._lock = threading.Lock()
         self._id: int | None = None
         self._pid: int | None = None
@@ -180,7 +183,7 @@ class Node:
         (``Publisher.prepare_sender`` says why)."""
         if self.registered():
             return self._id
-        if not self.runtime.store.is_postgres:
+        if not self._store().is_postgres:
             return None
         with self._registering_lock:  # not ``_lock``: a registration holds it while it waits for the database
             registering = self._registering
@@ -196,7 +199,7 @@ class Node:
         # After a fork the parent's thread and connection are not ours: start afresh.
         self._stop = threading.Event()
         self._liveness_connection = None
-        store = self.runtime.ready().store
+        store = self._store(ready=True)
         hostname = this_host()
         pid = os.getpid()
         name = f"{hostname}:{pid}:{uuid.uuid4().hex[:12]}"
@@ -204,8 +207,8 @@ class Node:
         if store.is_postgres:
             self._liveness_connection = store.connect_outside_pool()
             node_id = store.register_node(name, hostname, pid, conn=self._liveness_connection,
-                                          lock_key=lambda new_id: node_lock_key(new_id, store.prefix))
-            self._lock_key = node_lock_key(node_id, store.prefix)
+                                          lock_key=lambda new_id: node_lock_key(new_id, store.lock_scope))
+            self._lock_key = node_lock_key(node_id, store.lock_scope)
         else:
             node_id = store.register_node(name, hostname, pid)
             self._lock_key = None
@@ -217,7 +220,8 @@ class Node:
         if not self._exit_hook:
             atexit.register(self._deregister_at_exit)
             self._exit_hook = True
-        logger.info("celery-outbox: node %s registered as %d", name, node_id)
+        logger.info("celery-outbox: node %s registered as %d%s", name, node_id,
+                    f" in the store of tenant {self.tenant}" if self.tenant is not None else "")
 
     def _deregister_at_exit(self) -> None:
         """A normal exit: every send this process committed was published, or given back."""
@@ -227,7 +231,7 @@ class Node:
             logger.warning("celery-outbox: could not deregister node at exit: %s", exc)
 
     def _beat(self, node_id: int, interval: float, stop: threading.Event) -> None:
-        store = self.runtime.store
+        store = self._store()
         while not stop.wait(interval):
             try:
                 if not store.heartbeat(node_id):
@@ -252,7 +256,7 @@ class Node:
         Only this thread uses the connection once the node is registered."""
         if self._lock_key is None:
             return
-        store = self.runtime.store
+        store = self._store()
         connection = self._liveness_connection
         try:
             if connection is None:
@@ -297,7 +301,7 @@ class Node:
     def _release_pending(self, node_id: int) -> None:
         with self._lock:
             pending = [claim for claim, owner in self._pending_releases.items() if owner == node_id]
-        store, settings = self.runtime.store, self.runtime.settings
+        store, settings = self._store(), self.runtime.settings
         for claim in pending:
             try:
                 with store.begin() as conn:
@@ -321,10 +325,15 @@ class Node:
             self._stop.set()
             self._id = None
             try:
-                self.runtime.store.deregister_node(node_id)
+                self._store().deregister_node(node_id)
             finally:
                 self._drop_liveness()
         logger.info("celery-outbox: node %d deregistered", node_id)
+
+    def _store(self, ready: bool = False) -> Store:
+        """The store this node is registered in (``ready``: its tables checked first)."""
+        with using_tenant(self.tenant):
+            return self.runtime.ready().store if ready else self.runtime.store
 
     def _drop_liveness(self) -> None:
         if self._liveness_connection is not None:
@@ -335,3 +344,88 @@ class Node:
             except Exception as exc:  # noqa: BLE001 - the connection is being thrown away anyway
                 logger.debug("celery-outbox: dropping the liveness connection: %s", exc)
             self._liveness_connection = None
+
+
+class Nodes:
+    """This process's nodes: one in the default store, and one in each tenant store the process
+    claims or sends in, each registered there on first use with its own heartbeat and, on
+    PostgreSQL, its own liveness lock (a tenant's recovery decides a node's death in the tenant's
+    own database). ``id``, ``prepare``, ``sender_id``, ``registered`` and ``release_later`` are
+    the current tenant's node's; serving, forking and deregistering are every node's. No
+    transaction of its own: each node's are as ``Node`` says."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.default = Node(runtime)
+        self._tenants: dict[str, Node] = {}
+        self._lock = threading.Lock()
+        self._serving = False
+
+    def here(self) -> Node:
+        """The node of the current tenant's store."""
+        tenant = current_tenant()
+        if tenant is None:
+            return self.default
+        node = self._tenants.get(tenant)
+        if node is None:
+            with self._lock:
+                node = self._tenants.get(tenant)
+                if node is None:
+                    node = self._tenants[tenant] = Node(self.runtime, tenant)
+                    node._serving = self._serving  # a worker's: kept registered once it is
+        return node
+
+    def every(self) -> list[Node]:
+        return [self.default, *list(self._tenants.values())]
+
+    @property
+    def id(self) -> int:
+        return self.here().id
+
+    @property
+    def name(self) -> str | None:
+        return self.here().name
+
+    def registered(self) -> bool:
+        return self.here().registered()
+
+    def prepare(self) -> None:
+        self.here().prepare()
+
+    def sender_id(self) -> int | None:
+        return self.here().sender_id()
+
+    def release_later(self, message_id: str, destination: str, attempt: Attempt, send_id: str,
+                      handed_back: bool) -> None:
+        self.here().release_later(message_id, destination, attempt, send_id, handed_back)
+
+    def serve_as_worker(self) -> None:
+        """A worker is ready: its default node registers now; its tenant nodes register at their
+        first claim, and every one is kept registered while the worker runs."""
+        self._serving = True
+        for node in self.every():
+            node._serving = True
+        self.default.serve_as_worker()
+
+    def stop_serving(self) -> None:
+        self._serving = False
+        for node in self.every():
+            node.stop_serving()
+
+    def forget_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._serving = False
+        for node in self.every():
+            node.forget_after_fork()
+
+    def deregister(self) -> None:
+        """Deregister every node of this process, each in its own store; one store's failure does
+        not keep the others' nodes registered (recovery declares that one dead)."""
+        failures = []
+        for node in self.every():
+            try:
+                node.deregister()
+            except Exception as exc:  # noqa: BLE001 - the others still deregister
+                failures.append(exc)
+        if failures:
+            raise failures[0]

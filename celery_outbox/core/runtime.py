@@ -15,18 +15,20 @@ import logging
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from celery import Celery
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnknownTenant
 from ..store import Store, build_engine
 from ..vocabulary import ArchiveKind
 from .config import OutboxSettings, read_settings
 from .integration import Integration
 from .sessions import listen_to_sessions, session_info
+from .tenancy import TenantPlace, current_tenant, read_tenants
 
 __all__ = ["Archiver", "Runtime", "installed_runtimes", "runtime_of"]
 
@@ -46,8 +48,22 @@ class Archiver(Protocol):
     def archive(self, kind: ArchiveKind, rows: Sequence[Any]) -> None: ...
 
 
+@dataclass
+class StoreSlot:
+    """One store (the default, or a tenant's), the sessions on its engine, and whether ``ready()``
+    has passed for it."""
+
+    store: Store
+    sessions: sessionmaker
+    ready: bool = False
+
+
 class Runtime:
-    """The app, its settings, the store, the sessions and the archiver of one installed outbox.
+    """The app, its settings, the stores, the sessions and the archiver of one installed outbox.
+
+    ``store``, ``engine``, ``ready()`` and ``new_session()`` are the current tenant's
+    (``tenancy.using_tenant``): the default store outside any tenant, a tenant's own store (built
+    on first use from ``outbox_tenants``) inside one.
 
     ``integrations`` are the frameworks the outbox may join (``Integration``): the first active
     one gives the store its database, unless ``outbox_database_url`` or an engine is given, and
@@ -65,6 +81,7 @@ class Runtime:
         self.given_async_engine = async_engine
         self._async_engine: Any = async_engine
         self._async_engines: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # loop -> LoopEngine
+        self._tenant_async_engines: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         self._primary_fresh = True  # no loop has used async_engine yet
         self._primary_disposed = threading.Event()  # the loop that used it last shut down, closing its connections
         self.overrides = dict(overrides or {})
@@ -74,9 +91,10 @@ class Runtime:
         self.integration: Integration | None = None  # the framework whose transactions the outbox joins
         self._lock = threading.RLock()
         self._settings: OutboxSettings | None = None
-        self._store: Store | None = None
-        self._sessions: sessionmaker | None = None
-        self._ready = False
+        self._default: StoreSlot | None = None
+        self._tenant_slots: dict[str, StoreSlot] = {}
+        self._known_tenants: dict[str, TenantPlace] = {}
+        self._engine_extra: dict[str, Any] = {}  # options a worker added to size its pools
         self._when_loaded: list[Callable[[], None]] = []
         setattr(app, _APP_ATTRIBUTE, self)
         _runtimes[next(_installed)] = self
@@ -105,9 +123,7 @@ class Runtime:
                 settings, joins = active.store_settings(settings)
                 self.integration = active if joins else None
             engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
-            self._store = Store(engine, settings.table_prefix)
-            self._sessions = sessionmaker(engine, expire_on_commit=False, info=session_info())
-            listen_to_sessions(self._sessions)
+            self._default = _slot(Store(engine, settings.table_prefix))
             if settings.archive_path and self.archiver is None:
                 if self.archiver_for is None:
                     raise ConfigurationError("outbox_archive_path is set, and this outbox has no archiver to write "
@@ -124,7 +140,7 @@ class Runtime:
         with self._lock:
             if self._settings is not None and self._settings.database_url != url:
                 raise ConfigurationError(
-                    f"the outbox of app {self.app.main!r} already uses the store at {self.store.describe()}; "
+                    f"the outbox of app {self.app.main!r} already uses the store at {self.default_store.describe()}; "
                     "a database URL must be given before the app's outbox is first used")
             self.overrides["database_url"] = url
 
@@ -138,11 +154,67 @@ class Runtime:
 
     @property
     def store(self) -> Store:
-        """The message store; ``ready()`` first makes sure its tables exist."""
-        if self._store is None:
+        """The current tenant's message store (the default one outside any tenant); ``ready()``
+        first makes sure its tables exist. Raises ``UnknownTenant`` for a tenant
+        ``outbox_tenants`` does not name."""
+        return self._slot().store
+
+    @property
+    def default_store(self) -> Store:
+        """The store of code that works for no tenant: nodes' registry, dead letters of unknown tenants."""
+        return self._default_slot().store
+
+    def _default_slot(self) -> StoreSlot:
+        if self._default is None:
             self.load()
-        assert self._store is not None
-        return self._store
+        assert self._default is not None
+        return self._default
+
+    def _slot(self) -> StoreSlot:
+        tenant = current_tenant()
+        if tenant is None:
+            return self._default_slot()
+        held = self._tenant_slots.get(tenant)
+        return held if held is not None else self._tenant_slot(tenant)
+
+    def _tenant_slot(self, tenant: str) -> StoreSlot:
+        """Build the store of ``tenant`` (once), from where ``outbox_tenants`` places it."""
+        place = self.tenant_places(refresh_for=tenant).get(tenant)
+        if place is None:
+            raise UnknownTenant(tenant)
+        with self._lock:
+            held = self._tenant_slots.get(tenant)
+            if held is None:
+                settings = self.settings
+                options = {**settings.engine_options, **self._engine_extra}
+                if place.schema is not None:
+                    options = _with_search_path(options, place.schema)
+                engine = build_engine(place.url, options)
+                held = self._tenant_slots[tenant] = _slot(Store(engine, settings.table_prefix, schema=place.schema))
+        return held
+
+    def tenant_places(self, refresh_for: str | None = None) -> dict[str, TenantPlace]:
+        """Where each tenant's store is (``outbox_tenants``): a callable source is asked the first
+        time, and again for a name it has not returned (``refresh_for``), so tenants added while the
+        process runs are found; a tenant once known stays where it was."""
+        source = self.settings.tenants
+        if not callable(source):
+            return dict(source)
+        if not self._known_tenants or (refresh_for is not None and refresh_for not in self._known_tenants):
+            fresh = read_tenants("outbox_tenants (as the callable returned them)", source())
+            with self._lock:
+                self._known_tenants = {**fresh, **self._known_tenants}
+        return dict(self._known_tenants)
+
+    def tenants(self) -> list[str]:
+        """Every tenant's name, sorted (asking a callable ``outbox_tenants`` again)."""
+        if callable(self.settings.tenants):
+            self._known_tenants.clear()
+        return sorted(self.tenant_places())
+
+    def tenant_stores(self) -> list[Store]:
+        """Every tenant store built in this process so far (not the default one)."""
+        return [slot.store for slot in list(self._tenant_slots.values())]
 
     @property
     def joined(self) -> Integration | None:
@@ -175,6 +247,9 @@ class Runtime:
         every loop: sharing it between loops is its owner's care."""
         import asyncio
 
+        tenant = current_tenant()
+        if tenant is not None:
+            return self._tenant_async_engine(asyncio.get_running_loop(), tenant)
         if self.given_async_engine is not None:
             return self.given_async_engine
         loop = asyncio.get_running_loop()
@@ -197,6 +272,21 @@ class Runtime:
                 engine, self._primary_disposed if engine is primary else None)
         return held.engine
 
+    def _tenant_async_engine(self, loop: Any, tenant: str) -> Any:
+        """The async engine of ``tenant``'s store for ``loop``: built from the store's URL with
+        its async driver on first use, its connections closed when the loop shuts down."""
+        from ..store.async_engine import LoopEngine, build_async_engine
+
+        engines = self._tenant_async_engines.get(loop)
+        held = None if engines is None else engines.get(tenant)
+        if held is None:
+            store = self.store
+            engine = build_async_engine(store.engine.url, None, {**self.settings.engine_options, **(
+                {} if store.schema is None else _with_search_path({}, store.schema))})
+            with self._lock:
+                held = self._tenant_async_engines.setdefault(loop, {}).setdefault(tenant, LoopEngine(engine, None))
+        return held.engine
+
     def _build_async_engine(self) -> Any:
         from ..store.async_engine import build_async_engine
 
@@ -205,8 +295,8 @@ class Runtime:
 
     @property
     def is_ready(self) -> bool:
-        """Whether ``ready()`` has passed: it would return at once."""
-        return self._ready
+        """Whether ``ready()`` has passed for the current tenant's store: it would return at once."""
+        return self._slot().ready
 
     def ready(self) -> "Runtime":
         """Check the database answers and its tables exist (creating them when
@@ -214,12 +304,13 @@ class Runtime:
         reached), ``ConfigurationError`` or ``IncompatibleSchema`` (tables of a newer release) with
         one clear message; a connection lost under one of its statements raises SQLAlchemy's
         ``OperationalError``, as any statement does. Cheap once it has passed."""
-        if self._ready:
+        slot = self._slot()
+        if slot.ready:
             return self
         with self._lock:
-            if self._ready:
+            if slot.ready:
                 return self
-            store = self.store
+            store = slot.store
             if self.settings.auto_create_schema:
                 store.migrate()
             else:
@@ -230,7 +321,7 @@ class Runtime:
                         "outbox_auto_create_schema is off: run 'celery -A <your app> outbox migrate'"
                     )
                 store.refuse_newer_schema()
-            self._ready = True
+            slot.ready = True
         return self
 
     def status(self, **options: Any) -> dict[str, Any]:
@@ -240,24 +331,25 @@ class Runtime:
 
     def migrate(self) -> Any:
         """Create or upgrade the tables; the store is ready after it."""
-        result = self.store.migrate()
-        self._ready = True
+        slot = self._slot()
+        result = slot.store.migrate()
+        slot.ready = True
         return result
 
     def new_session(self, bind: Connection | None = None) -> Session:
         """A new Session on the engine (the caller closes it). With ``bind``, a Session that joins
         that connection's open transaction: its ``commit()`` only flushes, the connection's owner
         commits; its ``rollback()`` rolls the transaction back."""
-        self.ready()
-        assert self._sessions is not None
+        sessions = self.ready()._slot().sessions
         if bind is None:
-            return self._sessions()
-        return self._sessions(bind=bind, join_transaction_mode="rollback_only")
+            return sessions()
+        return sessions(bind=bind, join_transaction_mode="rollback_only")
 
     def after_fork_in_child(self) -> None:
         """A forked child (a prefork pool process) must not reuse its parent's database connections."""
-        if self._store is not None:
-            self._store.engine.dispose(close=False)
+        for slot in [self._default, *list(self._tenant_slots.values())]:
+            if slot is not None:
+                slot.store.engine.dispose(close=False)
         for engine in {self._async_engine, *(held.engine for held in self._async_engines.values())} - {None}:
             engine.sync_engine.dispose(close=False)
 
@@ -266,13 +358,27 @@ class Runtime:
         sizing its pool); the old one's connections are closed, the store checks again on ``ready()``."""
         settings = self.settings
         with self._lock:
-            old = self.store.engine
+            default = self._default_slot()
+            old = [default.store.engine, *(slot.store.engine for slot in self._tenant_slots.values())]
+            self._engine_extra = dict(engine_options)
             engine = build_engine(settings.database_url, {**settings.engine_options, **engine_options})
-            self._store = Store(engine, settings.table_prefix)
-            assert self._sessions is not None
-            self._sessions.configure(bind=engine)
-            self._ready = False
-        old.dispose()
+            self._default = _slot(Store(engine, settings.table_prefix))
+            self._tenant_slots = {}  # built again, sized alike, on first use
+        for each in old:
+            each.dispose()
+
+
+def _slot(store: Store) -> StoreSlot:
+    sessions = sessionmaker(store.engine, expire_on_commit=False, info=session_info())
+    listen_to_sessions(sessions)
+    return StoreSlot(store, sessions)
+
+
+def _with_search_path(options: dict[str, Any], schema: str) -> dict[str, Any]:
+    """Engine options whose PostgreSQL connections search ``schema`` first (a tenant's schema)."""
+    connect_args = dict(options.get("connect_args") or {})
+    connect_args["options"] = f"{connect_args.get('options', '')} -c search_path={schema}".strip()
+    return {**options, "connect_args": connect_args}
 
 
 _runtimes: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()

@@ -161,3 +161,23 @@ def mapping(key: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise invalid(key, value, "expected a dict of keyword arguments for sqlalchemy.create_engine")
     return dict(value)
+
+
+def tenants(key: str, value: Any) -> Any:
+    """``outbox_tenants``: a dict of tenant names to database URLs (or ``{"url", "schema"}``), a
+    callable that returns one, or the dotted path of such a callable (``"proj.tenants:all"``);
+    a dict is checked now, what a callable returns each time it is asked."""
+    from .tenancy import read_tenants
+
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        from celery.utils.imports import symbol_by_name
+
+        try:
+            value = symbol_by_name(value)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise invalid(key, value, f"a dotted path to a callable that returns the tenants ({exc})") from None
+    if callable(value) and not isinstance(value, Mapping):
+        return value
+    return read_tenants(key, value)

@@ -5,6 +5,9 @@ Each beat task calls the same function the CLI calls (``recover.recover`` and
 all a user does. Transaction boundary: those of the functions they call. Each periodic entry
 expires after one interval, so missed runs never pile up, and is routed to
 ``outbox_maintenance_queue`` when that is set. Both are safe to run on several workers at once.
+With tenants (``outbox_tenants``), the periodic run works on the default store and sends one
+task of its kind per tenant, each working on that tenant's store alone: a tenant whose database
+is down, slow or locked fails or delays its own task, never another tenant's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.runtime import Runtime
+from ..core.tenancy import using_tenant
 from .cleanup import cleanup
 from .recover import recover
 
@@ -26,21 +30,45 @@ def register_beat_tasks(runtime: Runtime) -> None:
     app = runtime.app
 
     @app.task(name=RECOVER_TASK, ignore_result=True, shared=False)
-    def recover_task() -> dict[str, Any]:
-        """Dead nodes, released claims, unsent and due outgoing rows, redelivery, stranded envelopes."""
-        return recover(runtime).as_dict()
+    def recover_task(tenant: str | None = None) -> dict[str, Any]:
+        """Dead nodes, released claims, unsent and due outgoing rows, redelivery, stranded envelopes
+        (of ``tenant``'s store; without one, of the default store, and one task per tenant sent)."""
+        if tenant is None:
+            send_per_tenant(runtime, RECOVER_TASK, runtime.settings.recover_interval)
+        with using_tenant(tenant):
+            return {"tenant": tenant, **recover(runtime).as_dict()}
 
     @app.task(name=CLEANUP_TASK, ignore_result=True, shared=False)
-    def cleanup_task() -> dict[str, Any]:
-        """Delete ended inbox rows past their keep-until and dead letters past retention; archive sent records."""
-        return cleanup(runtime).as_dict()
+    def cleanup_task(tenant: str | None = None) -> dict[str, Any]:
+        """Delete ended inbox rows past their keep-until and dead letters past retention; archive sent records
+        (per tenant, as ``recover_task``)."""
+        if tenant is None:
+            send_per_tenant(runtime, CLEANUP_TASK, runtime.settings.cleanup_interval)
+        with using_tenant(tenant):
+            return {"tenant": tenant, **cleanup(runtime).as_dict()}
+
+
+def send_per_tenant(runtime: Runtime, name: str, interval: float) -> list[str]:
+    """Send the maintenance task ``name`` once for each tenant, each expiring after ``interval``
+    as the periodic entry does; returns the tenants. Asking ``outbox_tenants`` fails this run
+    (the next one asks again); the default store's pass runs after this either way."""
+    tenants = runtime.tenants()
+    options = maintenance_options(runtime, interval)
+    for tenant in tenants:
+        runtime.app.signature(name, kwargs={"tenant": tenant}, **options).apply_async()
+    return tenants
+
+
+def maintenance_options(runtime: Runtime, interval: float) -> dict[str, Any]:
+    """The sending options of a maintenance task run every ``interval`` seconds."""
+    options: dict[str, Any] = {"expires": interval}
+    if runtime.settings.maintenance_queue:
+        options["queue"] = runtime.settings.maintenance_queue
+    return options
 
 
 def schedule_beat_tasks(runtime: Runtime) -> None:
     """Add the maintenance tasks to the beat schedule (called once the settings are read)."""
     app, settings = runtime.app, runtime.settings
     for name, interval in ((RECOVER_TASK, settings.recover_interval), (CLEANUP_TASK, settings.cleanup_interval)):
-        options: dict[str, Any] = {"expires": interval}
-        if settings.maintenance_queue:
-            options["queue"] = settings.maintenance_queue
-        app.add_periodic_task(interval, app.signature(name), name=name, **options)
+        app.add_periodic_task(interval, app.signature(name), name=name, **maintenance_options(runtime, interval))

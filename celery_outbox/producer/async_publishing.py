@@ -11,6 +11,7 @@ interpreter exits. Publishes handed over one after another by one unit of work r
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,15 +49,16 @@ class AsyncPublishing:
         """Run ``work(*args)`` in a publishing thread, after ``after`` (the unit of work's previous
         publish) has ended, so one unit's publishes keep their order. Submitted now: it runs even
         if nobody waits for it."""
+        context = contextvars.copy_context()  # the caller's tenant goes with the work
         if after is None or after.done():
-            return self._executor().submit(work, *args)
+            return self._executor().submit(context.run, work, *args)
 
         def in_order() -> Any:
             try:
                 after.result()
             except BaseException:  # noqa: BLE001 - the earlier publish reported its own error
                 pass
-            return work(*args)
+            return context.run(work, *args)
 
         return self._executor().submit(in_order)
 

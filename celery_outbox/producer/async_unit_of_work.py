@@ -27,7 +27,7 @@ from ..core.crashpoints import crashpoint
 from ..core.sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions, session_info
 from ..errors import OutboxError
 from .async_publishing import AsyncPublishing, wait_for
-from .unit_of_work import UnitOfWork, _current, current_unit_of_work
+from .unit_of_work import UnitOfWork, _current, current_unit_of_work, for_tenant, joinable
 
 __all__ = ["AsyncUnitOfWork", "AsyncUnitsOfWork"]
 
@@ -163,11 +163,20 @@ class AsyncUnitsOfWork:
         return self._sessions
 
     @asynccontextmanager
-    async def transaction(self, session: AsyncSession | None = None) -> AsyncIterator[AsyncSession]:
+    async def transaction(self, session: AsyncSession | None = None,
+                          tenant: str | None = None) -> AsyncIterator[AsyncSession]:
         """Publishes every message the block sends only after the AsyncSession's outermost commit;
         a rollback publishes nothing. On an ``AsyncSession`` of its own, committed when the block
         ends and rolled back on an exception; or joining ``session``, published after that
-        Session's commit; a block inside an open async unit of work joins it."""
+        Session's commit; a block inside an open async unit of work joins it. With ``tenant``,
+        in that tenant's store's database (as the sync ``transaction``)."""
+        joinable(_async_outer(), tenant)
+        with for_tenant(tenant):
+            async with self._transaction(session) as given:
+                yield given
+
+    @asynccontextmanager
+    async def _transaction(self, session: AsyncSession | None) -> AsyncIterator[AsyncSession]:
         engine = self.publishing.publisher.runtime.async_engine_of_running_loop()  # a missing driver: an error
         outer = _async_outer()
         if session is None and outer is not None:
@@ -195,11 +204,19 @@ class AsyncUnitsOfWork:
         await _published_unless(cancelled, uow)
 
     @asynccontextmanager
-    async def begin(self) -> AsyncIterator[AsyncConnection]:
+    async def begin(self, tenant: str | None = None) -> AsyncIterator[AsyncConnection]:
         """Publishes every message the block sends only after the block commits; a rollback
         publishes nothing. An ``AsyncConnection`` as ``async_engine.begin()`` gives one: committed
         when the block ends (durable messages inserted just before the COMMIT), rolled back on an
-        exception; a block inside an open async unit of work joins it (its connection)."""
+        exception; a block inside an open async unit of work joins it (its connection). With
+        ``tenant``, in that tenant's store's database."""
+        joinable(_async_outer(), tenant)
+        with for_tenant(tenant):
+            async with self._begin() as connection:
+                yield connection
+
+    @asynccontextmanager
+    async def _begin(self) -> AsyncIterator[AsyncConnection]:
         engine = self.publishing.publisher.runtime.async_engine_of_running_loop()
         outer = _async_outer()
         if outer is not None:

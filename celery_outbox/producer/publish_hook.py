@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator
 
 from celery.app.amqp import AMQP
 
+from ..core.tenancy import TENANT_HEADER, current_tenant, tenant_of_headers, using_tenant
+from ..errors import OutboxError
 from ..message.envelope import CapturingProducer, OutgoingMessage, capture, check_storable, new_send_id, valid_send_id
 from ..message.routing import durable_destination, published_route
 from ..monitoring import tracing
@@ -48,6 +50,18 @@ def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., 
                 _run_deferred_signals()
 
     def send(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        tenant = stamp_tenant(message.headers, options.get("headers"))
+        uow = current_unit_of_work()
+        if uow is not None and uow.tenant != tenant:
+            raise OutboxError(f"a message for tenant {tenant!r} is sent inside a unit of work of "
+                              f"{'the default store' if uow.tenant is None else repr(uow.tenant)}: its row would "
+                              "be stored in one database and claimed in another")
+        if tenant == current_tenant():
+            return send_for_tenant(producer, name, message, **options)
+        with using_tenant(tenant):
+            return send_for_tenant(producer, name, message, **options)
+
+    def send_for_tenant(producer: Any, name: str, message: Any, **options: Any) -> Any:
         continued = stamp_send_id(runtime.app, message.headers)
         tracing.inject(message.headers)
         uow = current_unit_of_work()
@@ -72,6 +86,25 @@ def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., 
         return None
 
     return send_task_message
+
+
+def stamp_tenant(headers: dict[str, Any], given: dict[str, Any] | None = None) -> str | None:
+    """The tenant a task message is sent for, written in its headers (``TENANT_HEADER``): the
+    running tenant's (a unit of work, a task body or ``using_tenant`` for it), or, outside any, the
+    one the caller named (``apply_async(headers=...)``: ``given``, which Celery adds to the
+    headers as it publishes). A message naming another tenant than the running one is refused
+    (``OutboxError``): its durable row would be stored in one tenant's database and claimed in
+    another's."""
+    running, named = current_tenant(), tenant_of_headers(given) or tenant_of_headers(headers)
+    tenant = running if running is not None else named
+    if named is not None and named != tenant:
+        raise OutboxError(f"a message naming tenant {named!r} is sent for tenant {running!r}: send it outside "
+                          f"the unit of work of {running!r}")
+    if tenant is not None:
+        headers[TENANT_HEADER] = tenant
+        if given is not None:
+            given[TENANT_HEADER] = tenant
+    return tenant
 
 
 def _declare_also(message: OutgoingMessage, queue: Any) -> None:

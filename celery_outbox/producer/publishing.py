@@ -22,7 +22,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 from ..core import log_fields
 from ..core.crashpoints import crashpoint
-from ..core.node import Node
+from ..core.node import Nodes
 from ..core.runtime import Runtime
 from ..message.envelope import OutgoingMessage
 from ..monitoring import tracing
@@ -40,7 +40,7 @@ class Publisher:
     """Publishes committed messages; the one place that talks to the broker on commit. The rows
     it stores marked sent name ``node`` as their sender (``Node.sender_id``)."""
 
-    def __init__(self, runtime: Runtime, node: Node):
+    def __init__(self, runtime: Runtime, node: Nodes):
         self.runtime = runtime
         self.node = node
 

@@ -12,6 +12,8 @@ lost. The open unit of work lives in a ``ContextVar``: each thread, greenlet or 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,6 +24,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from ..core.crashpoints import crashpoint
 from ..core.sessions import LISTENED_KEY, UNIT_OF_WORK_KEY, listen_to_sessions, wait_for_commit
+from ..core.tenancy import current_tenant, using_tenant
 from ..errors import OutboxError, StoreUnavailable, TransactionAborted
 from ..message.envelope import OutgoingMessage
 from ..store.outage import raise_as_driver_error
@@ -40,6 +43,20 @@ def current_unit_of_work() -> "UnitOfWork | None":
     return _current.get()
 
 
+def _for_its_tenant(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a unit of work's method for the unit's tenant (``UnitOfWork.tenant``): its store is the
+    one the method's statements go to, wherever and whenever the commit or rollback happens."""
+
+    @functools.wraps(method)
+    def run(self: "UnitOfWork", *args: Any, **kwargs: Any) -> Any:
+        if self.tenant == current_tenant():
+            return method(self, *args, **kwargs)
+        with using_tenant(self.tenant):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class UnitOfWork:
     """The messages captured while one Session's transaction is open: stored before its outermost
     commit, published after it, dropped on its rollback (all but a ``retry`` or ``replace`` of the
@@ -54,6 +71,8 @@ class UnitOfWork:
 
     def __init__(self, publisher: "Publisher", session: Session | None):
         self.publisher = publisher
+        #: the tenant whose store it stores its messages in and marks them sent in, wherever it commits
+        self.tenant = current_tenant()
         self._session = session
         self.pending: list[OutgoingMessage] = []
         self._savepoints: dict[SessionTransaction, int] = {}
@@ -123,6 +142,7 @@ class UnitOfWork:
             return
         self._rolled_back()
 
+    @_for_its_tenant
     def _before_commit(self, session: Session) -> None:
         if session.in_nested_transaction():
             return
@@ -150,6 +170,7 @@ class UnitOfWork:
         if cause is not None:
             raise TransactionAborted(cause)
 
+    @_for_its_tenant
     def _at_connection_commit(self, connection: Connection) -> None:
         """The Session's connection is about to send its COMMIT, every flush done: the durable
         messages' INSERT goes with it, in its transaction (``_store_durable``)."""
@@ -178,6 +199,7 @@ class UnitOfWork:
                 raise_as_driver_error(exc)
         self._committing = True
 
+    @_for_its_tenant
     def _publish_committed(self) -> None:
         """Just after the outermost commit: publish what was captured, in call order."""
         if not self._committing:
@@ -188,6 +210,7 @@ class UnitOfWork:
         if messages:
             self.publisher.publish_committed(messages)
 
+    @_for_its_tenant
     def _rolled_back(self) -> None:
         """After the outermost rollback: drop what was captured, except a retry or replace of the
         running task, which Celery decided on: it still goes out (``store_and_forward``)."""
@@ -252,6 +275,7 @@ class ConnectionUnitOfWork(UnitOfWork):
         return self._connection if self._transaction is None else None
 
     @property
+    @_for_its_tenant
     def session(self) -> Session:
         """The Session of the attempt's transaction, made on first use: its ``commit()`` only
         flushes, its ``rollback()`` rolls the whole attempt back."""
@@ -260,6 +284,7 @@ class ConnectionUnitOfWork(UnitOfWork):
             session.info[UNIT_OF_WORK_KEY] = self
         return self._session
 
+    @_for_its_tenant
     def commit(self, last: Callable[[Connection, bool], bool] | None = None) -> bool:
         """Commit the attempt's transaction with its durable messages inserted in it, leaving what
         it captured for ``close`` to publish; False, with nothing committed, when ``last`` returns
@@ -286,6 +311,7 @@ class ConnectionUnitOfWork(UnitOfWork):
         its session): its transaction cannot commit, whatever the body made of the error."""
         return self._connection.invalidated or self._connection.closed
 
+    @_for_its_tenant
     def rollback(self) -> None:
         """Roll the transaction back (unless the body's ``session.rollback()`` did) and drop what
         was captured: ``close`` then sends nothing but a ``retry`` or ``replace`` of the running task."""
@@ -298,6 +324,7 @@ class ConnectionUnitOfWork(UnitOfWork):
         finally:
             self._rolled_back()
 
+    @_for_its_tenant
     def close(self) -> None:
         """Give the connection back to the pool before anything is published, then publish what a
         commit left to publish, or store and send what survived a rollback (which raises as
@@ -350,8 +377,25 @@ class _BlockUnitOfWork(ConnectionUnitOfWork):
                     "back; its messages are dropped")
 
 
+def for_tenant(tenant: str | None) -> Any:
+    """The context a unit of work for ``tenant`` opens in: that tenant's (``using_tenant``), or,
+    with None, the running one (a block inside a tenant's task body or unit of work is that
+    tenant's)."""
+    return contextlib.nullcontext() if tenant is None else using_tenant(tenant)
+
+
+def joinable(outer: UnitOfWork | None, tenant: str | None) -> UnitOfWork | None:
+    """``outer``, the open unit of work a block joins, unless the block names another tenant:
+    one transaction is in one tenant's database, so that is an error."""
+    if outer is not None and tenant is not None and outer.tenant != tenant:
+        raise OutboxError(f"a unit of work for tenant {tenant!r} inside one for "
+                          f"{'the default store' if outer.tenant is None else repr(outer.tenant)}: one transaction "
+                          "is in one database; open it outside the other")
+    return outer
+
+
 @contextmanager
-def begin(publisher: Publisher) -> Iterator[Connection]:
+def begin(publisher: Publisher, tenant: str | None = None) -> Iterator[Connection]:
     """Publishes every message the block sends only after the block commits; a rollback publishes
     nothing but a ``retry`` or ``replace`` of the running task.
 
@@ -359,48 +403,53 @@ def begin(publisher: Publisher) -> Iterator[Connection]:
     its transaction begun, committed when the block ends (durable messages inserted just
     before the COMMIT, everything captured published just after) and rolled back on an
     exception; a block inside an open unit of work joins it (its connection). No ORM Session
-    is made unless the block asks the unit of work for one."""
-    outer = _sync_outer()
+    is made unless the block asks the unit of work for one. With ``tenant``, the transaction is
+    in that tenant's store's database (docs/tenancy.md)."""
+    outer = joinable(_sync_outer(), tenant)
     if outer is not None:
         yield outer.connection
         return
-    publisher.prepare_sender()
-    uow = _BlockUnitOfWork(publisher)
-    try:
-        token = _current.set(uow)  # as uow.opened(), without a context manager of its own
+    with for_tenant(tenant):
+        publisher.prepare_sender()
+        uow = _BlockUnitOfWork(publisher)
         try:
-            yield uow.connection
-            uow.commit()
-        except BaseException:
-            uow.rollback()
-            raise
+            token = _current.set(uow)  # as uow.opened(), without a context manager of its own
+            try:
+                yield uow.connection
+                uow.commit()
+            except BaseException:
+                uow.rollback()
+                raise
+            finally:
+                _current.reset(token)
         finally:
-            _current.reset(token)
-    finally:
-        uow.close()
+            uow.close()
 
 
 @contextmanager
-def transaction(publisher: Publisher, session: Session | None = None) -> Iterator[Session]:
+def transaction(publisher: Publisher, session: Session | None = None, tenant: str | None = None) -> Iterator[Session]:
     """Publishes every message the block sends only after the Session's outermost commit; a
     rollback publishes nothing but a ``retry`` or ``replace`` of the running task.
 
     A unit of work whose messages ``publisher`` publishes (``Outbox.transaction``): on a Session
     of its own, committed when the block ends and rolled back on an exception; or joining
-    ``session``, published after that Session's commit; a block inside an open one joins it."""
-    outer = _sync_outer()
+    ``session``, published after that Session's commit; a block inside an open one joins it.
+    With ``tenant``, the Session is on that tenant's store's engine (a joined ``session`` must
+    be on that tenant's database: its messages are stored in its transaction)."""
+    outer = joinable(_sync_outer(), tenant)
     if session is None and outer is not None:
         yield outer.session
         return
-    publisher.runtime.ready()
-    if session is not None:  # its transaction may be open already: no registering beside it
-        with UnitOfWork.of(publisher, session).opened():
-            yield session
-        return
-    publisher.prepare_sender()
-    with publisher.runtime.new_session() as own:
-        with UnitOfWork.of(publisher, own).opened(), own.begin():
-            yield own
+    with for_tenant(tenant):
+        publisher.runtime.ready()
+        if session is not None:  # its transaction may be open already: no registering beside it
+            with UnitOfWork.of(publisher, session).opened():
+                yield session
+            return
+        publisher.prepare_sender()
+        with publisher.runtime.new_session() as own:
+            with UnitOfWork.of(publisher, own).opened(), own.begin():
+                yield own
 
 
 def _sync_outer() -> UnitOfWork | None:

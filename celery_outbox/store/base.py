@@ -79,24 +79,31 @@ def is_content_error(exc: BaseException) -> bool:
     return sqlstate[:2] in ("22", "23")
 
 
-def node_lock_namespace(table_prefix: str) -> int:
-    """High 32 bits of the advisory lock keys of one table prefix's nodes (node ids repeat across prefixes)."""
-    return zlib.crc32(f"celery_outbox.node:{table_prefix}".encode()) & 0x7FFFFFFF
+def node_lock_namespace(lock_scope: str) -> int:
+    """High 32 bits of the advisory lock keys of one store's nodes (``StoreBase.lock_scope``: node
+    ids repeat across table prefixes and schemas)."""
+    return zlib.crc32(f"celery_outbox.node:{lock_scope}".encode()) & 0x7FFFFFFF
 
 
-def node_lock_key(node_id: int, table_prefix: str) -> int:
-    """The advisory lock key of a node's liveness lock: one 64-bit key per node id and table prefix."""
-    return (node_lock_namespace(table_prefix) << 32) | (node_id & 0xFFFFFFFF)
+def node_lock_key(node_id: int, lock_scope: str) -> int:
+    """The advisory lock key of a node's liveness lock: one 64-bit key per node id and store."""
+    return (node_lock_namespace(lock_scope) << 32) | (node_id & 0xFFFFFFFF)
 
 
 class StoreBase:
     """The tables of one table prefix on one engine; the statement families of ``Store`` are its
     subclasses."""
 
-    def __init__(self, engine: Engine, table_prefix: str = "celery_outbox_", tables: Tables | None = None):
+    def __init__(self, engine: Engine, table_prefix: str = "celery_outbox_", tables: Tables | None = None,
+                 schema: str | None = None):
         self.engine = engine
         self.tables = tables if tables is not None else build_tables(table_prefix)
         self.prefix = table_prefix
+        #: the PostgreSQL schema the engine's connections search first (a tenant's), created by ``migrate``
+        self.schema = schema
+        #: what tells this store's advisory locks from another's in one database (node ids repeat
+        #: across table prefixes and schemas)
+        self.lock_scope = table_prefix if schema is None else f"{schema}.{table_prefix}"
         self.dialect = engine.dialect.name
         self.is_postgres = self.dialect == "postgresql"
         self._unpooled: Engine | None = None
@@ -174,7 +181,7 @@ class StoreBase:
     def _liveness_lock_free(self, node_id_column):
         """SQL (PostgreSQL): the node's process no longer holds its liveness lock. Takes the
         lock for the rest of the transaction when it is free."""
-        lock_key = literal_column(str(node_lock_namespace(self.prefix) << 32), BigInteger) + node_id_column
+        lock_key = literal_column(str(node_lock_namespace(self.lock_scope) << 32), BigInteger) + node_id_column
         return func.pg_try_advisory_xact_lock(lock_key)
 
     def _running_claim(self, message_id: str, destination: str, attempt: Attempt, send_id: str):

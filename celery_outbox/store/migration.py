@@ -34,7 +34,7 @@ class SchemaStatements(StoreBase):
     """Creating and upgrading the tables of the store."""
 
     def _advisory_key(self) -> int:
-        return zlib.crc32(f"celery_outbox:{self.prefix}".encode()) - 2**31
+        return zlib.crc32(f"celery_outbox:{self.lock_scope}".encode()) - 2**31
 
     def migrate(self) -> MigrationResult:
         """Create missing tables and indexes and upgrade to ``SCHEMA_VERSION``.
@@ -56,6 +56,8 @@ class SchemaStatements(StoreBase):
         with self.begin() as conn:
             if self.is_postgres:
                 conn.execute(select(func.pg_advisory_xact_lock(self._advisory_key())))
+                if self.schema is not None:
+                    conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
             result.created_tables = self._missing_tables(conn)
             if self.tables.schema.name not in result.created_tables:
                 result.version_before = self._recorded_version(conn)

@@ -207,7 +207,7 @@ def build_tables(prefix: str = "celery_outbox_", metadata: MetaData | None = Non
         Column("destination", String(255), nullable=False, server_default=""),
         Column("task_name", String(255), nullable=False, server_default=""),
         Column("queue", String(255), nullable=False, server_default=""),
-        Column("reason", String(32), nullable=False),  # failed|expired|malformed|unknown_task|poison|worker_lost
+        Column("reason", String(32), nullable=False),  # a DeadLetterReason
         Column("exception_type", String(255), nullable=True),
         Column("exception_message", Text, nullable=True),
         Column("traceback", Text, nullable=True),
