@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from ..core.runtime import runtime_of
 from ..core.setting_values import expected_member_of
+from ..core.tenancy import TENANT_HEADER, using_tenant
 from ..errors import OutboxError
 from ..message.routing import queue_of
 from ..producer.unit_of_work import current_connection, current_session
@@ -66,7 +67,8 @@ class InboxTask(Task):
         queue = None if request.called_directly else queue_of(request.delivery_info, self.app, settings.durable_queues)
         body = body_of(self, InboxTask, args, kwargs)
         if not settings.is_durable(queue):
-            return body()
+            with using_tenant(getattr(request, TENANT_HEADER, None) or None):  # what it sends is its tenant's
+                return body()
         return inbox.run_durable_delivery(self, args, kwargs, body, queue)
 
 
