@@ -331,9 +331,9 @@ class Inbox:
         outbox that joins a framework's transactions (Django's), in that framework's transaction."""
         self.publisher.prepare_sender()
         joined = self.runtime.joined
-        if unit_of_work and joined is not None:
-            return joined.attempt(self.publisher, self.runtime.settings)
-        return ConnectionUnitOfWork(self.publisher)
+        attempt = joined.attempt(self.publisher, self.runtime.settings) if unit_of_work and joined is not None \
+            else None
+        return attempt if attempt is not None else ConnectionUnitOfWork(self.publisher)
 
     @contextmanager
     def _ending(self, task: Any, delivery: Delivery, uow: ConnectionUnitOfWork) -> Iterator[None]:

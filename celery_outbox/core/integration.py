@@ -35,6 +35,14 @@ class Integration(Protocol):
         """The unit of work of the framework's transaction open in this thread on the store's
         database (for ``publisher``, a ``Publisher``), or None when none is open."""
 
-    def attempt(self, publisher: Any, settings: OutboxSettings) -> Any:
+    def attempt(self, publisher: Any, settings: OutboxSettings) -> Any | None:
         """An ``IdempotentTask`` attempt (a ``ConnectionUnitOfWork``) that claims and writes in the
-        framework's transaction, on its connection."""
+        framework's transaction, on its connection; None when the running tenant's store is not a
+        database of the framework's."""
+
+    def tenant_database_url(self, name: str) -> str:
+        """The URL of the framework's database ``name`` (a tenant placed there, ``TenantPlace.django``)."""
+
+    def tenant_in_transaction(self, publisher: Any) -> str | None:
+        """The tenant whose framework database has a transaction open in this thread (a send in it is
+        that tenant's), or None."""

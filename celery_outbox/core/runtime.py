@@ -189,9 +189,20 @@ class Runtime:
                 options = {**settings.engine_options, **self._engine_extra}
                 if place.schema is not None:
                     options = _with_search_path(options, place.schema)
-                engine = build_engine(place.url, options)
+                engine = build_engine(self._url_of(place), options)
                 held = self._tenant_slots[tenant] = _slot(Store(engine, settings.table_prefix, schema=place.schema))
         return held
+
+    def _url_of(self, place: TenantPlace) -> str:
+        """The database URL of a tenant's store: its own, or its Django database's."""
+        if place.django is None:
+            return place.url
+        if self._settings is not None and self.integration is None:
+            raise ConfigurationError(f"a tenant is placed in Django's database {place.django!r}, and the outbox "
+                                     "does not join Django's transactions: add celery_outbox.django to "
+                                     "INSTALLED_APPS and keep the default store in Django's database")
+        assert self.integration is not None
+        return self.integration.tenant_database_url(place.django)
 
     def tenant_places(self, refresh_for: str | None = None) -> dict[str, TenantPlace]:
         """Where each tenant's store is (``outbox_tenants``): a callable source is asked the first

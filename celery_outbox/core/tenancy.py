@@ -32,10 +32,13 @@ _current: ContextVar[str | None] = ContextVar("celery_outbox_tenant", default=No
 
 @dataclass(frozen=True)
 class TenantPlace:
-    """Where a tenant's tables are: a database (``url``), and on PostgreSQL optionally a schema of it."""
+    """Where a tenant's tables are: a database (``url``), and on PostgreSQL optionally a schema of
+    it; or a Django database (``django``, its alias), whose ``transaction.atomic(using=...)``
+    blocks are that tenant's units of work."""
 
-    url: str
+    url: str = ""
     schema: str | None = None
+    django: str | None = None
 
 
 #: ``outbox_tenants``: the tenants by name, or a callable that returns them (asked again for a name
@@ -91,6 +94,8 @@ def read_tenants(key: str, value: Any) -> Mapping[str, TenantPlace]:
             places[name] = place
         elif isinstance(place, str) and place.strip():
             places[name] = TenantPlace(place.strip())
+        elif isinstance(place, Mapping) and set(place) == {"django"} and isinstance(place["django"], str):
+            places[name] = TenantPlace(django=place["django"])
         elif isinstance(place, Mapping) and isinstance(place.get("url"), str) and set(place) <= {"url", "schema"}:
             schema = place.get("schema")
             if schema is not None and not (isinstance(schema, str) and re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$",
@@ -99,6 +104,6 @@ def read_tenants(key: str, value: Any) -> Mapping[str, TenantPlace]:
                                          "SQL identifier")
             places[name] = TenantPlace(place["url"].strip(), schema)
         else:
-            raise ConfigurationError(f"setting {key}: tenant {name!r} must map to a database URL or to "
-                                     "{'url': ..., 'schema': ...}")
+            raise ConfigurationError(f"setting {key}: tenant {name!r} must map to a database URL, to "
+                                     "{'url': ..., 'schema': ...} or to {'django': <a Django database alias>}")
     return places

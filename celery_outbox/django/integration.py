@@ -14,7 +14,7 @@ from typing import Any
 from ..core.config import DEFAULT_DATABASE_URL, OutboxSettings
 from ..errors import ConfigurationError
 from .settings import database_url, installed, same_database
-from .transactions import joined_transaction
+from .transactions import django_database_of, joined_transaction, tenant_in_atomic_block
 from .unit_of_work import DjangoAttempt
 
 __all__ = ["DjangoIntegration"]
@@ -43,6 +43,16 @@ class DjangoIntegration:
         """The unit of work of Django's atomic block (or manual transaction) open on the store's database."""
         return joined_transaction(publisher)
 
-    def attempt(self, publisher: Any, settings: OutboxSettings) -> DjangoAttempt:
-        """An attempt inside Django's transaction on ``outbox_django_database``'s connection."""
-        return DjangoAttempt(publisher, settings.django_database)
+    def attempt(self, publisher: Any, settings: OutboxSettings) -> DjangoAttempt | None:
+        """An attempt inside Django's transaction on the running tenant's Django database
+        (``outbox_django_database`` for none); None for a tenant placed outside Django."""
+        using = django_database_of(publisher.runtime)
+        return None if using is None else DjangoAttempt(publisher, using)
+
+    def tenant_database_url(self, name: str) -> str:
+        """The URL of Django's database ``name``."""
+        return database_url(name)
+
+    def tenant_in_transaction(self, publisher: Any) -> str | None:
+        """The tenant whose Django database has an atomic block open in this thread, or None."""
+        return tenant_in_atomic_block(publisher.runtime)

@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from ..core.crashpoints import crashpoint
+from ..core.tenancy import current_tenant, using_tenant
 from ..errors import OutboxError, StoreUnavailable, TransactionAborted
 from ..message.envelope import OutgoingMessage
 from ..producer.publishing import Publisher
@@ -52,10 +53,12 @@ class DjangoTransaction:
     (``_store_at_commit``), and those batches are published after it.
     """
 
-    def __init__(self, publisher: Publisher, using: str, store: Store):
+    def __init__(self, publisher: Publisher, using: str, store: Store, tenant: str | None = None):
         self.publisher = publisher
         self.using = using
         self.store = store
+        #: the tenant whose Django database ``using`` is (None: the default store's)
+        self.tenant = tenant
         self._hooks: Any = None  # Django's list of on_commit callbacks the batches below were registered in
         self._batches: dict[tuple[str, ...], _Batch] = {}
 
@@ -90,7 +93,8 @@ class DjangoTransaction:
         commit then rolls back."""
         durable = [m for batch in batches for m in batch.messages if m.durable and m.row_id is None]
         if durable:
-            self._insert(connection, durable, commit)
+            with using_tenant(self.tenant):
+                self._insert(connection, durable, commit)
 
     def publish(self, messages: list[OutgoingMessage]) -> None:
         """Django's ``on_commit`` callback of a batch: publish its messages. A durable message
@@ -99,11 +103,12 @@ class DjangoTransaction:
         first, through Django's connection as it stands."""
         from django.db import connections
 
-        stranded = [m for m in messages if m.durable and m.row_id is None]
-        if stranded:
-            self._insert(connections[self.using], stranded, commit=False)
-        crashpoint("after_commit")
-        self.publisher.publish_committed(messages)
+        with using_tenant(self.tenant):
+            stranded = [m for m in messages if m.durable and m.row_id is None]
+            if stranded:
+                self._insert(connections[self.using], stranded, commit=False)
+            crashpoint("after_commit")
+            self.publisher.publish_committed(messages)
 
     def _insert(self, connection: Any, messages: list[OutgoingMessage], commit: bool) -> None:
         try:
@@ -252,7 +257,9 @@ def _joined_in_this_thread(publisher: Publisher) -> DjangoTransaction | None:
     from django.db import connections
 
     settings = publisher.runtime.settings
-    using = settings.django_database
+    using = django_database_of(publisher.runtime)
+    if using is None:
+        return None
     connection = connections[using]
     if not connection.in_atomic_block:
         if connection.connection is not None and not connection.autocommit:
@@ -266,8 +273,34 @@ def _joined_in_this_thread(publisher: Publisher) -> DjangoTransaction | None:
     joined = of_connection.get(id(publisher))
     if joined is None or joined.publisher is not publisher:
         joined = of_connection[id(publisher)] = DjangoTransaction(publisher, using,
-                                                                  _store(using, settings.table_prefix))
+                                                                  _store(using, settings.table_prefix),
+                                                                  current_tenant())
     return joined
+
+
+def django_database_of(runtime: Any) -> str | None:
+    """The Django database of the running tenant's store: ``outbox_django_database`` for none, the
+    tenant's alias (``TenantPlace.django``), or None for a tenant placed outside Django."""
+    tenant = current_tenant()
+    if tenant is None:
+        return runtime.settings.django_database
+    place = runtime.tenant_places(refresh_for=tenant).get(tenant)
+    return None if place is None else place.django
+
+
+def tenant_in_atomic_block(runtime: Any) -> str | None:
+    """The tenant placed in a Django database with an atomic block open in this thread (a send
+    there, naming no tenant, is that tenant's), or None. Two such databases with blocks open at
+    once are one send that cannot be placed: ``OutboxError``."""
+    from django.db import connections
+
+    places = runtime.tenant_places()
+    open_in = sorted(tenant for tenant, place in places.items()
+                     if place.django is not None and connections[place.django].in_atomic_block)
+    if len(open_in) > 1:
+        raise OutboxError(f"a message is sent inside atomic blocks of the Django databases of tenants "
+                          f"{', '.join(open_in)}: name its tenant with using_tenant() or outbox.transaction(tenant=)")
+    return open_in[0] if open_in else None
 
 
 _stores: dict[tuple[str, str], Store] = {}

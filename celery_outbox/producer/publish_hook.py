@@ -50,6 +50,21 @@ def _make_sender(publisher: Publisher, amqp: AMQP, celery_sender: Callable[..., 
                 _run_deferred_signals()
 
     def send(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        in_framework = framework_tenant()
+        if in_framework is not None:  # a send inside a tenant's Django atomic block is that tenant's
+            with using_tenant(in_framework):
+                return send_as_stamped(producer, name, message, **options)
+        return send_as_stamped(producer, name, message, **options)
+
+    def framework_tenant() -> str | None:
+        """The tenant whose framework database (Django's) has a transaction open here, when the
+        send names no tenant and no unit of work is open."""
+        if current_tenant() is not None or current_unit_of_work() is not None:
+            return None
+        joined = runtime.joined
+        return None if joined is None else joined.tenant_in_transaction(publisher)
+
+    def send_as_stamped(producer: Any, name: str, message: Any, **options: Any) -> Any:
         tenant = stamp_tenant(message.headers, options.get("headers"))
         uow = current_unit_of_work()
         if uow is not None and uow.tenant != tenant:
