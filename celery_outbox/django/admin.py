@@ -11,17 +11,19 @@ shows: docs/django.md (The admin as a dashboard).
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 from django.utils.translation import ngettext
 
 from ..core.runtime import Runtime, installed_runtimes
+from ..core.tenancy import using_tenant
 from ..errors import OutboxError
 from ..maintenance.dead_letters import DeadLetterFilter, purge, replay
 from ..store.status import OTHER_TASKS
@@ -43,14 +45,47 @@ from .settings import outbox_settings
 __all__ = ["SHOWN_BODY", "DeadLetterAdmin", "IncomingMessageAdmin", "OutgoingMessageAdmin", "StatusAdmin",
            "admin_database", "installed_runtime"]
 
+#: the query parameter that names the tenant whose rows a page shows
+TENANT_PARAMETER = "tenant"
 #: the columns of a dead letter that the list never reads (its page reads them, and a prefix of the body)
 LARGE_COLUMNS = ("body", "traceback", "headers", "properties")
 
 
-def admin_database() -> str:
+def admin_database(request: HttpRequest | None = None) -> str:
     """The Django database the admin reads: the one that holds the outbox's tables
-    (``CELERY_OUTBOX_DJANGO_DATABASE``), read from Django's settings on each request."""
-    return outbox_settings().django_database
+    (``CELERY_OUTBOX_DJANGO_DATABASE``), read from Django's settings on each request; or, for a
+    request that names a tenant placed in a Django database (``tenant_of``), that database."""
+    tenant = None if request is None else tenant_of(request)
+    if tenant is None:
+        return outbox_settings().django_database
+    return django_tenants()[tenant]
+
+
+def django_tenants() -> dict[str, str]:
+    """The tenants placed in Django databases (``outbox_tenants``), with their aliases: the ones
+    whose rows the admin can read."""
+    places = installed_runtime().tenant_places()
+    return {tenant: place.django for tenant, place in sorted(places.items()) if place.django is not None}
+
+
+def tenant_of(request: HttpRequest) -> str | None:
+    """The tenant a request names: ``?tenant=`` on a list, or in the list's filters that a page
+    reached from it carries (``_changelist_filters``); None for the default store. A name that is
+    no tenant placed in a Django database is a 404, never another database's rows."""
+    tenant = request.GET.get(TENANT_PARAMETER)
+    if tenant is None:
+        tenant = QueryDict(request.GET.get("_changelist_filters", "")).get(TENANT_PARAMETER)
+    if tenant in (None, ""):
+        return None
+    if tenant not in django_tenants():
+        raise Http404(f"no tenant {tenant!r} in a Django database")
+    return tenant
+
+
+def tenant_query(request: HttpRequest) -> str:
+    """``?tenant=<name>`` for a link that must stay in the request's tenant, or ''."""
+    tenant = tenant_of(request)
+    return "" if tenant is None else "?" + urlencode({TENANT_PARAMETER: tenant})
 
 
 def installed_runtime(using: str | None = None) -> Runtime:
@@ -65,10 +100,11 @@ def installed_runtime(using: str | None = None) -> Runtime:
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
-    """Rows of the outbox's tables, read from the database that holds them: looked at, never edited here."""
+    """Rows of the outbox's tables, read from the database that holds them (the request's tenant's,
+    ``admin_database``): looked at, never edited here."""
 
     def get_queryset(self, request: HttpRequest) -> Any:
-        return super().get_queryset(request).using(admin_database())
+        return super().get_queryset(request).using(admin_database(request))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -101,6 +137,20 @@ class RegisteredTaskFilter(admin.SimpleListFilter):
         return queryset.filter(task_name=self.value())
 
 
+class TenantFilter(admin.SimpleListFilter):
+    """By tenant: the default store, or a tenant placed in a Django database (``?tenant=``), whose
+    database the list reads (``ReadOnlyAdmin.get_queryset``); shown only when there is one."""
+
+    title = "tenant"
+    parameter_name = TENANT_PARAMETER
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(tenant, f"{tenant} ({alias})") for tenant, alias in django_tenants().items()]
+
+    def queryset(self, request: HttpRequest, queryset: Any) -> Any:
+        return queryset  # the tenant's database is chosen by get_queryset
+
+
 def _registered_tasks() -> list[str]:
     return sorted(installed_runtime().app.tasks.keys())
 
@@ -110,7 +160,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
     list_display = ("id", "shown_failed_at", "shown_task_name", "shown_task_id", "shown_reason", "shown_exception",
                     "shown_replayed_at")
     ordering = ("-failed_at",)  # the list adds the key, for a stable order: one sort mark
-    list_filter = ("reason", RegisteredTaskFilter, "queue", "exception_type")
+    list_filter = (TenantFilter, "reason", RegisteredTaskFilter, "queue", "exception_type")
     search_fields = ("message_id", "task_name", "exception_message")
     date_hierarchy = "failed_at"
     fieldsets = (
@@ -210,7 +260,8 @@ class DeadLetterAdmin(ReadOnlyAdmin):
     def replay_letters(self, request: HttpRequest, ids: tuple[int, ...]) -> None:
         """Replay the letters ``ids`` through the outbox (``deadletters.replay``) and tell the user
         how many were replayed, and why each refused one was."""
-        replayed = replay(installed_runtime().owner.publisher, DeadLetterFilter(ids=ids))
+        with using_tenant(tenant_of(request)):
+            replayed = replay(installed_runtime().owner.publisher, DeadLetterFilter(ids=ids))
         count = len(replayed.message_ids)
         self.message_user(request, ngettext("Replayed %(count)d dead letter", "Replayed %(count)d dead letters",
                                             count) % {"count": count}, messages.SUCCESS)
@@ -219,7 +270,8 @@ class DeadLetterAdmin(ReadOnlyAdmin):
 
     def purge_letters(self, request: HttpRequest, ids: tuple[int, ...]) -> None:
         """Delete the letters ``ids`` (``deadletters.purge``) and tell the user how many were."""
-        count = purge(installed_runtime(), DeadLetterFilter(ids=ids))
+        with using_tenant(tenant_of(request)):
+            count = purge(installed_runtime(), DeadLetterFilter(ids=ids))
         self.message_user(request, ngettext("Purged %(count)d dead letter", "Purged %(count)d dead letters",
                                             count) % {"count": count}, messages.SUCCESS)
 
@@ -227,7 +279,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
                     extra_context: dict[str, Any] | None = None) -> Any:
         """A letter's page, with a Replay and a Purge button for the users who may use them."""
         context = {**(extra_context or {}), "has_replay_permission": self.has_replay_permission(request),
-                   "has_purge_permission": self.has_purge_permission(request)}
+                   "has_purge_permission": self.has_purge_permission(request), "tenant_query": tenant_query(request)}
         return super().change_view(request, object_id, form_url, context)
 
     def get_urls(self) -> list[Any]:
@@ -246,7 +298,8 @@ class DeadLetterAdmin(ReadOnlyAdmin):
                 "by its task's current route; the letter stays here, its replay counted."))
         self.replay_letters(request, (letter.id,))
         return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_change",
-                                            args=(quote(letter.pk),), current_app=self.admin_site.name))
+                                            args=(quote(letter.pk),), current_app=self.admin_site.name)
+                                    + _filters_of(request))
 
     def purge_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """GET asks to confirm; POST (with Django's CSRF token) deletes the letter, as the list's
@@ -257,7 +310,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
                 "The letter is deleted, with its envelope: it cannot be replayed afterwards."))
         self.purge_letters(request, (letter.id,))
         return HttpResponseRedirect(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_changelist",
-                                            current_app=self.admin_site.name))
+                                            current_app=self.admin_site.name) + tenant_query(request))
 
     def _letter(self, request: HttpRequest, object_id: str, permitted: bool) -> DeadLetter:
         if not permitted:
@@ -271,7 +324,7 @@ class DeadLetterAdmin(ReadOnlyAdmin):
                       consequence: str) -> TemplateResponse:
         context = {**self.admin_site.each_context(request), "title": f"{verb} dead letter {letter.pk}?",
                    "opts": self.opts, "original": letter, "verb": verb, "confirm": confirm,
-                   "consequence": consequence}
+                   "consequence": consequence, "tenant_query": tenant_query(request)}
         return TemplateResponse(request, "celery_outbox/deadletter_confirm.html", context)
 
 
@@ -291,10 +344,30 @@ class StatusAdmin(ReadOnlyAdmin):
         """Counts by state, the oldest pending message and the nodes (``celery outbox status``)."""
         if not self.has_view_permission(request):
             raise PermissionDenied
-        status = installed_runtime().status()
+        runtime = installed_runtime()
+        status = runtime.status()
         context = {**self.admin_site.each_context(request), "title": "celery-outbox status", "status": status,
-                   "opts": self.opts}
+                   "opts": self.opts, "tenants": tenant_statuses(runtime)}
         return TemplateResponse(request, "celery_outbox/status.html", context)
+
+
+def tenant_statuses(runtime: Runtime) -> list[dict[str, Any]]:
+    """Each tenant's counts and its oldest waiting messages (``status``), or why its store did not
+    answer: one tenant's database down does not take the page down."""
+    statuses = []
+    for tenant in runtime.tenants():
+        try:
+            with using_tenant(tenant):
+                statuses.append({"tenant": tenant, "status": runtime.status(timeout=5.0), "error": None})
+        except Exception as exc:  # noqa: BLE001 - shown on the page, the other tenants still are
+            statuses.append({"tenant": tenant, "status": None, "error": f"{type(exc).__name__}: {exc}"})
+    return statuses
+
+
+def _filters_of(request: HttpRequest) -> str:
+    """The list's filters a page carries (``_changelist_filters``), as its query string, or ''."""
+    filters = request.GET.get("_changelist_filters")
+    return "" if not filters else "?" + urlencode({"_changelist_filters": filters})
 
 
 def _prefix(letter: DeadLetter) -> bytes:
@@ -309,7 +382,7 @@ def _size(letter: DeadLetter) -> int:
 class OutgoingMessageAdmin(ReadOnlyAdmin):
     list_display = ("id", "created_at", "message_id", "task_name", "destination", "sent_at", "redeliveries", "attempts",
                     "deliver_at")
-    list_filter = ("destination", RegisteredTaskFilter)
+    list_filter = (TenantFilter, "destination", RegisteredTaskFilter)
     search_fields = ("message_id", "task_name")
 
 
@@ -317,7 +390,7 @@ class OutgoingMessageAdmin(ReadOnlyAdmin):
 class IncomingMessageAdmin(ReadOnlyAdmin):
     list_display = ("message_id", "received_at", "task_name", "queue", "status", "duplicates", "recoveries",
                     "handled_at")
-    list_filter = ("status", "queue", RegisteredTaskFilter)
+    list_filter = (TenantFilter, "status", "queue", RegisteredTaskFilter)
     search_fields = ("message_id", "task_name")
     list_display_links = None  # the key has three columns: a row has no page of its own
 

@@ -15,6 +15,9 @@ from celery.contrib.testing.worker import start_worker
 from django.db import connections, transaction
 
 from celery_outbox import TENANT_HEADER, IdempotentTask, Outbox, current_tenant, using_tenant
+from celery_outbox.message.dead_letter_rows import dead_letter_row
+from celery_outbox.store import utcnow
+from celery_outbox.vocabulary import DeadLetterReason
 
 from ..brokers import nothing_more, purge, receive
 from ..django_project.shop.models import Order
@@ -126,3 +129,66 @@ def test_the_tenants_delivery_is_claimed_and_written_in_its_django_database(tena
     assert Order.objects.using("pg").filter(number=f"{number}-paid").exists(), "written in the tenant's database"
     assert not Order.objects.using("default").filter(number=f"{number}-paid").exists()
     assert outbox.runtime.default_store.get_incoming(f"pay-{number}") is None, "no claim in the default store"
+
+
+def add_letter(outbox, tenant, message_id) -> int:
+    """A dead letter of ``shop.pay`` in ``tenant``'s store; its id."""
+    with using_tenant(tenant):
+        store = outbox.store
+        with store.begin() as conn:
+            store.insert_dead_letters(conn, [dead_letter_row(
+                reason=DeadLetterReason.FAILED, failed_at=utcnow(), message_id=message_id, task_name="shop.pay",
+                error=ValueError("declined"))])
+        (letter,) = [each for each in store.list_dead_letters(store.dead_letter_filter())
+                     if each.message_id == message_id]
+        return letter.id
+
+
+@pytest.fixture
+def admin_client(django_user_model, client):
+    django_user_model.objects.create_superuser("admin", password="celery-outbox")
+    client.login(username="admin", password="celery-outbox")
+    return client
+
+
+def test_the_admin_lists_a_tenants_rows_from_its_database_and_only_there(tenant_shop, admin_client):
+    _, outbox, _, _ = tenant_shop
+    add_letter(outbox, None, "default-letter")
+    tenant_letter = add_letter(outbox, "acme", "acme-letter")
+    default_page = admin_client.get("/admin/celery_outbox/deadletter/").content.decode()
+    tenant_page = admin_client.get("/admin/celery_outbox/deadletter/?tenant=acme").content.decode()
+    assert "default-letter" in default_page and "acme-letter" not in default_page
+    assert "acme-letter" in tenant_page and "default-letter" not in tenant_page
+    assert "acme (pg)" in default_page, "the tenant filter offers the tenant"
+    detail = admin_client.get(f"/admin/celery_outbox/deadletter/{tenant_letter}/change/",
+                              {"_changelist_filters": "tenant=acme"})
+    assert detail.status_code == 200 and "acme-letter" in detail.content.decode()
+    assert f"/{tenant_letter}/replay/?tenant=acme" in detail.content.decode(), "its buttons stay in the tenant"
+    assert admin_client.get("/admin/celery_outbox/deadletter/?tenant=initech").status_code == 404
+
+
+def test_the_admin_replays_a_tenants_letter_into_its_database(tenant_shop, admin_client):
+    app, outbox, _, durable = tenant_shop
+    letter = add_letter(outbox, "acme", "acme-replayed")
+    with using_tenant("acme"):  # the letter carries its envelope: a stored message of the tenant
+        store = outbox.store
+        with store.begin() as conn:
+            conn.execute(store.tables.dead_letters.update().values(
+                body=b'[["n-1"], {}, {}]', content_type="application/json", content_encoding="utf-8",
+                headers='{"id": "acme-replayed", "task": "shop.pay", "celery_outbox_tenant": "acme"}',
+                queue=durable, routing_key=durable))
+    reply = admin_client.post(f"/admin/celery_outbox/deadletter/{letter}/replay/?tenant=acme")
+    assert reply.status_code == 302
+    (message,) = receive(app, durable, 1)
+    assert message.id == "acme-replayed" and message.headers[TENANT_HEADER] == "acme"
+    assert [row[0] for row in stored(outbox, "acme")] == ["acme-replayed"]
+    assert stored(outbox, None) == []
+
+
+def test_the_status_page_shows_each_tenant(tenant_shop, admin_client):
+    _, outbox, _, _ = tenant_shop
+    add_letter(outbox, "acme", "acme-counted")
+    page = admin_client.get("/admin/celery_outbox/status/").content.decode()
+    assert 'id="outbox-tenants"' in page
+    row = page.split('id="outbox-tenants"', 1)[1]
+    assert "<td>acme</td>" in row and "failed 1" in row
