@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Any, Callable, Iterator, NoReturn
 
+from celery import signals
 from celery.exceptions import Ignore, Reject, Retry
 from sqlalchemy.engine import Connection
 
@@ -24,8 +26,8 @@ from ..core import log_fields
 from ..core.crashpoints import crashpoint
 from ..core.node import Nodes
 from ..core.runtime import Runtime
-from ..core.tenancy import using_tenant
-from ..errors import OutboxError
+from ..core.tenancy import TENANT_HEADER, using_tenant, valid_tenant_name
+from ..errors import ConfigurationError, IncompatibleSchema, OutboxError, StoreUnavailable
 from ..monitoring import tracing
 from ..producer.publishing import Publisher
 from ..producer.unit_of_work import ConnectionUnitOfWork, current_unit_of_work, run_body, transaction
@@ -37,11 +39,13 @@ from .claims import Claim, Ended, InboxRows, StoreDown, store_errors
 from .delivery import Delivery, envelope_of
 from .records import AttemptRecords
 
-__all__ = ["Inbox", "inbox_of", "installed_inbox"]
+__all__ = ["Inbox", "enter_tenant_of_run", "inbox_of", "installed_inbox", "leave_tenant_of_run"]
 
 logger = logging.getLogger("celery_outbox.inbox")
 
 _APP_ATTRIBUTE = "_celery_outbox_inbox"
+#: the run a worker entered for its message's tenant (``enter_tenant_of_run``): its request, and the block to leave
+_run_of_tenant: ContextVar[tuple[Any, ExitStack] | None] = ContextVar("celery_outbox_run_of_tenant", default=None)
 
 
 def inbox_of(app: Any) -> "Inbox | None":
@@ -55,6 +59,36 @@ def installed_inbox(app: Any) -> "Inbox":
     if inbox is None:
         raise OutboxError(f"no Outbox is installed on app {app.main!r}: call Outbox(app) in your Celery module")
     return inbox
+
+
+def enter_tenant_of_run(sender: Any = None, **_: Any) -> None:
+    """Celery's ``task_prerun``, in the process that runs the task: a worker's run of a message
+    naming a tenant (``TENANT_HEADER``) is that tenant's until ``task_postrun``
+    (``leave_tenant_of_run``). The inbox runs the body for the tenant; what Celery does around the
+    body is the tenant's too: the next task of a chain, link callbacks and errbacks are sent for
+    the tenant (stored in its database, claimed there), and the task's handlers (``on_success``,
+    ``after_return``...) run for it. A name that is not a tenant's is left to the inbox, which
+    refuses it."""
+    task = sender
+    request = getattr(task, "request", None)
+    if request is None or request.is_eager or inbox_of(task.app) is None:
+        return
+    tenant = getattr(request, TENANT_HEADER, None) or None
+    if tenant is None or not valid_tenant_name(tenant):
+        return
+    block = ExitStack()
+    block.enter_context(using_tenant(tenant))
+    _run_of_tenant.set((request, block))
+
+
+def leave_tenant_of_run(sender: Any = None, **_: Any) -> None:
+    """Celery's ``task_postrun``: the run entered for a tenant (``enter_tenant_of_run``) ends; an
+    eager run inside it (``apply()`` in the body) leaves it as it is."""
+    entered = _run_of_tenant.get()
+    if entered is None or entered[0] is not getattr(sender, "request", None):
+        return
+    _run_of_tenant.set(None)
+    entered[1].close()
 
 
 class _Attempt:
@@ -90,8 +124,11 @@ class Inbox:
         self.records = records
 
     def install(self) -> None:
-        """Make this the inbox the app's tasks run through (``inbox_of``)."""
+        """Make this the inbox the app's tasks run through (``inbox_of``), and a worker's run of a
+        message naming a tenant that tenant's from start to end (``enter_tenant_of_run``)."""
         setattr(self.runtime.app, _APP_ATTRIBUTE, self)
+        signals.task_prerun.connect(enter_tenant_of_run, weak=False, dispatch_uid="celery_outbox.enter_tenant_of_run")
+        signals.task_postrun.connect(leave_tenant_of_run, weak=False, dispatch_uid="celery_outbox.leave_tenant_of_run")
 
     def run_idempotent(self, task: Any, args: tuple, kwargs: dict, body: Callable[[], Any],
                        style: IdempotencyStyle) -> Any:
@@ -124,6 +161,7 @@ class Inbox:
         envelope = envelope_of(task, args, kwargs) if durable else {}
         claimed = time.monotonic()
         try:
+            self._ready_store()
             if style is IdempotencyStyle.EAGER:
                 ended = self._run_eager(task, delivery, body, unit_of_work, envelope)
             else:
@@ -131,6 +169,17 @@ class Inbox:
         except StoreDown as down:
             ended = Ended(Claim.STORE_DOWN, down.reason)
         return self._answer(delivery, ended, time.monotonic() - claimed)
+
+    def _ready_store(self) -> None:
+        """Make the delivery's store ready (``Runtime.ready``) before its claim: the default store
+        was at the worker's start, a tenant's is at the first delivery this process claims for it
+        (its tables created, with ``outbox_auto_create_schema``, or their schema checked). A store
+        that cannot be made ready is ``StoreDown``: the message goes back to the broker until it is."""
+        try:
+            with store_errors():
+                self.runtime.ready()
+        except (ConfigurationError, IncompatibleSchema, StoreUnavailable) as exc:
+            raise StoreDown(exc) from exc
 
     def _answer(self, delivery: Delivery, ended: Ended, seconds: float) -> Any:
         """The body's result, or what the worker tells the broker (Celery's ``Ignore``, ``Reject``)."""
