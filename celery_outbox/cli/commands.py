@@ -1,27 +1,31 @@
 """The commands ``migrate``, ``relay``, ``recover``, ``cleanup``, ``status``, ``check``, ``metrics``.
 
 Transaction boundary: none of its own; each calls the ``Outbox`` method beat or start-up calls, in
-that method's transactions, and only parses arguments and prints.
+that method's transactions, and only parses arguments and prints. Each but ``metrics`` (which reads
+every store) runs for the stores ``--tenant`` or ``--all-tenants`` choose (``per_tenant``).
 """
 
 from __future__ import annotations
 
-import json
+import contextvars
 import threading
 from datetime import timedelta
 from typing import Any, Callable
 
 import click
 
+from ..core.tenancy import current_tenant
 from ..monitoring.health import CheckExit, Failure, Thresholds, failed_conditions, store_down
 from ..outbox import Outbox
-from .group import Age, outbox, printable, table, with_outbox
+from .group import Age, echo_json, outbox, per_tenant, printable, table, with_outbox
+
+JSON_HELP = "Print one JSON document for machines (with --all-tenants, one line per store)."
 
 
 @outbox.command()
 
 
-@with_outbox
+@per_tenant()
 
 
 def migrate(box: Outbox) -> None:
@@ -40,7 +44,7 @@ def migrate(box: Outbox) -> None:
               help="Stop after this many batches (default: outbox_max_batches_per_run).")
 
 
-@with_outbox
+@per_tenant()
 
 
 def relay(box: Outbox, max_batches: int | None) -> None:
@@ -57,12 +61,14 @@ def _maintenance_pass(command: Callable[..., Any]) -> Callable[..., Any]:
     @outbox.command(name=command.__name__, help=command.__doc__)
     @click.option("--max-batches", type=click.IntRange(min=1), default=None,
                   help="Batches per step (default: outbox_max_batches_per_run).")
-    @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
-    @with_outbox
+    @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+    @per_tenant()
     def run(box: Outbox, max_batches: int | None, as_json: bool) -> None:
         result = command(box, max_batches)
-        text = json.dumps(result.as_dict(), indent=2, sort_keys=True) if as_json else printable(result, newlines=True)
-        click.echo(text)
+        if as_json:
+            echo_json(result.as_dict())
+        else:
+            click.echo(printable(result, newlines=True))
         if result.as_dict().get("broker_error"):
             raise SystemExit(1)
 
@@ -90,17 +96,17 @@ def cleanup(box: Outbox, max_batches: int | None):
 @outbox.command()
 
 
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 
 
-@with_outbox
+@per_tenant()
 
 
 def status(box: Outbox, as_json: bool) -> None:
     """Row counts by status and destination, oldest pending age, live nodes."""
     report = box.status()
     if as_json:
-        click.echo(json.dumps(report, indent=2, sort_keys=True))
+        echo_json(report)
         return
     click.echo(format_status(report))
 
@@ -143,17 +149,18 @@ def status(box: Outbox, as_json: bool) -> None:
               help="Only whether this process reaches the store (a liveness probe): no threshold, no table read.")
 
 
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for machines.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 
 
-@with_outbox
+@per_tenant()
 
 
 def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window: timedelta, stuck_after: timedelta,
           max_stuck: int, node_stale_after: timedelta | None, min_nodes: int, timeout: timedelta,
           liveness: bool, as_json: bool) -> None:
     """One line per failed condition, when the outbox needs a human: for a probe or a cron alert.
-    Exit 0 when all hold, 1 when a threshold is crossed, 2 when the store does not answer."""
+    Exit 0 when all hold, 1 when a threshold is crossed, 2 when the store does not answer (with
+    --all-tenants, the highest of the stores')."""
     thresholds = Thresholds(
         max_pending_age=max_pending_age.total_seconds(), max_dead_letters=max_dead_letters, max_stuck=max_stuck,
         node_stale_after=(node_stale_after.total_seconds() if node_stale_after is not None
@@ -168,10 +175,12 @@ def check(box: Outbox, max_pending_age: timedelta, max_dead_letters: int, window
             box.status(stuck_after=stuck_after.total_seconds(), recent=window.total_seconds(), timeout=seconds),
             thresholds))
     if as_json:
-        click.echo(json.dumps({"ok": not failures, "failures": [f.as_dict() for f in failures]}, indent=2))
+        echo_json({"ok": not failures, "failures": [f.as_dict() for f in failures]})
     else:
+        tenant = current_tenant()
+        where = "" if tenant is None else f" (tenant {tenant})"
         for failure in failures:
-            click.echo(f"FAIL {failure.condition.value}: {printable(failure.message)}")
+            click.echo(f"FAIL {failure.condition.value}{where}: {printable(failure.message)}")
         if not failures:
             click.echo("OK")
     if failures:
@@ -189,8 +198,10 @@ def _within(seconds: float, read: Callable[[], list[Failure]]) -> list[Failure]:
     """``read()``'s failures, or the store's failure when it raises or has not answered within
     ``seconds`` (connecting, getting ready, reading: whatever waits). It runs in a daemon thread,
     which a process that exits leaves behind; the status query itself gives up within the same
-    time on the server (``Store.status(timeout=...)``)."""
+    time on the server (``Store.status(timeout=...)``). The thread reads the store of the caller's
+    tenant (``using_tenant``: its context goes with it)."""
     outcome: list[Any] = []
+    context = contextvars.copy_context()
 
     def run() -> None:
         try:
@@ -198,7 +209,7 @@ def _within(seconds: float, read: Callable[[], list[Failure]]) -> list[Failure]:
         except Exception as exc:  # noqa: BLE001 - a store that does not answer is the first failed condition
             outcome.append([store_down(exc, seconds)])
 
-    reader = threading.Thread(target=run, name="celery-outbox-check", daemon=True)
+    reader = threading.Thread(target=context.run, args=(run,), name="celery-outbox-check", daemon=True)
     reader.start()
     reader.join(seconds + 1)  # the server's own timeout first, when the status query is what waits
     return outcome[0] if outcome else [store_down(TimeoutError(f"no answer within {seconds:g} s"), seconds)]
@@ -222,12 +233,12 @@ def _within(seconds: float, read: Callable[[], list[Failure]]) -> list[Failure]:
 
 
 def metrics(box: Outbox, port: int, address: str, stuck_after: timedelta) -> None:
-    """Serve the store's gauges for Prometheus on /metrics until stopped (with PROMETHEUS_MULTIPROC_DIR
-    set, also the counters of the workers sharing that folder)."""
+    """Serve the gauges of the default store and of every tenant's for Prometheus on /metrics until
+    stopped (with PROMETHEUS_MULTIPROC_DIR set, also the counters of the workers sharing that folder)."""
     from ..monitoring.metrics import serve
 
     # no ready() first: a store that is down is what store_up 0 reports, scrape after scrape
-    serve(lambda: box.status(stuck_after=stuck_after.total_seconds()), port, address)
+    serve(lambda: box.status(stuck_after=stuck_after.total_seconds()), port, address, tenants=box.runtime.tenants)
     click.echo(f"celery-outbox metrics on http://{address}:{port}/metrics (Ctrl-C stops)")
     try:
         threading.Event().wait()

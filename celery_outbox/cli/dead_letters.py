@@ -1,7 +1,9 @@
 """``celery -A proj outbox dead-letters list|show|replay|purge``: the store's dead letters.
 
 Transaction boundary: listing and showing read in a short transaction each; replay and purge run
-``maintenance.dead_letters``, one transaction per batch of letters.
+``maintenance.dead_letters``, one transaction per batch of letters. Each runs for the stores
+``--tenant`` or ``--all-tenants`` choose (``per_tenant``); ids are one store's, so ``show`` and a
+replay by ids take ``--tenant`` only.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any, Callable
 
 import click
 
+from ..core.tenancy import current_tenant
 from ..maintenance.dead_letters import DeadLetterFilter, purge, replay
 from ..outbox import Outbox
 from ..store import as_utc, utcnow
 from ..vocabulary import DeadLetterReason
-from .group import Age, Since, outbox, printable, table, with_outbox
+from .group import Age, Since, outbox, per_tenant, printable, table
 
 
 def _filters(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,10 +51,10 @@ def dead_letters() -> None:
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 
 
-@click.option("--json", "as_json", is_flag=True, help="Print JSON lines for machines.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines for machines, each naming its tenant.")
 
 
-@with_outbox
+@per_tenant()
 
 
 def list_dead_letters(box: Outbox, task, queue, exception, reason, since, limit: int, as_json: bool) -> None:
@@ -62,7 +65,7 @@ def list_dead_letters(box: Outbox, task, queue, exception, reason, since, limit:
     total = store.count_matching_dead_letters(which.where(store))
     if as_json:
         for row in rows:
-            click.echo(json.dumps(_summary(row), default=str))
+            click.echo(json.dumps({**_summary(row), "tenant": current_tenant()}, default=str))
         return
     columns = ["id", "failed_at", "reason", "task", "queue", "message_id", "exception", "replays"]
     click.echo("\n".join(table("dead letters", [_summary(row) for row in rows], columns)))
@@ -85,7 +88,7 @@ def _summary(row: Any) -> dict[str, Any]:
 @click.argument("dead_letter_id", type=int)
 
 
-@with_outbox
+@per_tenant(ids="dead_letter_id")
 
 
 def show_dead_letter(box: Outbox, dead_letter_id: int) -> None:
@@ -120,7 +123,7 @@ def show_dead_letter(box: Outbox, dead_letter_id: int) -> None:
 @_filters
 
 
-@with_outbox
+@per_tenant(ids="dead_letter_ids")
 
 
 def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_all: bool, task, queue, exception,
@@ -157,7 +160,7 @@ def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_al
 @_filters
 
 
-@with_outbox
+@per_tenant()
 
 
 def purge_dead_letters(box: Outbox, older_than: timedelta, task, queue, exception, reason, since) -> None:

@@ -1,13 +1,15 @@
 """The ``celery -A proj outbox`` command group, and what its commands share.
 
 No transaction. The app's ``Outbox`` is handed to each command (an error of the library turned into
-one line, exit code 1), with text made safe for a terminal and the parameter types of durations
-and moments.
+one line, exit code 1), for the stores ``--tenant`` or ``--all-tenants`` choose (``per_tenant``),
+with text made safe for a terminal, JSON naming its store's tenant, and the parameter types of
+durations and moments.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import unicodedata
 from datetime import datetime, timedelta, timezone
@@ -16,7 +18,8 @@ from typing import Any, Callable
 import click
 
 from ..core.config import DATABASE_URL_VARIABLE
-from ..errors import OutboxError
+from ..core.tenancy import current_tenant, using_tenant
+from ..errors import OutboxError, UnknownTenant
 from ..outbox import Outbox, outbox_of
 from ..store import utcnow
 
@@ -59,6 +62,122 @@ def with_outbox(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _DATABASE_URL = "celery_outbox.database_url"  # where the group's --database-url waits for the command
+_ALL_TENANTS = "celery_outbox.all_tenants"  # set while a command runs once per store (--all-tenants)
+
+
+def per_tenant(ids: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``with_outbox``, and the options that choose the stores the command runs for: neither, the
+    default store; ``--tenant NAME``, that tenant's (inside ``using_tenant``, which every store the
+    command uses follows), a name ``outbox_tenants`` does not know being a usage error (exit code
+    2); ``--all-tenants``, the default store and then every tenant's (``each_store``). ``ids`` names
+    the command's parameter of row ids, which are one store's own: with ``--all-tenants``, a usage
+    error."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        @click.option("--tenant", metavar="NAME", default=None,
+                      help="Run for this tenant's store (a name of outbox_tenants), not the default one.")
+        @click.option("--all-tenants", is_flag=True,
+                      help="Run for the default store, then for every tenant's, each under its heading; exit "
+                           "code non-zero when any of them failed.")
+        @with_outbox
+        @functools.wraps(command)
+        def run(box: Outbox, *args: Any, tenant: str | None, all_tenants: bool, **kwargs: Any) -> Any:
+            if tenant is not None and all_tenants:
+                raise click.UsageError("give --tenant NAME or --all-tenants, not both")
+            if all_tenants and ids is not None and kwargs.get(ids):
+                raise click.UsageError("dead letter ids are those of one store: name it with --tenant, not "
+                                       "--all-tenants")
+            if all_tenants:
+                return each_store(box.runtime.tenants(), lambda: command(box, *args, **kwargs),
+                                  as_json=bool(kwargs.get("as_json")))
+            _known_tenant(box, tenant)
+            with using_tenant(tenant):
+                return command(box, *args, **kwargs)
+
+        return run
+
+    return decorate
+
+
+def _known_tenant(box: Outbox, tenant: str | None) -> None:
+    """A usage error naming ``tenant`` when ``outbox_tenants`` does not name it (asked again when
+    it is a callable); its store is found as every part finds it, without connecting."""
+    if tenant is None:
+        return
+    try:
+        with using_tenant(tenant):
+            box.runtime.store  # noqa: B018 - raises UnknownTenant for a name outbox_tenants does not know
+    except UnknownTenant as exc:
+        raise click.BadParameter(printable(exc), param_hint="'--tenant'") from None
+
+
+def store_name(tenant: str | None) -> str:
+    """How output names a store: ``default store`` or ``tenant NAME``."""
+    return "default store" if tenant is None else f"tenant {printable(tenant)}"
+
+
+def each_store(tenants: list[str], run: Callable[[], Any], as_json: bool = False) -> None:
+    """``run()`` for the default store, then for each of ``tenants``, each inside its
+    ``using_tenant`` block and under a heading naming it (in JSON, each document names it instead:
+    ``echo_json``). A store's failure is reported on stderr, naming the store, and the next store
+    runs; the exit code is the highest of the stores' (a check's 2, a store down, over its 1)."""
+    click.get_current_context().meta[_ALL_TENANTS] = True
+    stores: list[str | None] = [None, *tenants]
+    failed: dict[str, int] = {}
+    for number, tenant in enumerate(stores):
+        if not as_json:
+            if number:
+                click.echo()
+            click.echo(f"== {store_name(tenant)} ==")
+        code = _run_for(tenant, run, as_json)
+        if code:
+            failed[store_name(tenant)] = code
+    if failed:
+        click.echo(f"Error: {len(failed)} of {len(stores)} stores failed: {', '.join(failed)}", err=True)
+        raise SystemExit(max(failed.values()))
+
+
+def _run_for(tenant: str | None, run: Callable[[], Any], as_json: bool) -> int:
+    """``run()`` for ``tenant``'s store, and its exit code: 0, the code it exits with, or that of
+    its error (reported, naming the store). A usage error is no store's: it ends the command."""
+    try:
+        with using_tenant(tenant):
+            run()
+    except click.UsageError:
+        raise
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        _report(tenant, printable(exc.code), as_json)
+        return 1
+    except click.ClickException as exc:
+        _report(tenant, exc.format_message(), as_json)
+        return exc.exit_code
+    except OutboxError as exc:
+        _report(tenant, printable(exc, newlines=True), as_json)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one store's failure (a lost connection) does not stop the others
+        first = (str(exc).strip().splitlines() or [""])[0]
+        _report(tenant, printable(f"{type(exc).__name__}: {first}"), as_json)
+        return 1
+    return 0
+
+
+def _report(tenant: str | None, message: str, as_json: bool) -> None:
+    """A store's failure: one line on stderr naming the store and, in JSON, a document for it."""
+    click.echo(f"Error: {store_name(tenant)}: {message}", err=True)
+    if as_json:
+        click.echo(json.dumps({"tenant": tenant, "error": message}, sort_keys=True))
+
+
+def echo_json(document: dict[str, Any]) -> None:
+    """Print a command's JSON document, with the tenant of the store it is about (``"tenant"``,
+    null for the default store): indented, or on one line per store under ``--all-tenants``."""
+    document = {**document, "tenant": current_tenant()}
+    if click.get_current_context().meta.get(_ALL_TENANTS):
+        click.echo(json.dumps(document, sort_keys=True, default=str))
+    else:
+        click.echo(json.dumps(document, indent=2, sort_keys=True, default=str))
 
 
 @click.group(name="outbox")

@@ -2,10 +2,11 @@
 
 Transaction boundary: none that writes. The counters and histograms (``OutboxMetrics``) are fed by
 the library's signals, sent once their transactions committed, and by Celery's task signals; the
-gauges (``StoreCollector``) are read at each scrape with the one status query, in a read-only
-transaction. Guarantee: a store that does not answer makes ``celery_outbox_store_up`` 0, not a
-failed scrape. A worker serves both on ``/metrics`` (``serve_from_worker``, a prefork pool through
-Prometheus' multiprocess mode), ``celery outbox metrics`` the gauges; see docs/monitoring.md.
+gauges (``StoreCollector``) are read at each scrape with the one status query per store (the
+default one and each tenant's), in a read-only transaction. Guarantee: a store that does not
+answer makes its ``celery_outbox_store_up{tenant=...}`` 0, not a failed scrape. A worker serves
+both on ``/metrics`` (``serve_from_worker``, a prefork pool through Prometheus' multiprocess
+mode), ``celery outbox metrics`` the gauges; see docs/monitoring.md.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+from ..core.tenancy import using_tenant
 from ..errors import ConfigurationError
 from ..signals import (
     claims_released,
@@ -205,77 +207,113 @@ def known_tasks(app: Any) -> list[str]:
 
 
 class StoreCollector:
-    """The store's gauges, read by ``status`` (``Store.status``) each time they are collected.
+    """The gauges of the default store and of every tenant's, read by ``status`` (``Store.status``,
+    called inside each store's ``using_tenant`` block) each time they are collected; each sample
+    carries the ``tenant`` label ("" for the default store), whose values are the names
+    ``tenants()`` (``runtime.tenants``, the configured ones) returns.
 
-    A status that raises (the database is down) yields ``celery_outbox_store_up 0`` and a warning,
-    so the counters of the same scrape still arrive."""
+    A status that raises (that store's database is down) yields ``celery_outbox_store_up 0`` for
+    its tenant and a warning; the other stores' gauges and the counters of the same scrape still
+    arrive."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, status: Callable[[], dict[str, Any]],
+                 tenants: Callable[[], Iterable[str]] | None = None) -> None:
         self.status = status
+        self.tenants = tenants
 
     def describe(self) -> list[Any]:
         return []  # read at collection time only: the registry must not call the store when registering
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
-
-        def gauge(name: str, documentation: str, labels: Iterable[str] = ()) -> Any:
-            return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, labels=list(labels))
-
-        up = gauge("store_up", "1 when the message store answered the status query, else 0")
-        try:
-            report = self.status()
-        except Exception as exc:  # noqa: BLE001 - the scrape goes on: store_up says the store is down
-            logger.warning("celery-outbox metrics: the store did not answer: %s", exc)
-            up.add_metric([], 0)
-            yield up
-            return
-        up.add_metric([], 1)
+        up = _gauge("store_up", "1 when the message store answered the status query, else 0", ["tenant"])
+        reports: list[tuple[str, dict[str, Any]]] = []
+        for tenant in self._stores():
+            report = self._read(tenant)
+            up.add_metric([tenant or ""], 0 if report is None else 1)
+            if report is not None:
+                reports.append((tenant or "", report))
         yield up
-        yield from _store_gauges(report, gauge)
+        if reports:
+            yield from _store_gauges(reports)
+
+    def _stores(self) -> list[str | None]:
+        """The default store (None), then each tenant's; only the default one when the tenants
+        cannot be listed (a callable ``outbox_tenants`` that raised)."""
+        if self.tenants is None:
+            return [None]
+        try:
+            return [None, *self.tenants()]
+        except Exception as exc:  # noqa: BLE001 - the default store's gauges still arrive
+            logger.warning("celery-outbox metrics: the tenants could not be listed: %s", exc)
+            return [None]
+
+    def _read(self, tenant: str | None) -> dict[str, Any] | None:
+        """``tenant``'s status report, or None (and a warning naming the store) when it raised."""
+        try:
+            with using_tenant(tenant):
+                return self.status()
+        except Exception as exc:  # noqa: BLE001 - the scrape goes on: store_up says the store is down
+            where = "the store" if tenant is None else f"the store of tenant {tenant!r}"
+            logger.warning("celery-outbox metrics: %s did not answer: %s", where, exc)
+            return None
 
 
-def _store_gauges(report: dict[str, Any], gauge: Callable[..., Any]) -> Iterator[Any]:
-    """The gauges of one status report."""
-    outgoing = gauge("outgoing_messages", "Outgoing rows by status: pending (due, not sent), scheduled (held "
-                     "until their eta), sent (awaiting their inbox's acknowledgment)", ["status", "queue"])
-    for row in report["outgoing"]:
-        outgoing.add_metric([row["status"], row["destination"]], row["count"])
-    incoming = gauge("incoming_messages", "Inbox rows by status", ["status", "queue"])
-    for row in report["incoming"]:
-        incoming.add_metric([row["status"], row["queue"] or ""], row["count"])
-    dead_letters = gauge("dead_letter_messages", "Dead letters kept, by reason and task", ["reason", "task"])
-    for row in report["dead_letters"]:
-        dead_letters.add_metric([row["reason"], row["task"]], row["count"])
-    stuck = gauge("stuck_messages", f"Rows waiting longer than {report['stuck']['after_seconds']:g} s: unsent due "
-                  "outgoing rows, and running claims", ["table"])
-    for table in ("outgoing", "incoming"):
-        stuck.add_metric([table], report["stuck"][table])
-    moments = report["timestamps"]
-    when = {name: gauge(f"{name}_timestamp_seconds", documentation) for name, documentation in (
+def _gauge(name: str, documentation: str, labels: Iterable[str] = ()) -> Any:
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, labels=list(labels))
+
+
+def _store_gauges(reports: list[tuple[str, dict[str, Any]]]) -> Iterator[Any]:
+    """The gauges of the status reports of the stores that answered, by tenant ("": the default store)."""
+    after = reports[0][1]["stuck"]["after_seconds"]
+    outgoing = _gauge("outgoing_messages", "Outgoing rows by status: pending (due, not sent), scheduled (held "
+                      "until their eta), sent (awaiting their inbox's acknowledgment)", ["status", "queue", "tenant"])
+    incoming = _gauge("incoming_messages", "Inbox rows by status", ["status", "queue", "tenant"])
+    dead_letters = _gauge("dead_letter_messages", "Dead letters kept, by reason and task", ["reason", "task", "tenant"])
+    stuck = _gauge("stuck_messages", f"Rows waiting longer than {after:g} s: unsent due outgoing rows, and running "
+                   "claims", ["table", "tenant"])
+    when = {name: _gauge(f"{name}_timestamp_seconds", documentation, ["tenant"]) for name, documentation in (
         ("oldest_pending_outgoing", "When the oldest due outgoing row not sent yet was committed (Unix seconds; "
                                     "absent: none)"),
         ("oldest_running_incoming", "When the oldest running inbox claim's message was received (absent: none)"),
         ("newest_dead_letter", "When the newest dead letter kept failed (absent: none)"))}
-    for name, family in when.items():
-        if moments[name] is not None:
-            family.add_metric([], moments[name])
-    hosts: dict[str, list[float]] = {}
-    for node in report["nodes"]:
-        if node["heartbeat_at"] is not None:
-            hosts.setdefault(node["hostname"] or "", []).append(node["heartbeat_at"])
-    nodes = gauge("nodes", "Registered nodes (worker and sender processes) by host", ["hostname"])
-    stalest = gauge("stalest_heartbeat_timestamp_seconds", "The least recent heartbeat of a host's registered nodes "
-                    "(Unix seconds, the database's clock)", ["hostname"])
-    for hostname, beats in sorted(hosts.items()):
-        nodes.add_metric([hostname], len(beats))
-        stalest.add_metric([hostname], min(beats))
+    nodes = _gauge("nodes", "Registered nodes (worker and sender processes) by host", ["hostname", "tenant"])
+    stalest = _gauge("stalest_heartbeat_timestamp_seconds", "The least recent heartbeat of a host's registered "
+                     "nodes (Unix seconds, the database's clock)", ["hostname", "tenant"])
+    for tenant, report in reports:
+        for row in report["outgoing"]:
+            outgoing.add_metric([row["status"], row["destination"], tenant], row["count"])
+        for row in report["incoming"]:
+            incoming.add_metric([row["status"], row["queue"] or "", tenant], row["count"])
+        for row in report["dead_letters"]:
+            dead_letters.add_metric([row["reason"], row["task"], tenant], row["count"])
+        for table in ("outgoing", "incoming"):
+            stuck.add_metric([table, tenant], report["stuck"][table])
+        for name, family in when.items():
+            moment = report["timestamps"][name]
+            if moment is not None:
+                family.add_metric([tenant], moment)
+        for hostname, beats in _heartbeats_by_host(report["nodes"]):
+            nodes.add_metric([hostname, tenant], len(beats))
+            stalest.add_metric([hostname, tenant], min(beats))
     yield from (outgoing, incoming, dead_letters, stuck, *when.values(), nodes, stalest)
 
 
-def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0.0.1") -> Any:
-    """Serve ``/metrics`` over HTTP on ``address:port`` from a thread: the store's gauges, and the
-    counters of every process that counts into ``PROMETHEUS_MULTIPROC_DIR`` when it is set.
+def _heartbeats_by_host(nodes: Iterable[dict[str, Any]]) -> list[tuple[str, list[float]]]:
+    """The heartbeat moments of the nodes that beat, by hostname, sorted by hostname."""
+    hosts: dict[str, list[float]] = {}
+    for node in nodes:
+        if node["heartbeat_at"] is not None:
+            hosts.setdefault(node["hostname"] or "", []).append(node["heartbeat_at"])
+    return sorted(hosts.items())
+
+
+def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0.0.1",
+          tenants: Callable[[], Iterable[str]] | None = None) -> Any:
+    """Serve ``/metrics`` over HTTP on ``address:port`` from a thread: the gauges of the default
+    store and of each of ``tenants()`` (``StoreCollector``), and the counters of every process that
+    counts into ``PROMETHEUS_MULTIPROC_DIR`` when it is set.
     Returns the server (``shutdown()`` stops it); the caller says where it serves. Raises
     ``ConfigurationError`` when the address cannot be bound."""
     client = _prometheus()
@@ -284,7 +322,7 @@ def serve(status: Callable[[], dict[str, Any]], port: int, address: str = "127.0
         from prometheus_client import multiprocess
 
         multiprocess.MultiProcessCollector(registry)
-    registry.register(StoreCollector(status))
+    registry.register(StoreCollector(status, tenants))
     try:
         server, _ = client.start_http_server(port, address, registry)
     except OSError as exc:
@@ -314,7 +352,7 @@ def use_multiprocess_dir() -> str:
 
 def serve_from_worker(outbox: Any, port: int, address: str) -> Any:
     """A worker's metrics: counted by the main process and every pool process it forks (one
-    multiprocess folder), and served with the store's gauges on ``address:port``. Called at the
+    multiprocess folder), and served with the gauges of every store on ``address:port``. Called at the
     worker's start, before Celery sets up its logging: where they are served is logged once the
     worker is ready."""
     from celery.signals import worker_ready
@@ -322,7 +360,7 @@ def serve_from_worker(outbox: Any, port: int, address: str) -> Any:
     _prometheus()
     use_multiprocess_dir()
     install(outbox)
-    server = serve(outbox.status, port, address)
+    server = serve(outbox.status, port, address, outbox.runtime.tenants)
 
     def announce(**_: Any) -> None:
         worker_ready.disconnect(announce)

@@ -129,7 +129,7 @@ def test_a_failed_payment_goes_through_the_documented_dead_letter_commands(shell
     [command] = METRICS_COMMAND
     shell.start(synopsis(command, values, options=True), "metrics.log")
     gauges = wait_until(lambda: metrics(9808), timeout=30, message="the metrics command to serve")
-    assert "celery_outbox_store_up 1.0" in gauges, gauges
+    assert 'celery_outbox_store_up{tenant=""} 1.0' in gauges, gauges
 
 
 # monitoring.md's tracer provider, with an in-memory exporter where the page has ``your_exporter``

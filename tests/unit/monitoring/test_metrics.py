@@ -122,4 +122,65 @@ def test_the_gauges_and_the_status_group_dead_letters_of_unregistered_task_names
     registry = CollectorRegistry()
     registry.register(metrics.StoreCollector(outbox.status))
     assert samples(registry, "celery_outbox_dead_letter_messages") == {
-        (("reason", "failed"), ("task", "other")): 200, (("reason", "failed"), ("task", "shop.pay")): 2}
+        (("reason", "failed"), ("task", "other"), ("tenant", "")): 200,
+        (("reason", "failed"), ("task", "shop.pay"), ("tenant", "")): 2}
+
+
+def test_the_gauges_of_every_tenant_carry_its_name_and_a_store_down_stops_no_other(tmp_path):
+    """acme holds three pending messages and a dead letter, globex's database cannot be opened, the
+    default store is empty: each store's gauges carry its tenant ("" for the default store),
+    globex's ``store_up`` is 0 and it has no other gauge, and the stores after it are read; the
+    tenant label takes the configured names only."""
+    from datetime import timedelta
+
+    from celery import Celery
+
+    from celery_outbox import Outbox, using_tenant
+    from celery_outbox.message.dead_letter_rows import dead_letter_row
+    from celery_outbox.store import utcnow
+
+    app = Celery("tenant_gauges", broker="memory://", set_as_current=False)
+    app.conf.update(outbox_database_url=f"sqlite:///{tmp_path / 'default.db'}", outbox_tenants={
+        "acme": f"sqlite:///{tmp_path / 'acme.db'}", "globex": f"sqlite:///{tmp_path / 'missing' / 'globex.db'}",
+        "hooli": f"sqlite:///{tmp_path / 'hooli.db'}"})
+    outbox = Outbox(app)
+    with using_tenant("acme"):
+        store = outbox.ready().store
+        with store.begin() as conn:
+            store.insert_outgoing(conn, [{
+                "message_id": f"m{n}", "task_name": "t", "destination": "q", "body": b"[]",
+                "content_type": "application/json", "content_encoding": "utf-8", "exchange": "", "routing_key": "q",
+                "headers": "{}", "properties": "{}", "created_at": utcnow() - timedelta(minutes=5)} for n in range(3)])
+            store.insert_dead_letters(conn, [dead_letter_row(reason=DeadLetterReason.FAILED, failed_at=utcnow(),
+                                                             message_id="d", task_name="t")])
+    registry = CollectorRegistry()
+    registry.register(metrics.StoreCollector(outbox.status, outbox.runtime.tenants))
+    assert samples(registry, "celery_outbox_store_up") == {
+        (("tenant", ""),): 1, (("tenant", "acme"),): 1, (("tenant", "globex"),): 0, (("tenant", "hooli"),): 1}
+    assert samples(registry, "celery_outbox_outgoing_messages") == {
+        (("queue", "q"), ("status", "pending"), ("tenant", "acme")): 3}
+    assert samples(registry, "celery_outbox_dead_letter_messages") == {
+        (("reason", "failed"), ("task", "other"), ("tenant", "acme")): 1}
+    assert set(samples(registry, "celery_outbox_stuck_messages")) == {
+        (("table", table), ("tenant", tenant)) for table in ("outgoing", "incoming")
+        for tenant in ("", "acme", "hooli")}
+    assert set(samples(registry, "celery_outbox_oldest_pending_outgoing_timestamp_seconds")) == {(("tenant", "acme"),)}
+    assert {sample.labels["tenant"] for family in registry.collect() for sample in family.samples} == {
+        "", "acme", "globex", "hooli"}
+
+
+def test_the_gauges_of_the_default_store_arrive_when_the_tenants_cannot_be_listed(sqlite_url, table_prefix):
+    from celery import Celery
+
+    from celery_outbox import Outbox
+
+    app = Celery("tenants_fail", broker="memory://", set_as_current=False)
+    app.conf.update(outbox_database_url=sqlite_url, outbox_table_prefix=table_prefix)
+    outbox = Outbox(app)
+
+    def tenants():
+        raise RuntimeError("the tenants' directory is down")
+
+    registry = CollectorRegistry()
+    registry.register(metrics.StoreCollector(outbox.status, tenants))
+    assert samples(registry, "celery_outbox_store_up") == {(("tenant", ""),): 1}
