@@ -19,7 +19,8 @@ from datetime import datetime, timezone
 from . import pace
 from .common import Options, Result, machine, table, verdicts
 
-BENCHMARKS = ("producer", "worker", "relay", "contention", "cleanup", "audit", "django", "peers", "asyncio")
+BENCHMARKS = ("producer", "worker", "relay", "contention", "cleanup", "audit", "django", "peers", "asyncio",
+              "tenants")
 #: The module of each benchmark whose name is not its module's (``asyncio`` would shadow the standard library's)
 MODULES = {"asyncio": "async_units"}
 

@@ -88,6 +88,87 @@ def test_the_asyncio_benchmark_compares_async_units_of_work_with_plain_celery_an
     assert "\n3 targets, judged at 90% confidence or more where a row has rounds enough:\n" in table
 
 
+def test_the_tenants_benchmark_compares_tenant_units_and_beats_passes_with_one_store(tmp_path):
+    """``python -m benchmarks tenants``: a tenant's unit of work (``transaction(tenant=...)``, turning
+    over the tenants' databases) against the default store's, in the ``vs peer`` block, with its
+    floor at N = 1; then beat's recover pass over 1, a few and more tenants against the default
+    store's pass, idle and with pending rows, every pending row published. The databases it made
+    are dropped."""
+    from benchmarks.common import POSTGRES_URL
+
+    for service in ("postgres", "redis"):
+        require(service)
+    made = re.compile(r"b[0-9a-f]{10}_(default|db\d+|schemas)")
+    engine = create_engine(POSTGRES_URL)
+
+    def benchmark_databases() -> set[str]:
+        with engine.connect() as conn:
+            names = conn.exec_driver_sql("SELECT datname FROM pg_database").scalars()
+            return {name for name in names if made.fullmatch(name)}
+
+    before = benchmark_databases()
+    report_path = tmp_path / "results.json"
+    try:
+        completed = subprocess.run([sys.executable, "-m", "benchmarks", "tenants", "--quick", "--json",
+                                    str(report_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        left = benchmark_databases() - before
+    finally:
+        engine.dispose()
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert left == set(), "the benchmark's databases are dropped"
+    report = json.loads(report_path.read_text())
+    assert list(report["minutes"]) == ["tenants"]
+    results = report["results"]
+    assert {r["benchmark"] for r in results} == {"tenants"}
+    units = [r for r in results if r["unit"] == "units/s"]
+    case = "Redis, N={n}, one row and {n} durable send{s} in a unit of work"
+    against_one_store = [case.format(n=n, s="s" if n > 1 else "") + ": transaction(tenant=...) turning over 2 "
+                         "tenants' databases vs transaction() on the default store" for n in (1, 10)]
+    floors = case.format(n=1, s="") + ", floor by hand: turning over 2 tenants' databases vs on one database"
+    assert [r["case"] for r in units] == [against_one_store[0], floors, against_one_store[1]]
+    tenant_units, floor = [units[0], units[2]], units[1]
+    for result in tenant_units:
+        assert result["versus"] == "the default store's unit of work" and result["target"] == ">= 0.95"
+        assert re.match(r"ms per unit of work: a tenant's [\d.]+, the default store's [\d.]+ \([+-][\d.]+\)",
+                        result["note"]), result["note"]
+    assert re.search(r"; the default store's unit at [\d.]+ of the floor on its database alone; pings of a pooled "
+                     r"connection idle over 50 ms, per unit of work \(a pass of its own\): a tenant's [\d.]+, the "
+                     r"default store's [\d.]+; connections this process holds to the 2 tenants' databases: \d+$",
+                     units[0]["note"]), units[0]["note"]
+    assert units[0]["floor"] == floor["ours"], "the tenant unit's floor is the floor row's, turning over the tenants"
+    assert abs(units[0]["of_floor"] - units[0]["ours"] / units[0]["floor"]) < 1e-9
+    assert units[2]["floor"] is None, "at N = 10 the library pipelines its publishes: no floor"
+    assert floor["versus"] == "the floor on one database" and floor["target"] is None
+    passes = [r for r in results if r["unit"] == "s"]
+    largest = "database" if "; databases: a CREATE DATABASE took" in passes[-1]["note"] else "schema of one database"
+    cases = ["1 tenant, a database, its connection kept in its pool",
+             "2 tenants, each a database, its connection kept in its pool",
+             "2 tenants, each a database, its connections closed after its pass",
+             "2 tenants, each a schema of one database, its connections closed after its pass",
+             f"3 tenants, each a {largest}, its connections closed after its pass"]
+    assert [r["case"] for r in passes] == [f"beat's recover pass over {case}, {state}" for state in (
+        "idle stores", "10 pending rows in each store") for case in cases]
+    for result in passes:
+        assert result["versus"] == "the default store's pass, once per tenant" and result["target"] is None
+        assert re.match(r"[\d.]+ ms a tenant; the default store's pass [\d.]+ ms", result["note"]), result["note"]
+    assert re.search(r"; (databases|schemas, not databases): a CREATE DATABASE took [\d.]+ s here \(median of the "
+                     r"run's first 3\); beat's own run sent one task per tenant, \d+ tasks, in \d+ ms",
+                     passes[-1]["note"]), passes[-1]["note"]
+    # each round's measurement the median of passes making at least 10 stores' passes: the default
+    # store's 10, 1 tenant's 10, 2 tenants' 5, 3 tenants' 3 (9)
+    assert passes[-1]["checks"] == {"rows published": 10 * (10 + 10 + 10 + 10 + 10 + 9)}, "every pending row, once"
+    assert len(units) + len(passes) == len(results)
+    for result in results:
+        assert result["ours"] > 0 and result["plain"] > 0, "both ways measured"
+        assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
+
+    table = completed.stdout
+    assert "| benchmark | case | celery-outbox | plain Celery |" not in table, "every row is against one store"
+    rows = [line for line in table.split("vs peer: the denominator is the peer named", 1)[1].splitlines()
+            if line.startswith("| tenants |")]
+    assert len(rows) == len(results)
+
+
 def test_the_peers_benchmark_compares_the_outbox_with_procrastinate_and_django_celery_outbox(tmp_path):
     """``python -m benchmarks peers``: each comparison with a peer library, both ways measured in
     the same run; its rows name the peer and its version, and print in the table's ``vs peer``
