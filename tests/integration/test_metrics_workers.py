@@ -122,7 +122,8 @@ def test_a_prefork_worker_serves_the_counts_of_its_pool_and_the_stores_gauges(po
         for node in store.live_nodes():
             beats[node.hostname].append(as_utc(node.heartbeat_at).timestamp())
         assert beats, "the worker's nodes"
-        assert samples["celery_outbox_nodes"] == {(("hostname", host),): len(found) for host, found in beats.items()}
+        assert samples["celery_outbox_nodes"] == {(("hostname", host), ("tenant", "")): len(found)
+                                                  for host, found in beats.items()}, "the default store's: tenant ''"
         for host, found in beats.items():
             # a heartbeat between the scrape and this read may move the least recent one on
             assert value(samples, "celery_outbox_stalest_heartbeat_timestamp_seconds", hostname=host) \
