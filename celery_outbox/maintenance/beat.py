@@ -7,11 +7,13 @@ expires after one interval, so missed runs never pile up, and is routed to
 ``outbox_maintenance_queue`` when that is set. Both are safe to run on several workers at once.
 With tenants (``outbox_tenants``), the periodic run works on the default store and sends one
 task of its kind per tenant, each working on that tenant's store alone: a tenant whose database
-is down, slow or locked fails or delays its own task, never another tenant's.
+is down, slow or locked fails or delays its own task, never another tenant's; the tenants' order
+turns each run, so none is always last.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..core.runtime import Runtime
@@ -48,11 +50,19 @@ def register_beat_tasks(runtime: Runtime) -> None:
             return {"tenant": tenant, **cleanup(runtime).as_dict()}
 
 
-def send_per_tenant(runtime: Runtime, name: str, interval: float) -> list[str]:
+def send_per_tenant(runtime: Runtime, name: str, interval: float, turn: int | None = None) -> list[str]:
     """Send the maintenance task ``name`` once for each tenant, each expiring after ``interval``
-    as the periodic entry does; returns the tenants. Asking ``outbox_tenants`` fails this run
-    (the next one asks again); the default store's pass runs after this either way."""
+    as the periodic entry does; returns the tenants in the order sent. Asking ``outbox_tenants``
+    fails this run (the next one asks again); the default store's pass runs after this either way.
+
+    The order turns by one tenant each interval (``turn``: the interval's number since the epoch,
+    the same in every process), so when workers fall behind and the last tasks of a run expire,
+    they are not the same tenants' every time: each tenant is first once in every ``len(tenants)``
+    runs."""
     tenants = runtime.tenants()
+    if tenants:
+        start = (int(time.time() // interval) if turn is None else turn) % len(tenants)
+        tenants = tenants[start:] + tenants[:start]
     options = maintenance_options(runtime, interval)
     for tenant in tenants:
         runtime.app.signature(name, kwargs={"tenant": tenant}, **options).apply_async()

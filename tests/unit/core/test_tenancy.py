@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 import uuid
 
 import pytest
@@ -192,11 +193,26 @@ def test_beat_sends_one_maintenance_task_per_tenant(tmp_path):
 
     signals.before_task_publish.connect(record, weak=False)
     try:
-        assert send_per_tenant(outbox.runtime, "celery_outbox.recover", 5.0) == ["acme", "globex", "initech"]
+        assert send_per_tenant(outbox.runtime, "celery_outbox.recover", 5.0, turn=0) == ["acme", "globex", "initech"]
     finally:
         signals.before_task_publish.disconnect(record)
     assert sent == [("celery_outbox.recover", {"tenant": name}, "maintenance", False)
                     for name in ("acme", "globex", "initech")]
+
+
+def test_beat_turns_the_tenants_order_each_run_so_none_is_always_last(tmp_path):
+    """Workers behind let a run's last tasks expire: each tenant is first, and last, once in as many
+    runs as there are tenants; the turn is the interval's number, so every process agrees on it."""
+    app, outbox, _ = tenant_app(tmp_path, tenants=("acme", "globex", "initech"))
+    app.conf.task_always_eager = False
+    runs = [send_per_tenant(outbox.runtime, "celery_outbox.recover", 5.0, turn=turn) for turn in range(6)]
+    assert runs[:3] == [["acme", "globex", "initech"], ["globex", "initech", "acme"], ["initech", "acme", "globex"]]
+    assert runs[3:] == runs[:3]
+    assert sorted(run[-1] for run in runs[:3]) == ["acme", "globex", "initech"]
+    before = int(time.time() // 5.0)
+    unturned = send_per_tenant(outbox.runtime, "celery_outbox.recover", 5.0)
+    after = int(time.time() // 5.0)
+    assert unturned in (runs[before % 3], runs[after % 3]), "without a turn: the interval's number since the epoch"
 
 
 def test_recover_for_one_tenant_works_on_its_store_alone(tmp_path):
