@@ -16,7 +16,8 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from celery import Celery
 from sqlalchemy.engine import Connection, Engine
@@ -204,23 +205,26 @@ class Runtime:
         assert self.integration is not None
         return self.integration.tenant_database_url(place.django)
 
-    def tenant_places(self, refresh_for: str | None = None) -> dict[str, TenantPlace]:
-        """Where each tenant's store is (``outbox_tenants``): a callable source is asked the first
-        time, and again for a name it has not returned (``refresh_for``), so tenants added while the
-        process runs are found; a tenant once known stays where it was."""
+    def tenant_places(self, refresh_for: str | None = None) -> Mapping[str, TenantPlace]:
+        """Where each tenant's store is (``outbox_tenants``), read-only: a callable source is asked
+        the first time, and again for a name it has not returned (``refresh_for``), so tenants added
+        while the process runs are found; a tenant once known stays where it was. No copy is made:
+        each send in a Django atomic block asks."""
         source = self.settings.tenants
         if not callable(source):
-            return dict(source)
-        if not self._known_tenants or (refresh_for is not None and refresh_for not in self._known_tenants):
+            return MappingProxyType(source)
+        known = self._known_tenants
+        if not known or (refresh_for is not None and refresh_for not in known):
             fresh = read_tenants("outbox_tenants (as the callable returned them)", source())
             with self._lock:
-                self._known_tenants = {**fresh, **self._known_tenants}
-        return dict(self._known_tenants)
+                self._known_tenants = known = {**fresh, **self._known_tenants}
+        return MappingProxyType(known)
 
     def tenants(self) -> list[str]:
         """Every tenant's name, sorted (asking a callable ``outbox_tenants`` again)."""
         if callable(self.settings.tenants):
-            self._known_tenants.clear()
+            with self._lock:
+                self._known_tenants = {}
         return sorted(self.tenant_places())
 
     def tenant_stores(self) -> list[Store]:
