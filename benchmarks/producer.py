@@ -65,14 +65,17 @@ ROUNDS = {1: 5, 10: 5, 100: 10}
 MESSAGES = {1: 2000, 10: 3000, 100: 2000}
 
 
-def build(broker_url: str, tracking: bool = True) -> tuple[Celery, Outbox, Any, Any]:
-    """The app; without ``tracking`` its outbox deletes durable rows once published
-    (``outbox_redeliver_after = None``) instead of keeping them until the consumer has them."""
-    prefix = unique_prefix()
+def build(broker_url: str, tracking: bool = True, prefix: str | None = None, database_url: str = POSTGRES_URL,
+          **conf: Any) -> tuple[Celery, Outbox, Any, Any]:
+    """The app (its tables and queues named by ``prefix``, a new one by default, its store at
+    ``database_url``, ``conf`` settings more) and its tasks: ``plain`` to a plain queue,
+    ``durable`` to a durable one. Without ``tracking`` its outbox deletes durable rows once
+    published (``outbox_redeliver_after = None``) instead of keeping them until the consumer has them."""
+    prefix = prefix or unique_prefix()
     app = Celery(f"bench_producer_{prefix}", broker=broker_url, set_as_current=False)
     app.conf.update(task_default_queue=f"{prefix}plain", task_routes={"bench.durable": {"queue": f"{prefix}durable"}},
-                    outbox_database_url=POSTGRES_URL, outbox_table_prefix=prefix,
-                    outbox_durable_queues=[f"{prefix}durable"])
+                    outbox_database_url=database_url, outbox_table_prefix=prefix,
+                    outbox_durable_queues=[f"{prefix}durable"], **conf)
     if not tracking:
         app.conf.outbox_redeliver_after = None
     outbox = Outbox(app)

@@ -77,6 +77,7 @@ from celery_outbox.maintenance.recover import recover
 from celery_outbox.store.engine import PING_AFTER_IDLE
 
 from .common import POSTGRES_URL, REDIS_URL, Options, Result, in_rounds, rate, unique_prefix
+from .producer import build
 from .producer_row import Floor, captured_rows
 
 BATCHES = (1, 10)
@@ -142,25 +143,10 @@ class Databases:
 
 
 def _app(prefix: str, default_url: str, tenants: dict[str, Any]) -> tuple[Celery, Outbox, Any, Any]:
-    """An app whose outbox has its default store at ``default_url`` and ``tenants``; its tasks:
-    ``plain`` to a plain queue, ``durable`` to a durable one."""
-    app = Celery(f"bench_tenants_{prefix}", broker=REDIS_URL, set_as_current=False)
-    app.conf.update(task_default_queue=f"{prefix}plain", task_routes={"bench.durable": {"queue": f"{prefix}durable"}},
-                    outbox_database_url=default_url, outbox_table_prefix=prefix,
-                    outbox_durable_queues=[f"{prefix}durable"], outbox_tenants=tenants,
-                    outbox_maintenance_queue=f"{prefix}maintenance")
-    outbox = Outbox(app)
-
-    @app.task(name="bench.plain", shared=False)
-    def plain(n: int) -> int:
-        return n
-
-    @app.task(name="bench.durable", shared=False)
-    def durable(n: int) -> int:
-        return n
-
-    outbox.ready()
-    return app, outbox, plain, durable
+    """The producer benchmark's app (``plain`` and ``durable`` tasks) with its default store at
+    ``default_url`` and ``tenants``."""
+    return build(REDIS_URL, prefix=prefix, database_url=default_url, outbox_tenants=tenants,
+                 outbox_maintenance_queue=f"{prefix}maintenance")
 
 
 def _tear_down(app: Celery, outbox: Outbox, engines: Sequence[Engine] = ()) -> None:
