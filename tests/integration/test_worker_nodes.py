@@ -79,7 +79,8 @@ def test_a_worker_of_optimistic_deliveries_is_a_node_from_ready_to_shutdown(shop
             shop.app.tasks["orders.check_durable"].delay(order_id)
             # each task in a pool process forked for it (--max-tasks-per-child 1): slow on a loaded host
             wait_until(lambda order_id=order_id: checked(shop, order_id), timeout=60,
-                       message=f"{order_id} checked; the worker's log ends: {worker.log()[-2000:]}")
+                       message=lambda order_id=order_id: f"{order_id} checked; the worker's log ends: "
+                                                         f"{worker.log()[-2000:]}")
         beat = node.heartbeat_at
         wait_until(lambda: nodes_of(shop, worker.process.pid)[0].heartbeat_at > beat, message="a later heartbeat")
         assert [n.id for n in nodes_of(shop, worker.process.pid)] == [node.id], "the same node all along"
