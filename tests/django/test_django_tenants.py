@@ -70,13 +70,24 @@ def stored(outbox, tenant) -> list[tuple[str, str | None]]:
             return [(row.message_id, loads(row.headers).get(TENANT_HEADER)) for row in conn.execute(table.select())]
 
 
+def place_order(pay, alias: str, before_commit=lambda: None) -> str:
+    """An order created in ``alias``'s atomic block that sends its payment (task id ``pay-<number>``);
+    ``before_commit`` runs last in the block. Its number."""
+    number = f"{alias}-{uuid.uuid4().hex[:8]}"
+    with transaction.atomic(using=alias):
+        Order.objects.using(alias).create(number=number)
+        pay.apply_async((number,), task_id=f"pay-{number}")
+        before_commit()
+    return number
+
+
 def test_a_send_in_the_tenants_atomic_block_is_stored_in_its_database_and_published_after_commit(tenant_shop):
     app, outbox, pay, durable = tenant_shop
-    number = f"t-{uuid.uuid4().hex[:8]}"
-    with transaction.atomic(using="pg"):
-        Order.objects.using("pg").create(number=number)
-        pay.apply_async((number,), task_id=f"pay-{number}")
+
+    def nothing_published_yet() -> None:
         assert nothing_more(app, durable), "nothing published before the commit"
+
+    number = place_order(pay, "pg", before_commit=nothing_published_yet)
     (message,) = receive(app, durable, 1)
     assert message.id == f"pay-{number}" and message.headers[TENANT_HEADER] == "acme"
     assert stored(outbox, "acme") == [(f"pay-{number}", "acme")]
@@ -91,21 +102,19 @@ def test_a_send_in_the_tenants_atomic_block_is_stored_in_its_database_and_publis
 
 def test_a_rolled_back_tenant_block_publishes_nothing_and_stores_nothing(tenant_shop):
     app, outbox, pay, durable = tenant_shop
-    number = f"t-{uuid.uuid4().hex[:8]}"
-    with pytest.raises(RuntimeError), transaction.atomic(using="pg"):
-        Order.objects.using("pg").create(number=number)
-        pay.apply_async((number,), task_id=f"pay-{number}")
+
+    def the_view_fails() -> None:
         raise RuntimeError("the view fails")
+
+    with pytest.raises(RuntimeError):
+        place_order(pay, "pg", before_commit=the_view_fails)
     assert stored(outbox, "acme") == [] and stored(outbox, None) == []
     assert nothing_more(app, durable)
 
 
 def test_a_send_in_the_default_databases_block_stays_the_default_stores(tenant_shop):
     app, outbox, pay, durable = tenant_shop
-    number = f"d-{uuid.uuid4().hex[:8]}"
-    with transaction.atomic(using="default"):
-        Order.objects.using("default").create(number=number)
-        pay.apply_async((number,), task_id=f"pay-{number}")
+    number = place_order(pay, "default")
     (message,) = receive(app, durable, 1)
     assert TENANT_HEADER not in message.headers
     assert stored(outbox, None) == [(f"pay-{number}", None)] and stored(outbox, "acme") == []
@@ -113,10 +122,7 @@ def test_a_send_in_the_default_databases_block_stays_the_default_stores(tenant_s
 
 def test_the_tenants_delivery_is_claimed_and_written_in_its_django_database(tenant_shop):
     app, outbox, pay, durable = tenant_shop
-    number = f"w-{uuid.uuid4().hex[:8]}"
-    with transaction.atomic(using="pg"):
-        Order.objects.using("pg").create(number=number)
-        pay.apply_async((number,), task_id=f"pay-{number}")
+    number = place_order(pay, "pg")
     with using_tenant("acme"):
         store = outbox.store
 
