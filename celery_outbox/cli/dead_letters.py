@@ -129,7 +129,8 @@ def show_dead_letter(box: Outbox, dead_letter_id: int) -> None:
 def replay_dead_letters(box: Outbox, dead_letter_ids: tuple[int, ...], replay_all: bool, task, queue, exception,
                         reason, since) -> None:
     """Re-publish dead letters through the outbox as a new attempt of the same task id, routed by the
-    task's current route. A malformed letter is refused with its reason (exit code 1)."""
+    task's current route, for the tenant it names. A malformed letter, or one naming a tenant
+    outbox_tenants does not know, is refused with its reason and kept (exit code 1)."""
     filters = dict(task=task, queue=queue, exception=exception, reason=reason, since=since)
     if bool(dead_letter_ids) == replay_all:
         raise click.UsageError("give dead letter ids, or --all (with optional filters), not both")

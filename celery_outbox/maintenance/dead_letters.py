@@ -1,11 +1,14 @@
 """Dead letters, the envelopes that failed for good: the filter a command applies, replay and purge.
 
-Transaction boundary: per batch of letters, ``replay`` locks them and, in one unit of work,
-sends their messages through the outbox (durable ones stored) and counts the replay on each
-letter; the messages are published after the commit. ``purge`` deletes in batches, each its own
-transaction. Guarantee: a replay is a new attempt (header ``celery_outbox_replay``) that the inbox
-runs; a letter is checked as the consumer guard checks a new message (a malformed one is refused,
-never re-published) and goes where the app routes its task now. See docs/operations.md.
+Transaction boundary: per batch of letters, ``replay`` locks them and, in one unit of work of
+their store, sends its tenant's messages through the outbox (durable ones stored) and counts the
+replay on each letter; the messages are published after the commit. A letter naming another
+tenant (an ``unknown_tenant`` letter) is sent by a unit of work of that tenant's store, committed
+first; a crash between the two commits leaves it uncounted. ``purge`` deletes in batches, each its
+own transaction. Guarantee: a replay is a new attempt (header ``celery_outbox_replay``) that the
+inbox runs in the store of the tenant it names; a letter is checked as the consumer guard checks a
+new message (a malformed one, or one whose tenant is unknown, is refused and kept, never
+re-published) and goes where the app routes its task now. See docs/operations.md, docs/tenancy.md.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from typing import Any, Callable
 from kombu.serialization import loads
 
 from ..core.runtime import Runtime
-from ..message.checks import malformed_reason
+from ..core.tenancy import TENANT_HEADER, current_tenant, tenant_of_headers, using_tenant, valid_tenant_name
+from ..errors import UnknownTenant
+from ..message.checks import malformed_reason, shown
 from ..message.envelope import OutgoingMessage, from_row
 from ..message.routing import published_route
 from ..producer.publishing import Publisher
-from ..producer.unit_of_work import current_unit_of_work, transaction
+from ..producer.unit_of_work import current_unit_of_work, outside_unit_of_work, transaction
 from ..store import utcnow
 from ..vocabulary import REPLAY_HEADER, DeadLetterReason
 
@@ -58,11 +63,15 @@ class Replayed:
 
 def replay(publisher: Publisher, which: DeadLetterFilter,
            progress: Callable[[int], None] | None = None) -> Replayed:
-    """Re-publish the matching dead letters through the outbox, each checked as the consumer guard
-    checks a new message and routed by its task's current route; a malformed letter is refused
-    (left as it is, with the reason in ``Replayed.refused``), never re-published."""
+    """Re-publish the matching dead letters of the current tenant's store through the outbox, each
+    checked as the consumer guard checks a new message, routed by its task's current route and sent
+    as a message of the tenant its ``TENANT_HEADER`` names (none: the default store), stored in
+    that tenant's store; a malformed letter, or one naming a tenant ``outbox_tenants`` does not know
+    or whose store cannot take it now, is refused (left as it is, with the reason in
+    ``Replayed.refused``), never re-published."""
     runtime = publisher.runtime
     store = runtime.ready().store
+    here = current_tenant()
     where = which.where(store)
     result = Replayed()
     last_id = 0
@@ -73,22 +82,48 @@ def replay(publisher: Publisher, which: DeadLetterFilter,
             if not rows:
                 break
             last_id = rows[-1].id
-            messages, taken = [], []
+            by_tenant: dict[str | None, list[tuple[Any, OutgoingMessage]]] = {}
             for row in rows:
                 message = _replay_message(row, runtime.app)
+                tenant = None if isinstance(message, str) else tenant_of_headers(message.headers)
+                if tenant is not None and not valid_tenant_name(tenant):
+                    message = f"its {TENANT_HEADER} header {shown(tenant)} is not a tenant name; the letter is kept"
                 if isinstance(message, str):
                     result.refused.append((row.id, message))
                 else:
-                    messages.append(message)
-                    taken.append(row)
+                    by_tenant.setdefault(tenant, []).append((row, message))
+            taken = by_tenant.pop(here, [])
             uow = current_unit_of_work()
             assert uow is not None
-            uow.add(messages)
-            store.mark_replayed(conn, [row.id for row in taken], utcnow())
-        result.message_ids.extend(row.message_id for row in taken)
+            uow.add([message for _, message in taken])
+            for tenant, letters in by_tenant.items():
+                refusal = _send_for_other_tenant(publisher, tenant, [message for _, message in letters])
+                if refusal is None:
+                    taken.extend(letters)
+                else:
+                    result.refused.extend((row.id, refusal) for row, _ in letters)
+            store.mark_replayed(conn, [row.id for row, _ in taken], utcnow())
+        result.message_ids.extend(row.message_id for row, _ in sorted(taken, key=lambda letter: letter[0].id))
         if progress is not None:
             progress(len(rows))
     return result
+
+
+def _send_for_other_tenant(publisher: Publisher, tenant: str | None, messages: list[OutgoingMessage]) -> str | None:
+    """Send ``messages``, which name ``tenant``, as that tenant's: stored in its store by a unit of
+    work of their own (outside the letters' store's, which is another database's), committed now
+    and published after its commit. Returns None, or why they cannot be sent now (nothing sent)."""
+    try:
+        with outside_unit_of_work(), using_tenant(tenant), transaction(publisher):
+            uow = current_unit_of_work()
+            assert uow is not None
+            uow.add(messages)
+    except UnknownTenant as exc:
+        return f"{exc}; the letter is kept: replay it once outbox_tenants names the tenant"
+    except Exception as exc:  # noqa: BLE001 - that tenant's store only: the other letters go on
+        where = "the default store" if tenant is None else f"tenant {tenant!r}'s store"
+        return f"{where} cannot take it now: {shown(exc)}; the letter is kept"
+    return None
 
 
 def _replay_message(row: Any, app: Any) -> OutgoingMessage | str:

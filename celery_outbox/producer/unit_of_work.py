@@ -31,7 +31,7 @@ from ..store.outage import raise_as_driver_error
 from .publishing import Publisher
 
 __all__ = ["ConnectionUnitOfWork", "UnitOfWork", "begin", "current_connection", "current_session",
-           "current_unit_of_work", "run_body", "transaction"]
+           "current_unit_of_work", "outside_unit_of_work", "run_body", "transaction"]
 
 logger = logging.getLogger("celery_outbox.unit_of_work")
 
@@ -41,6 +41,18 @@ _current: ContextVar["UnitOfWork | None"] = ContextVar("celery_outbox_unit_of_wo
 def current_unit_of_work() -> "UnitOfWork | None":
     """The unit of work open in the running context (a thread, greenlet or task), or None."""
     return _current.get()
+
+
+@contextmanager
+def outside_unit_of_work() -> Iterator[None]:
+    """Run the block as if no unit of work were open: what it sends is not captured into the open
+    one, and a unit of work it opens is a transaction of its own (any tenant's, in its store),
+    committed when its block ends, whatever becomes of the open one."""
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def _for_its_tenant(method: Callable[..., Any]) -> Callable[..., Any]:

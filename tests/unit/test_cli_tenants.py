@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 from celery import Celery
 from click.testing import CliRunner, Result
+from sqlalchemy import select
 
-from celery_outbox import Outbox, using_tenant
+from celery_outbox import TENANT_HEADER, Outbox, using_tenant
 from celery_outbox.cli import outbox as outbox_group
 from celery_outbox.message.dead_letter_rows import dead_letter_row
 from celery_outbox.store import Store, build_engine, utcnow
@@ -223,6 +224,47 @@ def test_the_dead_letter_commands_work_on_the_chosen_store(urls):
     assert purged.exit_code == 0, purged.output
     assert [line for line in purged.stdout.splitlines() if line.startswith("purged")] == [
         "purged 1 dead letter(s)", "purged 2 dead letter(s)", "purged 0 dead letter(s)"]
+
+
+def outgoing_of(outbox: Outbox, tenant: str | None) -> list:
+    """Every outgoing row of ``tenant``'s store."""
+    store = store_of(outbox, tenant)
+    with store.begin() as conn:
+        return conn.execute(select(store.tables.outgoing)).all()
+
+
+def test_replay_refuses_an_unknown_tenants_letter_until_the_tenant_is_configured_then_sends_it_there(urls, tmp_path):
+    """The consumer's guard kept a message naming hooli in the default store. Replayed while
+    outbox_tenants does not name hooli: refused with the reason (exit code 1), the letter kept,
+    nothing stored. Replayed by a process whose outbox_tenants names it: stored and published
+    from hooli's store, the letter counted replayed, nothing stored in the default store."""
+    before = tenant_outbox(urls)
+    store = store_of(before, None)
+    with store.begin() as conn:
+        store.insert_dead_letters(conn, [dead_letter_row(
+            reason=DeadLetterReason.UNKNOWN_TENANT, failed_at=utcnow(), message_id="stray-1", task_name="tasks.late",
+            queue="q", routing_key="q", body=b"[[], {}, {}]", content_type="application/json",
+            content_encoding="utf-8", headers={"id": "stray-1", "task": "tasks.late", TENANT_HEADER: "hooli"},
+            description="it names tenant 'hooli', which outbox_tenants does not know")])
+    (letter,) = store.list_dead_letters(store.dead_letter_filter())
+
+    refused = run(before, "dead-letters", "replay", "--all", "--reason", "unknown_tenant")
+    assert refused.exit_code == 1, refused.output
+    assert "replayed 0 dead letter(s)" in refused.stdout
+    assert (f"refused dead letter {letter.id}: unknown tenant 'hooli': outbox_tenants does not name it; the letter "
+            "is kept") in refused.stderr
+    assert store.get_dead_letter(letter.id).replay_count == 0
+    assert outgoing_of(before, None) == []
+
+    after = tenant_outbox(urls, hooli=f"sqlite:///{tmp_path / 'hooli.db'}")
+    replayed = run(after, "dead-letters", "replay", str(letter.id))
+    assert replayed.exit_code == 0, replayed.output
+    assert "replayed 1 dead letter(s)" in replayed.stdout
+    (row,) = outgoing_of(after, "hooli")
+    assert (row.message_id, json.loads(row.headers)[TENANT_HEADER]) == ("stray-1", "hooli")
+    assert row.sent_at is not None, "published after its commit"
+    assert outgoing_of(after, None) == []
+    assert store_of(after, None).get_dead_letter(letter.id).replay_count == 1
 
 
 def test_the_maintenance_passes_run_on_the_chosen_stores(urls):

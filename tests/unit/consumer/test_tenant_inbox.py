@@ -1,7 +1,8 @@
 """Tenants in the consumer (``outbox_tenants``): an in-process worker claims each delivery in the
 store of the tenant its message names (``TENANT_HEADER``), and the body's writes, its sends, its
 retries and its dead letter stay in that tenant's database; a message naming a tenant the worker
-does not know is dead-lettered in the default store, unrun. SQLite files, one per tenant.
+does not know is dead-lettered in the default store, unrun, and replayed into the tenant's store once
+``outbox_tenants`` names it. SQLite files, one per tenant.
 
 Sends for a tenant: tests/unit/core/test_tenancy.py; real PostgreSQL databases and worker
 processes: tests/integration/test_tenants_workers.py.
@@ -9,6 +10,7 @@ processes: tests/integration/test_tenants_workers.py.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -19,9 +21,10 @@ from kombu.utils.json import loads
 from sqlalchemy import create_engine, insert, select, update
 
 from celery_outbox import TENANT_HEADER, IdempotentTask, current_tenant, using_tenant
+from celery_outbox.maintenance.dead_letters import DeadLetterFilter, replay
 from celery_outbox.signals import message_dead_lettered
 from celery_outbox.store import UNOWNED, Store, utcnow
-from celery_outbox.vocabulary import SEND_HEADER, IncomingStatus
+from celery_outbox.vocabulary import REPLAY_HEADER, SEND_HEADER, IncomingStatus
 
 from ...brokers import copy_options, nothing_more, receive
 from .test_inbox import Harness, define_pay, discards
@@ -481,3 +484,85 @@ def test_a_tenant_added_to_a_callable_source_while_the_worker_runs_is_found_by_i
         assert harness.incoming(None) == []
     finally:
         harness.close()
+
+
+@pytest.fixture
+def late_tenant(tmp_path, table_prefix):
+    """A harness whose callable ``outbox_tenants`` does not return ``hooli`` yet, and the function
+    that adds it, with the application's table in its database, as an operator does."""
+    places = {name: f"sqlite:///{tmp_path / name}.db" for name in TENANTS}
+    harness = TenantHarness(tmp_path, table_prefix, tenants=lambda: dict(places))
+
+    def add_hooli() -> None:
+        places["hooli"] = f"sqlite:///{tmp_path / 'hooli.db'}"
+        application_engine = create_engine(places["hooli"])
+        harness.metadata.create_all(application_engine)
+        application_engine.dispose()
+
+    yield harness, add_hooli
+    harness.close()
+
+
+def unknown_tenant_letters(harness: TenantHarness, tenant: Any, *others: str) -> list[Any]:
+    """The default store's dead letters, once the worker has dead-lettered ``stray-1``, a message
+    of ``shop.pay`` naming ``tenant`` (unknown), and ``others``, default-store messages of a task
+    it does not know."""
+    with harness.worker():
+        publish_raw(harness, "shop.pay", "stray-1", ["for hooli"], tenant)
+        for task_id in others:
+            publish_raw(harness, "shop.nowhere", task_id, ["x"], None)
+        for task_id in ("stray-1", *others):
+            harness.wait_for_dead_letter(task_id)
+    return harness.dead_letters(None)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["alone", "in-a-default-unit-of-work"])
+def test_an_unknown_tenants_letter_replayed_once_the_tenant_is_added_runs_in_its_store(late_tenant, inside):
+    """The replay sends the letter as hooli's message, even from inside a unit of work of the
+    default store (where the letter is): its row is stored in hooli's store, and acknowledged
+    there once the worker has claimed it in hooli's store and the body has written there; nothing
+    of it is in the default store but the letter, counted replayed."""
+    harness, add_hooli = late_tenant
+    define_pay(harness)
+    (letter,) = unknown_tenant_letters(harness, "hooli")
+    assert letter.reason == "unknown_tenant"
+    add_hooli()
+    with harness.outbox.transaction() if inside else contextlib.nullcontext():
+        replayed = replay(harness.outbox.publisher, DeadLetterFilter(ids=(letter.id,)))
+    assert (replayed.message_ids, replayed.refused) == (["stray-1"], [])
+    (row,) = harness.outgoing("hooli")
+    headers = loads(row.headers)
+    assert (row.message_id, headers[TENANT_HEADER], headers[REPLAY_HEADER]) == ("stray-1", "hooli", 1)
+    assert harness.outgoing(None) == [], "stored in hooli's store, not in the letter's"
+    with harness.worker():
+        assert harness.wait_for_states("stray-1", 1) == ["SUCCESS"]
+    assert harness.runs == [("stray-1", 0)]
+    assert harness.notes("hooli") == ["for hooli"]
+    assert harness.incoming("hooli") == [("stray-1", "handled", 0)]
+    assert harness.outgoing("hooli") == [], "acknowledged in hooli's store"
+    assert harness.notes(None) == [] and harness.incoming(None) == [] and harness.outgoing(None) == []
+    (counted,) = harness.dead_letters(None)
+    assert (counted.id, counted.replay_count, counted.replayed_at is not None) == (letter.id, 1, True)
+
+
+@pytest.mark.parametrize(("tenant", "why"), [
+    ("hooli", "unknown tenant 'hooli': outbox_tenants does not name it; the letter is kept"),
+    ("../x", f"its {TENANT_HEADER} header '../x' is not a tenant name; the letter is kept"),
+])
+def test_replaying_a_letter_whose_tenant_is_still_unknown_keeps_it_and_says_why(late_tenant, tenant, why):
+    """The letter is refused with the reason, left as it was (not counted replayed), and nothing
+    of it is stored or published; the other letters of the replay go on."""
+    harness, _ = late_tenant
+    define_pay(harness)
+    letters = unknown_tenant_letters(harness, tenant, "nowhere-1")
+    assert [(each.message_id, each.reason) for each in letters] == [("stray-1", "unknown_tenant"),
+                                                                     ("nowhere-1", "unknown_task")]
+    replayed = replay(harness.outbox.publisher, DeadLetterFilter())
+    assert replayed.message_ids == ["nowhere-1"]
+    ((refused_id, reason),) = replayed.refused
+    assert refused_id == letters[0].id and reason.startswith(why), reason
+    assert harness.dead_letters(None)[0] == letters[0], "kept as it was, its replay not counted"
+    assert [row.message_id for row in harness.outgoing(None)] == ["nowhere-1"]
+    (published,) = receive(harness.app, harness.queue, 1)
+    assert published.id == "nowhere-1"
+    assert nothing_more(harness.app, harness.queue), "nothing of stray-1 published"
