@@ -244,14 +244,9 @@ def tables_holding_rows(outbox: Any, shop_tables: list[Any]) -> list[str]:
 def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
     shop = shop or Shop()
     args = parse_args(argv, f"python -m {shop.command}", shop.description)
-    data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="celery-outbox-demo-")).resolve()
-    if args.data_dir and data_dir.exists():
-        if not (args.reset or (data_dir / MARKER).exists() or not any(data_dir.iterdir())):
-            return refuse(f"{data_dir} holds files the demo did not make; give another --data-dir, or --reset "
-                          "to delete it")
-        shutil.rmtree(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / MARKER).write_text("made by the celery-outbox demo: it deletes this folder on its next run\n")
+    data_dir = fresh_data_dir(args.data_dir, args.reset)
+    if data_dir is None:
+        return 2
     env = dict(os.environ, **DEMO_ENVIRONMENT, **shop.environment, SHOP_DATA_DIR=str(data_dir),
                SHOP_CANCEL_UNPAID_AFTER=str(args.cancel_after), PYTHONPATH=str(ROOT))
     audit = not args.no_audit and shop.no_audit is None and audit_available()
@@ -263,8 +258,6 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
     if args.broker_url:
         env["SHOP_BROKER_URL"] = args.broker_url
     os.environ.update({k: v for k, v in env.items() if k.startswith("SHOP_") or k in shop.environment})
-    for folder in ("broker", "control"):
-        (data_dir / folder).mkdir(exist_ok=True)
 
     from celery_outbox import SEND_HEADER
 
@@ -334,6 +327,23 @@ def main(argv: list[str] | None = None, shop: Shop | None = None) -> int:
             process.stopped(deadline)
     print(json.dumps(summary, indent=2) if args.json else report(summary, shop.name))
     return 0 if summary["ok"] else 1
+
+
+def fresh_data_dir(given: str | None, reset: bool) -> Path | None:
+    """The run's data folder, emptied, marked as the demo's and holding the filesystem broker's
+    folders (a new temporary one when none is given); None, once the refusal is printed, when
+    ``given`` holds files the demo did not make and ``reset`` is not set."""
+    data_dir = Path(given or tempfile.mkdtemp(prefix="celery-outbox-demo-")).resolve()
+    if given and data_dir.exists():
+        if not (reset or (data_dir / MARKER).exists() or not any(data_dir.iterdir())):
+            refuse(f"{data_dir} holds files the demo did not make; give another --data-dir, or --reset to delete it")
+            return None
+        shutil.rmtree(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / MARKER).write_text("made by the celery-outbox demo: it deletes this folder on its next run\n")
+    for folder in ("broker", "control"):
+        (data_dir / folder).mkdir()
+    return data_dir
 
 
 def audit_available() -> bool:

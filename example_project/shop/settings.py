@@ -43,6 +43,19 @@ CELERY_OUTBOX_REDELIVER_AFTER = float(os.environ.get("SHOP_REDELIVER_AFTER", 600
 CELERY_OUTBOX_KEEP_AFTER_HANDLING = float(os.environ.get("SHOP_KEEP_AFTER_HANDLING", 7 * 24 * 3600))
 CELERY_OUTBOX_CLEANUP_INTERVAL = float(os.environ.get("SHOP_CLEANUP_INTERVAL", 60))
 CELERY_OUTBOX_ARCHIVE_PATH = os.environ.get("SHOP_ARCHIVE_PATH") or None  # the delivery audit's archive
+# the tenants (tenants_demo.py), named in SHOP_TENANTS ("acme,globex"), each in a database of its own: an
+# SQLite file beside the default store's, or on PostgreSQL a schema of the default store's database
+TENANTS = [name.strip() for name in os.environ.get("SHOP_TENANTS", "").split(",") if name.strip()]
+
+
+def tenant_place(name: str) -> str | dict[str, str]:
+    """Where tenant ``name``'s tables are (a value of ``outbox_tenants``)."""
+    if CELERY_OUTBOX_DATABASE_URL.startswith("postgresql"):
+        return {"url": CELERY_OUTBOX_DATABASE_URL, "schema": f"tenant_{name}"}
+    return f"sqlite:///{DATA_DIR / f'tenant-{name}.sqlite3'}"
+
+
+CELERY_OUTBOX_TENANTS = {name: tenant_place(name) for name in TENANTS} or None
 
 # the shop's own settings
 CANCEL_UNPAID_AFTER = float(os.environ.get("SHOP_CANCEL_UNPAID_AFTER", 15 * 60))  # seconds
