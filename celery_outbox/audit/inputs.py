@@ -190,7 +190,9 @@ class Inputs:
         return self.spark.read.schema(schema).option("basePath", folder).parquet(*uris).select(*schema.names)
 
     def _table_name(self, kind: str) -> str:
-        return f"{self.options.table_prefix}{kind}"
+        """The live table of ``kind``, in ``options.schema`` when one is given (a tenant's)."""
+        table = f"{self.options.table_prefix}{kind}"
+        return table if self.options.schema is None else f"{self.options.schema}.{table}"
 
     def _table(self, kind: str):
         """The live table of ``kind`` (an archive kind, with the archive's columns and types, or

@@ -159,6 +159,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jdbc-url", help="also read the live tables: a jdbc:postgresql:// or postgresql:// URL")
     p.add_argument("--jdbc-jar", help=f"the PostgreSQL JDBC driver jar (default {DEFAULT_JDBC_JAR} if present)")
     p.add_argument("--table-prefix", default="celery_outbox_", help="outbox_table_prefix of the live tables")
+    p.add_argument("--schema", help="the PostgreSQL schema of the live tables (a tenant placed in a schema)")
     p.add_argument("--grace", type=float, default=3600.0, help="seconds before an unhandled sent message is lost")
     p.add_argument("--late-after", type=float, default=60.0, help="seconds from sent to handled counted as late")
     p.add_argument("--stuck-after", type=float, default=3600.0, help="seconds a live row may wait before stuck")
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None, spark=None) -> int:
         return EXIT_BAD_INPUT
     try:
         options = AuditOptions(out=args.out, archive=args.archive, jdbc_url=args.jdbc_url, jdbc_jar=args.jdbc_jar,
-                               table_prefix=args.table_prefix, grace_seconds=args.grace,
+                               table_prefix=args.table_prefix, schema=args.schema, grace_seconds=args.grace,
                                late_after_seconds=args.late_after, stuck_after_seconds=args.stuck_after,
                                master=args.master, driver_memory=args.driver_memory,
                                shuffle_partitions=args.shuffle_partitions, verbose=args.verbose,

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 __all__ = ["AuditInputError", "AuditOptions"]
 
 _SIZE = re.compile(r"[1-9][0-9]*[kmgt]?", re.IGNORECASE)
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")  # as outbox_tenants' schemas are checked
 
 
 class AuditInputError(Exception):
@@ -26,6 +27,9 @@ class AuditOptions:
     jdbc_url: str | None = None
     jdbc_jar: str | None = None
     table_prefix: str = "celery_outbox_"
+    # The PostgreSQL schema of the live tables (a tenant placed in a schema); None: the database's
+    # search path, as the default store's connections have it.
+    schema: str | None = None
     grace_seconds: float = 3600.0
     late_after_seconds: float = 60.0
     stuck_after_seconds: float = 3600.0
@@ -53,6 +57,8 @@ class AuditOptions:
     def __post_init__(self) -> None:
         if self.driver_memory is not None and not _SIZE.fullmatch(self.driver_memory):
             raise AuditInputError(f"driver memory must be a size such as 4g or 512m, not {self.driver_memory!r}")
+        if self.schema is not None and not _IDENTIFIER.fullmatch(self.schema):
+            raise AuditInputError(f"the schema must be an SQL identifier, not {self.schema!r}")
         if self.horizon_seconds < 0:
             raise AuditInputError(f"the horizon must be 0 seconds or more, not {self.horizon_seconds}")
         if self.shuffle_partitions is not None and self.shuffle_partitions < 1:

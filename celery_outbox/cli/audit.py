@@ -1,29 +1,33 @@
 """``celery -A proj outbox audit``: the Spark delivery audit, started in a process of its own.
 
 No transaction: the audit reads the archive (and the live tables) and writes only its outputs;
-pyspark is imported only when it runs.
+pyspark is imported only when it runs. It audits the stores ``--tenant`` or ``--all-tenants``
+choose (``per_tenant``): a tenant's archive and outputs are its folders of ``--archive`` and
+``--out`` (``tenant_folder``: ``tenants/<name>``), its live tables those of its store.
 """
 
 from __future__ import annotations
 
 import click
 
+from ..core.tenancy import current_tenant, tenant_folder
 from ..outbox import Outbox
-from .group import Age, outbox, with_outbox
+from .group import Age, outbox, per_tenant
 
 
 @outbox.command()
 
 
-@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path); a path or a URI.")
+@click.option("--archive", help="The archive cleanup writes (default: outbox_archive_path); a path or a URI. "
+              "A tenant's is its folder tenants/<name> in it.")
 
 
 @click.option("--out", required=True, help="Folder (a path or a URI) for summary.json, report.html and "
-              "aggregates/.")
+              "aggregates/; a tenant's go to its folder tenants/<name> in it.")
 
 
 @click.option("--jdbc-url", help="Also read the live tables (jdbc:postgresql:// or postgresql:// URL); "
-              "'store' uses outbox_database_url.")
+              "'store' uses the store's database (outbox_database_url, or the tenant's).")
 
 
 @click.option("--jdbc-jar", help="The PostgreSQL JDBC driver jar (default /usr/share/java/postgresql.jar).")
@@ -70,7 +74,7 @@ from .group import Age, outbox, with_outbox
               help="Audit as of this moment (ISO 8601, UTC unless it says; default: now).")
 
 
-@with_outbox
+@per_tenant()
 
 
 def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuck_after, master, driver_memory,
@@ -78,21 +82,32 @@ def audit(box: Outbox, archive, out, jdbc_url, jdbc_jar, grace, late_after, stuc
     """The delivery audit (Spark): lost, duplicated, late and dead-lettered messages; exit 1 when any is lost."""
     import importlib.util
 
+    if jdbc_url not in (None, "store") and click.get_current_context().params.get("all_tenants"):
+        raise click.UsageError("a --jdbc-url is one store's database: give --jdbc-url store with --all-tenants "
+                               "(each store's own), or name the tenant with --tenant")
     missing = [name for name in ("pyspark", "pyarrow") if importlib.util.find_spec(name) is None]
     if missing:
         raise click.ClickException(f"the audit needs {' and '.join(missing)}: pip install 'celery-outbox[spark]'")
     from ..audit.job import main as audit_main
 
     archive = archive or box.settings.archive_path
-    if jdbc_url == "store":
+    tenant, schema = current_tenant(), None
+    if tenant is not None:
+        archive, out = tenant_folder(archive, tenant) if archive else None, tenant_folder(out, tenant)
+        store = box.runtime.store
+        schema = store.schema
+        if jdbc_url == "store":
+            jdbc_url = store.engine.url.render_as_string(hide_password=False)
+    elif jdbc_url == "store":
         jdbc_url = box.settings.database_url
     argv = ["--out", out, "--table-prefix", box.settings.table_prefix, "--grace", str(grace.total_seconds()),
             "--late-after", str(late_after.total_seconds()), "--stuck-after", str(stuck_after.total_seconds()),
             "--master", master, "--horizon", str(horizon.total_seconds())]
     if now is not None:
         argv += ["--now", now.isoformat()]
-    for flag, value in (("--archive", archive), ("--jdbc-url", jdbc_url), ("--jdbc-jar", jdbc_jar),
-                        ("--driver-memory", driver_memory), ("--shuffle-partitions", shuffle_partitions)):
+    for flag, value in (("--archive", archive), ("--jdbc-url", jdbc_url), ("--schema", schema),
+                        ("--jdbc-jar", jdbc_jar), ("--driver-memory", driver_memory),
+                        ("--shuffle-partitions", shuffle_partitions)):
         if value:
             argv += [flag, str(value)]
     raise SystemExit(audit_main(argv + ["--verbose"] * verbose + ["--full"] * full + ["--no-ledger"] * no_ledger))

@@ -156,7 +156,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`celery -A proj outbox migrate` instead."),
     Setting("archive_path", None, parse.optional_string,
             "Where cleanup archives rows (Parquet) for the delivery audit: a path, a `file://` URI or a URI "
-            "pyarrow writes (`s3://`, `s3a://`, `gs://`, `hdfs://`); nothing is archived when unset."),
+            "pyarrow writes (`s3://`, `s3a://`, `gs://`, `hdfs://`); nothing is archived when unset. A tenant's "
+            "rows go to its folder `tenants/<name>` in it."),
     Setting("metrics_port", None, parse.optional_port,
             "A worker serves Prometheus metrics over HTTP on this port (`/metrics`): the counts of every "
             "process of its pool and the store's gauges. Needs the `metrics` extra (prometheus-client). "

@@ -29,7 +29,7 @@ from ..vocabulary import ArchiveKind
 from .config import OutboxSettings, read_settings
 from .integration import Integration
 from .sessions import listen_to_sessions, session_info
-from .tenancy import TenantPlace, current_tenant, read_tenants
+from .tenancy import TenantPlace, current_tenant, read_tenants, tenant_folder
 
 __all__ = ["Archiver", "Runtime", "installed_runtimes", "runtime_of"]
 
@@ -69,7 +69,8 @@ class Runtime:
     ``integrations`` are the frameworks the outbox may join (``Integration``): the first active
     one gives the store its database, unless ``outbox_database_url`` or an engine is given, and
     its transactions and attempts when the store is its database. ``archiver_for`` builds the
-    archiver of ``outbox_archive_path``. ``owner`` is the object the library's signals name as
+    archiver of a folder: ``outbox_archive_path``'s for the default store, and its tenant's folder
+    for each tenant (``archiver``). ``owner`` is the object the library's signals name as
     their sender (the ``Outbox``).
     """
 
@@ -88,7 +89,9 @@ class Runtime:
         self.overrides = dict(overrides or {})
         self.integrations = tuple(integrations)
         self.archiver_for = archiver_for
-        self.archiver: Archiver | None = None  # the delivery audit's archive (outbox_archive_path)
+        self._archiver: Archiver | None = None  # the default store's (``archiver``)
+        self._archive_root: str | None = None  # the outbox_archive_path it writes; None: an archiver given
+        self._tenant_archivers: dict[str, Archiver] = {}
         self.integration: Integration | None = None  # the framework whose transactions the outbox joins
         self._lock = threading.RLock()
         self._settings: OutboxSettings | None = None
@@ -125,15 +128,43 @@ class Runtime:
                 self.integration = active if joins else None
             engine = self.given_engine or build_engine(settings.database_url, settings.engine_options)
             self._default = _slot(Store(engine, settings.table_prefix))
-            if settings.archive_path and self.archiver is None:
+            if settings.archive_path and self._archiver is None:
                 if self.archiver_for is None:
                     raise ConfigurationError("outbox_archive_path is set, and this outbox has no archiver to write "
                                              "it with")
-                self.archiver = self.archiver_for(settings.archive_path)
+                self._archiver = self.archiver_for(settings.archive_path)
+                self._archive_root = settings.archive_path
             self._settings = settings
             callbacks, self._when_loaded = self._when_loaded, []
         for callback in callbacks:
             callback()
+
+    @property
+    def archiver(self) -> Archiver | None:
+        """The current tenant's archiver (None: nothing is archived). Built from
+        ``outbox_archive_path``, a tenant's writes the tenant's folder of it (``tenant_folder``:
+        ``<path>/tenants/<name>``), built on the tenant's first use; an archiver given (assigned
+        here) receives every store's rows, ``current_tenant()`` naming whose."""
+        if self._settings is None:
+            self.load()
+        tenant, default = current_tenant(), self._archiver
+        if tenant is None or default is None or self._archive_root is None:
+            return default
+        held = self._tenant_archivers.get(tenant)
+        if held is None:
+            assert self.archiver_for is not None
+            with self._lock:
+                held = self._tenant_archivers.get(tenant)
+                if held is None:
+                    held = self._tenant_archivers[tenant] = self.archiver_for(
+                        tenant_folder(self._archive_root, tenant))
+        return held
+
+    @archiver.setter
+    def archiver(self, archiver: Archiver | None) -> None:
+        with self._lock:
+            self._archiver, self._archive_root = archiver, None
+            self._tenant_archivers = {}
 
     def use_database_url(self, url: str) -> None:
         """Make ``url`` the store's URL, over ``app.conf`` and the environment (the CLI's

@@ -20,13 +20,17 @@ from typing import Any, Callable, Iterator, Mapping, Union
 
 from ..errors import UnknownTenant
 
-__all__ = ["TENANT_HEADER", "TenantPlace", "TenantSource", "current_tenant", "read_tenants", "tenant_of_headers",
-           "using_tenant", "valid_tenant_name"]
+__all__ = ["TENANTS_FOLDER", "TENANT_HEADER", "TenantPlace", "TenantSource", "current_tenant", "read_tenants",
+           "tenant_folder", "tenant_of_headers", "using_tenant", "valid_tenant_name"]
 
 #: The message header naming the tenant whose store a message belongs to; absent: the default store
 TENANT_HEADER = "celery_outbox_tenant"
 
+#: The folder, inside the default store's archive (and the audit's ``--out``), of the tenants' own
+TENANTS_FOLDER = "tenants"
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")  # a URI whose query pyarrow reads (s3://b/p?region=...)
 _current: ContextVar[str | None] = ContextVar("celery_outbox_tenant", default=None)
 
 
@@ -67,6 +71,21 @@ def using_tenant(name: str | None) -> Iterator[str | None]:
         yield name
     finally:
         _current.reset(token)
+
+
+def tenant_folder(root: str, tenant: str) -> str:
+    """Where ``tenant``'s own files are, given the default store's folder ``root`` (a path or a URI):
+    ``<root>/tenants/<tenant>``, before a URI's query. Each tenant's cleanup archives there, under
+    ``outbox_archive_path``, and the tenant's audit writes there, under ``--out``; the
+    default store's audit reads only its kinds' folders (``incoming/``, ``sent/``, ``dead_letters/``),
+    never ``tenants/``."""
+    if not valid_tenant_name(tenant):
+        raise UnknownTenant(tenant, "it is not a tenant name (1 to 63 letters, digits, '_', '.' or '-')")
+    base, query = root, ""
+    if _URI.match(root) and not root.lower().startswith("file:"):
+        base, mark, rest = root.partition("?")
+        query = mark + rest
+    return f"{base.rstrip('/')}/{TENANTS_FOLDER}/{tenant}{query}"
 
 
 def tenant_of_headers(headers: Mapping[str, Any] | None) -> str | None:
