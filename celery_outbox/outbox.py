@@ -25,6 +25,7 @@ from .consumer.claims import InboxRows
 from .consumer.guard import MessageGuard
 from .consumer.inbox import Inbox
 from .consumer.main_process import MainProcessOutcomes
+from .consumer.outages import TenantOutages
 from .consumer.records import AttemptRecords
 from .consumer.tasks import InboxTask, give_inbox_to_every_task
 from .consumer.window import check_dedupe_window, check_release_ahead
@@ -101,7 +102,7 @@ class Outbox:
         records = AttemptRecords(self.runtime, rows, self.nodes)
         self.inbox = Inbox(self.runtime, self.publisher, self.nodes, rows, records)
         self.inbox.install()
-        MainProcessOutcomes(self.runtime, rows).install()
+        MainProcessOutcomes(self.runtime, rows, TenantOutages()).install()
         install_publish_hook(self.publisher)
         _install_task_base(app)
         if MessageGuard not in app.steps["consumer"]:
@@ -238,7 +239,9 @@ class Outbox:
     @property
     def archiver(self) -> Archiver | None:
         """Receives each batch cleanup deletes before its deleting transaction commits, and stops the
-        delete when it raises: the delivery audit's archive (``outbox_archive_path``)."""
+        delete when it raises: the delivery audit's archive (``outbox_archive_path``; inside
+        ``using_tenant(name)``, that tenant's folder of it, ``tenants/<name>``). One assigned here
+        receives every store's batches."""
         return self.runtime.archiver
 
     @archiver.setter

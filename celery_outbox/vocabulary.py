@@ -49,6 +49,9 @@ class DeadLetterReason(str, Enum):
     MALFORMED = "malformed"  #: the message cannot be run as is: its envelope, headers, id or body
     UNKNOWN_TASK = "unknown_task"  #: no task of that name is registered in the worker
     UNKNOWN_TENANT = "unknown_tenant"  #: it names a tenant ``outbox_tenants`` does not know (default store)
+    #: parked in the default store: its tenant's store could not be reached; that tenant's recovery
+    #: sends it again, unchanged, once the store is back
+    TENANT_UNAVAILABLE = "tenant_unavailable"
     POISON = "poison"  #: the relay failed to publish it too many times
     WORKER_LOST = "worker_lost"  #: the worker running it was lost too many times
 

@@ -41,11 +41,14 @@ class Claim(Enum):
     """The claim was taken over while the body ran: its writes rolled back, the message goes back."""
     STORE_DOWN = "store_down"
     """The store cannot be reached: the message goes back to the broker, nothing is recorded."""
+    PARKED = "parked"
+    """The delivery's tenant store cannot be reached: the message is parked in the default store
+    (acked), and that tenant's recovery sends it again once the store is back."""
 
 
 class Ended(NamedTuple):
     """How an attempt ended: its claim, and the body's result (``CLAIMED``) or the outage's error
-    (``STORE_DOWN``)."""
+    (``STORE_DOWN``, ``PARKED``)."""
 
     claim: Claim
     value: Any = None

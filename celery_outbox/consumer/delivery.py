@@ -121,11 +121,12 @@ def envelope_of(task: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def dead_letter_row(task: Any, delivery: Delivery, reason: "dead_letter_rows.DeadLetterReason", exc: BaseException,
-                    now: datetime) -> dict[str, Any]:
+                    now: datetime, description: str | None = None) -> dict[str, Any]:
     request = task.request
     return dead_letter_rows.dead_letter_row(
         reason=dead_letter_rows.DeadLetterReason(reason), failed_at=now, message_id=delivery.message_id,
         destination=delivery.destination, task_name=delivery.task_name, queue=delivery.queue, error=exc,
+        description=description,
         retries=delivery.retries, nesting=delivery.nesting, replays=delivery.replays,
         **envelope_of(task, tuple(request.args or ()), dict(request.kwargs or {})),
     )

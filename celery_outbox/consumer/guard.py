@@ -45,6 +45,7 @@ from .celery_internals import (
     task_strategies,
     wrap_task_handler,
 )
+from .main_process import installed_main_process
 
 __all__ = ["MessageGuard", "sound_envelope", "tolerate_any_envelope"]
 
@@ -127,6 +128,8 @@ class MessageGuard(bootsteps.StartStopStep):
         if runtime is None:
             return
 
+        outages = installed_main_process(c.app).outages
+
         def guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
             def on_task_received(message: Any) -> Any:
                 tenant = tenant_of_headers(message.headers) if isinstance(message.headers, dict) else None
@@ -140,6 +143,11 @@ class MessageGuard(bootsteps.StartStopStep):
                     return None
                 if unknown is not None:  # recorded in the default store: no other is known to be its
                     _dead_letter(runtime, c, message, DeadLetterReason.UNKNOWN_TENANT, unknown)
+                    return None
+                if outages.is_down(tenant):  # parked in the default store, taking no pool slot
+                    _dead_letter(runtime, c, message, DeadLetterReason.TENANT_UNAVAILABLE,
+                                 f"tenant {tenant!r}: its store cannot be reached (a pool process found it down "
+                                 f"within the last {outages.pause:g} s); parked without a try")
                     return None
                 verdict = _verdict(runtime, c, message)
                 if verdict is None:
@@ -237,9 +245,10 @@ def _store_dead_letter(runtime: Runtime, message: Any, reason: DeadLetterReason,
     refuses for its content is stored again reduced to the reason and the refusal; False when even
     that is refused (logged). Any other error (the store is down) propagates."""
     queue = _queue(runtime, message)
-    # a message of an unknown tenant has no sender's row in any store known here to acknowledge
-    acknowledged = None if reason is DeadLetterReason.UNKNOWN_TENANT else _acknowledgment(
-        runtime.settings, message, queue)
+    # a message of an unknown tenant has no sender's row in any store known here to acknowledge; a
+    # parked one's is in its tenant's store, and stays unacknowledged until the inbox there has it
+    acknowledged = None if reason in (DeadLetterReason.UNKNOWN_TENANT, DeadLetterReason.TENANT_UNAVAILABLE) \
+        else _acknowledgment(runtime.settings, message, queue)
     try:
         _insert(runtime, dead_letter_row_of(message, reason, description, queue), acknowledged)
         return True

@@ -6,7 +6,8 @@ or roll back together; in the ``eager`` style (and for every plain task from a d
 claim commits before the body, which marks it handled in its own transaction. A durable queue's
 envelope is kept for recovery: with the claim when the sender's tracked row holds it, else
 committed first. Guarantee: effects exactly once (optimistic); a copy never runs beside a running
-claim; a store outage sends the message back to the broker. How a claim ended is a value
+claim; a store outage sends the message back to the broker, or, when the store is a tenant's,
+parks it in the default store (acked) for that tenant's recovery to send again. How a claim ended is a value
 (``claims.Claim``), answered in one place (``Inbox._answer``); the rule is in docs/inbox.md.
 """
 
@@ -37,6 +38,7 @@ from ..store.outage import is_outage
 from ..vocabulary import REQUEUE_BACKOFF, IdempotencyStyle, IncomingStatus
 from .claims import Claim, Ended, InboxRows, StoreDown, store_errors
 from .delivery import Delivery, envelope_of
+from .outages import Parked
 from .records import AttemptRecords
 
 __all__ = ["Inbox", "enter_tenant_of_run", "inbox_of", "installed_inbox", "leave_tenant_of_run"]
@@ -168,7 +170,19 @@ class Inbox:
                 ended = self._run_optimistic(task, delivery, body, envelope)
         except StoreDown as down:
             ended = Ended(Claim.STORE_DOWN, down.reason)
+        if ended.claim is Claim.STORE_DOWN and delivery.tenant is not None and not self._store_answers():
+            ended = self.records.park(task, delivery, ended.value)
         return self._answer(delivery, ended, time.monotonic() - claimed)
+
+    def _store_answers(self) -> bool:
+        """Whether the current store answers a new session now: after an outage, a tenant's store that
+        does is having a blip (a session ended, a failover done), and the message goes back to the
+        broker to be claimed in a moment; one that does not is down, and its message is parked."""
+        try:
+            self.runtime.store.ping()
+            return True
+        except Exception:  # noqa: BLE001 - any failure to answer is the store being down
+            return False
 
     def _ready_store(self) -> None:
         """Make the delivery's store ready (``Runtime.ready``) before its claim: the default store
@@ -205,6 +219,8 @@ class Inbox:
                            "declared dead); its writes rolled back and the message goes back to the broker",
                            delivery.task_name, delivery.message_id, **log_fields.of_delivery(delivery))
             raise Reject("claim taken over", requeue=True)
+        if ended.claim is Claim.PARKED:
+            raise Parked(str(ended.value))
         assert ended.claim is Claim.STORE_DOWN, ended
         self._send_back(delivery, "claim", ended.value)
 

@@ -23,6 +23,7 @@ from ..store import is_lock_timeout, utcnow
 from ..vocabulary import BUSY_ROW_WAIT, IncomingStatus
 from .claims import InboxRows
 from .delivery import Delivery
+from .outages import TenantOutages
 
 __all__ = ["TERMINATED_LOCK_WAIT", "MainProcessOutcomes", "RevokeRecord", "installed_main_process"]
 
@@ -66,9 +67,10 @@ class MainProcessOutcomes:
     """Records, for the worker's main process, how attempts ended outside their pool process: rows
     built by ``rows``, in the store of ``runtime``."""
 
-    def __init__(self, runtime: Runtime, rows: InboxRows):
+    def __init__(self, runtime: Runtime, rows: InboxRows, outages: TenantOutages):
         self.runtime = runtime
         self.rows = rows
+        self.outages = outages  # the tenants whose messages the consumer parks without a try
 
     def install(self) -> None:
         """Make these the outcomes the app's worker requests record (``installed_main_process``)."""

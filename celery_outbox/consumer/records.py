@@ -17,13 +17,14 @@ from typing import Any
 from ..core import log_fields
 from ..core.node import Nodes
 from ..core.runtime import Runtime
+from ..core.tenancy import using_tenant
 from ..message import dead_letter_rows
 from ..monitoring import tracing
 from ..signals import announce_dead_letters, duplicate_discarded
 from ..store import UNOWNED, utcnow
 from ..store.outage import is_outage
 from ..vocabulary import IncomingStatus
-from .claims import Claim, InboxRows, StoreDown, store_errors
+from .claims import Claim, Ended, InboxRows, StoreDown, store_errors
 from .delivery import Delivery, dead_letter_row
 
 __all__ = ["AttemptRecords"]
@@ -123,6 +124,31 @@ class AttemptRecords:
                 raise StoreDown(error) from error
             logger.error("celery-outbox: could not record that %s[%s] ended %s: %s",
                          delivery.task_name, delivery.message_id, status, error, **log_fields.of_delivery(delivery))
+
+    def park(self, task: Any, delivery: Delivery, outage: BaseException) -> Ended:
+        """The delivery's tenant store is down (``outage``): park its message in the default store,
+        a ``tenant_unavailable`` dead letter with the whole envelope, in a transaction of its own, so
+        the worker can ack it and go on with other tenants' messages; the tenant's recovery sends it
+        again unchanged once its store is back (``maintenance.parked``), and the tenant's inbox
+        discards any other copy. ``PARKED``; ``STORE_DOWN`` (the message goes back to the broker)
+        when the default store cannot take it either."""
+        row = dead_letter_row(task, delivery, dead_letter_rows.DeadLetterReason.TENANT_UNAVAILABLE, outage, utcnow(),
+                              description=f"tenant {delivery.tenant!r}: its store cannot be reached: {outage}")
+        try:
+            with using_tenant(None), store_errors():
+                store = self.runtime.ready().store
+                with store.begin() as conn:
+                    store.insert_dead_letters(conn, [row])
+        except StoreDown as down:
+            logger.error("celery-outbox: cannot park %s[%s] of tenant %r in the default store either: %s",
+                         delivery.task_name, delivery.message_id, delivery.tenant, down.reason,
+                         **log_fields.of_delivery(delivery))
+            return Ended(Claim.STORE_DOWN, outage)
+        announce_dead_letters(self.runtime.owner, [row])
+        logger.warning("celery-outbox: %s[%s] parked in the default store: tenant %r's store cannot be reached: %s",
+                       delivery.task_name, delivery.message_id, delivery.tenant, outage,
+                       **log_fields.of_delivery(delivery))
+        return Ended(Claim.PARKED, outage)
 
     def discard(self, delivery: Delivery) -> BaseException | None:
         """Count the duplicate on its inbox row and, for a durable queue, acknowledge the sender's

@@ -37,6 +37,7 @@ from .celery_internals import (
 from .delivery import Delivery, dead_letter_row
 from .inbox import inbox_of, installed_inbox
 from .main_process import TERMINATED_LOCK_WAIT, RevokeRecord, installed_main_process
+from .outages import Parked
 
 __all__ = ["OutboxRequest"]
 
@@ -115,9 +116,15 @@ class OutboxRequest(HookedRequest):
         the dead letter the message goes back to the broker. When a copy of the message was
         handled meanwhile (or a later attempt holds its key), that attempt's outcome is the
         message's: the delivery is acked with no failure, so the copy's SUCCESS stays in the
-        result backend and no errback runs."""
+        result backend and no errback runs. An attempt that parked its message (``Parked``: its
+        tenant's store is down) marks that tenant down for the consumer, then is acked as Celery
+        acks an ``Ignore``."""
         exc = exc_info.exception
         exc = unwrap_exception(exc)
+        if isinstance(exc, Parked):  # its tenant's store is down: park its next messages from the consumer
+            tenant = self._delivery().tenant
+            if tenant is not None:
+                installed_main_process(self.task.app).outages.down(tenant)
         self._process_lost = isinstance(exc, WorkerLostError)
         self._past_hard_time_limit = isinstance(exc, TimeLimitExceeded) and not return_ok
         if self._lost_past_the_cap(exc):

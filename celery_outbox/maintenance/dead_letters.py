@@ -128,6 +128,9 @@ def _send_for_other_tenant(publisher: Publisher, tenant: str | None, messages: l
 
 def _replay_message(row: Any, app: Any) -> OutgoingMessage | str:
     """The message a dead letter replays as, or the reason it cannot be replayed."""
+    if row.reason == DeadLetterReason.TENANT_UNAVAILABLE.value:
+        return ("parked while its tenant's store was down: the tenant's recovery sends it again, unchanged, once the "
+                "store answers (a replay would run it a second time); purge it to drop it")
     try:
         message = from_row(row, app.amqp.queues)
     except ValueError as exc:  # headers or properties that are not JSON

@@ -5,8 +5,10 @@ batch its own short transaction, at most ``outbox_max_batches_per_run`` batches 
 the next run continues. Safe to run twice at once: rows are taken with ``FOR UPDATE SKIP LOCKED``
 on PostgreSQL and under SQLite's single write lock. Guarantee: a dead node's claims are released
 and its unpublished sends redelivered, committed rows nobody published are relayed, sent ones no
-inbox acknowledged are redelivered, and a stranded envelope runs again or ends as a
-``worker_lost`` dead letter. The steps, in order: docs/operations.md (Durability on celery beat).
+inbox acknowledged are redelivered, a stranded envelope runs again or ends as a
+``worker_lost`` dead letter, and (a tenant's pass, its store answering) the tenant's messages
+parked in the default store while its store was down are sent again (``parked``). The steps, in
+order: docs/operations.md (Durability on celery beat).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..signals import announce_dead_letters, claims_released, message_redelivere
 from ..store import utcnow
 from ..vocabulary import ClaimRelease, DeadLetterReason, RedeliveryReason
 from .batches import in_batches
+from .parked import send_parked
 from .relay import RelayResult, redeliver, relay
 
 __all__ = ["RecoverResult", "detect_dead_nodes", "recover", "redeliver_sends_of_dead_nodes", "release_dead_claims",
@@ -49,6 +52,7 @@ class RecoverResult:
     redelivered: int = 0
     envelopes_republished: int = 0
     envelopes_dead_lettered: int = 0
+    parked_sent: int = 0
     broker_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -63,6 +67,7 @@ class RecoverResult:
             "redelivered": self.redelivered,
             "dead_lettered": self.relay.dead_lettered + self.envelopes_dead_lettered,
             "envelopes_republished": self.envelopes_republished,
+            "parked_sent": self.parked_sent,
             "broker_error": self.broker_error or self.relay.broker_error,
         }
 
@@ -77,6 +82,8 @@ class RecoverResult:
             f"envelopes re-published: {self.envelopes_republished}, "
             f"dead-lettered after too many recoveries: {self.envelopes_dead_lettered}",
         ]
+        if self.parked_sent:
+            lines.append(f"parked messages of this tenant sent again: {self.parked_sent}")
         if self.broker_error:
             lines.append(f"broker unavailable: {self.broker_error}")
         return "\n".join(lines)
@@ -95,9 +102,11 @@ def recover(runtime: Runtime, max_batches: int | None = None) -> RecoverResult:
         result.redelivered, result.broker_error = redeliver(runtime, max_batches)
     if not result.broker_error and not result.relay.broker_error:
         republish_stranded_envelopes(runtime, result, max_batches)
+    if not result.broker_error and not result.relay.broker_error:
+        result.parked_sent, result.broker_error = send_parked(runtime, max_batches)
     if result.nodes_declared_dead or result.sends_of_dead_nodes or result.claims_released \
-            or result.stale_claims_released \
-            or result.redelivered or result.envelopes_republished or result.envelopes_dead_lettered:
+            or result.stale_claims_released or result.redelivered or result.envelopes_republished \
+            or result.envelopes_dead_lettered or result.parked_sent:
         logger.info("celery-outbox recover: %s", "; ".join(str(result).splitlines()))
     return result
 

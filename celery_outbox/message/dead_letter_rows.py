@@ -20,7 +20,8 @@ from sqlalchemy import String
 from ..store import build_tables
 from ..vocabulary import DeadLetterReason
 
-__all__ = ["DeadLetterReason", "dead_letter_row", "is_storable_id", "stored_dead_letter_row", "stored_text"]
+__all__ = ["DeadLetterReason", "dead_letter_row", "is_storable_id", "stored_dead_letter_row", "stored_header_text",
+           "stored_text"]
 
 _COLUMN_SIZES: dict[str, int] = {
     column.name: column.type.length for column in build_tables().dead_letters.columns
@@ -112,6 +113,12 @@ def _body(body: Any) -> bytes | None:
     if isinstance(body, str):
         return body.encode("utf-8", "surrogatepass")
     return _json(body).encode("ascii")
+
+
+def stored_header_text(name: str, value: str) -> str:
+    """The text a letter's stored headers hold for header ``name`` of value ``value`` (as
+    ``dead_letter_row`` writes them): what ``Store.dead_letter_filter(headers_containing=...)`` finds."""
+    return _json({name: value})[1:-1]
 
 
 def _json_column(value: Any) -> str | None:

@@ -27,10 +27,14 @@ class DeadLetterStatements(StoreBase):
 
     def dead_letter_filter(self, *, ids: Sequence[int] | None = None, task: str | None = None,
                            queue: str | None = None, exception: str | None = None, reason: str | None = None,
-                           since: datetime | None = None, failed_before: datetime | None = None):
-        """SQL: the dead letters matching every given criterion (all of them when none is)."""
+                           since: datetime | None = None, failed_before: datetime | None = None,
+                           headers_containing: str | None = None):
+        """SQL: the dead letters matching every given criterion (all of them when none is);
+        ``headers_containing``: stored headers holding that text, as it is (no wildcards)."""
         table = self.tables.dead_letters
         clauses = []
+        if headers_containing:
+            clauses.append(table.c.headers.contains(headers_containing, autoescape=True))
         if ids is not None:
             clauses.append(table.c.id.in_(list(ids)))
         if task:

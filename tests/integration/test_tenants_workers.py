@@ -506,3 +506,64 @@ def test_a_killed_workers_claims_are_released_in_every_tenant_store_and_a_second
     audit = cluster.audit()
     assert audit.orders == {DEFAULT: 0, "acme": 1, "globex": 0, "initech": 1}
     assert_exactly_once(audit)
+
+
+class DatabaseGate:
+    """A tenant database that refuses every session (``ALLOW_CONNECTIONS false``, its sessions
+    ended), as a tenant's server that is down does, until it is opened again."""
+
+    def __init__(self, admin_url: str, database: str):
+        self.admin_url, self.database = admin_url, database
+
+    def _run(self, *statements: str) -> None:
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            for statement in statements:
+                conn.execute(statement)
+
+    def close(self) -> None:
+        self._run(f'ALTER DATABASE "{self.database}" ALLOW_CONNECTIONS false',
+                  f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{self.database}'")
+
+    def open(self) -> None:
+        self._run(f'ALTER DATABASE "{self.database}" ALLOW_CONNECTIONS true')
+
+
+def waiting(cluster: Cluster) -> int:
+    """Messages in the cluster's queue that no worker has taken (Redis keeps no empty queue)."""
+    with cluster.shop.app.connection_for_read() as connection, connection.channel() as channel:
+        try:
+            return channel.queue_declare(cluster.queue, passive=True).message_count
+        except connection.channel_errors:
+            return 0
+
+
+def test_a_tenant_whose_database_is_down_has_its_messages_parked_while_the_others_run(cluster, record_property):
+    """Orders of every store wait in the queue; one tenant's database then refuses every session
+    and a worker starts: the other stores' orders all complete while it is down (their recovery
+    running as beat's per-tenant tasks do), the victim's messages parked in the default store
+    (acked: none circles back to the worker); once the database answers, the victim's recovery
+    sends them again and each is applied once, in its own database."""
+    victim, others = "globex", [tenant for tenant in (*TENANTS, None) if tenant != "globex"]
+    cluster.produce([*TENANTS, None])
+    gate = DatabaseGate(cluster.databases.admin_url, tenant_name(cluster, victim))
+    gate.close()
+    try:
+        started = time.monotonic()
+        cluster.worker()
+        cluster.wait_complete(others, timeout=120, between=lambda: [cluster.recover(tenant) for tenant in others])
+        others_done = time.monotonic() - started
+        default = cluster.store_of(None).tables.dead_letters
+
+        def parked() -> int:
+            return cluster.read(None, select(func.count()).select_from(default)
+                                .where(default.c.reason == "tenant_unavailable"))[0][0]
+
+        wait_until(lambda: parked() == ORDERS, timeout=60, message=f"the {victim}'s {ORDERS} messages parked")
+        assert waiting(cluster) == 0, "parked and acked: none waits in the queue"
+    finally:
+        gate.open()
+    cluster.wait_complete(cluster.stores(), timeout=120, between=lambda: cluster.recover(victim))
+    audit = cluster.audit()
+    record_property(SUMMARY_LINE, audit.line(f"{victim} down", others_done_in=f"{others_done:.1f} s"))
+    assert audit.orders == {label(tenant): ORDERS for tenant in cluster.stores()}
+    assert_exactly_once(audit)

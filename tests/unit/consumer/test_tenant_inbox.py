@@ -37,16 +37,18 @@ STORES = (None, *TENANTS)
 class TenantHarness(Harness):
     """A ``Harness`` whose app has the tenants ``TENANTS`` (or ``tenants``, an ``outbox_tenants``),
     each on an SQLite file of its own beside the default store's, every database with the user
-    table. Its queue is durable, and so is ``receipts``, which no worker consumes; it records
-    each dead letter announced."""
+    table (but those ``down``, whose store does not answer yet). Its queue is durable, and so is
+    ``receipts``, which no worker consumes; it records each dead letter announced."""
 
-    def __init__(self, tmp_path, prefix: str, tenants: Any = None):
+    def __init__(self, tmp_path, prefix: str, tenants: Any = None, down: tuple[str, ...] = ()):
         suffix = uuid.uuid4().hex[:8]
         queue, self.receipts = f"q_{suffix}", f"receipts_{suffix}"
         super().__init__(f"sqlite:///{tmp_path / 'default.db'}", prefix, queue=queue,
                          outbox_durable_queues=[queue, self.receipts],
                          outbox_tenants=tenants or {name: f"sqlite:///{tmp_path / name}.db" for name in TENANTS})
         for tenant in self.outbox.runtime.tenants():
+            if tenant in down:  # its store does not answer yet
+                continue
             with using_tenant(tenant):
                 self.outbox.ready()
                 self.metadata.create_all(self.outbox.engine)
