@@ -319,7 +319,12 @@ def test_plain_tasks_on_durable_queues_get_an_envelope_and_reject_duplicates(sql
         harness.close()
 
 
-def test_direct_calls_and_eager_mode_run_the_body_in_a_unit_of_work(harness):
+def test_direct_calls_and_eager_mode_run_the_body_in_a_unit_of_work(harness, monkeypatch):
+    """(Outside a worker: another test's in-process worker may have left Celery's flag that
+    forbids ``get()`` in a task set in this process.)"""
+    import celery._state
+
+    monkeypatch.setattr(celery._state, "_task_join_will_block", False)
     pay = define_pay(harness)
     assert pay("direct") == "direct"
     assert pay.apply(("eager",)).get() == "eager"
