@@ -2,8 +2,9 @@
 
 No transaction. ``crashpoint(name)`` exits the process at once (``os._exit``: no cleanup, no
 commit, no ack) the n-th time it reaches ``name`` when ``CELERY_OUTBOX_CRASHPOINT=<name>[:<n>]``
-is set (the first time without ``:<n>``); read once per process, unset it costs one comparison.
-The points and where each sits are in docs/faults.md (Crash drills).
+is set (the first time without ``:<n>``); with ``@<tenant>``, counting only the times it reaches
+it working for that tenant (``using_tenant``). Read once per process, unset it costs one
+comparison. The points and where each sits are in docs/faults.md (Crash drills).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+
+from .tenancy import current_tenant, valid_tenant_name
 
 __all__ = ["CRASHPOINTS", "ENVIRONMENT_VARIABLE", "EXIT_CODE", "crashpoint"]
 
@@ -22,10 +25,11 @@ CRASHPOINTS = frozenset({
 })
 
 
-def _parse(value: str | None) -> tuple[str, int] | None:
+def _parse(value: str | None) -> tuple[str, int, str | None] | None:
     if not value:
         return None
-    name, _, count = value.partition(":")
+    spec, _, tenant = value.partition("@")
+    name, _, count = spec.partition(":")
     if name not in CRASHPOINTS:
         raise ValueError(
             f"{ENVIRONMENT_VARIABLE}={value!r} names no crash point; known: {', '.join(sorted(CRASHPOINTS))}"
@@ -36,7 +40,9 @@ def _parse(value: str | None) -> tuple[str, int] | None:
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={value!r}: the count after ':' must be a whole number") from None
     if n < 1:
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={value!r}: the count after ':' must be at least 1")
-    return name, n
+    if "@" in value and not valid_tenant_name(tenant):
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={value!r}: after '@' comes a tenant name")
+    return name, n, tenant or None
 
 
 _armed = _parse(os.environ.get(ENVIRONMENT_VARIABLE))
@@ -47,7 +53,7 @@ _lock = threading.Lock()
 def crashpoint(name: str) -> None:
     """Exit the process at once if ``name`` is the armed crash point and its count is reached."""
     global _hits
-    if _armed is None or _armed[0] != name:
+    if _armed is None or _armed[0] != name or (_armed[2] is not None and current_tenant() != _armed[2]):
         return
     with _lock:
         _hits += 1
