@@ -76,6 +76,7 @@ from celery_outbox.maintenance.beat import RECOVER_TASK, send_per_tenant
 from celery_outbox.maintenance.recover import recover
 from celery_outbox.store.engine import PING_AFTER_IDLE
 
+from . import tenants_down
 from .common import POSTGRES_URL, REDIS_URL, Options, Result, in_rounds, rate, unique_prefix
 from .producer import build
 from .producer_row import Floor, captured_rows
@@ -483,6 +484,8 @@ def run(options: Options) -> list[Result]:
         units_of = Units(databases, options.size(TENANTS, 2))
         try:
             results += throughput(units_of, options)
+            results += tenants_down.measure(databases.admin, units_of.default_url,
+                                            dict(list(units_of.tenant_urls.items())[:3]), options)
         finally:
             units_of.close()
         largest = options.size(LARGEST, 3)

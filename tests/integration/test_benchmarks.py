@@ -157,7 +157,13 @@ def test_the_tenants_benchmark_compares_tenant_units_and_beats_passes_with_one_s
     # each round's measurement the median of passes making at least 10 stores' passes: the default
     # store's 10, 1 tenant's 10, 2 tenants' 5, 3 tenants' 3 (9)
     assert passes[-1]["checks"] == {"rows published": 10 * (10 + 10 + 10 + 10 + 10 + 9)}, "every pending row, once"
-    assert len(units) + len(passes) == len(results)
+    (down,) = [r for r in results if r["unit"] == "msgs/s"]
+    assert down["case"] == ("Redis, a worker (prefork, 2) on 2 stores' messages mixed with a tenant's: its database "
+                            "refusing sessions vs up")
+    assert (down["versus"], down["target"]) == ("the same worker and queue with every tenant's database up", ">= 0.9")
+    assert re.match(r"30 messages of each of 3 stores in the queue; the down tenant's parked in the default store; "
+                    r"each round's ratio: [\d.]+; median pace with every tenant up \d+/s$", down["note"]), down["note"]
+    assert len(units) + len(passes) + 1 == len(results)
     for result in results:
         assert result["ours"] > 0 and result["plain"] > 0, "both ways measured"
         assert abs(result["ratio"] - result["ours"] / result["plain"]) < 1e-9
