@@ -293,9 +293,10 @@ def _insert(runtime: Runtime, row: dict[str, Any],
             acknowledged: tuple[str, str | None, Attempt, str] | None) -> None:
     """Insert the dead letter and, in the same transaction, acknowledge the sender's outgoing row.
     In the consumer: a row another transaction holds (an attempt of the message running in another
-    worker) is waited for at most ``BUSY_ROW_WAIT``, then the message goes back for a later try."""
+    worker) is waited for at most ``BUSY_ROW_WAIT``, then the message goes back for a later try.
+    With no row to acknowledge, no row can be held: no wait is set (one round trip less)."""
     store = runtime.ready().store
-    with store.begin(lock_wait=BUSY_ROW_WAIT) as conn:
+    with store.begin(lock_wait=None if acknowledged is None else BUSY_ROW_WAIT) as conn:
         store.insert_dead_letters(conn, [row])
         if acknowledged is not None:
             store.acknowledge_outgoing(conn, *acknowledged)
