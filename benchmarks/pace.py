@@ -32,7 +32,7 @@ from .common import REDIS_URL, rate
 #: 2026-12-07, whose calibration took 2.68 ms, 2.4 times the reference's; tenants' too: its runs
 #: took 1.3 and 1.8 minutes at 0.87 and 0.62 of its full sizes on 2026-12-07, on hosts whose
 #: calibration took 1.05 and 1.46 ms; beat's passes, about half of it, do not scale; with the
-#: rounds of a tenant's database down added, 2.8 minutes at 0.65, calibration 1.41 ms)
+#: rounds of a tenant's database down added, 2.8 and 3.0 minutes at 0.65 and 0.63, calibration 1.41 and 1.42 ms)
 REFERENCE_MINUTES = {"producer": 5.6, "worker": 16.1, "relay": 2.0, "contention": 1.3, "cleanup": 5.7,
                      "audit": 7.7, "django": 1.1, "peers": 4.0, "asyncio": 3.0, "tenants": 2.5}
 REFERENCE_MS = 1.1
