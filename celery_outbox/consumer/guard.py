@@ -144,12 +144,12 @@ class MessageGuard(bootsteps.StartStopStep):
                 if unknown is not None:  # recorded in the default store: no other is known to be its
                     _dead_letter(runtime, c, message, DeadLetterReason.UNKNOWN_TENANT, unknown)
                     return None
-                if outages.is_down(tenant):  # parked in the default store, taking no pool slot
-                    _dead_letter(runtime, c, message, DeadLetterReason.TENANT_UNAVAILABLE,
+                verdict = _verdict(runtime, c, message)
+                if verdict is None and outages.is_down(tenant) and _claims_in_store(runtime, c, message):
+                    _dead_letter(runtime, c, message, DeadLetterReason.TENANT_UNAVAILABLE,  # taking no pool slot
                                  f"tenant {tenant!r}: its store cannot be reached (a pool process found it down "
                                  f"within the last {outages.pause:g} s); parked without a try")
                     return None
-                verdict = _verdict(runtime, c, message)
                 if verdict is None:
                     return handler(message)
                 with using_tenant(tenant):
@@ -196,6 +196,15 @@ def _unknown_tenant(runtime: Runtime, tenant: Any) -> str | None:
     if tenant not in runtime.tenant_places(refresh_for=tenant):
         return f"it names tenant {tenant!r}, which outbox_tenants does not know"
     return None
+
+
+def _claims_in_store(runtime: Runtime, consumer: Any, message: Any) -> bool:
+    """Whether running ``message`` claims it in its store (a durable queue's, or an inbox task's):
+    only such a message is parked while its tenant's store is down; a plain task runs as it would."""
+    headers = message.headers
+    if not isinstance(headers, dict) or not isinstance(headers.get("task"), str):
+        return False
+    return runtime.settings.is_durable(_queue(runtime, message)) or _uses_inbox(consumer.app, headers["task"])
 
 
 def _uses_inbox(app: Any, task_name: str) -> bool:

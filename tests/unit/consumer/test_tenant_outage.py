@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from kombu.utils.json import loads
 
-from celery_outbox import TENANT_HEADER, using_tenant
+from celery_outbox import TENANT_HEADER, current_tenant, using_tenant
 from celery_outbox.consumer.main_process import installed_main_process
 from celery_outbox.errors import StoreUnavailable
 from celery_outbox.maintenance.dead_letters import DeadLetterFilter, replay
@@ -101,3 +101,25 @@ def test_a_parked_message_is_sent_again_by_its_tenants_recovery_once_its_store_a
     assert harness.notes("globex") == ["globex 1", "globex 2"]
     assert harness.incoming("globex") == [("globex-1", "handled", 0), ("globex-2", "handled", 0)]
     assert harness.incoming(None) == [] and harness.dead_letters(None) == []
+
+
+def test_a_plain_task_of_a_down_tenant_on_a_plain_queue_runs_unparked(outage):
+    """Only a message that claims in its store is parked: a plain task of the down tenant, from a
+    queue that is not durable, runs (for its tenant) as it would, while the tenant's messages that
+    claim are parked."""
+    harness, _ = outage
+    define_pay(harness)
+    ran = []
+
+    @harness.app.task(name="shop.note_plain", shared=False)
+    def note_plain(text):
+        ran.append((text, current_tenant()))
+
+    with harness.worker(queues=[harness.queue, harness.other_queue]):
+        publish_raw(harness, "shop.pay", "globex-1", ["claims"], "globex")
+        harness.wait_for_dead_letter("globex-1")  # the pool process found the store down
+        note_plain.apply_async(("plain",), task_id="plain-1", queue=harness.other_queue,
+                               headers={TENANT_HEADER: "globex"})
+        assert harness.wait_for_states("plain-1", 1) == ["SUCCESS"]
+    assert ran == [("plain", "globex")]
+    assert [letter.message_id for letter in harness.dead_letters(None)] == ["globex-1"]
