@@ -313,7 +313,8 @@ class Inbox:
 
     def _run_eager(self, task: Any, delivery: Delivery, body: Callable[[], Any], unit_of_work: bool,
                    envelope: dict[str, Any]) -> Ended:
-        node_id = self.node.id
+        with store_errors():  # registering this process's node in the store is a statement of ours
+            node_id = self.node.id
         try:
             return self._run_eager_claimed(task, delivery, body, unit_of_work, envelope, node_id)
         except StoreDown:

@@ -562,6 +562,42 @@ def test_a_store_error_after_an_eager_claim_releases_it_and_the_redelivered_copy
     assert (row.status, row.owner, row.duplicates) == ("handled", 0, 0)
 
 
+def test_an_eager_claim_whose_node_cannot_register_goes_back_to_the_broker(harness, monkeypatch):
+    """The first eager claim of a process registers its node; when the store is locked or away
+    right then (SQLite's "database is locked" in a pool process forked under load), that is an
+    outage like any other: the message goes back to the broker and runs once the node registers,
+    never a failed task whose message is acked."""
+    from celery_outbox.errors import StoreUnavailable
+
+    store = harness.outbox.store
+    register = store.register_node
+    failures = []
+
+    def register_failing_once(*args, **kwargs):
+        if not failures:
+            failures.append("database is locked")
+            raise StoreUnavailable("cannot use the message store: database is locked")
+        return register(*args, **kwargs)
+
+    monkeypatch.setattr(store, "register_node", register_failing_once)
+    harness.outbox.nodes.default.deregister()  # the worker's first claim registers it
+
+    @harness.app.task(base=IdempotentTask, bind=True, name="shop.eager_first", shared=False)
+    def eager_first(self, note):
+        harness.runs.append((self.request.id, self.request.retries))
+        self.connection.execute(insert(harness.effects).values(note=note))
+
+    eager_first.idempotency = "eager"
+    with harness.worker():
+        eager_first.apply_async(("paid",), task_id="eager-node-locked")
+        states = harness.wait_for_state("eager-node-locked", "SUCCESS", timeout=30)
+    assert failures == ["database is locked"]
+    assert states[-1] == "SUCCESS" and set(states[:-1]) == {"REJECTED"}, states
+    assert harness.runs == [("eager-node-locked", 0)], "the body ran once, after the node registered"
+    assert harness.effect_count() == 1
+    assert store.get_incoming("eager-node-locked").status == "handled"
+
+
 def test_a_duplicate_the_store_cannot_count_goes_back_and_is_counted_when_it_comes_again(harness_on_each_store,
                                                                                         monkeypatch):
     """The connection counting a discarded duplicate is cut (on PostgreSQL by the server,
