@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 import os
 import platform
+import signal
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -217,6 +221,37 @@ def delete_queues(app: Any, names: Any) -> None:
                 app.amqp.queues[name].bind(connection.default_channel).delete()
             except Exception:  # noqa: BLE001 - a queue never declared needs no deleting
                 pass
+
+
+ROOT = Path(__file__).parents[1]
+
+
+def worker_until(app_module: str, queue: str, env: dict[str, str], done: Callable[[], bool], limit: float,
+                 waiting_for: str, concurrency: int = 2) -> None:
+    """A benchmark worker of ``app_module`` (prefork, ``concurrency`` processes) on ``queue``, with
+    ``env`` added to the environment, stopped once ``done()`` (SIGTERM; its process group killed
+    if it has not ended a minute later); ``RuntimeError`` naming ``waiting_for`` when it exits
+    first or ``limit`` seconds pass."""
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", app_module, "worker", "-P", "prefork", "-c", str(concurrency),
+         "-Q", queue, "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "WARNING",
+         "-n", f"bench-{uuid.uuid4().hex[:8]}@%h"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + limit
+        while not done():
+            if worker.poll() is not None:
+                raise RuntimeError(f"the benchmark worker exited: {worker.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker did not {waiting_for} in {limit:.0f} s")
+            time.sleep(0.05)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
 
 
 def drop_store(outbox: Any) -> None:

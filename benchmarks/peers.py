@@ -69,6 +69,7 @@ from . import relay as relay_benchmark
 from .common import (
     POSTGRES_URL,
     REDIS_URL,
+    ROOT,
     Options,
     Result,
     delete_queues,
@@ -174,7 +175,7 @@ class Procrastinate:
                "BENCH_MARKS_URL": REDIS_URL}
         limit = 60 + (jobs + warm_up) / 20
         completed = subprocess.run([sys.executable, "-m", "benchmarks.peers_procrastinate"],
-                                   env=dict(os.environ, PYTHONPATH=str(worker.ROOT), **env), cwd=worker.ROOT,
+                                   env=dict(os.environ, PYTHONPATH=str(ROOT), **env), cwd=ROOT,
                                    capture_output=True, text=True, timeout=limit, start_new_session=True)
         if completed.returncode != 0:
             raise RuntimeError(f"procrastinate's worker exited with {completed.returncode}: "

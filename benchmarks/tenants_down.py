@@ -16,13 +16,8 @@ parked messages are emptied.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import delete, func, select
@@ -31,9 +26,8 @@ from sqlalchemy.engine import Engine, make_url
 from celery_outbox import using_tenant
 
 from . import tenants_app
-from .common import REDIS_URL, Options, Result, delete_queues, drop_store, in_turn, unique_prefix
+from .common import REDIS_URL, Options, Result, delete_queues, drop_store, in_turn, unique_prefix, worker_until
 
-ROOT = Path(__file__).parents[1]
 MESSAGES = 300  # per store and measurement
 ROUNDS = 4
 TARGET = 0.9
@@ -105,25 +99,9 @@ class Run:
 
     def _drain(self, messages: int) -> None:
         """A worker, stopped once every other store has handled its ``messages``."""
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "benchmarks.tenants_app", "worker", "-P", "prefork", "-c", "2",
-             "-Q", self.queue, "--without-heartbeat", "--without-gossip", "--without-mingle", "-l", "WARNING"],
-            env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env), cwd=ROOT, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120 + messages / 10
-            while any(self._handled(store)[0] < messages for store in self.others):
-                if worker.poll() is not None:
-                    raise RuntimeError(f"the benchmark worker exited: {worker.stderr.read().decode()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the worker did not handle {messages} messages of each store in time")
-                time.sleep(0.05)
-        finally:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
+        worker_until("benchmarks.tenants_app", self.queue, self.env,
+                     lambda: all(self._handled(store)[0] >= messages for store in self.others), 120 + messages / 10,
+                     f"handle {messages} messages of each store")
 
     def _pace(self, messages: int) -> float:
         spans = [self._handled(store) for store in self.others]

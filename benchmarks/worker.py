@@ -35,24 +35,29 @@ all these share, it says where a variant's time goes.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import redis
 
 from . import worker_app
-from .common import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, Options, Result, delete_queues, drop_store, in_turn
+from .common import (
+    POSTGRES_URL,
+    RABBITMQ_URL,
+    REDIS_URL,
+    Options,
+    Result,
+    delete_queues,
+    drop_store,
+    in_turn,
+    worker_until,
+)
 from .cpu import CPU_PARTS, spent_between
 
-ROOT = Path(__file__).parents[1]
 CONCURRENCY = 2
 # Rounds of blocks of messages: fifteen give each ratio an interval at 90% confidence from the
 # 4th to the 12th round's (thirty gave the 11th to the 20th, narrower, but the worker alone then
@@ -190,27 +195,10 @@ class Run:
     def _drain(self, queue: str, last_mark: str, messages: int, env: dict[str, str] | None = None) -> None:
         """Start a worker on ``queue`` (with ``env`` added to the run's environment) and stop it once
         it has recorded ``last_mark``."""
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "benchmarks.worker_app", "worker", "-P", "prefork",
-             "-c", str(CONCURRENCY), "-Q", queue, "--without-heartbeat", "--without-gossip", "--without-mingle",
-             "-l", "WARNING", "-n", f"bench-{uuid.uuid4().hex[:8]}@%h"],
-            env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env, **(env or {})), cwd=ROOT, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            limit = 60 + messages / 20  # twenty tasks a second: far slower than any variant
-            deadline = time.monotonic() + limit
-            while not self.marks.exists(last_mark):
-                if worker.poll() is not None:
-                    raise RuntimeError(f"the benchmark worker exited: {worker.stderr.read().decode()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the worker did not drain {messages} messages from {queue} in {limit:.0f} s")
-                time.sleep(0.05)
-        finally:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
+        limit = 60 + messages / 20  # twenty tasks a second: far slower than any variant
+        worker_until("benchmarks.worker_app", queue, {**self.env, **(env or {})},
+                     lambda: bool(self.marks.exists(last_mark)), limit, f"drain {messages} messages from {queue}",
+                     CONCURRENCY)
 
     def close(self) -> None:
         delete_queues(self.app, (self.env["BENCH_QUEUE"], self.env["BENCH_DURABLE_QUEUE"]))
