@@ -557,11 +557,13 @@ def test_a_tenant_whose_database_is_down_has_its_messages_parked_while_the_other
         default = cluster.store_of(None).tables.dead_letters
 
         def parked() -> int:
-            return cluster.read(None, select(func.count()).select_from(default)
+            return cluster.read(None, select(func.count(func.distinct(default.c.message_id)))
                                 .where(default.c.reason == "tenant_unavailable"))[0][0]
 
         wait_until(lambda: parked() == ORDERS, timeout=60, message=f"the {victim}'s {ORDERS} messages parked")
-        assert waiting(cluster) == 0, "parked and acked: none waits in the queue"
+        # parked and acked: the queue empties while the tenant is down (a copy the broker restored
+        # meanwhile, past its visibility timeout, is parked again: its letter is one more)
+        wait_until(lambda: waiting(cluster) == 0, timeout=60, message="the queue empty while the tenant is down")
     finally:
         gate.open()
     cluster.wait_complete(cluster.stores(), timeout=120, between=lambda: cluster.recover(victim))
