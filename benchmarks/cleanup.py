@@ -239,17 +239,20 @@ def _load(outbox: Outbox, rows: int) -> None:
 class _Claims:
     """A process claiming fresh messages as an optimistic worker does (``claim_incoming`` with status
     handled, each in its own short transaction), timing begin..commit, from its start to ``finish``;
-    a window keeps the claims that started inside it. The claims never wait for a window to open, so
-    a cleanup shorter than a wake-up on a busy host still has the claims that ran beside it."""
+    a cleanup's window keeps the claims that overlap it, a quiet one those that started inside it
+    (``finish``). The claims never wait for a window to open, so a cleanup shorter than a wake-up on
+    a busy host still has the claims that ran beside it, and none opens before the first claim."""
 
     def __init__(self, prefix: str, keep_seconds: float, durable: bool = True) -> None:
         context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
+        self._stop, self._claiming = context.Event(), context.Event()
         self._samples, sender = context.Pipe(duplex=False)
         self._windows: list[tuple[str, int, float, float]] = []
         self._process = context.Process(target=_claim, name="claims", daemon=True,
-                                        args=(prefix, keep_seconds, durable, self._stop, sender))
+                                        args=(prefix, keep_seconds, durable, self._stop, self._claiming, sender))
         self._process.start()
+        if not self._claiming.wait(120):  # spawned and importing: no window opens before it claims
+            raise RuntimeError("the claims process made no claim in 120 s")
 
     class _Window:
         def __init__(self, claims: "_Claims", kind: str, round_: int) -> None:
@@ -265,8 +268,10 @@ class _Claims:
         return self._Window(self, kind, round_)
 
     def finish(self) -> dict[tuple[str, int], list[float]]:
-        """Stop claiming; the latencies of the claims that started inside each kind of window, by
-        (kind, round)."""
+        """Stop claiming; the latencies of each kind of window's claims, by (kind, round): a cleanup's
+        window (ours, the floor's) has every claim that ran during any part of it (one the cleanup
+        held up from before it began to after it ended too), a window without cleanup those that
+        started inside it."""
         self._stop.set()
         if not self._samples.poll(60):
             raise RuntimeError("the claims process did not answer")
@@ -275,7 +280,11 @@ class _Claims:
             raise RuntimeError(f"the claims process failed: {samples}")
         windows: dict[tuple[str, int], list[float]] = {}
         for started, latency in samples:
-            key = next(((k, n) for k, n, begin, end in self._windows if begin <= started < end), None)
+            key = next(((k, n) for k, n, begin, end in self._windows
+                        if k != "without" and started < end and started + latency > begin), None)
+            if key is None:
+                key = next(((k, n) for k, n, begin, end in self._windows
+                            if k == "without" and begin <= started < end), None)
             if key is not None:
                 windows.setdefault(key, []).append(latency)
         return windows
@@ -287,7 +296,7 @@ class _Claims:
             self._process.terminate()
 
 
-def _claim(prefix: str, keep_seconds: float, durable: bool, stop: Any, sender: Any) -> None:
+def _claim(prefix: str, keep_seconds: float, durable: bool, stop: Any, claiming: Any, sender: Any) -> None:
     """The claims process: (monotonic start, seconds) of every claim made until ``stop`` is set.
     Without ``durable`` each commits without waiting for the WAL flush."""
     store = Store(build_engine(POSTGRES_URL), prefix)
@@ -303,6 +312,7 @@ def _claim(prefix: str, keep_seconds: float, durable: bool, stop: Any, sender: A
             with store.begin(durable=durable) as conn:
                 claimed = store.claim_incoming(conn, row)
             samples.append((started, time.monotonic() - started))
+            claiming.set()
             if not claimed:
                 raise RuntimeError("a fresh message id was taken for a duplicate")
     except Exception as exc:  # noqa: BLE001 - reported by finish()
