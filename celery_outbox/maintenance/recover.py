@@ -102,8 +102,8 @@ def recover(runtime: Runtime, max_batches: int | None = None) -> RecoverResult:
         result.redelivered, result.broker_error = redeliver(runtime, max_batches)
     if not result.broker_error and not result.relay.broker_error:
         republish_stranded_envelopes(runtime, result, max_batches)
-    if not result.broker_error and not result.relay.broker_error:
-        result.parked_sent, result.broker_error = send_parked(runtime, max_batches)
+        if not result.broker_error:
+            result.parked_sent, result.broker_error = send_parked(runtime, max_batches)
     if result.nodes_declared_dead or result.sends_of_dead_nodes or result.claims_released \
             or result.stale_claims_released or result.redelivered or result.envelopes_republished \
             or result.envelopes_dead_lettered or result.parked_sent:
